@@ -1,0 +1,18 @@
+"""SEBP kernels: a linear layer whose backward works on the active rows of dL/dY only.
+
+Depends on torch (and triton for the GPU kernels) only; knows nothing of models or of sebp_probe.
+"""
+from .config import SEBPConfig
+from .functional import SEBPLinearFunction, sebp_linear
+from .modules import SEBPLinear
+from .reference import backward_over_rows, select_rows, sebp_backward_torch
+
+__all__ = [
+    "SEBPConfig",
+    "SEBPLinear",
+    "SEBPLinearFunction",
+    "sebp_linear",
+    "select_rows",
+    "backward_over_rows",
+    "sebp_backward_torch",
+]

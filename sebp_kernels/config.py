@@ -1,0 +1,60 @@
+"""Row-selection settings of the SEBP backward."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["exact", "threshold", "topk"]
+Backend = Literal["auto", "torch", "triton"]
+MODES: tuple[str, ...] = ("exact", "threshold", "topk")
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class SEBPConfig:
+    """How the backward of one linear layer picks its active rows of dL/dY.
+
+    mode:    ``exact`` (any non-zero element), ``threshold`` (max|row| > eps) or ``topk`` (the ``top_n``
+             rows of largest L2 norm; more than the row count means all rows).
+    eps:     the threshold of ``threshold`` mode (>= 0).
+    top_n:   the row capacity of ``topk`` mode (> 0).
+    backend: ``torch`` (gather/GEMM/scatter), ``triton`` (fused GPU kernels) or ``auto`` (triton on CUDA
+             when available, else torch).
+
+    Rows holding NaN or Inf are active in every mode, so a diverging run is never hidden.
+    """
+
+    mode: Mode = "exact"
+    eps: float = 0.0
+    top_n: int | None = None
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown SEBP mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown SEBP backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise TypeError(f"eps must be a number, got {type(self.eps).__name__}")
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {self.eps}")
+        if self.top_n is not None:
+            if isinstance(self.top_n, bool) or not isinstance(self.top_n, int):
+                raise TypeError(f"top_n must be an integer, got {type(self.top_n).__name__}")
+            if self.top_n <= 0:
+                raise ValueError(f"top_n (N) must be > 0, got {self.top_n}")
+        if self.mode == "topk" and self.top_n is None:
+            raise ValueError("topk mode needs top_n (N > 0)")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SEBPConfig":
+        """Build from a plain dict (the per-layer settings of a report); unknown keys are an error."""
+        allowed = {"mode", "eps", "top_n", "backend"}
+        extra = set(d) - allowed
+        if extra:
+            raise ValueError(f"unknown SEBP setting(s) {sorted(extra)}; allowed: {sorted(allowed)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "eps": float(self.eps), "top_n": self.top_n, "backend": self.backend}

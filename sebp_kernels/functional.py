@@ -1,0 +1,91 @@
+"""The SEBP linear as an autograd Function.
+
+A linear layer ``Y = X Wᵀ + b`` has three GEMMs. The forward is kept exactly as ``F.linear``; the backward
+computes the other two (and the bias reduction) over the *active* rows of dL/dY only, with rows being all
+leading dimensions flattened (M = batch x seq):
+
+    dX = dY @ W          (M x out) @ (out x in)   -> rows of inactive dY are zero
+    dW = dYᵀ @ X         (out x M) @ (M x in)     -> the sum runs over active rows only
+    db = dY.sum(0)                                -> likewise
+
+Which rows are active is set by :class:`SEBPConfig` (``exact``, ``threshold``, ``topk``). Products whose
+input does not need a gradient (``ctx.needs_input_grad``) are skipped: a frozen weight costs no dW at all,
+and its input is not even saved.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import SEBPConfig
+from .reference import sebp_backward_torch
+
+_DEFAULT = SEBPConfig()
+
+
+def _triton_backward():
+    """The Triton backward launcher, or None where Triton cannot run (no CUDA, no triton)."""
+    try:
+        from ._triton import sebp_backward_triton
+    except ImportError:
+        return None
+    return sebp_backward_triton
+
+
+def resolve_backend(config: SEBPConfig, device: torch.device):
+    """The backward implementation for ``config`` on ``device``."""
+    if config.backend == "torch":
+        return sebp_backward_torch
+    triton_fn = _triton_backward() if (device.type == "cuda" or config.backend == "triton") else None
+    if config.backend == "triton":
+        if triton_fn is None:
+            raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable")
+        return triton_fn
+    return triton_fn if (triton_fn is not None and device.type == "cuda") else sebp_backward_torch
+
+
+class SEBPLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, config):
+        ctx.config = config
+        ctx.x_shape = x.shape
+        need_dw = ctx.needs_input_grad[1]
+        ctx.save_for_backward(x if need_dw else None, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if not (need_dx or need_dw or need_db):
+            return None, None, None, None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
+        impl = resolve_backend(ctx.config, dy.device)
+        dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db)
+        if dx is not None:
+            dx = dx.view(ctx.x_shape)
+        return dx, dw, db, None
+
+
+def sebp_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SEBPConfig | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
+
+    Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
+    autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype.
+    """
+    config = config or _DEFAULT
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+        with torch.autocast(dev, enabled=False):
+            return SEBPLinearFunction.apply(x, weight, bias, config)
+    return SEBPLinearFunction.apply(x, weight, bias, config)

@@ -1,0 +1,87 @@
+"""Pure-torch SEBP backward: gather the active rows of dL/dY, run the GEMMs on them, scatter dX.
+
+This is the CPU path, the fallback on GPUs, and the oracle the Triton kernels are tested against.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import SEBPConfig
+
+
+def row_activity(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
+    """Boolean mask (M,) of active rows of a 2-D dL/dY for ``exact`` and ``threshold`` modes.
+
+    NaN/Inf rows are active: ``x != 0`` is true for NaN and Inf, and ``threshold`` adds them explicitly.
+    """
+    if config.mode == "exact":
+        return (dy != 0).any(dim=1)
+    if config.mode == "threshold":
+        a = dy.abs()
+        return (a.amax(dim=1) > config.eps) | torch.isnan(a).any(dim=1)
+    raise ValueError(f"row_activity does not handle mode {config.mode!r}")
+
+
+def topk_rows(dy: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices (sorted) of the ``n`` rows of largest L2 norm; non-finite rows rank first."""
+    m = dy.shape[0]
+    if n >= m:
+        return torch.arange(m, device=dy.device)
+    norms = torch.linalg.vector_norm(dy.float(), dim=1)
+    norms = torch.where(torch.isfinite(norms), norms, torch.full_like(norms, float("inf")))
+    return torch.topk(norms, n, sorted=False).indices.sort().values
+
+
+def select_rows(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
+    """Sorted int64 indices of the active rows of a 2-D dL/dY."""
+    if config.mode == "topk":
+        return topk_rows(dy, config.top_n)
+    return row_activity(dy, config).nonzero().squeeze(1)
+
+
+def backward_over_rows(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    need_db: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The three backward products of ``Y = X Wᵀ + b`` over the given rows of 2-D ``dy`` (M, out).
+
+    dX (M, in) is zero outside ``rows``; dW = dy[rows]ᵀ x[rows]; db = dy[rows].sum(0).
+    """
+    m, k = dy.shape[0], rows.numel()
+    if k == m:  # every row active: the dense products, no gather or scatter
+        dy_a, x_a = dy, x
+    else:
+        dy_a = dy.index_select(0, rows)
+        x_a = x.index_select(0, rows) if need_dw else None
+    dx = dw = db = None
+    if need_dx:
+        if k == m:
+            dx = dy_a @ weight
+        else:
+            dx = dy.new_zeros((m, weight.shape[1]))
+            if k:
+                dx.index_copy_(0, rows, dy_a @ weight)
+    if need_dw:
+        dw = dy_a.t() @ x_a
+    if need_db:
+        db = dy_a.sum(0, dtype=torch.float32).to(dy.dtype)
+    return dx, dw, db
+
+
+def sebp_backward_torch(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: SEBPConfig,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    need_db: bool = True,
+):
+    """Row selection + backward over those rows, all in torch. ``dy`` (M, out), ``x`` (M, in)."""
+    rows = select_rows(dy, config)
+    return backward_over_rows(dy, x, weight, rows, need_dx, need_dw, need_db)

@@ -1,0 +1,9 @@
+"""sebp-probe: find and exploit gradient sparsity in Transformer fine-tuning."""
+from sebp_kernels import SEBPConfig, SEBPLinear
+
+from .patch import PatchError, find_targets, patch_model, patched_layers, unpatch_model
+
+__version__ = "0.1.0"
+__all__ = [
+    "SEBPConfig", "SEBPLinear", "PatchError", "find_targets", "patch_model", "patched_layers", "unpatch_model",
+]

@@ -1,0 +1,178 @@
+"""Swap nn.Linear modules of a model for SEBPLinear in place, sharing their Parameters.
+
+Target matching (peft style): a pattern matches a module name exactly, as a dotted suffix
+(``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``), or as a regex (``re.fullmatch``). The special
+pattern ``"all-linear"`` matches every nn.Linear except the output head. A peft LoRA layer's
+``base_layer`` is matched under the name of its wrapper, so SEBP goes onto the frozen base weight.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+
+from torch import nn
+
+from sebp_kernels import SEBPConfig, SEBPLinear
+
+# Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
+DEFAULT_TARGETS: tuple[str, ...] = (
+    "query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense",
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+# Output heads: left dense by "all-linear" unless named explicitly.
+HEAD_NAMES: tuple[str, ...] = ("classifier", "lm_head", "score", "qa_outputs", "cls", "head", "out_proj")
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+class PatchError(ValueError):
+    """A patching request that cannot be honoured (bad pattern, wrong module type, unknown layer)."""
+
+
+def _logical_name(name: str) -> str:
+    """The name a user targets: a peft ``...q_proj.base_layer`` is addressed as ``...q_proj``."""
+    return name[: -len(".base_layer")] if name.endswith(".base_layer") else name
+
+
+def _is_head(name: str) -> bool:
+    parts = name.split(".")
+    return any(p in HEAD_NAMES for p in parts) or parts[-1] == "pooler" or ".pooler." in f".{name}."
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Exact name, dotted suffix, or full regex match."""
+    if name == pattern or name.endswith("." + pattern):
+        return True
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:
+        return False
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    return type(m) is nn.Linear or isinstance(m, SEBPLinear)
+
+
+def _as_config(value: SEBPConfig | Mapping, where: str) -> SEBPConfig:
+    if isinstance(value, SEBPConfig):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return SEBPConfig.from_dict(dict(value))
+        except (TypeError, ValueError) as e:
+            raise PatchError(f"layer {where}: {e}") from None
+    raise PatchError(f"layer {where}: expected SEBPConfig or dict, got {type(value).__name__}")
+
+
+def find_targets(
+    model: nn.Module,
+    target_modules: Iterable[str] | str | None = None,
+    exclude_modules: Iterable[str] | str | None = None,
+    filter_fn: FilterFn | None = None,
+) -> list[str]:
+    """Full names of the linear modules that patching would swap (checked, see :func:`patch_model`)."""
+    explicit = target_modules is not None
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    if isinstance(exclude_modules, str):
+        exclude_modules = [exclude_modules]
+    patterns = list(target_modules) if explicit else list(DEFAULT_TARGETS)
+    excludes = list(exclude_modules or [])
+    modules = dict(model.named_modules())
+    linear_names = [n for n, m in modules.items() if _is_plain_linear(m)]
+
+    chosen: list[str] = []
+    for pattern in patterns:
+        if pattern == "all-linear":
+            hits = [n for n in linear_names if not _is_head(_logical_name(n))]
+        else:
+            named = [n for n in modules if n and name_matches(n, pattern)]
+            hits = []
+            for n in named:
+                m = modules[n]
+                base = getattr(m, "base_layer", None)
+                if _is_plain_linear(m):
+                    hits.append(n)
+                elif isinstance(base, nn.Module) and _is_plain_linear(base):
+                    hits.append(f"{n}.base_layer")
+                elif explicit and not any(c for c in m.modules() if c is not m and _is_plain_linear(c)):
+                    raise PatchError(
+                        f"target {pattern!r} matches {n!r}, a {type(m).__name__}, not an nn.Linear"
+                    )
+        if explicit and not hits:
+            sample = ", ".join(linear_names[:8]) + (" ..." if len(linear_names) > 8 else "")
+            raise PatchError(f"target {pattern!r} matches no linear layer; linear layers are: {sample}")
+        chosen.extend(h for h in hits if h not in chosen)
+
+    chosen = [n for n in chosen if not any(name_matches(_logical_name(n), p) or name_matches(n, p)
+                                           for p in excludes)]
+    if filter_fn is not None:
+        chosen = [n for n in chosen if filter_fn(modules[n], _logical_name(n))]
+    if not explicit and not chosen and not excludes and filter_fn is None:
+        raise PatchError(
+            "none of the default targets (attention/MLP projections of BERT, RoBERTa, Llama, Qwen) is in "
+            "this model; pass target_modules (a name, suffix, regex or 'all-linear')"
+        )
+    return chosen
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def patch_model(
+    model: nn.Module,
+    config: SEBPConfig | None = None,
+    target_modules: Iterable[str] | str | None = None,
+    exclude_modules: Iterable[str] | str | None = None,
+    filter_fn: FilterFn | None = None,
+    layer_configs: Mapping[str, SEBPConfig | Mapping] | None = None,
+) -> list[str]:
+    """Swap matching nn.Linear modules of ``model`` for SEBPLinear, in place; return their names.
+
+    ``config`` applies to every patched layer; ``layer_configs`` (module name -> SEBPConfig or dict with
+    mode/eps/top_n) overrides it per layer, and only the layers it names are patched when no
+    ``target_modules`` is given. Parameters are shared, so state_dict keys, data pointers and an optimizer
+    built before patching stay valid. Patching an already patched layer only updates its config.
+    """
+    if config is not None and not isinstance(config, SEBPConfig):
+        raise PatchError(f"config must be an SEBPConfig, got {type(config).__name__}")
+    config = config or SEBPConfig()
+    per_layer: dict[str, SEBPConfig] = {}
+    if layer_configs:
+        names = dict(model.named_modules())
+        for name, value in layer_configs.items():
+            real = name if name in names else f"{name}.base_layer"
+            if real not in names:
+                raise PatchError(f"layer {name!r} from the per-layer settings is not in this model")
+            if not _is_plain_linear(names[real]):
+                raise PatchError(f"layer {name!r} is a {type(names[real]).__name__}, not an nn.Linear")
+            per_layer[real] = _as_config(value, name)
+        if target_modules is None:
+            target_modules = list(per_layer)
+
+    patched = []
+    for name in find_targets(model, target_modules, exclude_modules, filter_fn):
+        module = model.get_submodule(name)
+        cfg = per_layer.get(name, config)
+        if isinstance(module, SEBPLinear):
+            module.sebp_config = cfg
+        else:
+            _set_submodule(model, name, SEBPLinear.from_linear(module, cfg))
+        patched.append(name)
+    return patched
+
+
+def unpatch_model(model: nn.Module) -> list[str]:
+    """Put plain nn.Linear modules (same Parameters) back in place of every SEBPLinear; return their names."""
+    names = [n for n, m in model.named_modules() if isinstance(m, SEBPLinear)]
+    for name in names:
+        _set_submodule(model, name, model.get_submodule(name).to_linear())
+    return names
+
+
+def patched_layers(model: nn.Module) -> dict[str, SEBPConfig]:
+    """Module name -> SEBPConfig of every SEBPLinear in ``model``."""
+    return {n: m.sebp_config for n, m in model.named_modules() if isinstance(m, SEBPLinear)}
