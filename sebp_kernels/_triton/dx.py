@@ -1,0 +1,97 @@
+"""dX = dY @ W over the active rows, zeros elsewhere, in one kernel.
+
+The grid covers the worst case (all M rows). Program tile ``pid_m`` covers positions
+``[pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M)`` of the row permutation from the select pass. Tiles wholly past
+the device-side count ``k`` hold inactive rows: they store zeros into those rows of dX and do no GEMM work;
+a tile that straddles ``k`` loads its inactive rows as zeros, so they come out zero too. Every row of dX is
+written exactly once, so dX needs no memset.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import dx_configs  # noqa: F401  (re-exported for tools)
+
+
+@triton.jit
+def _dx_kernel(
+    dy_ptr, w_ptr, dx_ptr, perm_ptr, count_ptr,
+    M, N, K,
+    stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    # M rows of dY/dX, N = in_features, K = out_features.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n  # grouped order: neighbouring programs share dY row tiles (L2 reuse)
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    count = tl.load(count_ptr)
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_m = pos < M
+    rows = tl.load(perm_ptr + pos, mask=in_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_mask = in_m[:, None] & (offs_n < N)[None, :]
+    out_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn
+    if pid_m * BLOCK_M >= count:
+        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        active = pos < count
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_k[None, :] * stride_dyk
+        b_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        n_mask = (offs_n < N)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask, other=0.0)
+            else:
+                k_in = (k0 + offs_k) < K
+                a = tl.load(a_ptrs, mask=active[:, None] & k_in[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_in[:, None] & n_mask, other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_dyk
+            b_ptrs += BLOCK_K * stride_wk
+        tl.store(out_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
+
+
+_dx_tuned = None
+
+
+def _tuned_kernel():
+    global _dx_tuned
+    if _dx_tuned is None:
+        _dx_tuned = triton.autotune(configs=dx_configs(), key=["M", "N", "K"])(_dx_kernel)
+    return _dx_tuned
+
+
+def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
+            interpret: bool = False, ieee: bool = True) -> torch.Tensor:
+    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows."""
+    m, k_dim = dy.shape
+    n = weight.shape[1]
+    dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
+    args = (dy, weight, dx, perm, count, m, n, k_dim,
+            dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1))
+    if interpret:
+        grid = (triton.cdiv(m, 16) * triton.cdiv(n, 16),)
+        _dx_kernel[grid](*args, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2,
+                         EVEN_K=k_dim % 16 == 0, IEEE=ieee, num_warps=1)
+        return dx
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _tuned_kernel()[grid](*args, IEEE=ieee)
+    return dx

@@ -1,0 +1,151 @@
+"""Row selection on the device: which rows of dL/dY are active, compacted in order, count left on the device.
+
+Two small kernels, no host sync:
+
+1. ``_row_flags_kernel``: one pass over dY. Each program owns ``BLOCK_R`` rows and walks their columns until
+   every one of its rows is known to be active (so a dense dY costs one column block per row, not a full
+   read). It writes a 0/1 flag per row and its block's active count.
+2. ``_compact_kernel``: each program adds up the counts of the blocks before it and scatters its rows into a
+   permutation of ``0..M-1``: active rows first in row order, then the inactive rows (in reverse order) at
+   the back. The number of active rows ``k`` goes to a one-element device tensor.
+
+The dX kernel reads the whole permutation: tiles below ``k`` compute rows, tiles above it write zeros, so
+dX needs no separate memset. ``topk`` mode (a static ``N``) ranks rows by a fused sum-of-squares pass and
+builds the same permutation with ``torch.topk`` and a stable sort, all on the device.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+EXACT, THRESHOLD = 0, 1
+
+
+@triton.jit
+def _row_flags_kernel(
+    dy_ptr, flags_ptr, block_count_ptr,
+    M, N,
+    stride_m, stride_n,
+    eps,
+    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    n_valid = tl.sum(rmask.to(tl.int32), axis=0)
+    row_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_m
+    active = tl.zeros([BLOCK_R], dtype=tl.int32)
+    n_active = tl.sum(active, axis=0)
+    c0 = 0
+    # Stop as soon as every row of the block is active: a dense dY is then read one column block deep.
+    while (c0 < N) & (n_active < n_valid):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        tile = tl.load(row_ptrs + cols[None, :] * stride_n,
+                       mask=rmask[:, None] & (cols < N)[None, :], other=0.0)
+        if MODE == 0:  # exact: any non-zero (NaN and Inf compare unequal to 0)
+            hit = tile != 0
+        else:  # threshold: |x| > eps, NaN always
+            a = tl.abs(tile.to(tl.float32))
+            hit = (a > eps) | (a != a)
+        active = tl.maximum(active, tl.max(hit.to(tl.int32), axis=1))
+        n_active = tl.sum(active, axis=0)
+        c0 += BLOCK_C
+    tl.store(flags_ptr + rows, active.to(tl.int8), mask=rmask)
+    tl.store(block_count_ptr + pid, n_active)
+
+
+@triton.jit
+def _compact_kernel(
+    flags_ptr, block_count_ptr, perm_ptr, count_ptr,
+    M, NB,
+    BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    before = tl.sum(tl.zeros([BLOCK_NB], dtype=tl.int32), axis=0)
+    for s in range(0, pid, BLOCK_NB):  # active rows in the blocks before this one
+        idx = s + tl.arange(0, BLOCK_NB)
+        before += tl.sum(tl.load(block_count_ptr + idx, mask=idx < pid, other=0), axis=0)
+    local = tl.arange(0, BLOCK_R)
+    rows = pid * BLOCK_R + local
+    rmask = rows < M
+    f = tl.load(flags_ptr + rows, mask=rmask, other=0).to(tl.int32)
+    excl = tl.cumsum(f, axis=0) - f
+    pos_active = before + excl
+    pos_inactive = M - 1 - (pid * BLOCK_R - before + local - excl)
+    tl.store(perm_ptr + tl.where(f > 0, pos_active, pos_inactive), rows, mask=rmask)
+    if pid == NB - 1:
+        tl.store(count_ptr, before + tl.sum(f, axis=0))
+
+
+@triton.jit
+def _row_sumsq_kernel(
+    dy_ptr, out_ptr,
+    M, N,
+    stride_m, stride_n,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    row_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_m
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        v = tl.load(row_ptrs + cols[None, :] * stride_n,
+                    mask=rmask[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(v * v, axis=1)
+    # Non-finite rows rank first: a diverging row is never dropped.
+    acc = tl.where((acc == acc) & (acc < float("inf")), acc, float("inf"))
+    tl.store(out_ptr + rows, acc, mask=rmask)
+
+
+def _row_blocks(m: int, n: int, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) for the row passes: enough programs to fill the GPU, ~8K-element tiles."""
+    if interpret:
+        return 8, 16, 1
+    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    block_r = 32
+    while block_r > 4 and triton.cdiv(m, block_r) < 4 * n_sm:
+        block_r //= 2
+    block_c = max(64, min(triton.next_power_of_2(n), 8192 // block_r))
+    return block_r, block_c, 4
+
+
+def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int | None = None,
+                       interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, count): int32 permutation of the M rows of 2-D ``dy`` with the k active rows first, in order,
+    and k as an int32 tensor of shape (1,) on the device. No host synchronisation."""
+    m, n = dy.shape
+    dev = dy.device
+    if mode == "topk":
+        return _topk_perm(dy, top_n, interpret)
+    block_r, block_c, warps = _row_blocks(m, n, interpret)
+    nb = triton.cdiv(m, block_r)
+    flags = torch.empty(m, dtype=torch.int8, device=dev)
+    block_count = torch.empty(nb, dtype=torch.int32, device=dev)
+    perm = torch.empty(m, dtype=torch.int32, device=dev)
+    count = torch.empty(1, dtype=torch.int32, device=dev)
+    mode_id = EXACT if mode == "exact" else THRESHOLD
+    _row_flags_kernel[(nb,)](dy, flags, block_count, m, n, dy.stride(0), dy.stride(1), float(eps),
+                             MODE=mode_id, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    block_nb = 16 if interpret else 1024
+    _compact_kernel[(nb,)](flags, block_count, perm, count, m, nb,
+                           BLOCK_R=block_r, BLOCK_NB=block_nb, num_warps=1 if interpret else 4)
+    return perm, count
+
+
+def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, cols = dy.shape
+    dev = dy.device
+    count = torch.full((1,), min(n, m), dtype=torch.int32, device=dev)
+    if n >= m:
+        return torch.arange(m, dtype=torch.int32, device=dev), count
+    block_r, block_c, warps = _row_blocks(m, cols, interpret)
+    sumsq = torch.empty(m, dtype=torch.float32, device=dev)
+    _row_sumsq_kernel[(triton.cdiv(m, block_r),)](dy, sumsq, m, cols, dy.stride(0), dy.stride(1),
+                                                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    top = torch.topk(sumsq, n, sorted=False).indices
+    outside = torch.ones(m, dtype=torch.uint8, device=dev).index_fill_(0, top, 0)
+    perm = torch.sort(outside, stable=True).indices  # chosen rows first, each group in row order
+    return perm.to(torch.int32), count

@@ -1,0 +1,31 @@
+"""Autotuning spaces of the GEMM kernels (Hopper-first; small enough to tune in seconds per shape)."""
+from __future__ import annotations
+
+import triton
+
+
+def _cfg(bm, bn, bk, stages, warps, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_stages=stages, num_warps=warps)
+
+
+def dx_configs() -> list:
+    """dX: rows x in_features tiles, reduction over out_features."""
+    return [
+        _cfg(128, 256, 64, 3, 8),
+        _cfg(128, 128, 64, 4, 8),
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(64, 256, 64, 3, 8),
+    ]
+
+
+def dw_configs() -> list:
+    """dW: out_features x in_features tiles, reduction over the gathered rows."""
+    return [
+        _cfg(128, 256, 64, 3, 8),
+        _cfg(128, 128, 64, 4, 8),
+        _cfg(128, 128, 64, 4, 4),
+        _cfg(128, 128, 32, 4, 4),
+        _cfg(64, 128, 64, 4, 4),
+    ]

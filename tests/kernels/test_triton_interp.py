@@ -1,0 +1,169 @@
+"""Triton SEBP kernels under the interpreter (TRITON_INTERPRET=1, CPU tensors) against the torch reference.
+
+TRITON_INTERPRET must be set before the kernels are decorated, and other tests may have imported them
+already, so a normal run delegates to one pytest subprocess that has the variable set (run this file with
+TRITON_INTERPRET=1 yourself to see the individual cases). Small awkward shapes, fp32 and fp16.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = Path(__file__).resolve().parents[2]
+
+if not INTERPRET:
+
+    def test_interpreter_suite():
+        pytest.importorskip("triton")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+            [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(Path(__file__))],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+
+else:
+    from sebp_kernels import SEBPConfig, sebp_linear
+    from sebp_kernels._triton import sebp_backward_triton
+    from sebp_kernels._triton.backward import supported
+    from sebp_kernels._triton.dw import dw_db_rows
+    from sebp_kernels._triton.select import select_rows_device
+    from sebp_kernels.reference import sebp_backward_torch, select_rows
+    from tests.helpers import assert_close_report, assert_within_torch_error
+
+    DTYPES = [torch.float32, torch.float16]
+    # (M rows, out, in): none a multiple of the 16-wide interpreter tiles, plus tiny and one-row cases.
+    SHAPES = [(37, 23, 19), (70, 33, 50), (5, 3, 8), (1, 17, 9), (130, 40, 24)]
+    CONFIGS = {
+        "exact": SEBPConfig("exact"),
+        "threshold": SEBPConfig("threshold", eps=0.05),
+        "topk": SEBPConfig("topk", top_n=11),
+    }
+
+    def _inputs(m, n_out, n_in, dtype, density=0.35, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        dy = torch.randn(m, n_out, generator=g)
+        dy = dy * (torch.rand(m, generator=g) < density).unsqueeze(1)
+        # a spread of row scales so that threshold mode keeps some rows and drops others
+        dy = dy * torch.logspace(-3, 0, m)[torch.randperm(m, generator=g)].unsqueeze(1)
+        x = torch.randn(m, n_in, generator=g)
+        w = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+        return dy.to(dtype), x.to(dtype), w.to(dtype)
+
+    def _check_against_reference(got, dy, x, w, cfg, dtype):
+        """Each product within 2x torch's own error (same dtype, same rows) against fp64 + per-dtype atol."""
+        want = sebp_backward_torch(dy, x, w, cfg)
+        ref = sebp_backward_torch(dy.double(), x.double(), w.double(), cfg)
+        for name, g, t, r in zip(("dX", "dW", "db"), got, want, ref):
+            assert g is not None and g.dtype == dtype and g.shape == t.shape, name
+            assert_within_torch_error(g, r, t, dtype, name)
+        return want
+
+    @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_select_is_a_permutation_with_reference_prefix(mode, shape):
+        dy, _, _ = _inputs(*shape, torch.float32)
+        cfg = CONFIGS[mode]
+        perm, count = select_rows_device(dy, cfg.mode, cfg.eps, cfg.top_n, interpret=True)
+        assert perm.dtype == torch.int32 and count.shape == (1,)
+        k = int(count.item())
+        assert sorted(perm.tolist()) == list(range(shape[0]))
+        assert perm[:k].long().tolist() == select_rows(dy, cfg).tolist()
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_backward_matches_reference(dtype, mode, shape):
+        dy, x, w = _inputs(*shape, dtype, seed=shape[0])
+        cfg = CONFIGS[mode]
+        got = sebp_backward_triton(dy, x, w, cfg)
+        _check_against_reference(got, dy, x, w, cfg, dtype)
+        inactive = torch.ones(shape[0], dtype=torch.bool)
+        inactive[select_rows(dy, cfg)] = False
+        assert (got[0][inactive] == 0).all(), "dX must be exactly zero on inactive rows"
+
+    @pytest.mark.parametrize("split", [1, 2, 3, 5])
+    def test_dw_row_splits_agree_and_are_deterministic(split):
+        dy, x, _ = _inputs(150, 21, 18, torch.float32, density=0.8, seed=3)
+        perm, count = select_rows_device(dy, "exact", interpret=True)
+        dw1, db1 = dw_db_rows(dy, x, perm, count, True, 1, interpret=True)
+        dw, db = dw_db_rows(dy, x, perm, count, True, split, interpret=True)
+        assert_close_report(dw, dw1, atol=1e-5, rtol=1e-5, name="dW")
+        assert_close_report(db, db1, atol=1e-5, rtol=1e-5, name="db")
+        again = dw_db_rows(dy, x, perm, count, True, split, interpret=True)
+        assert torch.equal(again[0], dw) and torch.equal(again[1], db)
+
+    @pytest.mark.parametrize("fill", ["zeros", "all_active"])
+    @pytest.mark.parametrize("mode", ["exact", "threshold"])
+    def test_no_active_rows_and_all_active(fill, mode):
+        _, x, w = _inputs(45, 20, 17, torch.float32)
+        dy = torch.zeros(45, 20) if fill == "zeros" else torch.randn(45, 20) + 3.0
+        cfg = CONFIGS[mode]
+        got = sebp_backward_triton(dy, x, w, cfg)
+        want = sebp_backward_torch(dy, x, w, cfg)
+        for name, g, t in zip(("dX", "dW", "db"), got, want):
+            assert_close_report(g, t, atol=1e-5, rtol=1e-5, name=name)
+
+    @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
+    @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+    def test_nonfinite_rows_are_active(mode, bad):
+        dy, x, w = _inputs(40, 12, 10, torch.float32, density=0.2)
+        dy[7] = 0
+        dy[7, 4] = bad
+        cfg = {"topk": SEBPConfig("topk", top_n=2), "threshold": SEBPConfig("threshold", eps=10.0)}.get(
+            mode, CONFIGS["exact"])
+        perm, count = select_rows_device(dy, cfg.mode, cfg.eps, cfg.top_n, interpret=True)
+        assert 7 in perm[: int(count.item())].tolist()
+        dx, dw, db = sebp_backward_triton(dy, x, w, cfg)
+        assert not torch.isfinite(dx[7]).all() and not torch.isfinite(dw).all()
+
+    @pytest.mark.parametrize("layout", ["transposed", "expanded"])
+    def test_non_contiguous_dy(layout):
+        _, x, w = _inputs(33, 14, 11, torch.float32)
+        if layout == "transposed":
+            dy = torch.randn(14, 33).t()
+            dy[::3] = 0
+        else:  # what y.sum().backward() hands over: one value broadcast with zero strides
+            dy = torch.ones(1, 1).expand(33, 14)
+        assert not dy.is_contiguous()
+        got = sebp_backward_triton(dy, x, w, CONFIGS["exact"])
+        _check_against_reference(got, dy.contiguous(), x, w, CONFIGS["exact"], torch.float32)
+
+    @pytest.mark.parametrize("need", [(True, False, False), (False, True, False), (False, False, True),
+                                      (False, True, True), (True, False, True)])
+    def test_only_the_needed_products(need):
+        dy, x, w = _inputs(29, 13, 9, torch.float32)
+        cfg = CONFIGS["exact"]
+        got = sebp_backward_triton(dy, x if need[1] else None, w, cfg, *need)
+        want = sebp_backward_torch(dy, x, w, cfg)
+        for name, g, t, n in zip(("dX", "dW", "db"), got, want, need):
+            if not n:
+                assert g is None, name
+            else:
+                assert_close_report(g, t, atol=1e-5, rtol=1e-5, name=name)
+
+    def test_unsupported_inputs_fall_back_to_torch():
+        dy, x, w = _inputs(12, 5, 4, torch.float64)
+        assert not supported(dy, x, w)
+        got = sebp_backward_triton(dy, x, w, CONFIGS["exact"])
+        want = sebp_backward_torch(dy, x, w, CONFIGS["exact"])
+        for g, t in zip(got, want):
+            assert torch.equal(g, t)
+
+    @pytest.mark.parametrize("mode", ["exact", "topk"])
+    def test_autograd_through_backend_triton(mode):
+        dy, x, w = _inputs(24, 10, 7, torch.float32)
+        b = torch.randn(10)
+        cfg = SEBPConfig(mode, top_n=5 if mode == "topk" else None, backend="triton")
+        leaves = [t.clone().requires_grad_() for t in (x.view(4, 6, 7), w, b)]
+        sebp_linear(*leaves, config=cfg).backward(dy.view(4, 6, 10))
+        want = sebp_backward_torch(dy, x, w, SEBPConfig(mode, top_n=cfg.top_n))
+        assert_close_report(leaves[0].grad.view(24, 7), want[0], atol=1e-5, rtol=1e-5, name="dX")
+        assert_close_report(leaves[1].grad, want[1], atol=1e-5, rtol=1e-5, name="dW")
+        assert_close_report(leaves[2].grad, want[2], atol=1e-5, rtol=1e-5, name="db")
