@@ -12,13 +12,14 @@ from .config import SEBPConfig
 def row_activity(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
     """Boolean mask (M,) of active rows of a 2-D dL/dY for ``exact`` and ``threshold`` modes.
 
-    NaN/Inf rows are active: ``x != 0`` is true for NaN and Inf, and ``threshold`` adds them explicitly.
+    NaN/Inf rows are active. The reductions run straight on ``dy`` (no |dy| or bool temporaries): on a CPU
+    this scan would otherwise cost as much as the GEMMs it saves.
     """
     if config.mode == "exact":
-        return (dy != 0).any(dim=1)
+        return dy.any(dim=1)  # NaN and Inf are truthy; -0.0 is not, and contributes nothing anyway
     if config.mode == "threshold":
-        a = dy.abs()
-        return (a.amax(dim=1) > config.eps) | torch.isnan(a).any(dim=1)
+        hi, lo = dy.amax(dim=1), dy.amin(dim=1)
+        return (hi > config.eps) | (lo < -config.eps) | torch.isnan(hi)
     raise ValueError(f"row_activity does not handle mode {config.mode!r}")
 
 
