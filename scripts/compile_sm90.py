@@ -8,6 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sebp_kernels._triton import dw, dx, select
+from sebp_kernels._triton.tuning import dw_configs, dx_configs
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -40,22 +41,22 @@ def main():
                     dict(dy_ptr=p, out_ptr="*fp32", M="i32", N="i32", stride_m="i32"),
                     dict(stride_n=1, BLOCK_R=16, BLOCK_C=512), num_warps=4)
         ieee = dt == "fp32"
-        for cfg in dx.dx_configs() if hasattr(dx, "dx_configs") else []:
+        for cfg in dx_configs():
             kw = cfg.kwargs
             compile_one(f"dx {dt} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} s{cfg.num_stages}w{cfg.num_warps}",
                         dx._dx_kernel,
                         dict(dy_ptr=p, w_ptr=p, dx_ptr=p, perm_ptr="*i32", count_ptr="*i32", M="i32", N="i32",
-                             K="i32", stride_dym="i32", stride_wk="i32", stride_dxm="i32"),
+                             K="i32", ROWS_HINT="i32", stride_dym="i32", stride_wk="i32", stride_dxm="i32"),
                         dict(stride_dyk=1, stride_wn=1, stride_dxn=1, EVEN_K=True, IEEE=ieee, **kw),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        for cfg in dw.dw_configs() if hasattr(dw, "dw_configs") else []:
+        for cfg in dw_configs():
             kw = cfg.kwargs
             for part in (False, True):
                 q = "*fp32" if part else p
                 compile_one(f"dw {dt} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} "
                             f"s{cfg.num_stages}w{cfg.num_warps} p{int(part)}", dw._dw_kernel,
                             dict(dy_ptr=p, x_ptr=p, dw_ptr=q, db_ptr=q, perm_ptr="*i32", count_ptr="*i32",
-                                 M="i32", N_OUT="i32", N_IN="i32", SPLIT="i32", stride_dym="i32",
+                                 M="i32", N_OUT="i32", N_IN="i32", SPLIT="i32", ROWS_HINT="i32", stride_dym="i32",
                                  stride_xm="i32"),
                             dict(stride_dyo=1, stride_xi=1, HAS_DB=True, USE_PARTIAL=part, IEEE=ieee,
                                  ROW_ALIGN=64, MIN_CHUNK=512, **kw),

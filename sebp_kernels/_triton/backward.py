@@ -37,6 +37,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+class _RowsHint:
+    """The active-row count of the previous call on the same layer shape, for picking tile shapes.
+
+    The count is copied to pinned host memory without waiting; the next call reads whatever has landed (a
+    stale value only costs speed, never correctness). Bucketed to a power of two so the autotuner tunes a
+    handful of densities per shape. A captured CUDA graph keeps the tile shapes of its capture (warm up first).
+    """
+
+    _slots: dict = {}
+
+    @classmethod
+    def get(cls, key, m: int) -> int:
+        slot = cls._slots.get(key)
+        k = int(slot[0]) if slot is not None and slot[0] >= 0 else m
+        return min(m, max(64, 1 << max(0, k - 1).bit_length()))
+
+    @classmethod
+    def record(cls, key, count: torch.Tensor) -> None:
+        slot = cls._slots.get(key)
+        if slot is None:
+            slot = cls._slots[key] = torch.full((1,), -1, dtype=torch.int32, pin_memory=True)
+        slot.copy_(count, non_blocking=True)
+
+
 def sebp_backward_triton(
     dy: torch.Tensor,
     x: torch.Tensor | None,
@@ -54,14 +78,21 @@ def sebp_backward_triton(
     if not supported(dy, x if need_dw else None, weight):
         return sebp_backward_torch(dy, x, weight, config, need_dx, need_dw, need_db)
     perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
+    m = dy.shape[0]
+    hint = m
+    if not INTERPRET:
+        key = (dy.device, m, *weight.shape, config)
+        hint = _RowsHint.get(key, m)
+        if not torch.cuda.is_current_stream_capturing():
+            _RowsHint.record(key, count)
     ieee = _ieee(dy.dtype)
     dx = dw = db = None
     if need_dx:
-        dx = dx_rows(dy, weight, perm, count, interpret=INTERPRET, ieee=ieee)
+        dx = dx_rows(dy, weight, perm, count, interpret=INTERPRET, ieee=ieee, rows_hint=hint)
     if need_dw:
-        split = 1 if INTERPRET else dw_splits(weight.shape[0], weight.shape[1], dy.shape[0], _sm_count(dy.device))
+        split = 1 if INTERPRET else dw_splits(weight.shape[0], weight.shape[1], hint, _sm_count(dy.device))
         dw, db = dw_db_rows(dy, x, perm, count, need_db, split, interpret=INTERPRET, ieee=ieee,
-                            w_dtype=weight.dtype)
+                            w_dtype=weight.dtype, rows_hint=hint)
     elif need_db:
         db = _db_only(dy, perm, count)
     return dx, dw, db

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import dw_configs
+from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dw_configs
 
 ROW_ALIGN = 64  # split boundaries are multiples of this (and so of every BLOCK_K)
 MIN_CHUNK = 512  # rows per split at least: a split must amortise its partial's write and read
@@ -57,7 +57,7 @@ def _dw_loop(
 @triton.jit
 def _dw_kernel(
     dy_ptr, x_ptr, dw_ptr, db_ptr, perm_ptr, count_ptr,
-    M, N_OUT, N_IN, SPLIT,
+    M, N_OUT, N_IN, SPLIT, ROWS_HINT,
     stride_dym, stride_dyo, stride_xm, stride_xi,
     HAS_DB: tl.constexpr, USE_PARTIAL: tl.constexpr, IEEE: tl.constexpr,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
@@ -135,7 +135,8 @@ _dw_tuned = None
 def _tuned_kernel():
     global _dw_tuned
     if _dw_tuned is None:
-        _dw_tuned = triton.autotune(configs=dw_configs(), key=["M", "N_OUT", "N_IN", "SPLIT"])(_dw_kernel)
+        key = ["M", "N_OUT", "N_IN", "SPLIT", "ROWS_HINT"]
+        _dw_tuned = triton.autotune(configs=dw_configs(), key=key)(_dw_kernel)
     return _dw_tuned
 
 
@@ -156,8 +157,9 @@ def dw_splits(n_out: int, n_in: int, m: int, n_sm: int) -> int:
 
 def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
                need_db: bool, split: int, interpret: bool = False, ieee: bool = True,
-               w_dtype: torch.dtype | None = None):
-    """(dW, db or None) over rows perm[:count]; ``split`` row splits per tile (see :func:`dw_splits`)."""
+               w_dtype: torch.dtype | None = None, rows_hint: int | None = None):
+    """(dW, db or None) over rows perm[:count]; ``split`` row splits per tile (see :func:`dw_splits`);
+    ``rows_hint`` (expected k) only picks tuned tile shapes."""
     m, n_out = dy.shape
     n_in = x.shape[1]
     dev = dy.device
@@ -170,13 +172,15 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
         out_w, out_b = part, dbpart
     else:
         out_w, out_b = dw, (db if need_db else dw)
-    args = (dy, x, out_w, out_b, perm, count, m, n_out, n_in, split,
+    args = (dy, x, out_w, out_b, perm, count, m, n_out, n_in, split, rows_hint or m,
             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1))
     consts = dict(HAS_DB=need_db, USE_PARTIAL=use_partial, IEEE=ieee, ROW_ALIGN=ROW_ALIGN, MIN_CHUNK=MIN_CHUNK)
-    if interpret:
-        consts.update(ROW_ALIGN=16, MIN_CHUNK=16)
-        grid = (triton.cdiv(n_out, 16) * triton.cdiv(n_in, 16), split)
-        _dw_kernel[grid](*args, **consts, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1)
+    if interpret or dy.dtype == torch.float32:
+        cfg = INTERPRET_CONFIG if interpret else FP32_CONFIG
+        if interpret:
+            consts.update(ROW_ALIGN=16, MIN_CHUNK=16)
+        grid = (triton.cdiv(n_out, cfg["BLOCK_M"]) * triton.cdiv(n_in, cfg["BLOCK_N"]), split)
+        _dw_kernel[grid](*args, **consts, **cfg)
     else:
         def grid(meta):
             return (triton.cdiv(n_out, meta["BLOCK_M"]) * triton.cdiv(n_in, meta["BLOCK_N"]), split)

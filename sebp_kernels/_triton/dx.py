@@ -12,18 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import dx_configs  # noqa: F401  (re-exported for tools)
+from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dx_configs
 
 
 @triton.jit
 def _dx_kernel(
     dy_ptr, w_ptr, dx_ptr, perm_ptr, count_ptr,
-    M, N, K,
+    M, N, K, ROWS_HINT,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # M rows of dY/dX, N = in_features, K = out_features.
+    # M rows of dY/dX, N = in_features, K = out_features. ROWS_HINT (expected k) only keys the autotuner.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -72,22 +72,26 @@ _dx_tuned = None
 def _tuned_kernel():
     global _dx_tuned
     if _dx_tuned is None:
-        _dx_tuned = triton.autotune(configs=dx_configs(), key=["M", "N", "K"])(_dx_kernel)
+        even_k = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_dx_kernel)
+        _dx_tuned = triton.autotune(configs=dx_configs(), key=["M", "N", "K", "ROWS_HINT"])(even_k)
     return _dx_tuned
 
 
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
-            interpret: bool = False, ieee: bool = True) -> torch.Tensor:
-    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows."""
+            interpret: bool = False, ieee: bool = True, rows_hint: int | None = None) -> torch.Tensor:
+    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows.
+
+    ``rows_hint``: the expected k (a power of two), used only to pick tuned tile shapes.
+    """
     m, k_dim = dy.shape
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
-    args = (dy, weight, dx, perm, count, m, n, k_dim,
+    args = (dy, weight, dx, perm, count, m, n, k_dim, rows_hint or m,
             dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1))
-    if interpret:
-        grid = (triton.cdiv(m, 16) * triton.cdiv(n, 16),)
-        _dx_kernel[grid](*args, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2,
-                         EVEN_K=k_dim % 16 == 0, IEEE=ieee, num_warps=1)
+    if interpret or dy.dtype == torch.float32:
+        cfg = INTERPRET_CONFIG if interpret else FP32_CONFIG
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _dx_kernel[grid](*args, **cfg, EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee)
         return dx
 
     def grid(meta):

@@ -29,3 +29,9 @@ def dw_configs() -> list:
         _cfg(128, 128, 32, 4, 4),
         _cfg(64, 128, 64, 4, 4),
     ]
+
+
+# fp32 (full-precision FMA dots unless TF32 is allowed) is a correctness path, not a speed target: one small
+# config, so that it costs one compile instead of a tuning sweep.
+FP32_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 1}

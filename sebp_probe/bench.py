@@ -1,0 +1,450 @@
+"""GPU benchmark of the SEBP backward: per linear layer and for whole models. No CLI code here.
+
+Per layer, for each density (fraction of active rows of dL/dY, laid out like right padding: the first
+rows of each sequence are real), the backward of one linear is timed as:
+
+- ``dense``: cuBLAS, what autograd runs for ``F.linear`` (dX = dY W, dW = dYᵀ X, db = dY.sum(0));
+- ``torch_ref``: the pure-torch SEBP (``nonzero()`` selection, gather, GEMMs, scatter; it syncs the host);
+- ``torch_rows``: the same GEMMs with the active rows known in advance (no selection);
+- ``triton``: the fused Triton SEBP backward (selection included, no host sync);
+- ``ideal``: dense GEMMs on the k active rows already laid out contiguously (selection, gather and the zero
+  rows of dX for free): the floor SEBP can approach.
+
+Times are medians over repeats with CUDA events, with the L2 cache flushed before each repeat. Methods that
+make no host sync (dense, triton, ideal) are timed as CUDA-graph replays, so host launch overhead is not
+counted for any of them; the torch reference, which cannot be captured, runs eagerly.
+
+Whole model: forward + backward of a real architecture built from its config with random weights, on a
+padded batch (dense vs SEBP on every projection) and on the same batch with the padding trimmed.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DENSITIES: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One linear layer's backward problem: ``rows`` = tokens (batch x seq), ``seq`` = tokens per sequence."""
+
+    name: str
+    rows: int
+    in_features: int
+    out_features: int
+    bias: bool = True
+    seq: int = 512
+
+    def __post_init__(self) -> None:
+        for f in ("rows", "in_features", "out_features", "seq"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{f} must be a positive integer, got {v!r}")
+
+
+def _llama_like(prefix, rows, seq, hidden, inter, heads, kv_heads, head_dim=None, bias=False):
+    head_dim = head_dim or hidden // heads
+    kv = kv_heads * head_dim
+    shapes = [(f"q/o {hidden}->{heads * head_dim}", hidden, heads * head_dim),
+              (f"k/v {hidden}->{kv}", hidden, kv),
+              (f"gate/up {hidden}->{inter}", hidden, inter),
+              (f"down {inter}->{hidden}", inter, hidden)]
+    return [LayerShape(f"{prefix} {n}", rows, i, o, bias, seq) for n, i, o in shapes]
+
+
+# Built-in shape sets: the distinct projection shapes of each architecture at a typical fine-tuning batch.
+SHAPE_SETS: dict[str, Callable[[], list[LayerShape]]] = {
+    "bert-base": lambda: [LayerShape("bert-base attn 768->768", 16384, 768, 768),
+                          LayerShape("bert-base ffn up 768->3072", 16384, 768, 3072),
+                          LayerShape("bert-base ffn down 3072->768", 16384, 3072, 768)],
+    "llama-3.2-3b": lambda: _llama_like("llama-3.2-3b", 4096, 4096, 3072, 8192, 24, 8),
+    "llama-3.2-1b": lambda: _llama_like("llama-3.2-1b", 4096, 4096, 2048, 8192, 32, 8),
+    "qwen2.5-1.5b": lambda: _llama_like("qwen2.5-1.5b", 4096, 4096, 1536, 8960, 12, 2),
+    "qwen2.5-0.5b": lambda: _llama_like("qwen2.5-0.5b", 4096, 4096, 896, 4864, 14, 2),
+}
+
+
+def shapes_from_config(cfg, rows: int, seq: int) -> list[LayerShape]:
+    """Distinct projection shapes of a Hugging Face config (BERT-like or Llama-like)."""
+    hidden = getattr(cfg, "hidden_size", None)
+    inter = getattr(cfg, "intermediate_size", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not (hidden and inter and heads):
+        raise ValueError(f"cannot read layer shapes from a {type(cfg).__name__} "
+                         "(needs hidden_size, intermediate_size, num_attention_heads)")
+    name = getattr(cfg, "model_type", "model")
+    kv_heads = getattr(cfg, "num_key_value_heads", None)
+    if kv_heads is None:  # encoder: q/k/v/o all hidden x hidden, with bias
+        return [LayerShape(f"{name} attn {hidden}->{hidden}", rows, hidden, hidden, True, seq),
+                LayerShape(f"{name} ffn up {hidden}->{inter}", rows, hidden, inter, True, seq),
+                LayerShape(f"{name} ffn down {inter}->{hidden}", rows, inter, hidden, True, seq)]
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return _llama_like(name, rows, seq, hidden, inter, heads, kv_heads, head_dim, bias)
+
+
+def resolve_shapes(model: str | None, rows: int | None = None, in_features: int | None = None,
+                   out_features: int | None = None, seq: int | None = None) -> list[LayerShape]:
+    """Layer shapes from explicit sizes, a built-in shape set, or a model config (hub id or local dir)."""
+    explicit = [v is not None for v in (in_features, out_features)]
+    if any(explicit):
+        if not all(explicit) or rows is None:
+            raise ValueError("explicit shapes need all of --rows, --in-features and --out-features")
+        return [LayerShape(f"{rows}x{in_features}->{out_features}", rows, in_features, out_features, True,
+                           seq or min(rows, 512))]
+    model = model or "bert-base"
+    key = model.lower()
+    if key in SHAPE_SETS:
+        shapes = SHAPE_SETS[key]()
+        if rows is not None or seq is not None:
+            shapes = [LayerShape(s.name, rows or s.rows, s.in_features, s.out_features, s.bias, seq or s.seq)
+                      for s in shapes]
+        return shapes
+    from transformers import AutoConfig  # lazy: only for configs given by id or path
+
+    try:
+        cfg = AutoConfig.from_pretrained(model)
+    except Exception as e:  # noqa: BLE001 - any loader failure is a user-facing "cannot find"
+        raise ValueError(f"unknown shape set or model {model!r} (built-in sets: {', '.join(SHAPE_SETS)}); "
+                         f"loading its config failed: {' '.join(str(e).split())[:200]}") from None
+    seq = seq or 512
+    return shapes_from_config(cfg, rows or 32 * seq, seq)
+
+
+def parse_densities(text: str | Sequence[float]) -> list[float]:
+    """Densities from '0.1,0.5' or a sequence; each in (0, 1]."""
+    if isinstance(text, str):
+        try:
+            vals = [float(t) for t in text.replace(" ", ",").split(",") if t]
+        except ValueError:
+            raise ValueError(f"densities must be numbers separated by commas, got {text!r}") from None
+    else:
+        vals = [float(v) for v in text]
+    if not vals:
+        raise ValueError("give at least one density")
+    for v in vals:
+        if not (0 < v <= 1) or math.isnan(v):
+            raise ValueError(f"density must be in (0, 1], got {v}")
+    return vals
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def environment() -> dict:
+    """GPU, versions and date, for the results file."""
+    import triton
+
+    dev = torch.cuda.get_device_properties(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return {
+        "gpu": dev.name if dev else None,
+        "gpu_memory_gib": round(dev.total_memory / 2**30, 1) if dev else None,
+        "sm_count": dev.multi_processor_count if dev else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class _Flush:
+    """Writes a buffer larger than L2 between repeats, so every repeat starts from a cold cache."""
+
+    def __init__(self):
+        self.buf = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def time_fn(fn: Callable[[], object], repeats: int, flush: _Flush, graph: bool) -> float:
+    """Median milliseconds of ``fn`` with CUDA events (a CUDA-graph replay when ``graph``)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    times = []
+    for _ in range(repeats):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> float:
+    """Peak memory (MiB) that one call of ``fn`` allocates on top of what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def padded_rows(rows: int, seq: int, density: float, device) -> torch.Tensor:
+    """Boolean mask of active rows laid out as right padding: the first round(density*seq) of each sequence."""
+    n_seq = max(1, rows // seq)
+    pos = torch.arange(rows, device=device) % seq if rows >= seq else torch.arange(rows, device=device)
+    length = max(1, round(density * (seq if rows >= seq else rows)))
+    mask = pos < length
+    if n_seq * seq < rows:  # a ragged tail sequence keeps the same density
+        mask[n_seq * seq:] = pos[n_seq * seq:] < max(1, round(density * (rows - n_seq * seq)))
+    return mask
+
+
+@dataclass
+class LayerResult:
+    shape: LayerShape
+    density: float
+    k: int
+    ms: dict = field(default_factory=dict)
+    peak_mib: dict = field(default_factory=dict)
+
+    def speedup(self, method: str) -> float:
+        return self.ms["dense"] / self.ms[method]
+
+    def to_dict(self) -> dict:
+        d = {"shape": asdict(self.shape), "density": self.density, "k": self.k, "ms": self.ms,
+             "peak_extra_mib": self.peak_mib}
+        d["speedup_vs_dense"] = {m: round(self.speedup(m), 3) for m in self.ms}
+        if "triton" in self.ms and "ideal" in self.ms:
+            d["triton_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton"], 3)
+        if "triton" in self.ms and "torch_ref" in self.ms:
+            d["triton_vs_torch_ref"] = round(self.ms["torch_ref"] / self.ms["triton"], 3)
+        return d
+
+
+def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtype = torch.bfloat16,
+                mode: str = "exact", repeats: int = 30, seed: int = 0,
+                progress: Callable[[str], None] | None = None) -> list[LayerResult]:
+    """Time the backward of one linear layer at each density (see the module docstring)."""
+    from sebp_kernels import SEBPConfig
+    from sebp_kernels._triton import sebp_backward_triton
+    from sebp_kernels.reference import backward_over_rows, sebp_backward_torch
+
+    _require_cuda()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
+    x = torch.randn(m, n_in, device=dev, dtype=dtype, generator=g)
+    w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(dtype)
+    dy_full = torch.randn(m, n_out, device=dev, dtype=dtype, generator=g)
+    flush = _Flush()
+    results = []
+    for density in densities:
+        mask = padded_rows(m, shape.seq, density, dev)
+        rows = mask.nonzero().squeeze(1)
+        k = rows.numel()
+        dy = dy_full * mask.unsqueeze(1).to(dtype)
+        cfg = (SEBPConfig("topk", top_n=k) if mode == "topk" else
+               SEBPConfig("threshold", eps=1e-6) if mode == "threshold" else SEBPConfig("exact"))
+        dy_k, x_k = dy.index_select(0, rows).contiguous(), x.index_select(0, rows).contiguous()
+        bias = shape.bias
+
+        def dense():
+            return dy @ w, dy.t() @ x, (dy.sum(0) if bias else None)
+
+        def ideal():
+            return dy_k @ w, dy_k.t() @ x_k, (dy_k.sum(0) if bias else None)
+
+        methods = {
+            "dense": (dense, True),
+            "ideal": (ideal, True),
+            "triton": (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias), True),
+            "torch_ref": (lambda: sebp_backward_torch(dy, x, w, cfg, True, True, bias), False),
+            "torch_rows": (lambda: backward_over_rows(dy, x, w, rows, True, True, bias), True),
+        }
+        res = LayerResult(shape, density, k)
+        for name, (fn, graph) in methods.items():
+            if progress:
+                progress(f"{shape.name} d={density:g} {name}")
+            res.ms[name] = round(time_fn(fn, repeats, flush, graph), 5)
+            res.peak_mib[name] = round(peak_extra_mib(fn), 2)
+        results.append(res)
+    return results
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the benchmark needs a CUDA GPU (none is visible); use --dry-run to see the plan")
+
+
+# ------------------------------------------------------------------------------------------- whole model
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A whole-model benchmark: an architecture, a fixed padded length and how long the real samples are."""
+
+    name: str
+    arch: str  # "bert" (sequence classification) or "llama" (causal LM)
+    batch: int
+    seq: int
+    lengths: str  # "sst2" or "short" (64-512 real tokens)
+    config: dict = field(default_factory=dict)
+
+
+MODEL_CASES: dict[str, ModelCase] = {
+    "bert-base": ModelCase("bert-base", "bert", 32, 512, "sst2", dict(
+        vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        intermediate_size=3072, max_position_embeddings=512, num_labels=2)),
+    "llama-3.2-3b": ModelCase("llama-3.2-3b", "llama", 1, 4096, "short", dict(
+        vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+        num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=True, pad_token_id=0)),
+    "qwen2.5-1.5b": ModelCase("qwen2.5-1.5b", "qwen2", 1, 4096, "short", dict(
+        vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=8192, tie_word_embeddings=True,
+        pad_token_id=0)),
+}
+
+
+# Decoders: every projection and the LM head (its rows at label -100 carry no gradient).
+DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def sample_lengths(kind: str, n: int, seq: int, seed: int) -> list[int]:
+    """Real-token counts per sample. ``sst2``: SST-2-like sentences (log-normal, median ~26 word pieces
+    plus [CLS]/[SEP], 5..66), ``short``: uniform in 64..512. Both clipped to ``seq``."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "sst2":
+        raw = torch.exp(math.log(26.0) + 0.55 * torch.randn(n, generator=g)).round() + 2
+        vals = raw.clamp(5, 66)
+    elif kind == "short":
+        vals = torch.randint(64, 513, (n,), generator=g)
+    else:
+        raise ValueError(f"unknown length distribution {kind!r}")
+    return [int(min(v, seq)) for v in vals.tolist()]
+
+
+def _build_model(case: ModelCase, dtype: torch.dtype):
+    import transformers  # lazy: only the whole-model benchmark needs it
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        if case.arch == "bert":
+            model = transformers.BertForSequenceClassification(transformers.BertConfig(**case.config))
+        else:
+            cfg = transformers.AutoConfig.for_model(case.arch, **case.config)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.to(dtype).train()
+
+
+def _batch(case: ModelCase, lengths: list[int], seq: int, vocab: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    ids = torch.randint(5, vocab, (b, seq), generator=g)
+    pos = torch.arange(seq).unsqueeze(0)
+    mask = (pos < torch.tensor(lengths).unsqueeze(1)).long()
+    ids = ids * mask  # pad id 0 on the right
+    batch = {"input_ids": ids.cuda(), "attention_mask": mask.cuda()}
+    if case.arch == "bert":
+        batch["labels"] = torch.randint(0, 2, (b,), generator=g).cuda()
+    else:
+        batch["labels"] = ids.masked_fill(mask == 0, -100).cuda()
+    return batch
+
+
+def _time_step(model, batch: dict, repeats: int) -> dict:
+    """Median forward, backward and step milliseconds, and the step's peak memory (GiB)."""
+    fwd, bwd = [], []
+    for i in range(repeats + 2):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i == 2:
+            torch.cuda.reset_peak_memory_stats()
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        e0.record()
+        loss = model(**batch).loss
+        e1.record()
+        loss.backward()
+        e2.record()
+        e2.synchronize()
+        if i >= 2:
+            fwd.append(e0.elapsed_time(e1))
+            bwd.append(e1.elapsed_time(e2))
+    model.zero_grad(set_to_none=True)
+    f, b = statistics.median(fwd), statistics.median(bwd)
+    return {"forward_ms": round(f, 3), "backward_ms": round(b, 3), "step_ms": round(f + b, 3),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+
+
+def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, batches: int = 3,
+                mode: str = "exact", progress: Callable[[str], None] | None = None) -> dict:
+    """Whole-model forward+backward: dense vs SEBP on the padded batch, and dense on the trimmed batch.
+
+    ``batches`` different padded batches (fresh lengths each); times are the median over them.
+    """
+    from sebp_kernels import SEBPConfig
+
+    from .patch import patch_model, unpatch_model
+
+    _require_cuda()
+    model = _build_model(case, dtype)
+    vocab = model.config.vocab_size
+    targets = DECODER_TARGETS if case.arch != "bert" else None  # None: the attention + MLP projections
+    runs: dict[str, list[dict]] = {"dense_padded": [], "sebp_padded": [], "dense_trimmed": []}
+    all_lengths = []
+    for bi in range(batches):
+        lengths = sample_lengths(case.lengths, case.batch, case.seq, seed=bi)
+        all_lengths.append(lengths)
+        padded = _batch(case, lengths, case.seq, vocab, seed=bi)
+        trimmed = {k: (v[:, : max(lengths)] if v.dim() == 2 else v) for k, v in padded.items()}
+        if progress:
+            progress(f"{case.name} batch {bi + 1}/{batches}: dense, padded")
+        runs["dense_padded"].append(_time_step(model, padded, repeats))
+        patch_model(model, SEBPConfig(mode), target_modules=targets)
+        if progress:
+            progress(f"{case.name} batch {bi + 1}/{batches}: SEBP, padded")
+        runs["sebp_padded"].append(_time_step(model, padded, repeats))
+        unpatch_model(model)
+        if progress:
+            progress(f"{case.name} batch {bi + 1}/{batches}: dense, padding trimmed")
+        runs["dense_trimmed"].append(_time_step(model, trimmed, repeats))
+    n_linear = len(patch_model(model, SEBPConfig(mode), target_modules=targets))
+    unpatch_model(model)
+    summary = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for name, rs in runs.items()}
+    tokens = sum(sum(ls) for ls in all_lengths)
+    dense, sebp = summary["dense_padded"], summary["sebp_padded"]
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "sebp_layers": n_linear,
+        "lengths": all_lengths, "token_density": round(tokens / (batches * case.batch * case.seq), 4),
+        "median": summary, "per_batch": runs,
+        "backward_speedup": round(dense["backward_ms"] / sebp["backward_ms"], 3),
+        "step_speedup": round(dense["step_ms"] / sebp["step_ms"], 3),
+        "peak_memory_ratio": round(sebp["peak_gib"] / dense["peak_gib"], 4),
+        "trimmed_step_speedup": round(dense["step_ms"] / summary["dense_trimmed"]["step_ms"], 3),
+    }
+
+
+def run_plan(shapes: Sequence[LayerShape], densities: Sequence[float], models: Sequence[str]) -> dict:
+    """What a run would do, without a GPU (for --dry-run)."""
+    return {"layers": [asdict(s) for s in shapes], "densities": list(densities),
+            "models": [asdict(MODEL_CASES[m]) for m in models]}

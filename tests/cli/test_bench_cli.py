@@ -1,0 +1,89 @@
+"""`sebp-probe bench`: argument validation, the dry-run plan, and a clear refusal without a GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sebp_probe import bench
+from sebp_probe.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, ["bench", *args])
+
+
+def test_help_has_examples():
+    res = _run("--help")
+    assert res.exit_code == 0
+    assert "Examples" in res.output and "sebp-probe bench llama-3.2-3b" in res.output
+
+
+def test_dry_run_plan_for_a_shape_set_and_the_whole_model():
+    res = _run("llama-3.2-3b", "--scope", "all", "--densities", "0.1,0.5", "--dry-run")
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)
+    shapes = {(s["in_features"], s["out_features"]) for s in plan["layers"]}
+    assert shapes == {(3072, 3072), (3072, 1024), (3072, 8192), (8192, 3072)}
+    assert all(s["rows"] == 4096 for s in plan["layers"])
+    assert plan["densities"] == [0.1, 0.5]
+    assert plan["models"][0]["seq"] == 4096 and plan["models"][0]["batch"] == 1
+
+
+def test_dry_run_explicit_layer():
+    res = _run("--rows", "1000", "--in-features", "64", "--out-features", "96", "--dry-run")
+    assert res.exit_code == 0, res.output
+    (layer,) = json.loads(res.output)["layers"]
+    assert (layer["rows"], layer["in_features"], layer["out_features"]) == (1000, 64, 96)
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [(["--densities", "0"], "density must be in (0, 1]"),
+     (["--densities", "0.1,abc"], "densities must be numbers"),
+     (["--densities", "1.5"], "density must be in (0, 1]"),
+     (["--scope", "everything"], "--scope must be"),
+     (["--dtype", "fp8"], "--dtype must be"),
+     (["--mode", "fast"], "--mode must be"),
+     (["--repeats", "0"], "--repeats"),
+     (["--in-features", "64"], "explicit shapes need"),
+     (["--rows", "-5", "--in-features", "4", "--out-features", "4"], "rows must be a positive integer"),
+     (["no-such-model-or-dir", "--dry-run"], "unknown shape set or model"),
+     (["llama-3.2-1b", "--scope", "model"], "no whole-model case")],
+)
+def test_bad_arguments_are_one_line_errors(args, msg):
+    res = _run(*args)
+    assert res.exit_code == 1
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_refuses_clearly_without_a_gpu(tmp_path):
+    res = _run("--densities", "0.5", "-o", str(tmp_path / "r.json"))
+    assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_padded_rows_and_lengths():
+    mask = bench.padded_rows(2048, 512, 0.1, "cpu")
+    assert mask.view(4, 512)[:, :51].all() and not mask.view(4, 512)[:, 51:].any()
+    assert bench.padded_rows(100, 512, 0.01, "cpu").sum() == 1  # never empty
+    sst2 = bench.sample_lengths("sst2", 4000, 512, seed=0)
+    assert 5 <= min(sst2) and max(sst2) <= 66 and 0.05 < sum(sst2) / (4000 * 512) < 0.075
+    short = bench.sample_lengths("short", 500, 4096, seed=1)
+    assert 64 <= min(short) and max(short) <= 512
+
+
+def test_shapes_from_a_local_config(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=100).save_pretrained(tmp_path)
+    shapes = bench.resolve_shapes(str(tmp_path), rows=2048, seq=256)
+    assert {(s.in_features, s.out_features) for s in shapes} == {(256, 256), (256, 64), (256, 688), (688, 256)}
+    assert all(s.rows == 2048 and s.seq == 256 and not s.bias for s in shapes)

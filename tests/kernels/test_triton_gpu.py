@@ -1,0 +1,158 @@
+"""Triton SEBP backward on a CUDA GPU: bf16/fp16/fp32 at real shapes against dense backward, the row modes
+against the torch reference, determinism, no host sync, and CUDA-graph capture of the whole backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sebp_kernels import SEBPConfig, SEBPLinear
+from sebp_kernels.reference import sebp_backward_torch, select_rows
+from tests.helpers import assert_close_report, assert_within_torch_error, dense_grads
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (M, out, in): BERT-base and Llama-3.2-3B projections at test-sized M, plus shapes no tile divides.
+SHAPES = [(2048, 3072, 768), (1024, 1024, 3072), (1000, 1027, 515), (333, 768, 768)]
+
+
+def _triton():
+    from sebp_kernels._triton import sebp_backward_triton
+
+    return sebp_backward_triton
+
+
+def _inputs(m, n_out, n_in, dtype, density, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dy = torch.randn(m, n_out, device="cuda", generator=g)
+    dy *= (torch.rand(m, device="cuda", generator=g) < density).unsqueeze(1)
+    x = torch.randn(m, n_in, device="cuda", generator=g)
+    w = torch.randn(n_out, n_in, device="cuda", generator=g) / n_in**0.5
+    return dy.to(dtype), x.to(dtype), w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("density", [0.05, 0.5, 1.0])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_exact_matches_dense_backward(shape, density, dtype):
+    dy, x, w = _inputs(*shape, dtype, density, seed=shape[0])
+    b = torch.zeros(shape[1], device="cuda", dtype=dtype)
+    got = _triton()(dy, x, w, SEBPConfig("exact"))
+    want = dense_grads(x, w, b, dy)
+    ref = dense_grads(x, w, b, dy, torch.float64)
+    for name, g, t, r in zip(("dX", "dW", "db"), got, want, ref):
+        assert g.dtype == dtype and g.shape == t.shape
+        assert_within_torch_error(g, r, t, dtype, name)
+    inactive = (dy == 0).all(1)
+    assert (got[0][inactive] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", ["threshold", "topk"])
+def test_row_modes_match_reference(mode, dtype):
+    m, n_out, n_in = 1537, 896, 640
+    dy, x, w = _inputs(m, n_out, n_in, dtype, 0.7, seed=5)
+    dy *= torch.logspace(-4, 0, m, device="cuda")[torch.randperm(m, device="cuda")].unsqueeze(1).to(dtype)
+    cfg = SEBPConfig("threshold", eps=0.02) if mode == "threshold" else SEBPConfig("topk", top_n=300)
+    got = _triton()(dy, x, w, cfg)
+    want = sebp_backward_torch(dy, x, w, cfg)
+    ref = sebp_backward_torch(dy.double(), x.double(), w.double(), cfg)
+    for name, g, t, r in zip(("dX", "dW", "db"), got, want, ref):
+        assert_within_torch_error(g, r, t, dtype, name)
+    active = torch.zeros(m, dtype=torch.bool, device="cuda")
+    active[select_rows(dy, cfg)] = True
+    assert (got[0][~active] == 0).all() and (got[0][active] != 0).any(1).all()
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_dw_splits_agree_and_are_deterministic(split):
+    from sebp_kernels._triton.dw import dw_db_rows
+    from sebp_kernels._triton.select import select_rows_device
+
+    dy, x, _ = _inputs(8192, 768, 768, torch.bfloat16, 0.6)
+    perm, count = select_rows_device(dy, "exact")
+    one = dw_db_rows(dy, x, perm, count, True, 1)
+    many = dw_db_rows(dy, x, perm, count, True, split)
+    assert_close_report(many[0].float(), one[0].float(), atol=0.1, rtol=2e-2, name="dW")
+    assert_close_report(many[1].float(), one[1].float(), atol=0.1, rtol=2e-2, name="db")
+    again = dw_db_rows(dy, x, perm, count, True, split)
+    assert torch.equal(again[0], many[0]) and torch.equal(again[1], many[1])
+
+
+def test_non_contiguous_and_edge_inputs():
+    fn = _triton()
+    dy, x, w = _inputs(700, 300, 260, torch.bfloat16, 0.3)
+    for cfg_dy in (dy.t().contiguous().t(), torch.zeros_like(dy), torch.ones(1, 1, device="cuda",
+                                                                            dtype=torch.bfloat16).expand(700, 300)):
+        got = fn(cfg_dy, x, w, SEBPConfig("exact"))
+        want = sebp_backward_torch(cfg_dy.contiguous(), x, w, SEBPConfig("exact"))
+        ref = sebp_backward_torch(cfg_dy.double(), x.double(), w.double(), SEBPConfig("exact"))
+        for name, g, t, r in zip(("dX", "dW", "db"), got, want, ref):
+            assert_within_torch_error(g, r, t, torch.bfloat16, name)
+
+
+def test_backward_makes_no_host_sync():
+    fn = _triton()
+    dy, x, w = _inputs(4096, 1024, 768, torch.bfloat16, 0.3)
+    for cfg in (SEBPConfig("exact"), SEBPConfig("threshold", eps=0.5), SEBPConfig("topk", top_n=999)):
+        fn(dy, x, w, cfg)  # warm-up: compile and autotune outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn(dy, x, w, cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
+def test_whole_backward_is_cuda_graph_capturable(mode):
+    fn = _triton()
+    cfg = {"exact": SEBPConfig("exact"), "threshold": SEBPConfig("threshold", eps=0.3),
+           "topk": SEBPConfig("topk", top_n=500)}[mode]
+    dy, x, w = _inputs(3000, 1024, 640, torch.bfloat16, 0.2, seed=1)
+    for _ in range(2):
+        fn(dy, x, w, cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(dy, x, w, cfg)
+    for density, seed in ((0.05, 2), (0.6, 3), (1.0, 4)):  # a different k on every replay
+        new_dy, new_x, _ = _inputs(3000, 1024, 640, torch.bfloat16, density, seed=seed)
+        dy.copy_(new_dy)
+        x.copy_(new_x)
+        graph.replay()
+        want = sebp_backward_torch(dy, x, w, cfg)
+        ref = sebp_backward_torch(dy.double(), x.double(), w.double(), cfg)
+        for name, g, t, r in zip(("dX", "dW", "db"), out, want, ref):
+            assert_within_torch_error(g, r, t, torch.bfloat16, f"{name} (density {density})")
+
+
+def test_training_step_with_sebp_linear_is_graph_capturable():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(768, 1536, device="cuda", dtype=torch.bfloat16)
+    sebp = SEBPLinear.from_linear(torch.nn.Linear(768, 1536, device="cuda", dtype=torch.bfloat16))
+    sebp.load_state_dict(dense.state_dict())
+    x = torch.randn(8, 256, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.zeros(8, 256, 1, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            (sebp(x) * mask).float().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    sebp.zero_grad(set_to_none=False)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (sebp(x) * mask).float().sum().backward()
+    lengths = torch.tensor([256, 3, 40, 0, 128, 77, 1, 200], device="cuda")
+    mask.copy_((torch.arange(256, device="cuda") < lengths[:, None]).unsqueeze(-1).to(mask.dtype))
+    sebp.weight.grad.zero_()
+    sebp.bias.grad.zero_()
+    x.grad.zero_()
+    graph.replay()
+    xd = x.detach().clone().requires_grad_()
+    (dense(xd) * mask).float().sum().backward()
+    assert_close_report(sebp.weight.grad.float(), dense.weight.grad.float(), atol=0.25, rtol=2e-2, name="dW")
+    assert_close_report(sebp.bias.grad.float(), dense.bias.grad.float(), atol=0.1, rtol=2e-2, name="db")
+    assert_close_report(x.grad.float(), xd.grad.float(), atol=2e-2, rtol=2e-2, name="dX")
