@@ -63,6 +63,159 @@ def _main(
         raise typer.Exit()
 
 
+# ------------------------------------------------------------------------------------------------ finetune
+
+
+def _finetune_progress(console_):
+    """A rich progress bar fed by finetune's events: one bar per run, live loss and backward speedup."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("[bold]{task.description:>5}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=console_, transient=False)
+    tasks: dict[str, int] = {}
+
+    def on_event(kind: str, p: dict) -> None:
+        run = p.get("run", "")
+        if kind == "calibrated":
+            n, dense = len(p["layers"]), len(p["fallback_dense"])
+            times = ""
+            if p.get("dense_backward_ms") and p.get("sebp_backward_ms"):
+                times = (f"; calibration backward: dense {p['dense_backward_ms']:.1f} ms, "
+                         f"SEBP {p['sebp_backward_ms']:.1f} ms")
+            why = p.get("fallback_reason") or "active rows above the fallback density"
+            progress.console.print(f"{run}: SEBP on {n} layers, {dense} left dense ({why}){times}", highlight=False)
+        elif kind == "start":
+            tasks[run] = progress.add_task(run, total=p["total"], completed=p["step"], loss="-", speed="")
+        elif kind == "step" and run in tasks:
+            speed = f"backward x{p['speedup_backward']:.2f}" if "speedup_backward" in p else ""
+            progress.update(tasks[run], completed=p["step"], loss=f"{p['loss']:.4f}", speed=speed)
+        elif kind == "eval":
+            vals = ", ".join(f"{k[5:]} {v:.4f}" for k, v in p.items() if k.startswith("eval_"))
+            progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
+        elif kind == "skipped":
+            progress.console.print(f"{run}: already completed, kept", highlight=False)
+
+    return progress, on_event
+
+
+def _print_finetune_summary(summary: dict) -> None:
+    from rich.table import Table
+
+    runs = summary.get("runs") or {summary.get("method", "run"): summary}
+    table = Table(title=f"fine-tuning: {summary['output_dir']}")
+    for col in ("run", "status", "steps", "loss", "held-out", "bwd ms", "step ms", "MiB"):
+        table.add_column(col, justify="left" if col in ("run", "status", "held-out") else "right", no_wrap=True)
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    short = {"eval_accuracy": "acc", "eval_perplexity": "ppl", "eval_loss": "loss"}
+    for name, s in runs.items():
+        ev = s.get("final_eval", {})
+        held = " ".join(f"{short.get(k, k)} {v:.4f}" for k, v in ev.items() if k != "eval_loss")
+        table.add_row(name, s["status"], str(s.get("steps", 0)), fmt(s.get("final_train_loss"), "{:.4f}"), held,
+                      fmt(s.get("mean_backward_ms")), fmt(s.get("mean_step_ms")), fmt(s.get("peak_mem_mb"), "{:.0f}"))
+    console.print(table)
+    cmp = summary.get("comparison")
+    if cmp:
+        parts = [f"backward x{cmp['speedup_backward']:.2f}" if "speedup_backward" in cmp else "",
+                 f"step x{cmp['speedup_step']:.2f}" if "speedup_step" in cmp else "",
+                 f"peak memory x{cmp['peak_mem_ratio']:.3f}" if "peak_mem_ratio" in cmp else "",
+                 f"max |loss gap| {cmp['max_abs_loss_gap']:.2e}" if cmp.get("max_abs_loss_gap") is not None else ""]
+        console.print("SEBP vs dense: " + ", ".join(p for p in parts if p), highlight=False)
+
+
+@app.command("finetune")
+@one_line_errors
+def finetune_cmd(
+    model: str = typer.Argument("minilm", help="Bundled name (minilm, smollm2), local directory or hub id."),
+    dataset: str = typer.Argument("tweets", help="Bundled name (tweets), local CSV/JSON/JSONL/Parquet or hub name."),
+    auto_eps: bool = typer.Option(False, "--auto-eps", help="Run the analysis first and use its per-layer eps/N."),
+    report: str = typer.Option(None, "--report", help="Use the per-layer settings of this analysis report."),
+    eps: float = typer.Option(None, "--eps", help="One threshold for every layer (threshold mode)."),
+    top_n: int = typer.Option(None, "--top-n", help="Rows kept per layer (topk mode)."),
+    mode: str = typer.Option(None, "--mode", help="exact | threshold | topk (default: from the other options)."),
+    method: str = typer.Option("sebp", "--method", help="dense | sebp."),
+    compare: bool = typer.Option(False, "--compare", help="Train dense, then SEBP, same seed and data order."),
+    targets: str = typer.Option(None, "--targets", help="Comma-separated layers/patterns to patch (default: "
+                                "attention + MLP projections); 'all-linear' works."),
+    dense_fallback: float = typer.Option(0.9, "--dense-fallback", help="Layers with more active rows than "
+                                         "this share run dense."),
+    always_sebp: bool = typer.Option(False, "--always-sebp", help="Keep SEBP even where calibration measures "
+                                     "it slower than dense."),
+    task: str = typer.Option(None, "--task", help="classification | causal-lm (default: from the model)."),
+    split: str = typer.Option(None, "--split", help="Training split (default train)."),
+    eval_split: str = typer.Option(None, "--eval-split", help="Held-out split (default: test for tweets, "
+                                   "else 10% of train)."),
+    text_column: str = typer.Option(None, "--text-column"),
+    label_column: str = typer.Option(None, "--label-column"),
+    max_samples: int = typer.Option(None, "--max-samples", help="Use at most this many training examples."),
+    eval_samples: int = typer.Option(1000, "--eval-samples", help="Evaluate on at most this many examples."),
+    padding: str = typer.Option("max_length", "--padding", help="max_length | longest."),
+    max_length: int = typer.Option(64, "--max-length"),
+    batch_size: int = typer.Option(16, "--batch-size", help="Per process (and per micro-batch)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    epochs: float = typer.Option(None, "--epochs"),
+    max_steps: int = typer.Option(None, "--max-steps", help="Optimizer steps (default 200 unless --epochs)."),
+    lr: float = typer.Option(5e-5, "--lr"),
+    warmup_ratio: float = typer.Option(0.06, "--warmup-ratio"),
+    bf16: bool = typer.Option(False, "--bf16", help="bfloat16 autocast."),
+    fp16: bool = typer.Option(False, "--fp16", help="float16 autocast with loss scaling (GPU)."),
+    lora: bool = typer.Option(False, "--lora", help="Train LoRA adapters (peft); SEBP on the frozen base layers "
+                              "computes no dW."),
+    lora_r: int = typer.Option(8, "--lora-r"),
+    eval_steps: int = typer.Option(None, "--eval-steps", help="Evaluate every N steps (default: 4 times)."),
+    save_steps: int = typer.Option(None, "--save-steps", help="Checkpoint every N steps (default: at the end, "
+                                   "and on Ctrl-C/SIGTERM)."),
+    output_dir: str = typer.Option("runs/finetune", "--output-dir", "-o"),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its last checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run in --output-dir."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
+) -> None:
+    """Fine-tune with the SEBP linear (and measure it against dense).
+
+    Examples:
+
+    - `sebp-probe finetune` : MiniLM on the bundled tweets, exact SEBP, 200 steps (CPU: minutes)
+    - `sebp-probe finetune minilm tweets --auto-eps --compare -o runs/auto` : analysis, then dense vs SEBP
+    - `sebp-probe finetune minilm tweets --report report.json --mode topk`
+    - `sebp-probe finetune ./my-model data.csv --eps 1e-6 --bf16 --lora --epochs 1`
+    - `accelerate launch --num_processes 2 -m sebp_probe.cli finetune minilm tweets --compare` : DDP
+
+    Ctrl-C or SIGTERM writes a checkpoint and stops (exit 130); `--resume` continues it. Output: run_config.json,
+    metrics.jsonl, summary.json, loss.png, eval.png, model/ (plain Hugging Face) and checkpoints/.
+    """
+    from .config import DataConfig, FinetuneConfig
+    from .finetune import finetune
+
+    if bf16 and fp16:
+        raise UserError("--bf16 and --fp16 exclude each other")
+    data = DataConfig(dataset=dataset, split=split, eval_split=eval_split, text_column=text_column,
+                      label_column=label_column, padding=padding, max_length=max_length, batch_size=batch_size,
+                      max_samples=max_samples, seed=seed)
+    cfg = FinetuneConfig(
+        model=model, data=data, output_dir=output_dir, task=task, method=method, compare=compare, mode=mode,
+        eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
+        targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
+        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
+        grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
+        eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)
+    progress, on_event = _finetune_progress(err_console if as_json else console)
+    with progress:
+        summary = finetune(cfg, resume=resume, overwrite=overwrite, on_event=on_event)
+    if as_json:
+        import json
+
+        console.print_json(json.dumps(summary, default=str))
+    else:
+        _print_finetune_summary(summary)
+    if summary["status"] == "interrupted":
+        ckpt = next((s.get("checkpoint") for s in (summary.get("runs") or {"": summary}).values()
+                     if s.get("status") == "interrupted"), None)
+        err_console.print(f"interrupted: checkpoint {ckpt}; continue with the same command and --resume",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
 # --------------------------------------------------------------------------------------------------- bench
 
 

@@ -1,16 +1,18 @@
 """Frozen, validated settings shared by analyze, heatmap and finetune."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from sebp_kernels import SEBPConfig
+from sebp_kernels.config import MODES
 
 Padding = Literal["max_length", "longest"]
 Side = Literal["left", "right"]
 TASKS = ("classification", "causal-lm")
 
-__all__ = ["DataConfig", "SEBPConfig", "TASKS"]
+__all__ = ["DataConfig", "FinetuneConfig", "SEBPConfig", "TASKS"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,165 @@ class DataConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+METHODS = ("dense", "sebp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEFAULT_MAX_STEPS = 200
+
+
+def _pos_int(value, what: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """One fine-tuning run (or a dense-vs-SEBP comparison) of ``finetune``.
+
+    SEBP settings: ``mode`` is inferred when not given: ``topk`` with ``top_n``, ``threshold`` with ``eps``,
+    ``auto_eps`` or ``report``, else ``exact``. ``auto_eps`` runs the analysis first; ``report`` reads one.
+    ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
+    ``fallback_if_slower``: the whole model stays dense when SEBP's backward measures slower at calibration.
+    Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
+    ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
+    """
+
+    model: str = "minilm"
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=64, batch_size=16))
+    output_dir: str = "runs/finetune"
+    task: str | None = None
+    method: str = "sebp"
+    compare: bool = False
+    mode: str | None = None
+    eps: float | None = None
+    top_n: int | None = None
+    auto_eps: bool = False
+    report: str | None = None
+    targets: tuple[str, ...] | None = None
+    backend: str = "auto"
+    dense_fallback: float = 0.9
+    fallback_if_slower: bool = True
+    max_steps: int | None = None
+    epochs: float | None = None
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.06
+    max_grad_norm: float | None = 1.0
+    grad_accum: int = 1
+    precision: str = "fp32"
+    lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    eval_steps: int | None = None
+    eval_samples: int | None = 1000
+    save_steps: int | None = None
+    save_total_limit: int = 2
+    calib_batches: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, DataConfig):
+            raise TypeError(f"data must be a DataConfig, got {type(self.data).__name__}")
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"unknown SEBP mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) \
+                or self.lr <= 0:
+            raise ValueError(f"learning rate must be a finite number > 0, got {self.lr!r}")
+        if not (0 <= self.weight_decay < math.inf):
+            raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
+        if not (0 <= self.warmup_ratio < 1):
+            raise ValueError(f"warmup ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_grad_norm is not None and not (0 < self.max_grad_norm < math.inf):
+            raise ValueError(f"max grad norm must be > 0 (or None), got {self.max_grad_norm}")
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("give max steps or epochs, not both")
+        if self.max_steps is not None:
+            _pos_int(self.max_steps, "max steps")
+        if self.epochs is not None and not (0 < self.epochs < math.inf):
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        _pos_int(self.grad_accum, "gradient accumulation steps")
+        for value, what in ((self.eval_steps, "eval steps"), (self.eval_samples, "eval samples"),
+                            (self.save_steps, "save steps")):
+            if value is not None:
+                _pos_int(value, what)
+        _pos_int(self.save_total_limit, "save total limit")
+        _pos_int(self.calib_batches, "calibration batches", 0)
+        _pos_int(self.lora_r, "LoRA rank")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0, got {self.lora_alpha}")
+        if not (0 < self.dense_fallback <= 1):
+            raise ValueError(f"dense fallback density must be in (0, 1], got {self.dense_fallback}")
+        if self.targets is not None and (isinstance(self.targets, str) or not all(
+                isinstance(t, str) and t for t in self.targets)):
+            raise ValueError("targets must be a tuple of module names or patterns")
+        self._check_sebp_settings()
+
+    def _check_sebp_settings(self) -> None:
+        if self.eps is not None:
+            if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not math.isfinite(self.eps) \
+                    or self.eps < 0:
+                raise ValueError(f"eps must be a finite number >= 0, got {self.eps!r}")
+        if self.top_n is not None:
+            _pos_int(self.top_n, "top-n (N)")
+            rows = self.data.batch_size * self.data.max_length
+            if self.top_n >= rows:
+                raise ValueError(f"top-n {self.top_n} keeps every row: a micro-batch has at most batch size x max "
+                                 f"length = {rows} rows; pick N below that")
+        if self.auto_eps and self.report:
+            raise ValueError("--auto-eps runs the analysis and --report reads one: pass only one of them")
+        sebp_given = [n for n, v in (("eps", self.eps is not None), ("top-n", self.top_n is not None),
+                                     ("auto-eps", self.auto_eps), ("report", bool(self.report))) if v]
+        if self.method == "dense" and not self.compare and (sebp_given or self.mode):
+            raise ValueError(f"method dense uses no SEBP settings, but got {', '.join(sebp_given or ['mode'])}")
+        if self.eps is not None and self.top_n is not None and self.mode is None:
+            raise ValueError("both eps and top-n given: pass --mode threshold or --mode topk")
+        mode = self.sebp_mode
+        if mode == "exact" and (self.eps is not None or self.top_n is not None or self.auto_eps):
+            raise ValueError("exact mode skips only all-zero rows and takes no eps, top-n or --auto-eps")
+        if mode == "threshold" and self.eps is None and not (self.auto_eps or self.report):
+            raise ValueError("threshold mode needs --eps, --auto-eps or --report")
+        if mode == "topk" and self.top_n is None and not (self.auto_eps or self.report):
+            raise ValueError("topk mode needs --top-n, --auto-eps or --report")
+        if mode == "threshold" and self.top_n is not None or mode == "topk" and self.eps is not None:
+            raise ValueError(f"{mode} mode does not use {'top-n' if mode == 'threshold' else 'eps'}")
+
+    @property
+    def sebp_mode(self) -> str:
+        if self.mode is not None:
+            return self.mode
+        if self.top_n is not None:
+            return "topk"
+        if self.eps is not None or self.auto_eps or self.report:
+            return "threshold"
+        return "exact"
+
+    @property
+    def uses_report(self) -> bool:
+        return bool(self.auto_eps or self.report)
+
+    def sebp_config(self) -> SEBPConfig:
+        """The one setting for every patched layer when no report gives per-layer ones."""
+        return SEBPConfig(mode=self.sebp_mode, eps=float(self.eps or 0.0), top_n=self.top_n, backend=self.backend)
+
+    def methods(self) -> tuple[str, ...]:
+        return METHODS if self.compare else (self.method,)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["targets"] = list(self.targets) if self.targets is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FinetuneConfig":
+        d = dict(d)
+        d["data"] = DataConfig(**d["data"])
+        if d.get("targets") is not None:
+            d["targets"] = tuple(d["targets"])
+        return cls(**d)

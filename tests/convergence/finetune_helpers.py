@@ -1,0 +1,38 @@
+"""Synthetic token data and test isolation for fine-tuning tests (no tokenizer, no downloads)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sebp_probe.finetune import TrainData
+
+
+def synthetic_data(task: str, n: int = 96, n_eval: int = 32, max_len: int = 24, min_len: int = 4,
+                   vocab: int = 120, seed: int = 0) -> TrainData:
+    """Random token sequences of random length; the class is the first token mod 3 (learnable)."""
+    rng = random.Random(seed)
+
+    def item():
+        ids = [rng.randint(3, vocab - 1) for _ in range(rng.randint(min_len, max_len))]
+        if task == "classification":
+            return {"input_ids": ids, "label": ids[0] % 3}
+        return {"input_ids": ids, "labels": list(ids)}
+
+    names = ["a", "b", "c"] if task == "classification" else []
+    return TrainData(task, [item() for _ in range(n)], [item() for _ in range(n_eval)], pad_id=0,
+                     label_names=names, identity={"synthetic": True, "seed": seed})
+
+
+@pytest.fixture(autouse=True)
+def isolated_accelerate():
+    """One thread (stable timings on a shared CPU) and a fresh accelerate state per test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

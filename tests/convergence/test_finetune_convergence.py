@@ -1,0 +1,195 @@
+"""finetune() on tiny models and synthetic tokens: exact SEBP reproduces dense, lossy modes still learn,
+per-layer dense fallback, LoRA, interrupt + resume, non-finite loss."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from sebp_kernels import SEBPConfig, SEBPLinear
+from sebp_probe import finetune as ft
+from sebp_probe.assets import LoadedModel
+from sebp_probe.config import DataConfig, FinetuneConfig
+from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
+from tests.tiny_models import ENCODERS, tiny_config, tiny_model
+
+
+def _loader(arch, dropout: float = 0.0):
+    task = "classification" if arch in ENCODERS else "causal-lm"
+
+    def load():
+        if not dropout:
+            return LoadedModel(tiny_model(arch), None, task, f"tiny-{arch}", "config")
+        cfg = tiny_config(arch)
+        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = dropout
+        return LoadedModel(AutoModelForSequenceClassification.from_config(cfg), None, task, "tiny", "config")
+    return load
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(model="tiny", data=DataConfig(max_length=24, batch_size=8), output_dir=str(tmp_path / "run"),
+                max_steps=20, lr=2e-3, warmup_ratio=0.0, dense_fallback=1.0, fallback_if_slower=False, seed=0)
+    base.update(kw)
+    return FinetuneConfig(**base)
+
+
+def _train_losses(path):
+    return [json.loads(x)["loss"] for x in open(path) if '"train"' in x]
+
+
+@pytest.mark.parametrize("arch,accum", [("bert", 1), ("bert", 2), ("llama", 1)])
+def test_exact_sebp_reproduces_dense_losses(tmp_path, arch, accum):
+    data = synthetic_data("classification" if arch in ENCODERS else "causal-lm")
+    cfg = _cfg(tmp_path, compare=True, grad_accum=accum)
+    s = ft.finetune(cfg, load_fn=_loader(arch), data=data)
+    dense, sebp = s["runs"]["dense"], s["runs"]["sebp"]
+    assert dense["status"] == sebp["status"] == "completed"
+    assert len(sebp["calibration"]["layers"]) == (12 if arch in ENCODERS else 14)
+    assert min(sebp["calibration"]["density"].values()) < 0.9  # padding rows really were skipped
+    d_loss = _train_losses(tmp_path / "run" / "dense" / "metrics.jsonl")
+    s_loss = _train_losses(tmp_path / "run" / "sebp" / "metrics.jsonl")
+    assert len(d_loss) == len(s_loss) == 20
+    assert max(abs(a - b) for a, b in zip(d_loss, s_loss)) < 1e-5
+    assert s["comparison"]["max_abs_loss_gap"] < 1e-5
+    assert sum(d_loss[-5:]) < sum(d_loss[:5])  # it learns
+    for k, v in dense["final_eval"].items():
+        assert sebp["final_eval"][k] == pytest.approx(v, rel=1e-5, abs=1e-6)
+    metric = "eval_accuracy" if arch in ENCODERS else "eval_perplexity"
+    assert metric in dense["final_eval"]
+    assert {"speedup_backward", "speedup_step", "peak_mem_ratio"} <= set(s["comparison"])
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "eval.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("mode_kw", [dict(mode="topk", top_n=64), dict(eps=1e-4)])
+def test_lossy_modes_skip_rows_and_still_learn(tmp_path, mode_kw):
+    data = synthetic_data("classification", n=128)
+    cfg = _cfg(tmp_path, compare=True, max_steps=40, **mode_kw)
+    s = ft.finetune(cfg, load_fn=_loader("bert"), data=data)
+    cal = s["runs"]["sebp"]["calibration"]
+    it = iter(ft._loaders(cfg, data)[0])
+    batches = [next(it) for _ in range(cfg.calib_batches)]  # the calibration's batches
+    model = tiny_model("bert")
+    exact = ft.calibrate(model, batches, ft.candidate_layers(model, _cfg(tmp_path), None), 1.0,
+                         torch.device("cpu"), if_slower=False).density
+    assert any(cal["density"][n] < exact[n] - 0.05 for n in exact)  # rows beyond the all-zero ones dropped
+    d_loss = _train_losses(tmp_path / "run" / "dense" / "metrics.jsonl")
+    s_loss = _train_losses(tmp_path / "run" / "sebp" / "metrics.jsonl")
+    assert s["comparison"]["max_abs_loss_gap"] > 0
+    assert sum(s_loss[-8:]) < sum(s_loss[:8]) - 0.1
+    assert abs(sum(s_loss[-8:]) - sum(d_loss[-8:])) / 8 < 0.15
+
+
+def test_dense_fallback_keeps_dense_rows_dense(tmp_path):
+    # Every sequence is full length: all rows are active except where only the CLS row gets gradient
+    # (the last layer's query, attention output and MLP): only those are worth SEBP.
+    data = synthetic_data("classification", min_len=24, max_len=24)
+    cfg = _cfg(tmp_path, dense_fallback=0.9, max_steps=3)
+    s = ft.finetune(cfg, load_fn=_loader("bert"), data=data)
+    cal = s["calibration"]
+    last = "bert.encoder.layer.1."
+    assert set(cal["layers"]) == {last + p for p in ("attention.self.query", "attention.output.dense",
+                                                     "intermediate.dense", "output.dense")}
+    assert len(cal["fallback_dense"]) == 8 and all(cal["density"][n] == 1.0 for n in cal["fallback_dense"])
+    assert all(cal["density"][n] == pytest.approx(1 / 24) for n in cal["layers"])
+
+
+def test_sebp_slower_than_dense_falls_back_to_dense(monkeypatch):
+    model = tiny_model("bert")
+    real = ft._timed_backward
+
+    def fake(m, batch, device, autocast):  # SEBP measured twice as slow as dense
+        real(m, batch, device, autocast)
+        return 2.0 if any(isinstance(x, SEBPLinear) for x in m.modules()) else 1.0
+
+    monkeypatch.setattr(ft, "_timed_backward", fake)
+    batch = next(iter(ft._loaders(FinetuneConfig(data=DataConfig(max_length=24, batch_size=8)),
+                                  synthetic_data("classification"))[0]))
+    cands = ft.candidate_layers(model, FinetuneConfig(), None)
+    c = ft.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=True)
+    assert c.layers == {} and c.reason and not any(isinstance(x, SEBPLinear) for x in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    c = ft.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=False)
+    assert len(c.layers) == 12 and sum(isinstance(x, SEBPLinear) for x in model.modules()) == 12
+
+
+def test_lora_sebp_matches_dense_and_saves_a_plain_model(tmp_path):
+    pytest.importorskip("peft")
+    cfg = _cfg(tmp_path, compare=True, lora=True, max_steps=8)
+    s = ft.finetune(cfg, load_fn=_loader("bert"), data=synthetic_data("classification"))
+    assert s["comparison"]["max_abs_loss_gap"] < 1e-5
+    assert len(s["runs"]["sebp"]["calibration"]["layers"]) == 12
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "sebp" / "model")
+    assert set(saved.state_dict()) == set(tiny_model("bert").state_dict())
+    assert not any(isinstance(m, SEBPLinear) for m in saved.modules())
+    base = tiny_model("bert").state_dict()
+    key = "bert.encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(saved.state_dict()[key], base[key])  # the LoRA update was merged in
+
+
+def test_frozen_base_layers_compute_no_weight_gradient():
+    """What --lora relies on: SEBP on a frozen weight neither saves X nor computes dW."""
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    lin = SEBPLinear.from_linear(torch.nn.Linear(8, 5), SEBPConfig("exact"))
+    lin.weight.requires_grad_(False)
+    lin.bias.requires_grad_(False)
+    y = lin(x)
+    assert y.grad_fn.saved_tensors[0] is None
+    y.sum().backward()
+    assert lin.weight.grad is None and x.grad is not None
+
+
+def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path):
+    data = synthetic_data("classification", n=40)  # 5 batches per epoch: the run crosses epochs
+    kw = dict(max_steps=12, grad_accum=2, eval_steps=4)
+    load = _loader("bert", dropout=0.1)  # dropout: the resumed run must restore the RNG too
+    full = ft.finetune(_cfg(tmp_path / "a", **kw), load_fn=load, data=data)
+
+    def kill_at_5(kind, p):
+        if kind == "step" and p["step"] == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = _cfg(tmp_path / "b", **kw)
+    part = ft.finetune(cfg, load_fn=load, data=data, on_event=kill_at_5)
+    assert part["status"] == "interrupted" and part["checkpoint"].endswith("step-000005")
+    assert json.loads((tmp_path / "b" / "run" / "summary.json").read_text())["status"] == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    resumed = ft.finetune(cfg, resume=True, load_fn=load, data=data)
+    assert resumed["status"] == "completed"
+    a = [json.loads(x) for x in open(tmp_path / "a" / "run" / "metrics.jsonl")]
+    b = [json.loads(x) for x in open(tmp_path / "b" / "run" / "metrics.jsonl")]
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_ms") and k not in ("peak_mem_mb",  # noqa: E731
+                                                                                          "speedup_backward")}
+                        for r in rs]
+    assert strip(a) == strip(b)  # same losses, evals, lr and epochs, bit for bit
+    assert resumed["final_eval"] == full["final_eval"]
+    wa = AutoModelForSequenceClassification.from_pretrained(tmp_path / "a" / "run" / "model").state_dict()
+    wb = AutoModelForSequenceClassification.from_pretrained(tmp_path / "b" / "run" / "model").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    cfg = _cfg(tmp_path, lr=1e30, max_grad_norm=None, save_steps=1, max_steps=10)
+    with pytest.raises(ft.FinetuneError, match="non-finite") as e:
+        ft.finetune(cfg, load_fn=_loader("bert"), data=synthetic_data("classification"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["checkpoint"] in str(e.value)
+    good = ft._checkpoints(tmp_path / "run")
+    assert good and str(good[-1]) == summary["checkpoint"]
+    state = json.loads((good[-1] / ft.STATE).read_text())
+    losses = _train_losses(tmp_path / "run" / "metrics.jsonl")
+    assert state["step"] == len(losses) and all(map(lambda v: v == v and abs(v) < float("inf"), losses))
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_causal_lm_model_saved_loads_without_sebp(tmp_path):
+    s = ft.finetune(_cfg(tmp_path, max_steps=4), load_fn=_loader("llama"), data=synthetic_data("causal-lm"))
+    assert s["final_eval"]["eval_perplexity"] > 1
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert not any(isinstance(x, SEBPLinear) for x in m.modules())
+    cfgjson = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert cfgjson["config"]["max_steps"] == 4 and "torch" in cfgjson["versions"]
