@@ -1,0 +1,491 @@
+"""The gradient-sparsity analysis: model + batches -> collector -> knee -> report, tables, heatmap data.
+
+No CLI code here; :mod:`sebp_probe.cli` only parses, calls and prints.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+from torch import nn
+
+from .hooks import GradientStats, GradientStatsCollector, LayerStats, capture_output_grads
+from .knee import (
+    EpsResult,
+    backward_gemm_flops,
+    detect_eps,
+    padding_waste,
+    recommend_top_n,
+    rows_above,
+)
+from .patch import _logical_name, name_matches
+from .report import SCHEMA, SCHEMA_VERSION
+
+Progress = Callable[[int, int], None]
+
+
+class AnalysisError(ValueError):
+    """An analysis that cannot give a meaningful answer (no batches, NaN gradients...); one line."""
+
+
+@dataclass(frozen=True)
+class AnalyzeSettings:
+    """How the analysis runs and turns statistics into settings.
+
+    max_batches: batches to analyse (None: the whole dataset).
+    target_modules / exclude_modules: which linears (patterns as in :func:`sebp_probe.patch_model`).
+    quantile, margin, tile: N = quantile of per-batch rows above eps, times (1 + margin), rounded up to a
+    multiple of tile (the kernels' row block).
+    min_gap_decades: the narrowest noise/signal gap that counts as a knee (see :mod:`sebp_probe.knee`).
+    train_mode: run the model in train mode (dropout on), as fine-tuning does.
+    """
+
+    max_batches: int | None = 24
+    target_modules: tuple[str, ...] | None = None
+    exclude_modules: tuple[str, ...] | None = None
+    quantile: float = 0.99
+    margin: float = 0.1
+    tile: int = 64
+    min_gap_decades: float = 1.0
+    train_mode: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batches is not None and (not isinstance(self.max_batches, int) or self.max_batches < 1):
+            raise ValueError(f"max batches must be an integer >= 1, got {self.max_batches}")
+        if not 0 < self.quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
+        if not math.isfinite(self.margin) or self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+        if not isinstance(self.tile, int) or self.tile < 1:
+            raise ValueError(f"tile must be an integer >= 1, got {self.tile}")
+        if not math.isfinite(self.min_gap_decades) or self.min_gap_decades <= 0:
+            raise ValueError(f"min gap must be > 0 decades, got {self.min_gap_decades}")
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def collect(
+    model: nn.Module,
+    batches: Iterable[dict],
+    settings: AnalyzeSettings = AnalyzeSettings(),
+    total: int | None = None,
+    progress: Progress | None = None,
+) -> GradientStats:
+    """Run forward + backward over ``batches`` (dicts a Hugging Face model takes, with labels) with the
+    collector attached; parameters are not updated. Stops after ``settings.max_batches``."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.train(settings.train_mode)
+    limit = settings.max_batches
+    total = min(t for t in (total, limit) if t is not None) if (total or limit) else 0
+    try:
+        with GradientStatsCollector(model, settings.target_modules, settings.exclude_modules) as col:
+            for i, batch in enumerate(batches):
+                if limit is not None and i >= limit:
+                    break
+                batch = _to_device(batch, device)
+                model.zero_grad(set_to_none=True)
+                with col.batch(batch.get("attention_mask")):
+                    loss = model(**batch).loss
+                    if loss is None:
+                        raise AnalysisError("the model returned no loss: the batches need labels")
+                    if not loss.requires_grad:
+                        raise AnalysisError("the loss does not depend on any trainable parameter "
+                                            "(is the whole model frozen?)")
+                    if not torch.isfinite(loss):
+                        raise AnalysisError(f"the loss is {loss.item()} at batch {i + 1}: NaN/Inf gradients "
+                                            "cannot be analysed (check the data and the model's weights)")
+                    loss.backward()
+                if progress is not None:
+                    progress(i + 1, total)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    stats = col.stats()
+    if stats.batches == 0:
+        raise AnalysisError("no batches to analyse (empty dataset?)")
+    return stats
+
+
+# --------------------------------------------------------------------------------------------- summary
+
+
+def layer_type(name: str) -> str:
+    """The part of a module name after its layer index: ``bert.encoder.layer.3.attention.self.query`` ->
+    ``attention.self.query``; names without an index are kept whole."""
+    parts = name.split(".")
+    idx = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[idx[-1] + 1:]) if idx and idx[-1] + 1 < len(parts) else name
+
+
+def _spread(values: np.ndarray) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return {"avg": 0.0, "max": 0.0, "min": 0.0}
+    return {"avg": float(v.mean()), "max": float(v.max()), "min": float(v.min())}
+
+
+def _settings_for(layer: LayerStats, eps: EpsResult, s: AnalyzeSettings) -> dict:
+    seen = layer.seen
+    rows = np.asarray(layer.rows)[seen]
+    active = rows_above(layer.octaves(), eps.eps)
+    top_n = recommend_top_n(active, int(rows.max()), s.quantile, s.margin, s.tile)
+    kept_topk = np.minimum(top_n, rows)
+    fl = {
+        "dense": backward_gemm_flops(rows, layer.in_features, layer.out_features),
+        "threshold": backward_gemm_flops(active, layer.in_features, layer.out_features),
+        "topk": backward_gemm_flops(kept_topk, layer.in_features, layer.out_features),
+    }
+    total_active = int(active.sum())
+    return {
+        "mode": "threshold" if eps.knee_found else "exact",
+        "eps": eps.eps,
+        "top_n": top_n,
+        "stats": {
+            "shape": [layer.in_features, layer.out_features],
+            "batches": int(seen.sum()),
+            **eps.to_dict(),
+            "zero_row_fraction": _spread(layer.zero_row_fraction()),
+            "zero_element_fraction": _spread(layer.zero_element_fraction()),
+            "active_row_fraction": _spread(active / rows),
+            "active_rows": _spread(active),
+            "rows_per_batch": int(rows.max()),
+            "topk_dropped_active_fraction": float(np.maximum(active - top_n, 0).sum() / total_active)
+            if total_active else 0.0,
+            "max_abs": float(max(np.asarray(layer.max_abs)[seen])),
+            "backward_flops": fl,
+        },
+    }
+
+
+def _totals(layers: dict[str, dict]) -> dict:
+    fl = {k: sum(e["stats"]["backward_flops"][k] for e in layers.values()) for k in ("dense", "threshold", "topk")}
+    dense = fl["dense"] or 1.0
+    return {"backward_flops": fl, "saving_threshold": 1 - fl["threshold"] / dense,
+            "saving_topk": 1 - fl["topk"] / dense}
+
+
+def _global_setting(stats: GradientStats, names: list[str], s: AnalyzeSettings) -> dict:
+    hist = sum(stats.layers[n].row_hist for n in names)
+    eps = detect_eps(hist, min_gap_decades=s.min_gap_decades)
+    active, rows, fl_dense, fl_thr, fl_topk = [], [], 0.0, 0.0, 0.0
+    for n in names:
+        lay = stats.layers[n]
+        active.append(rows_above(lay.octaves(), eps.eps))
+        rows.append(np.asarray(lay.rows)[lay.seen])
+    top_n = recommend_top_n(np.concatenate(active), int(max(r.max() for r in rows)), s.quantile, s.margin, s.tile)
+    for n, a, r in zip(names, active, rows):
+        lay = stats.layers[n]
+        fl_dense += backward_gemm_flops(r, lay.in_features, lay.out_features)
+        fl_thr += backward_gemm_flops(a, lay.in_features, lay.out_features)
+        fl_topk += backward_gemm_flops(np.minimum(top_n, r), lay.in_features, lay.out_features)
+    return {
+        "mode": "threshold" if eps.knee_found else "exact",
+        "eps": eps.eps,
+        "top_n": top_n,
+        **eps.to_dict(),
+        "saving_threshold": 1 - fl_thr / fl_dense,
+        "saving_topk": 1 - fl_topk / fl_dense,
+    }
+
+
+def _tokens(stats: GradientStats) -> dict | None:
+    if not stats.lengths:
+        return None
+    lengths = np.concatenate(stats.lengths)
+    return {"per_sample": _spread(lengths), "padded_length": _spread(np.asarray(stats.padded_lengths)),
+            **padding_waste(stats.lengths, stats.padded_lengths)}
+
+
+def summarize(stats: GradientStats, settings: AnalyzeSettings = AnalyzeSettings()) -> dict:
+    """Per-layer settings and statistics, the global setting, token and FLOP totals (the report's body)."""
+    bad = {n: sum(lay.nonfinite_rows) for n, lay in stats.layers.items() if sum(lay.nonfinite_rows)}
+    if bad:
+        name = next(iter(bad))
+        raise AnalysisError(f"NaN/Inf gradients in {len(bad)} layer(s), first {name} ({bad[name]} rows): "
+                            "the run diverges; fix it before choosing SEBP settings")
+    live = [n for n, lay in stats.layers.items() if lay.seen.any()]
+    if not live:
+        raise AnalysisError("no target layer received a gradient (are all parameters frozen?)")
+    layers = {}
+    for n in live:
+        lay = stats.layers[n]
+        layers[n] = _settings_for(lay, detect_eps(lay.row_hist, min_gap_decades=settings.min_gap_decades), settings)
+    return {
+        "analysis": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+                     "batches": stats.batches, "eps_statistic": "row max |dL/dY|",
+                     "layers_without_gradient": [n for n in stats.layers if n not in layers]},
+        "tokens": _tokens(stats),
+        "global": _global_setting(stats, live, settings),
+        "layers": layers,
+        "totals": _totals(layers),
+    }
+
+
+def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict) -> dict:
+    """Wrap a :func:`summarize` result with identities into a schema-versioned report."""
+    from . import __version__
+
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tool_version": __version__,
+        "model": model_info,
+        "dataset": dataset_info,
+        "padding": padding,
+        **summary,
+    }
+
+
+def layer_type_rows(report: dict) -> list[dict]:
+    """One row per layer type for the sparsity table: zero elements / zero rows (avg, max, min over
+    batches and the layers of that type), eps range, the largest N, and how many layers have a knee."""
+    groups: dict[str, list[str]] = {}
+    for name in report["layers"]:
+        groups.setdefault(layer_type(name), []).append(name)
+    rows = []
+    for t, names in groups.items():
+        entries = [report["layers"][n] for n in names]
+        st = [e["stats"] for e in entries]
+        eps = sorted(e["eps"] for e in entries)
+        rows.append({
+            "type": t,
+            "layers": len(names),
+            "zero_elements": {k: float(np.mean([s["zero_element_fraction"][k] for s in st])) if k == "avg"
+                              else (max if k == "max" else min)(s["zero_element_fraction"][k] for s in st)
+                              for k in ("avg", "max", "min")},
+            "zero_rows": {k: float(np.mean([s["zero_row_fraction"][k] for s in st])) if k == "avg"
+                          else (max if k == "max" else min)(s["zero_row_fraction"][k] for s in st)
+                          for k in ("avg", "max", "min")},
+            "active_rows": float(np.mean([s["active_row_fraction"]["avg"] for s in st])),
+            "eps": (eps[0], eps[-1]),
+            "knees": sum(s["knee_found"] for s in st),
+            "top_n": max(e["top_n"] for e in entries),
+        })
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ the pipeline
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``auto``/None -> cuda when available, else cpu; anything else as torch understands it."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but no CUDA GPU is available")
+    return dev
+
+
+def _limit_samples(data_cfg, max_batches: int | None):
+    """Read no more samples than ``max_batches`` batches take (the batches are the first ones, in order)."""
+    from dataclasses import replace
+
+    if max_batches is None:
+        return data_cfg
+    need = max_batches * data_cfg.batch_size
+    return replace(data_cfg, max_samples=min(need, data_cfg.max_samples or need))
+
+
+def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | None = None):
+    """(loaded model, text data, data config), reading only as many samples as ``max_batches`` need.
+
+    The task decides how the data is read and the data decides the classifier's size, so the task is
+    guessed from the model's config first.
+    """
+    from transformers import AutoConfig
+
+    from .assets import guess_task, load_model, load_text_data, resolve_model_path
+
+    cfg = _limit_samples(data_cfg, max_batches)
+    if task is None:
+        path, _ = resolve_model_path(model_name)
+        try:
+            task = guess_task(AutoConfig.from_pretrained(path))
+        except Exception:  # noqa: BLE001 - load_model says what is wrong in one line
+            task = load_model(model_name).task
+    data = load_text_data(cfg, task)
+    loaded = load_model(model_name, task=task, num_labels=data.num_labels if task == "classification" else None)
+    return loaded, data, cfg
+
+
+def padding_info(loaded, cfg) -> dict:
+    return {"padding": cfg.padding, "max_length": cfg.max_length,
+            "padding_side": cfg.padding_side or getattr(loaded.tokenizer, "padding_side", None) or "right",
+            "batch_size": cfg.batch_size}
+
+
+def _report_for(loaded, data, cfg, settings: AnalyzeSettings, progress: Progress | None) -> dict:
+    from .assets import make_loader, model_identity
+
+    loader = make_loader(loaded, data, cfg)
+    stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress)
+    model_info = {"name": loaded.name, "source": loaded.source, "task": loaded.task,
+                  **model_identity(loaded.model)}
+    return build_report(summarize(stats, settings), model_info, data.identity, padding_info(loaded, cfg))
+
+
+def analyze(
+    model_name: str,
+    data_cfg,
+    settings: AnalyzeSettings = AnalyzeSettings(),
+    task: str | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+):
+    """Load the model and ``data_cfg``'s dataset, collect, summarize; return (report, loaded model)."""
+    loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
+    loaded.model.to(resolve_device(device))
+    return _report_for(loaded, data, cfg, settings, progress), loaded
+
+
+def analyze_for_finetune(loaded, data_cfg, settings: AnalyzeSettings = AnalyzeSettings(),
+                         progress: Progress | None = None) -> dict:
+    """The report for an already loaded model (on its current device), as ``finetune --auto-eps`` needs."""
+    from .assets import load_text_data
+
+    cfg = _limit_samples(data_cfg, settings.max_batches)
+    return _report_for(loaded, load_text_data(cfg, loaded.task), cfg, settings, progress)
+
+
+# -------------------------------------------------------------------------------------------- heatmaps
+
+
+def match_layers(model: nn.Module, pattern: str) -> list[str]:
+    """Logical names of the nn.Linear layers matching a glob (``*.11.*.query``), an exact name, a dotted
+    suffix or a regex. Raises ValueError when none matches."""
+    names = [_logical_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) or name_matches(n, pattern)]
+    if not hits:
+        sample = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        raise ValueError(f"layer pattern {pattern!r} matches no linear layer (they are named like {sample})")
+    return hits
+
+
+@dataclass
+class LayerPicture:
+    """What one heatmap figure row shows for a layer."""
+
+    name: str
+    samples: list[np.ndarray]  # |dL/dY| per sample: (padded tokens, features)
+    lengths: list[int]  # real tokens of each sample
+    padding_side: str
+    element_hist: np.ndarray
+    row_hist: np.ndarray
+    eps: EpsResult
+    labels: list[str] = field(default_factory=list)
+
+
+def heatmap_data(model: nn.Module, batches: list[dict], sample_batch: dict, layers: list[str],
+                 settings: AnalyzeSettings, padding_side: str = "right",
+                 progress: Progress | None = None) -> list[LayerPicture]:
+    """Statistics over ``batches`` and the full |dL/dY| of the (small) ``sample_batch`` for ``layers``."""
+    s = AnalyzeSettings(**{**asdict(settings), "target_modules": tuple(layers), "exclude_modules": None})
+    stats = collect(model, batches, s, total=len(batches), progress=progress)
+    device = next(model.parameters()).device
+    sample_batch = _to_device(sample_batch, device)
+    was_training = model.training
+    model.train(settings.train_mode)
+    try:
+        with capture_output_grads(model, layers) as dy:
+            model(**sample_batch).loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    lengths = sample_batch["attention_mask"].sum(dim=1).tolist()
+    out = []
+    for name in layers:
+        lay = stats.layers[name]
+        g = dy[name].abs().numpy()
+        g = g.reshape(len(lengths), -1, g.shape[-1])
+        out.append(LayerPicture(name=name, samples=[g[i] for i in range(len(lengths))], lengths=lengths,
+                                padding_side=padding_side, element_hist=lay.element_hist, row_hist=lay.row_hist,
+                                eps=detect_eps(lay.row_hist, min_gap_decades=settings.min_gap_decades)))
+    return out
+
+
+MAX_HEATMAP_LAYERS = 6
+
+
+def heatmaps(
+    model_name: str,
+    data_cfg,
+    layer_pattern: str,
+    settings: AnalyzeSettings = AnalyzeSettings(max_batches=4),
+    task: str | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[LayerPicture], dict]:
+    """Pictures of the layers matching ``layer_pattern``: the shortest and the longest of the analysed
+    samples, and the statistics of ``settings.max_batches`` batches. Returns (pictures, model info)."""
+    from .assets import make_loader, tokenize
+
+    loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
+    layers = match_layers(loaded.model, layer_pattern)
+    if len(layers) > MAX_HEATMAP_LAYERS:
+        raise ValueError(f"layer pattern {layer_pattern!r} matches {len(layers)} layers; narrow it to at most "
+                         f"{MAX_HEATMAP_LAYERS} (e.g. add a layer index)")
+    loaded.model.to(resolve_device(device))
+    loader = make_loader(loaded, data, cfg)
+    items = tokenize(loaded, data, cfg.max_length)
+    lengths = [len(it["input_ids"]) for it in items]
+    pick = [int(np.argmin(lengths)), int(np.argmax(lengths))]
+    sample_batch = loader.collate_fn([items[i] for i in pick])
+    batches = [b for _, b in zip(range(settings.max_batches or len(loader)), loader)]
+    side = padding_info(loaded, cfg)["padding_side"]
+    pictures = heatmap_data(loaded.model, batches, sample_batch, layers, settings, side, progress)
+    for p in pictures:
+        p.labels = ["shortest", "longest"]
+    return pictures, {"name": loaded.name, "data": cfg.dataset, "padding": padding_info(loaded, cfg)}
+
+
+# ------------------------------------------------------------------------------------------ cost check
+
+
+def measure_overhead(model: nn.Module, batches: list[dict], rounds: int = 3,
+                     settings: AnalyzeSettings = AnalyzeSettings()) -> dict:
+    """Median seconds of a plain forward + backward and of the same with the collector, interleaved per
+    batch so drift hits both alike; ``ratio`` = collected / plain (the budget is 1.3)."""
+    device = next(model.parameters()).device
+    batches = [_to_device(b, device) for b in batches]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model.train(settings.train_mode)
+
+    def step(b):
+        model.zero_grad(set_to_none=True)
+        model(**b).loss.backward()
+
+    plain, collected = [], []
+    with GradientStatsCollector(model, settings.target_modules, settings.exclude_modules) as col:
+        step(batches[0])  # warm-up
+        with col.batch(batches[0].get("attention_mask")):
+            step(batches[0])
+        for _ in range(rounds):
+            for b in batches:
+                sync()
+                t = time.perf_counter()
+                step(b)
+                sync()
+                plain.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                with col.batch(b.get("attention_mask")):
+                    step(b)
+                sync()
+                collected.append(time.perf_counter() - t)
+    model.zero_grad(set_to_none=True)
+    p, c = float(np.median(plain)), float(np.median(collected))
+    return {"plain_s": p, "collect_s": c, "ratio": c / p, "batches": len(batches), "rounds": rounds,
+            "device": str(device)}

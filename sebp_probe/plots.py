@@ -1,0 +1,126 @@
+"""Pictures: |dL/dY| heatmaps with the histogram/CDF and its knee (analysis side).
+
+matplotlib is imported inside the functions and used through ``matplotlib.figure.Figure`` (no pyplot), so
+importing sebp_probe never touches a display or switches anyone's backend. The file format follows the
+extension: .png, .pdf or .svg.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+FORMATS = (".png", ".pdf", ".svg")
+ZERO_COLOR = "#d0d0d0"
+
+
+def check_image_path(path: str | Path) -> Path:
+    """The path, if its extension is a supported format; else a one-line ValueError."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"unsupported image format {path.suffix or '(none)'!r} for {path}: use "
+                         f"{', '.join(FORMATS)}")
+    return path
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Write a matplotlib Figure to ``path`` (format from the extension), creating its folder."""
+    path = check_image_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    return path
+
+
+def _short(name: str, keep: int = 4) -> str:
+    parts = name.split(".")
+    return ".".join(parts[-keep:]) if len(parts) > keep else name
+
+
+def _heatmap(fig, ax, grad: np.ndarray, length: int, side: str, title: str, norm):
+    from matplotlib import colormaps
+
+    cmap = colormaps["magma"].with_extremes(bad=ZERO_COLOR)
+    im = ax.imshow(np.ma.masked_less_equal(grad, 0), aspect="auto", interpolation="nearest", cmap=cmap,
+                   norm=norm)
+    n_tok = grad.shape[0]
+    if length < n_tok:  # the border between real tokens and padding
+        y = length - 0.5 if side == "right" else n_tok - length - 0.5
+        ax.axhline(y, color="#1f77b4", lw=1.2, ls="--")
+        ax.text(grad.shape[1] * 0.98, y, "  padding " + ("below" if side == "right" else "above"), color="#1f77b4",
+                ha="right", va="top" if side == "right" else "bottom", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("feature (output column)")
+    ax.set_ylabel("token position")
+    return im
+
+
+def _cdf_panel(ax, pic) -> None:
+    from .knee import bucket_edges, log_cdf
+
+    edges = bucket_edges()
+    zero_el = pic.element_hist[0] / max(pic.element_hist.sum(), 1)
+    zero_rows = pic.row_hist[0] / max(pic.row_hist.sum(), 1)
+    for hist, label, color in ((pic.element_hist, "|dL/dY| elements", "#7f7f7f"),
+                               (pic.row_hist, "row max |dL/dY|", "#d62728")):
+        curve = log_cdf(hist, edges)
+        if curve is not None:
+            x, cdf, _ = curve
+            ax.plot(10.0 ** x, cdf, color=color, lw=1.6, label=f"CDF of {label}")
+    curve = log_cdf(pic.row_hist, edges)
+    if curve is not None:
+        x, _, density = curve
+        twin = ax.twinx()
+        twin.fill_between(10.0 ** x, density / max(density.max(), 1e-300), step="mid", color="#d62728", alpha=0.15)
+        twin.set_ylim(0, 1.05)
+        twin.set_yticks([])
+    res = pic.eps
+    if res.gap is not None:
+        ax.axvspan(10.0 ** res.gap[0], 10.0 ** res.gap[1], color="#2ca02c", alpha=0.12, label="noise/signal gap")
+    if res.knee_found:
+        ax.axvline(10.0 ** res.knee, color="#9467bd", lw=1, ls=":", label=f"knee 1e{res.knee:.2f}")
+        ax.axvline(res.eps, color="#2ca02c", lw=1.6, label=f"eps = {res.eps:.3g}")
+    else:
+        why = res.reason.split(": eps=0")[0]
+        ax.text(0.02, 0.5, "no knee, eps = 0 (exact mode):\n" + _wrap(why), transform=ax.transAxes,
+                fontsize=8, va="center")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("magnitude (log)")
+    ax.set_ylabel("fraction of non-zero values")
+    ax.set_title(f"exact zeros: {zero_el:.1%} of elements, {zero_rows:.1%} of rows", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3, which="both", lw=0.4)
+
+
+def _wrap(text: str, width: int = 48) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def plot_heatmaps(pictures: list, path: str | Path, title: str | None = None) -> Path:
+    """One row per layer: |dL/dY| of a short and of a long sample (rows = tokens, columns = features, log
+    colour scale, exact zeros grey) and the CDF of |dL/dY| with the knee, gap and eps marked.
+
+    ``pictures``: :class:`sebp_probe.analyze.LayerPicture` objects.
+    """
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    path = check_image_path(path)
+    fig = Figure(figsize=(16, 4.2 * len(pictures)), layout="constrained")
+    axes = fig.subplots(len(pictures), 3, squeeze=False, width_ratios=[1, 1, 1.1])
+    for row, pic in zip(axes, pictures):
+        values = np.concatenate([s[s > 0] for s in pic.samples])
+        vmax = float(values.max()) if values.size else 1.0
+        vmin = max(float(values.min()) if values.size else vmax * 1e-6, vmax * 1e-12)
+        norm = LogNorm(vmin=vmin, vmax=vmax if vmax > vmin else vmin * 10)
+        im = None
+        for ax, grad, n, label in zip(row[:2], pic.samples, pic.lengths, pic.labels or ["short", "long"]):
+            im = _heatmap(fig, ax, grad, n, pic.padding_side,
+                          f"{_short(pic.name)}: {label} sample ({n} of {grad.shape[0]} tokens real)", norm)
+        fig.colorbar(im, ax=row[:2], label="|dL/dY| (grey: exactly 0)", shrink=0.9, pad=0.01)
+        _cdf_panel(row[2], pic)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return save_figure(fig, path)
