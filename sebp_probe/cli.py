@@ -95,6 +95,10 @@ def _finetune_progress(console_):
             progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
         elif kind == "skipped":
             progress.console.print(f"{run}: already completed, kept", highlight=False)
+        elif kind == "analysis":
+            if "analysis" not in tasks:
+                tasks["analysis"] = progress.add_task("eps", total=p["total"], loss="-", speed="analysis")
+            progress.update(tasks["analysis"], completed=p["done"])
 
     return progress, on_event
 
@@ -329,6 +333,218 @@ def bench_cmd(
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"results written to {output}", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------ analyze, heatmap
+
+
+def _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,
+                 padding_side, batch_size, max_samples, seed):
+    from .config import DataConfig
+
+    return DataConfig(dataset=dataset, split=split, text_column=text_column, text_pair_column=text_pair_column,
+                      label_column=label_column, padding=padding, max_length=max_length,
+                      padding_side=padding_side, batch_size=batch_size, max_samples=max_samples, seed=seed)
+
+
+def _patterns(value: str | None) -> tuple[str, ...] | None:
+    return tuple(p.strip() for p in value.split(",") if p.strip()) if value else None
+
+
+def _batch_progress(console_, what: str):
+    """A transient rich progress bar and the (done, total) callback that drives it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TimeRemainingColumn(), console=console_, transient=True)
+    task = progress.add_task(what, total=None)
+    return progress, lambda done, total: progress.update(task, completed=done, total=total)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _eps_text(lo: float, hi: float) -> str:
+    return f"{lo:.2g}" if lo == hi else f"{lo:.2g}..{hi:.2g}"
+
+
+def _print_analysis(report: dict, per_layer: bool) -> None:
+    from rich.table import Table
+
+    from .analyze import layer_type_rows
+
+    m, d, p = report["model"], report["dataset"], report["padding"]
+    console.print(f"[bold]{m['name']}[/bold] ({m['architecture']}, {m['task']}) on [bold]{d['name']}[/bold] "
+                  f"split {d.get('split')}: {report['analysis']['batches']} batches of {p['batch_size']}, padding "
+                  f"{p['padding']} (max {p['max_length']}, {p['padding_side']})", highlight=False)
+    tok = report.get("tokens")
+    if tok:
+        t = Table(title="Tokens per sample")
+        for col in ("avg", "max", "min", "padded to", "padding %", "with dynamic padding %",
+                    "tokens saved by dynamic padding %"):
+            t.add_column(col, justify="right")
+        ps = tok["per_sample"]
+        t.add_row(f"{ps['avg']:.1f}", f"{ps['max']:.0f}", f"{ps['min']:.0f}", f"{tok['padded_length']['max']:.0f}",
+                  _pct(tok["pad_fraction"]), _pct(tok["dynamic_pad_fraction"]), _pct(tok["dynamic_saving"]))
+        console.print(t)
+    t = Table(title="Sparsity of dL/dY per layer type (% over batches: avg / max / min)")
+    for col, just in (("layer type", "left"), ("layers", "right"), ("zero elements %", "right"),
+                      ("zero rows %", "right"), ("rows > eps %", "right"), ("eps", "right"), ("knee", "right"),
+                      ("N", "right")):
+        t.add_column(col, justify=just)
+    for r in layer_type_rows(report):
+        ze, zr = r["zero_elements"], r["zero_rows"]
+        t.add_row(r["type"], str(r["layers"]), f"{_pct(ze['avg'])} / {_pct(ze['max'])} / {_pct(ze['min'])}",
+                  f"{_pct(zr['avg'])} / {_pct(zr['max'])} / {_pct(zr['min'])}", _pct(r["active_rows"]),
+                  _eps_text(*r["eps"]), f"{r['knees']}/{r['layers']}", str(r["top_n"]))
+    console.print(t)
+    if per_layer:
+        t = Table(title="Per layer")
+        for col in ("layer", "mode", "eps", "N", "zero rows %", "rows > eps %", "why"):
+            t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right")
+        for name, e in report["layers"].items():
+            s = e["stats"]
+            t.add_row(name, e["mode"], f"{e['eps']:.3g}", str(e["top_n"]), _pct(s["zero_row_fraction"]["avg"]),
+                      _pct(s["active_row_fraction"]["avg"]), s["reason"])
+        console.print(t)
+    g, tot = report["global"], report["totals"]
+    console.print(f"global: eps {g['eps']:.3g} ({'knee found' if g['knee_found'] else 'no knee: ' + g['reason']}),"
+                  f" N {g['top_n']}", highlight=False, soft_wrap=True)
+    console.print(f"backward GEMM FLOPs saved with the per-layer settings: threshold {_pct(tot['saving_threshold'])}%,"
+                  f" topk {_pct(tot['saving_topk'])}% (global setting: {_pct(g['saving_threshold'])}% / "
+                  f"{_pct(g['saving_topk'])}%)", highlight=False)
+
+
+_DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
+_MODEL_HELP = "Bundled name (minilm, smollm2), local Hugging Face directory, or hub id."
+
+
+@app.command("analyze")
+@one_line_errors
+def analyze_cmd(
+    model: str = typer.Argument("minilm", help=_MODEL_HELP),
+    dataset: str = typer.Argument("tweets", help=_DATA_HELP),
+    task: str = typer.Option(None, "--task", help="classification | causal-lm (default: from the model)."),
+    split: str = typer.Option(None, "--split", help="Dataset split (default train)."),
+    text_column: str = typer.Option(None, "--text-column", help="Text (or prompt) column (default: detected)."),
+    text_pair_column: str = typer.Option(None, "--text-pair-column", help="Second text of sentence pairs."),
+    label_column: str = typer.Option(None, "--label-column", help="Label column (default: detected)."),
+    padding: str = typer.Option("max_length", "--padding", help="max_length | longest (dynamic)."),
+    max_length: int = typer.Option(128, "--max-length", help="Truncate, and pad to, this many tokens."),
+    padding_side: str = typer.Option(None, "--padding-side", help="left | right (default: the tokenizer's)."),
+    batch_size: int = typer.Option(32, "--batch-size"),
+    max_batches: int = typer.Option(24, "--max-batches", help="Analyse this many batches (the first ones)."),
+    max_samples: int = typer.Option(None, "--max-samples", help="Read at most this many samples."),
+    targets: str = typer.Option(None, "--targets", help="Comma-separated layers/patterns (default: attention + "
+                                "MLP projections; 'all-linear' works)."),
+    exclude: str = typer.Option(None, "--exclude", help="Comma-separated layers/patterns to leave out."),
+    quantile: float = typer.Option(0.99, "--quantile", help="N covers this quantile of per-batch active rows..."),
+    margin: float = typer.Option(0.1, "--margin", help="...plus this margin..."),
+    tile: int = typer.Option(64, "--tile", help="...rounded up to a multiple of this (the kernel's row block)."),
+    min_gap: float = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    seed: int = typer.Option(0, "--seed", help="Seed for dropout."),
+    output: str = typer.Option(None, "--output", "-o", help="Write the JSON report here (finetune --report)."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="Also print a table row per layer."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout (for programs)."),
+) -> None:
+    """Measure gradient sparsity layer by layer; recommend eps and N for SEBP.
+
+    For every target linear, dL/dY is reduced on the device batch by batch: zero rows, zero elements, and
+    histograms of |dL/dY| and of each row's max. eps is the knee of the smoothed CDF of row max |dL/dY| above
+    a noise gap (none found: eps = 0, exact mode); N covers the active rows of nearly every batch.
+
+    Examples:
+
+    - `sebp-probe analyze` : MiniLM on the bundled tweets, max length 128, 24 batches (CPU: ~1-2 min)
+    - `sebp-probe analyze minilm tweets --max-batches 4 -o report.json` : quick, and keep the report
+    - `sebp-probe analyze smollm2 tweets --padding-side left --max-length 64 --per-layer`
+    - `sebp-probe analyze ./my-bert data.csv --text-column review --label-column stars --json`
+    - `sebp-probe analyze bert-base-uncased glue/sst2 --padding longest --device cuda`
+    """
+    import torch
+
+    from .analyze import AnalyzeSettings, analyze
+    from .report import save_report
+
+    if padding_side not in (None, "left", "right"):
+        raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
+    cfg = _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,
+                       padding_side, batch_size, max_samples, seed)
+    settings = AnalyzeSettings(max_batches=max_batches, target_modules=_patterns(targets),
+                               exclude_modules=_patterns(exclude), quantile=quantile, margin=margin, tile=tile,
+                               min_gap_decades=min_gap)
+    torch.manual_seed(seed)
+    progress, on_batch = _batch_progress(err_console if as_json else console, "analyzing")
+    with progress:
+        report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch)
+    if output:
+        path = save_report(report, output)
+        (err_console if as_json else console).print(f"report written to {path}", highlight=False)
+    if as_json:
+        import json
+
+        print(json.dumps(report, indent=2))
+    else:
+        _print_analysis(report, per_layer)
+
+
+@app.command("heatmap")
+@one_line_errors
+def heatmap_cmd(
+    model: str = typer.Argument("minilm", help=_MODEL_HELP),
+    dataset: str = typer.Argument("tweets", help=_DATA_HELP),
+    layer: str = typer.Option(..., "--layer", "-l", help="Layer name, suffix, glob ('*.0.attention.self.query') "
+                              "or regex; at most 6 layers."),
+    output: str = typer.Option("heatmap.png", "--output", "-o", help="Image file: .png, .pdf or .svg."),
+    task: str = typer.Option(None, "--task", help="classification | causal-lm (default: from the model)."),
+    split: str = typer.Option(None, "--split"),
+    text_column: str = typer.Option(None, "--text-column"),
+    text_pair_column: str = typer.Option(None, "--text-pair-column"),
+    label_column: str = typer.Option(None, "--label-column"),
+    padding: str = typer.Option("max_length", "--padding", help="max_length | longest."),
+    max_length: int = typer.Option(128, "--max-length"),
+    padding_side: str = typer.Option(None, "--padding-side", help="left | right."),
+    batch_size: int = typer.Option(32, "--batch-size"),
+    max_batches: int = typer.Option(4, "--max-batches", help="Batches behind the histogram/CDF panel."),
+    min_gap: float = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee."),
+    device: str = typer.Option("auto", "--device"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Draw |dL/dY| of chosen layers: heatmaps of the shortest and the longest sample (rows = tokens,
+    columns = features, log colour, exact zeros grey) and the CDF with its knee and eps.
+
+    Examples:
+
+    - `sebp-probe heatmap minilm tweets --layer '*.0.attention.self.query' -o q0.png`
+    - `sebp-probe heatmap minilm tweets --layer 'bert.encoder.layer.5.*' -o last.pdf` : the CLS-only layer
+    - `sebp-probe heatmap smollm2 tweets --layer '*.3.self_attn.q_proj' --padding-side left --max-length 64`
+    """
+    import torch
+
+    from .analyze import AnalyzeSettings, heatmaps
+    from .plots import check_image_path, plot_heatmaps
+
+    check_image_path(output)
+    if padding_side not in (None, "left", "right"):
+        raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
+    cfg = _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,
+                       padding_side, batch_size, None, seed)
+    settings = AnalyzeSettings(max_batches=max_batches, min_gap_decades=min_gap)
+    torch.manual_seed(seed)
+    progress, on_batch = _batch_progress(console, "collecting")
+    with progress:
+        pictures, info = heatmaps(model, cfg, layer, settings, task=task, device=device, progress=on_batch)
+    p = info["padding"]
+    title = (f"{info['name']} on {info['data']}: |dL/dY|, padding {p['padding']} to {p['max_length']} "
+             f"({p['padding_side']}), CDF over {max_batches} batches of {p['batch_size']}")
+    path = plot_heatmaps(pictures, output, title)
+    for pic in pictures:
+        e = pic.eps
+        console.print(f"{pic.name}: eps {e.eps:.3g} ({'knee at 1e%.2f' % e.knee if e.knee_found else e.reason})",
+                      highlight=False, soft_wrap=True)
+    console.print(f"heatmap written to {path}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m sebp_probe`

@@ -764,7 +764,8 @@ class Run:
 # ------------------------------------------------------------------------------------------ top level
 
 
-def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bool) -> dict | None:
+def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bool,
+                 progress: Callable[[int, int], None] | None = None) -> dict | None:
     """The report of ``--report``, or the analysis run now (``--auto-eps``; reused when resuming)."""
     if not cfg.uses_report:
         return None
@@ -778,7 +779,7 @@ def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bo
     else:
         from .analyze import analyze_for_finetune
 
-        report = analyze_for_finetune(loaded, cfg.data)
+        report = analyze_for_finetune(loaded, cfg.data, progress=progress)
     rep.check_report_for_model(report, loaded.model)
     return report
 
@@ -832,12 +833,16 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         first = load_fn()
         if data is None:
             data = load_train_data(cfg, first)
-    report = _load_report(cfg, first, out, resuming)
+    if cfg.auto_eps and not resuming:
+        first.model.to(acc.device)
+    report = _load_report(cfg, first, out, resuming,
+                          progress=lambda done, total: emit("analysis", {"done": done, "total": total}))
     report_layers = None
     if report is not None:
         from .report import layer_configs_from_report
 
-        report_layers = layer_configs_from_report(report, cfg.sebp_mode)
+        # No --mode: each layer's recommendation (threshold where the analysis found a knee, else exact).
+        report_layers = layer_configs_from_report(report, cfg.mode, backend=cfg.backend)
     if "sebp" in cfg.methods():
         candidate_layers(first.model, cfg, report_layers)  # bad targets fail here, before anything is written
     del first
@@ -889,58 +894,6 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
 
 def _plot(records: dict[str, list[dict]], out: Path) -> list[str]:
+    from .plots import plot_training_curves
+
     return [str(p) for p in plot_training_curves(records, out)]
-
-
-# TODO(move): to sebp_probe/plots.py once that module lands (the analysis side owns it).
-def plot_training_curves(runs: dict, out_dir) -> list:
-    """Fine-tuning curves, every run on one plot: ``loss.png`` (train loss per step, raw and smoothed) and
-    ``eval.png`` (held-out accuracy or perplexity, and loss). ``runs``: label -> metrics.jsonl records."""
-    from pathlib import Path
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, recs in runs.items():
-        train = [r for r in recs if r.get("type") == "train"]
-        if not train:
-            continue
-        steps, loss = [r["step"] for r in train], [r["loss"] for r in train]
-        w = max(1, len(loss) // 25)
-        smooth = [sum(loss[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(loss))]
-        line, = ax.plot(steps, smooth, label=f"{label} (moving mean of {w})")
-        ax.plot(steps, loss, color=line.get_color(), alpha=0.25, linewidth=0.8)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("train loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out_dir / "loss.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-
-    evals = {k: [r for r in v if r.get("type") == "eval"] for k, v in runs.items()}
-    if any(evals.values()):
-        metric = "eval_accuracy" if any("eval_accuracy" in r for v in evals.values() for r in v) else "eval_perplexity"
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for label, recs in evals.items():
-            if recs:
-                steps = [r["step"] for r in recs]
-                axes[0].plot(steps, [r[metric] for r in recs], marker="o", label=label)
-                axes[1].plot(steps, [r["eval_loss"] for r in recs], marker="o", label=label)
-        axes[0].set_ylabel(metric.replace("eval_", "held-out "))
-        axes[1].set_ylabel("held-out loss")
-        for a in axes:
-            a.set_xlabel("optimizer step")
-            a.legend()
-            a.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(out_dir / "eval.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    return paths

@@ -124,3 +124,49 @@ def plot_heatmaps(pictures: list, path: str | Path, title: str | None = None) ->
     if title:
         fig.suptitle(title, fontsize=11)
     return save_figure(fig, path)
+
+
+def plot_training_curves(runs: dict, out_dir) -> list:
+    """Fine-tuning curves, every run on one plot: ``loss.png`` (train loss per step, raw and a moving mean)
+    and ``eval.png`` (held-out accuracy or perplexity, and loss). ``runs``: label -> metrics.jsonl records."""
+    import statistics
+
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    paths = []
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    for label, recs in runs.items():
+        train = [r for r in recs if r.get("type") == "train"]
+        if not train:
+            continue
+        steps, loss = [r["step"] for r in train], [r["loss"] for r in train]
+        w = max(1, len(loss) // 25)
+        smooth = [statistics.fmean(loss[max(0, i - w + 1): i + 1]) for i in range(len(loss))]
+        line, = ax.plot(steps, smooth, label=f"{label} (moving mean of {w})")
+        ax.plot(steps, loss, color=line.get_color(), alpha=0.25, linewidth=0.8)
+    ax.set(xlabel="optimizer step", ylabel="train loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(save_figure(fig, out_dir / "loss.png"))
+
+    evals = {k: [r for r in v if r.get("type") == "eval"] for k, v in runs.items()}
+    if any(evals.values()):
+        metric = "eval_accuracy" if any("eval_accuracy" in r for v in evals.values() for r in v) \
+            else "eval_perplexity"
+        fig = Figure(figsize=(10, 4))
+        axes = fig.subplots(1, 2)
+        for label, recs in evals.items():
+            if recs:
+                steps = [r["step"] for r in recs]
+                axes[0].plot(steps, [r[metric] for r in recs], marker="o", label=label)
+                axes[1].plot(steps, [r["eval_loss"] for r in recs], marker="o", label=label)
+        axes[0].set_ylabel(metric.replace("eval_", "held-out "))
+        axes[1].set_ylabel("held-out loss")
+        for a in axes:
+            a.set_xlabel("optimizer step")
+            a.legend()
+            a.grid(alpha=0.3)
+        paths.append(save_figure(fig, out_dir / "eval.png"))
+    return paths

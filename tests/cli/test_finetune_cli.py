@@ -1,0 +1,187 @@
+"""`sebp-probe finetune` end to end, offline: bundled tweets, a tiny local BERT (MiniLM's tokenizer) and the
+bundled MiniLM; output files, output-dir refusal, bad input, non-finite loss, SIGTERM + --resume."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+from typer.testing import CliRunner
+
+from sebp_probe.cli import app
+from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
+
+FAST = ["--max-samples", "160", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32"]
+
+
+def _tiny_bert(path: Path, hidden: int = 32) -> str:
+    from sebp_probe.assets import minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=40, max_position_embeddings=64, num_labels=3)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _tiny_bert(tmp_path_factory.mktemp("tiny") / "bert")
+
+
+def _run(args):
+    return CliRunner().invoke(app, ["finetune", *args])
+
+
+def _error_line(result) -> str:
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert result.exit_code == 1, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _train_records(path: Path) -> list[dict]:
+    keep = ("type", "step", "epoch", "loss", "lr", "tokens", "eval_loss", "eval_accuracy")
+    return [{k: r[k] for k in keep if k in r} for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_help_has_examples():
+    r = _run(["--help"])
+    assert r.exit_code == 0
+    for word in ("Examples", "--auto-eps", "--compare", "--resume", "--lora", "accelerate launch"):
+        assert word in r.output
+
+
+def test_compare_run_writes_outputs_and_guards_its_directory(tiny, tmp_path):
+    out = tmp_path / "run"
+    args = [tiny, "tweets", *FAST, "--max-steps", "6", "--compare", "--always-sebp", "--dense-fallback", "1",
+            "-o", str(out)]
+    r = _run([*args, "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["status"] == "completed"
+    assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
+    assert len(summary["runs"]["sebp"]["calibration"]["layers"]) == 12
+    for name in ("run_config.json", "summary.json", "loss.png", "eval.png"):
+        assert (out / name).stat().st_size > 0
+    for method in ("dense", "sebp"):
+        recs = _train_records(out / method / "metrics.jsonl")
+        assert [x["step"] for x in recs if x["type"] == "train"] == [1, 2, 3, 4, 5, 6]
+        assert recs[-1]["type"] == "eval" and 0 <= recs[-1]["eval_accuracy"] <= 1
+        model = AutoModelForSequenceClassification.from_pretrained(out / method / "model")
+        assert type(model.bert.encoder.layer[0].attention.self.query).__name__ == "Linear"
+        assert (out / method / "checkpoints" / "step-000006").is_dir()
+
+    before = (out / "summary.json").read_text()
+    line = _error_line(_run(args))  # the directory holds a run: refused, nothing touched
+    assert "holds another run" in line and "--resume" in line and "--overwrite" in line
+    assert (out / "summary.json").read_text() == before
+    line = _error_line(_run([*args, "--overwrite", "--max-steps", "0"]))  # bad input: the old run survives
+    assert "max steps" in line and (out / "summary.json").read_text() == before
+    r = _run([*args, "--resume"])  # a completed run: nothing to redo
+    assert r.exit_code == 0 and "already completed" in r.output
+    r = _run([tiny, "tweets", *FAST, "--max-steps", "3", "--method", "dense", "-o", str(out), "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert not (out / "sebp").exists() and (out / "metrics.jsonl").exists()
+
+
+def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(tmp_path), *extra]))
+        assert "notes.txt" in line
+    assert (tmp_path / "notes.txt").read_text() == "mine" and len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--eps", "-1"], "eps must be a finite number >= 0"),
+    (["--eps", "nan"], "eps must be a finite number >= 0"),
+    (["--top-n", "0"], "top-n (N) must be"),
+    (["--top-n", "256"], "keeps every row"),
+    (["--mode", "exact", "--eps", "0.001"], "exact mode"),
+    (["--mode", "threshold"], "threshold mode needs"),
+    (["--mode", "bogus"], "unknown SEBP mode"),
+    (["--method", "dense", "--eps", "0.001"], "method dense uses no SEBP settings"),
+    (["--lr", "0"], "learning rate"),
+    (["--max-steps", "5", "--epochs", "1"], "not both"),
+    (["--padding", "sideways"], "padding must be"),
+    (["--bf16", "--fp16"], "exclude each other"),
+    (["--resume"], "holds no sebp-probe finetune run"),
+    (["--report", "missing.json"], "does not exist"),
+    (["--targets", "nosuchlayer"], "matches no linear layer"),
+    (["--auto-eps", "--report", "r.json"], "only one of them"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
+    out = tmp_path / "run"
+    line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out), *args]))
+    assert needle in line
+    assert not out.exists()
+
+
+def test_dataset_without_labels_is_refused(tiny, tmp_path):
+    csv = tmp_path / "unlabeled.csv"
+    csv.write_text("text,source\nhello there,a\nhow are you,b\n")
+    line = _error_line(_run([tiny, str(csv), "--max-steps", "2", "-o", str(tmp_path / "run")]))
+    assert "no a label column" in line and "--label-column" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_report_for_another_model_is_refused(tiny, tmp_path):
+    from sebp_probe.analyze import AnalyzeSettings, analyze_for_finetune
+    from sebp_probe.assets import load_model
+    from sebp_probe.config import DataConfig
+    from sebp_probe.report import save_report
+
+    other = load_model(_tiny_bert(tmp_path / "wide", hidden=48), num_labels=3)
+    report = analyze_for_finetune(other, DataConfig(max_samples=16, batch_size=8, max_length=32),
+                                  AnalyzeSettings(max_batches=2))
+    save_report(report, tmp_path / "wide.json")
+    line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "--report", str(tmp_path / "wide.json"),
+                             "-o", str(tmp_path / "run")]))
+    assert "the report was made for" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_loss_stops_with_a_clear_message(tiny, tmp_path):
+    out = tmp_path / "run"
+    line = _error_line(_run([tiny, *FAST, "--max-steps", "20", "--lr", "1e30", "--save-steps", "1",
+                             "-o", str(out)]))
+    assert "non-finite" in line and "last good checkpoint" in line
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "diverged" and Path(summary["checkpoint"]).is_dir()
+    assert summary["checkpoint"] in line and not (out / "model").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
+    """Real MiniLM (dropout on) on tweets: SIGTERM from outside, then --resume == an uninterrupted run."""
+    base = ["minilm", "tweets", *FAST, "--max-steps", "8", "--eval-steps", "4", "--save-steps", "100"]
+    r = _run([*base, "-o", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+
+    out = tmp_path / "b"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sebp_probe", "finetune", *base, "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"train"') >= 2:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err
+    assert "interrupted: checkpoint" in err and "--resume" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 8
+
+    r = _run([*base, "-o", str(out), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert _train_records(out / "metrics.jsonl") == _train_records(tmp_path / "a" / "metrics.jsonl")
