@@ -1,0 +1,172 @@
+"""One GPU fine-tuning experiment of scripts/gpu_finetune.sh: dense vs SEBP through sebp_probe.finetune.
+
+Models are built from configs with random weights (BERT-base; a Llama-shaped decoder), the data are
+synthetic token sequences whose lengths follow a log-normal law (most far below max_length, as in real
+fine-tuning sets), so nothing is downloaded and neither `datasets` nor `kneed` is imported.
+
+    python scripts/gpu_finetune.py --exp bert_bf16_max --out $OUT          # one GPU
+    accelerate launch --multi_gpu --num_processes 2 scripts/gpu_finetune.py --exp bert_exact_fp32 --out $OUT
+    python scripts/gpu_finetune.py --collect --out $OUT                    # $OUT/finetune_gpu.json
+
+Each experiment writes $OUT/<exp>.json (the finetune summary, its settings, versions, the command) and
+copies its metrics.jsonl and curves; the run directories themselves (checkpoints, saved models) stay in
+/tmp, too large to bring back.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# name: (model, padding, precision, steps, force SEBP on every target layer)
+EXPERIMENTS = {
+    "bert_exact_fp32": ("bert", "max_length", "fp32", 40, True),
+    "bert_bf16_max": ("bert", "max_length", "bf16", 100, False),
+    "bert_bf16_longest": ("bert", "longest", "bf16", 100, False),
+    "llama_exact_fp32": ("llama", "max_length", "fp32", 30, True),
+    "llama_bf16_max": ("llama", "max_length", "bf16", 60, False),
+    "llama_bf16_longest": ("llama", "longest", "bf16", 60, False),
+}
+SHAPES = {  # batch, max_length, median length, log-normal sigma
+    "bert": (32, 128, 40, 0.6),
+    "llama": (8, 512, 160, 0.7),
+}
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def synthetic_data(task: str, n: int, n_eval: int, max_len: int, median: int, sigma: float, vocab: int, seed=0):
+    from sebp_probe.finetune import TrainData
+
+    rng = random.Random(seed)
+
+    def item():
+        length = int(min(max_len, max(8, round(rng.lognormvariate(math.log(median), sigma)))))
+        ids = [rng.randint(5, vocab - 1) for _ in range(length)]
+        if task == "classification":
+            return {"input_ids": ids, "label": ids[1] % 3}
+        return {"input_ids": ids, "labels": list(ids)}
+
+    return TrainData(task, [item() for _ in range(n)], [item() for _ in range(n_eval)], pad_id=0,
+                     label_names=["a", "b", "c"] if task == "classification" else [],
+                     identity={"synthetic": True, "length": f"lognormal(median={median}, sigma={sigma}) "
+                               f"clipped to [8, {max_len}]", "seed": seed})
+
+
+def model_loader(kind: str, smoke: bool = False):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, BertConfig, LlamaConfig
+
+    from sebp_probe.assets import LoadedModel
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if smoke else {}
+    if kind == "bert":  # BERT-base: 12 x 768, 110M parameters
+        cfg = BertConfig(num_labels=3, **small)
+        return (lambda: LoadedModel(AutoModelForSequenceClassification.from_config(cfg), None, "classification",
+                                    "bert-base (config, random init)", "config")), cfg.vocab_size
+    shape = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16)
+    cfg = LlamaConfig(**{**shape, **small}, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024,
+                      pad_token_id=0, tie_word_embeddings=False)
+    return (lambda: LoadedModel(AutoModelForCausalLM.from_config(cfg), None, "causal-lm",
+                                "llama-shaped 12 x 1024 (config, random init)", "config")), cfg.vocab_size
+
+
+def run(exp: str, out: Path, smoke: bool = False) -> None:
+    import torch
+
+    from sebp_probe.config import DataConfig, FinetuneConfig
+    from sebp_probe.finetune import finetune, versions
+
+    kind, padding, precision, steps, force = EXPERIMENTS[exp]
+    batch, max_len, median, sigma = SHAPES[kind]
+    if smoke:  # a CPU check of the script itself: tiny shapes, a few steps, fp32
+        steps, batch, precision = 4, 4, "fp32"
+    load_fn, vocab = model_loader(kind, smoke)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = synthetic_data("classification" if kind == "bert" else "causal-lm", n=steps * batch * world + 64,
+                          n_eval=128 * world, max_len=max_len, median=median, sigma=sigma, vocab=vocab)
+    run_dir = Path(os.environ.get("RUN_ROOT", "/tmp/sebp-finetune-runs")) / f"{exp}-{world}gpu"
+    cfg = FinetuneConfig(
+        model=kind, data=DataConfig(max_length=max_len, batch_size=batch, padding=padding),
+        output_dir=str(run_dir), compare=True, max_steps=steps, lr=1e-4 if kind == "bert" else 3e-4,
+        warmup_ratio=0.1, precision=precision, eval_steps=steps, eval_samples=None,
+        targets=LLAMA_TARGETS if kind == "llama" else None,
+        dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, seed=0)
+    t0 = time.time()
+    summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if not rank0:
+        return
+    res = {
+        "experiment": exp, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv), "world_size": world, "wall_s": time.time() - t0,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "versions": versions(), "settings": cfg.to_dict(), "data": data.identity,
+        "mean_length": sum(len(x["input_ids"]) for x in data.train) / len(data.train),
+        "summary": summary,
+    }
+    (out / f"{exp}-{world}gpu.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    for m in ("dense", "sebp"):
+        if (run_dir / m / "metrics.jsonl").exists():
+            shutil.copy(run_dir / m / "metrics.jsonl", out / f"{exp}-{world}gpu-{m}-metrics.jsonl")
+    for png in ("loss.png", "eval.png"):
+        if (run_dir / png).exists():
+            shutil.copy(run_dir / png, out / f"{exp}-{world}gpu-{png}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmp = summary.get("comparison", {})
+    print(f"{exp} ({world} GPU): " + ", ".join(f"{k} {v:.4g}" for k, v in cmp.items() if v is not None))
+
+
+def collect(out: Path) -> None:
+    """One table of every experiment's result in $OUT/finetune_gpu.json, printed too."""
+    rows = []
+    for p in sorted(out.glob("*gpu.json")):
+        r = json.loads(p.read_text())
+        runs = r["summary"].get("runs", {})
+        d, s = runs.get("dense", {}), runs.get("sebp", {})
+        c = r["summary"].get("comparison", {})
+        rows.append({"experiment": r["experiment"], "gpus": r["world_size"], "gpu": r["gpu"],
+                     "dense_backward_ms": d.get("mean_backward_ms"), "sebp_backward_ms": s.get("mean_backward_ms"),
+                     "dense_step_ms": d.get("mean_step_ms"), "sebp_step_ms": s.get("mean_step_ms"),
+                     "speedup_backward": c.get("speedup_backward"), "speedup_step": c.get("speedup_step"),
+                     "peak_mem_ratio": c.get("peak_mem_ratio"), "max_abs_loss_gap": c.get("max_abs_loss_gap"),
+                     "sebp_layers": len((s.get("calibration") or {}).get("layers", {})),
+                     "fallback_reason": (s.get("calibration") or {}).get("fallback_reason")})
+    # SEBP at max_length against dense with dynamic padding (longest), same model and data.
+    by = {(r["experiment"], r["gpus"]): r for r in rows}
+    for kind in ("bert", "llama"):
+        for g in {r["gpus"] for r in rows}:
+            mx, lo = by.get((f"{kind}_bf16_max", g)), by.get((f"{kind}_bf16_longest", g))
+            if mx and lo and mx["sebp_step_ms"] and lo["dense_step_ms"]:
+                rows.append({"experiment": f"{kind}: SEBP@max_length vs dense@longest", "gpus": g,
+                             "speedup_backward": lo["dense_backward_ms"] / mx["sebp_backward_ms"],
+                             "speedup_step": lo["dense_step_ms"] / mx["sebp_step_ms"]})
+    (out / "finetune_gpu.json").write_text(json.dumps(rows, indent=2) + "\n")
+    for r in rows:
+        print(json.dumps(r))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--exp", choices=sorted(EXPERIMENTS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sebp-gpu"))
+    ap.add_argument("--collect", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and 4 steps: checks the script on a CPU")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.collect:
+        collect(out)
+    elif a.exp:
+        run(a.exp, out, a.smoke)
+    else:
+        ap.error("pass --exp NAME or --collect")
+
+
+if __name__ == "__main__":
+    main()

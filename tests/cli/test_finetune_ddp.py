@@ -1,0 +1,68 @@
+"""Data parallel through torchrun, on the CPU (2 processes, gloo; accelerate sees ACCELERATE_USE_CPU=1):
+exact SEBP gives dense's losses, one process writes the files, and SIGTERM + --resume equals an
+uninterrupted run. The same code runs NCCL DDP on GPUs (scripts/gpu_finetune.sh with NPROC=2)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.cli.test_finetune_cli import _tiny_bert, _train_records
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32",
+        "--always-sebp", "--dense-fallback", "1"]
+
+
+def _torchrun(*args):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not installed")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "sebp_probe", "finetune",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _tiny_bert(tmp_path_factory.mktemp("tiny") / "bert")
+
+
+def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
+    p = _torchrun(tiny, *ARGS, "--max-steps", "6", "--compare", "--json", "-o", str(tmp_path / "run"))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {s["num_processes"] for s in summary["runs"].values()} == {2}
+    assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
+    steps = [r["step"] for r in _train_records(tmp_path / "run" / "sebp" / "metrics.jsonl") if r["type"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # one writer, no duplicate lines
+    assert sorted(p.name for p in (tmp_path / "run" / "sebp" / "checkpoints" / "step-000006").iterdir()) == [
+        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
+
+
+def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
+    base = [tiny, *ARGS, "--max-steps", "16", "--eval-steps", "8"]
+    p = _torchrun(*base, "-o", str(tmp_path / "a"))
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+
+    p = _torchrun(*base, "-o", str(tmp_path / "b"))
+    metrics, deadline = tmp_path / "b" / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"train"') >= 3:
+            p.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+            break
+        time.sleep(0.02)
+    p.communicate(timeout=300)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 3 <= summary["steps"] < 16
+    p = _torchrun(*base, "-o", str(tmp_path / "b"), "--resume")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert _train_records(tmp_path / "b" / "metrics.jsonl") == _train_records(tmp_path / "a" / "metrics.jsonl")
