@@ -46,7 +46,7 @@ class AnalyzeSettings:
     train_mode: run the model in train mode (dropout on), as fine-tuning does.
     """
 
-    max_batches: int | None = 24
+    max_batches: int | None = 16
     target_modules: tuple[str, ...] | None = None
     exclude_modules: tuple[str, ...] | None = None
     quantile: float = 0.99
@@ -247,8 +247,9 @@ def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: d
 
 
 def layer_type_rows(report: dict) -> list[dict]:
-    """One row per layer type for the sparsity table: zero elements / zero rows (avg, max, min over
-    batches and the layers of that type), eps range, the largest N, and how many layers have a knee."""
+    """One row per layer type for the tables: zero elements / zero rows (avg, max, min over batches and the
+    layers of that type), eps range, the largest N, how many layers have a knee, and the share of backward
+    GEMM FLOPs the per-layer settings save."""
     groups: dict[str, list[str]] = {}
     for name in report["layers"]:
         groups.setdefault(layer_type(name), []).append(name)
@@ -267,6 +268,9 @@ def layer_type_rows(report: dict) -> list[dict]:
                           else (max if k == "max" else min)(s["zero_row_fraction"][k] for s in st)
                           for k in ("avg", "max", "min")},
             "active_rows": float(np.mean([s["active_row_fraction"]["avg"] for s in st])),
+            **{f"saving_{k}": 1 - sum(s["backward_flops"][k] for s in st) / max(sum(s["backward_flops"]["dense"]
+                                                                                     for s in st), 1.0)
+               for k in ("threshold", "topk")},
             "eps": (eps[0], eps[-1]),
             "knees": sum(s["knee_found"] for s in st),
             "top_n": max(e["top_n"] for e in entries),

@@ -370,6 +370,7 @@ def _eps_text(lo: float, hi: float) -> str:
 
 
 def _print_analysis(report: dict, per_layer: bool) -> None:
+    from rich import box
     from rich.table import Table
 
     from .analyze import layer_type_rows
@@ -380,40 +381,45 @@ def _print_analysis(report: dict, per_layer: bool) -> None:
                   f"{p['padding']} (max {p['max_length']}, {p['padding_side']})", highlight=False)
     tok = report.get("tokens")
     if tok:
-        t = Table(title="Tokens per sample")
-        for col in ("avg", "max", "min", "padded to", "padding %", "with dynamic padding %",
-                    "tokens saved by dynamic padding %"):
+        t = Table(title="Tokens per sample", box=box.SIMPLE_HEAD)
+        for col in ("avg", "max", "min", "padded to", "padding %", "padding % if\npadded per batch",
+                    "tokens saved by\nper-batch padding %"):
             t.add_column(col, justify="right")
         ps = tok["per_sample"]
         t.add_row(f"{ps['avg']:.1f}", f"{ps['max']:.0f}", f"{ps['min']:.0f}", f"{tok['padded_length']['max']:.0f}",
                   _pct(tok["pad_fraction"]), _pct(tok["dynamic_pad_fraction"]), _pct(tok["dynamic_saving"]))
         console.print(t)
-    t = Table(title="Sparsity of dL/dY per layer type (% over batches: avg / max / min)")
-    for col, just in (("layer type", "left"), ("layers", "right"), ("zero elements %", "right"),
-                      ("zero rows %", "right"), ("rows > eps %", "right"), ("eps", "right"), ("knee", "right"),
-                      ("N", "right")):
-        t.add_column(col, justify=just)
-    for r in layer_type_rows(report):
+    rows = layer_type_rows(report)
+    t = Table(title="Sparsity of dL/dY per layer type, % (avg/max/min over batches)", box=box.SIMPLE_HEAD)
+    for col in ("layer type", "layers", "zero elements", "zero rows"):
+        t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
+    for r in rows:
         ze, zr = r["zero_elements"], r["zero_rows"]
         t.add_row(r["type"], str(r["layers"]), f"{_pct(ze['avg'])} / {_pct(ze['max'])} / {_pct(ze['min'])}",
-                  f"{_pct(zr['avg'])} / {_pct(zr['max'])} / {_pct(zr['min'])}", _pct(r["active_rows"]),
-                  _eps_text(*r["eps"]), f"{r['knees']}/{r['layers']}", str(r["top_n"]))
+                  f"{_pct(zr['avg'])} / {_pct(zr['max'])} / {_pct(zr['min'])}")
+    console.print(t)
+    t = Table(title="Recommended SEBP settings per layer type", box=box.SIMPLE_HEAD)
+    for col in ("layer type", "knee", "eps", "rows > eps %", "N", "FLOPs saved %\nthreshold/topk"):
+        t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(r["type"], f"{r['knees']}/{r['layers']}", _eps_text(*r["eps"]), _pct(r["active_rows"]),
+                  str(r["top_n"]), f"{_pct(r['saving_threshold'])} / {_pct(r['saving_topk'])}")
     console.print(t)
     if per_layer:
-        t = Table(title="Per layer")
+        t = Table(title="Per layer", box=box.SIMPLE_HEAD)
         for col in ("layer", "mode", "eps", "N", "zero rows %", "rows > eps %", "why"):
-            t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right")
+            t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right",
+                         no_wrap=col != "why")
         for name, e in report["layers"].items():
             s = e["stats"]
             t.add_row(name, e["mode"], f"{e['eps']:.3g}", str(e["top_n"]), _pct(s["zero_row_fraction"]["avg"]),
                       _pct(s["active_row_fraction"]["avg"]), s["reason"])
         console.print(t)
     g, tot = report["global"], report["totals"]
-    console.print(f"global: eps {g['eps']:.3g} ({'knee found' if g['knee_found'] else 'no knee: ' + g['reason']}),"
-                  f" N {g['top_n']}", highlight=False, soft_wrap=True)
-    console.print(f"backward GEMM FLOPs saved with the per-layer settings: threshold {_pct(tot['saving_threshold'])}%,"
-                  f" topk {_pct(tot['saving_topk'])}% (global setting: {_pct(g['saving_threshold'])}% / "
-                  f"{_pct(g['saving_topk'])}%)", highlight=False)
+    console.print(f"global setting: eps {g['eps']:.3g}, N {g['top_n']} ({g['reason']})", highlight=False)
+    console.print(f"backward GEMM FLOPs (dX, dW) saved, all layers: threshold {_pct(tot['saving_threshold'])}%, "
+                  f"topk {_pct(tot['saving_topk'])}% with the per-layer settings; {_pct(g['saving_threshold'])}% "
+                  f"/ {_pct(g['saving_topk'])}% with the global one", highlight=False)
 
 
 _DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
@@ -434,7 +440,7 @@ def analyze_cmd(
     max_length: int = typer.Option(128, "--max-length", help="Truncate, and pad to, this many tokens."),
     padding_side: str = typer.Option(None, "--padding-side", help="left | right (default: the tokenizer's)."),
     batch_size: int = typer.Option(32, "--batch-size"),
-    max_batches: int = typer.Option(24, "--max-batches", help="Analyse this many batches (the first ones)."),
+    max_batches: int = typer.Option(16, "--max-batches", help="Analyse this many batches (the first ones)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Read at most this many samples."),
     targets: str = typer.Option(None, "--targets", help="Comma-separated layers/patterns (default: attention + "
                                 "MLP projections; 'all-linear' works)."),
@@ -457,7 +463,7 @@ def analyze_cmd(
 
     Examples:
 
-    - `sebp-probe analyze` : MiniLM on the bundled tweets, max length 128, 24 batches (CPU: ~1-2 min)
+    - `sebp-probe analyze` : MiniLM on the bundled tweets, max length 128, 16 batches of 32 (CPU: ~1 min)
     - `sebp-probe analyze minilm tweets --max-batches 4 -o report.json` : quick, and keep the report
     - `sebp-probe analyze smollm2 tweets --padding-side left --max-length 64 --per-layer`
     - `sebp-probe analyze ./my-bert data.csv --text-column review --label-column stars --json`
@@ -481,7 +487,7 @@ def analyze_cmd(
         report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch)
     if output:
         path = save_report(report, output)
-        (err_console if as_json else console).print(f"report written to {path}", highlight=False)
+        (err_console if as_json else console).print(f"report written to {path}", highlight=False, soft_wrap=True)
     if as_json:
         import json
 
@@ -544,7 +550,7 @@ def heatmap_cmd(
         e = pic.eps
         console.print(f"{pic.name}: eps {e.eps:.3g} ({'knee at 1e%.2f' % e.knee if e.knee_found else e.reason})",
                       highlight=False, soft_wrap=True)
-    console.print(f"heatmap written to {path}", highlight=False)
+    console.print(f"heatmap written to {path}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m sebp_probe`

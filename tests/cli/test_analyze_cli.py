@@ -1,0 +1,111 @@
+"""`sebp-probe analyze` and `sebp-probe heatmap` end to end, offline, on the bundled MiniLM / SmolLM2 and
+tweets (small batches), and the one-line errors of bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sebp_probe.cli import app
+from sebp_probe.report import check_report_for_model, layer_configs_from_report, load_report
+
+SMALL = ["--max-batches", "2", "--batch-size", "8", "--max-length", "32"]
+
+
+def _run(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def _error_line(result) -> str:
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert result.exit_code == 1, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_help_has_examples():
+    for cmd in ("analyze", "heatmap"):
+        r = _run(cmd, "--help")
+        assert r.exit_code == 0 and "Examples" in r.output and "sebp-probe " + cmd in r.output
+
+
+@pytest.mark.slow
+def test_analyze_minilm_tweets_tables_report_and_json(tmp_path):
+    out = tmp_path / "report.json"
+    r = _run("analyze", "minilm", "tweets", *SMALL, "-o", str(out), "--per-layer")
+    assert r.exit_code == 0, r.output
+    for text in ("Tokens per sample", "Sparsity of dL/dY per layer type", "Recommended SEBP settings",
+                 "attention.self.query", "global setting", f"report written to {out}"):
+        assert text in r.output
+    report = load_report(out)
+    assert report["model"]["name"] == "minilm" and report["model"]["model_type"] == "bert"
+    assert report["dataset"]["name"] == "tweets" and report["dataset"]["num_samples"] == 16
+    assert report["padding"] == {"padding": "max_length", "max_length": 32, "padding_side": "right",
+                                 "batch_size": 8}
+    assert len(report["layers"]) == 36 and report["analysis"]["batches"] == 2
+    # right padding: every padded token row is exactly zero, in every layer
+    pad = report["tokens"]["pad_fraction"]
+    key = report["layers"]["bert.encoder.layer.0.attention.self.key"]["stats"]
+    assert key["zero_row_fraction"]["avg"] == pytest.approx(pad)
+    # the last layer of the CLS classifier: only the 8 CLS rows of each 8 x 32 batch are active
+    last = report["layers"]["bert.encoder.layer.5.intermediate.dense"]["stats"]
+    assert last["zero_row_fraction"]["avg"] == pytest.approx(1 - 8 / 256)
+
+    r = _run("analyze", "minilm", "tweets", *SMALL, "--json")
+    assert r.exit_code == 0, r.output
+    as_json = json.loads(r.stdout)
+    assert as_json["layers"].keys() == report["layers"].keys()
+    assert as_json["tokens"] == report["tokens"]
+
+
+@pytest.mark.slow
+def test_analyze_smollm2_left_padded_report_patches_the_model(tmp_path):
+    out = tmp_path / "smol.json"
+    r = _run("analyze", "smollm2", "tweets", "--padding-side", "left", "--max-batches", "1", "--batch-size", "4",
+             "--max-length", "24", "--targets", "q_proj,down_proj", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    report = load_report(out)
+    assert report["model"]["model_type"] == "llama" and report["padding"]["padding_side"] == "left"
+    assert len(report["layers"]) == 60
+    from sebp_probe import patch_model
+    from sebp_probe.assets import load_model
+
+    model = load_model("smollm2").model
+    check_report_for_model(report, model)
+    assert len(patch_model(model, layer_configs=layer_configs_from_report(report))) == 60
+
+
+@pytest.mark.slow
+def test_heatmap_writes_a_picture(tmp_path):
+    out = tmp_path / "q0.png"
+    r = _run("heatmap", "minilm", "tweets", "--layer", "*.0.attention.self.query", "-o", str(out),
+             "--max-batches", "1", "--batch-size", "4", "--max-length", "32")
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert "bert.encoder.layer.0.attention.self.query: eps" in r.output
+
+
+def _csv(tmp_path: Path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("case", ["unknown model", "missing column", "empty dataset", "layer glob", "image format",
+                                  "padding side", "tile", "max batches", "missing data file"])
+def test_bad_input_gives_one_clear_line(tmp_path, case):
+    args, words = {
+        "unknown model": (["analyze", "./no/such/model"], "does not exist"),
+        "missing column": (["analyze", "minilm", _csv(tmp_path, "nolabel.csv", "text,score\nhello,1\nbye,2\n")],
+                           "no a label column"),
+        "empty dataset": (["analyze", "minilm", _csv(tmp_path, "empty.csv", "text,label\n")], "no rows"),
+        "layer glob": (["heatmap", "minilm", "tweets", "--layer", "*.nothing.*"], "matches no linear layer"),
+        "image format": (["heatmap", "minilm", "tweets", "--layer", "query", "-o", "x.jpg"], "unsupported image"),
+        "padding side": (["analyze", "--padding-side", "up"], "left or right"),
+        "tile": (["analyze", "--tile", "0"], "tile"),
+        "max batches": (["analyze", "--max-batches", "0"], "max batches"),
+        "missing data file": (["analyze", "minilm", str(tmp_path / "gone.csv")], "does not exist"),
+    }[case]
+    assert words in _error_line(_run(*args))
