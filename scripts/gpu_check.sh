@@ -35,7 +35,7 @@ for s in $STAGES; do
               stage "layers $m" "${LAYERS_LIMIT:-200}" $BENCH "$m" --repeats "$REPEATS" -o "$OUT/layers_$m.json"
             done ;;
     model) for m in ${MODEL_SETS:-bert-base llama-3.2-3b}; do
-             stage "model $m" "${MODEL_LIMIT:-200}" $BENCH "$m" --scope model -o "$OUT/model_$m.json"
+             stage "model $m" "${MODEL_LIMIT:-200}" $BENCH "$m" --scope model --graphs -o "$OUT/model_$m.json"
            done ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -394,11 +394,49 @@ def _time_step(model, batch: dict, repeats: int) -> dict:
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
 
 
+def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
+    """Median forward and backward milliseconds as CUDA-graph replays (no host launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    g_fwd, g_bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g_fwd):
+            loss = model(**batch).loss
+        with torch.cuda.graph(g_bwd, pool=g_fwd.pool()):
+            loss.backward()
+        fwd, bwd = [], []
+        for _ in range(repeats + 2):
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            g_fwd.replay()
+            e1.record()
+            g_bwd.replay()
+            e2.record()
+            e2.synchronize()
+            fwd.append(e0.elapsed_time(e1))
+            bwd.append(e1.elapsed_time(e2))
+        f, b = statistics.median(fwd[2:]), statistics.median(bwd[2:])
+        return {"forward_ms": round(f, 3), "backward_ms": round(b, 3), "step_ms": round(f + b, 3)}
+    finally:
+        del g_fwd, g_bwd
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, batches: int = 3,
-                mode: str = "exact", progress: Callable[[str], None] | None = None) -> dict:
+                mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None) -> dict:
     """Whole-model forward+backward: dense vs SEBP on the padded batch, and dense on the trimmed batch.
 
-    ``batches`` different padded batches (fresh lengths each); times are the median over them.
+    ``batches`` different padded batches (fresh lengths each); times are the median over them. With
+    ``graphs``, each step is also captured as CUDA graphs and replayed, which removes host launch overhead
+    (the eager numbers of a small model are bound by the host's Python, not by the GPU).
     """
     from sebp_kernels import SEBPConfig
 
@@ -409,6 +447,13 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     vocab = model.config.vocab_size
     targets = DECODER_TARGETS if case.arch != "bert" else None  # None: the attention + MLP projections
     runs: dict[str, list[dict]] = {"dense_padded": [], "sebp_padded": [], "dense_trimmed": []}
+    graphed: dict[str, list[dict]] = {k: [] for k in runs}
+
+    def measure(key: str, batch: dict) -> None:
+        runs[key].append(_time_step(model, batch, repeats))
+        if graphs:
+            graphed[key].append(_time_step_graphed(model, batch, repeats))
+
     all_lengths = []
     for bi in range(batches):
         lengths = sample_lengths(case.lengths, case.batch, case.seq, seed=bi)
@@ -417,23 +462,26 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         trimmed = {k: (v[:, : max(lengths)] if v.dim() == 2 else v) for k, v in padded.items()}
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: dense, padded")
-        runs["dense_padded"].append(_time_step(model, padded, repeats))
+        measure("dense_padded", padded)
         patch_model(model, SEBPConfig(mode), target_modules=targets)
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: SEBP, padded")
-        runs["sebp_padded"].append(_time_step(model, padded, repeats))
+        measure("sebp_padded", padded)
         unpatch_model(model)
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: dense, padding trimmed")
-        runs["dense_trimmed"].append(_time_step(model, trimmed, repeats))
+        measure("dense_trimmed", trimmed)
     n_linear = len(patch_model(model, SEBPConfig(mode), target_modules=targets))
     unpatch_model(model)
-    summary = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for name, rs in runs.items()}
+    def med(table):
+        return {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for name, rs in table.items()}
+
+    summary = med(runs)
     tokens = sum(sum(ls) for ls in all_lengths)
     dense, sebp = summary["dense_padded"], summary["sebp_padded"]
     del model
     torch.cuda.empty_cache()
-    return {
+    result = {
         "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "sebp_layers": n_linear,
         "lengths": all_lengths, "token_density": round(tokens / (batches * case.batch * case.seq), 4),
         "median": summary, "per_batch": runs,
@@ -442,6 +490,16 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         "peak_memory_ratio": round(sebp["peak_gib"] / dense["peak_gib"], 4),
         "trimmed_step_speedup": round(dense["step_ms"] / summary["dense_trimmed"]["step_ms"], 3),
     }
+    if graphs:
+        gs = med(graphed)
+        gd, gsebp, gtrim = gs["dense_padded"], gs["sebp_padded"], gs["dense_trimmed"]
+        result.update({
+            "graphed_median": gs, "graphed_per_batch": graphed,
+            "graphed_backward_speedup": round(gd["backward_ms"] / gsebp["backward_ms"], 3),
+            "graphed_step_speedup": round(gd["step_ms"] / gsebp["step_ms"], 3),
+            "graphed_trimmed_step_speedup": round(gd["step_ms"] / gtrim["step_ms"], 3),
+        })
+    return result
 
 
 def run_plan(shapes: Sequence[LayerShape], densities: Sequence[float], models: Sequence[str]) -> dict:

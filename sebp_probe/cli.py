@@ -251,7 +251,15 @@ def _bench_tables(result: dict) -> None:
             s = m["median"][key]
             table.add_row(label, f"{s['forward_ms']:.1f}", f"{s['backward_ms']:.1f}", f"{s['step_ms']:.1f}",
                           f"{s['peak_gib']:.2f}")
+            if "graphed_median" in m:
+                g = m["graphed_median"][key]
+                table.add_row(f"{label} (CUDA graph)", f"{g['forward_ms']:.1f}", f"{g['backward_ms']:.1f}",
+                              f"{g['step_ms']:.1f}", "")
         console.print(table)
+        if "graphed_median" in m:
+            console.print(f"as CUDA graphs: backward x{m['graphed_backward_speedup']:.2f}, step "
+                          f"x{m['graphed_step_speedup']:.2f}; padding trimmed: step "
+                          f"x{m['graphed_trimmed_step_speedup']:.2f}", highlight=False)
         console.print(f"SEBP vs dense on the padded batch: backward x{m['backward_speedup']:.2f}, step "
                       f"x{m['step_speedup']:.2f}, peak memory x{m['peak_memory_ratio']:.3f}; trimming the padding "
                       f"instead: step x{m['trimmed_step_speedup']:.2f}", highlight=False)
@@ -275,6 +283,8 @@ def bench_cmd(
     model_repeats: int = typer.Option(5, "--model-repeats", help="Timed steps per batch in the whole-model run."),
     output: str = typer.Option(None, "--output", "-o", help="Write the results (with GPU, versions, date, "
                                "command) to this JSON file."),
+    graphs: bool = typer.Option(False, "--graphs", help="Whole model: also time each step as CUDA-graph "
+                                "replays (no host launch overhead)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -285,7 +295,7 @@ def bench_cmd(
     - `sebp-probe bench llama-3.2-3b --densities 0.1,0.2,0.5 -o results.json`
     - `sebp-probe bench --rows 8192 --in-features 4096 --out-features 11008`
     - `sebp-probe bench ./my-model --rows 8192 --seq 256` : shapes read from a local config
-    - `sebp-probe bench bert-base --scope model` : whole model, padded vs SEBP vs padding trimmed
+    - `sebp-probe bench bert-base --scope model --graphs` : whole model, padded vs SEBP vs padding trimmed
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; triton = the
@@ -325,7 +335,8 @@ def bench_cmd(
                 result["layers"].append(r.to_dict())
         for name in models:
             result["models"].append(bench.bench_model(bench.MODEL_CASES[name], bench.DTYPES[dtype],
-                                                       model_repeats, mode=mode, progress=progress))
+                                                       model_repeats, mode=mode, graphs=graphs,
+                                                       progress=progress))
     _bench_tables(result)
     if output:
         from pathlib import Path

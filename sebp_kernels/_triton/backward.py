@@ -13,7 +13,7 @@ from ..config import SEBPConfig
 from ..reference import sebp_backward_torch
 from .dw import dw_db_rows, dw_splits
 from .dx import dx_rows
-from .select import select_rows_device
+from .select import _sm_count, select_rows_device
 
 # Read when the kernels were decorated: under TRITON_INTERPRET=1 they run on CPU tensors.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -33,8 +33,6 @@ def _ieee(dtype: torch.dtype) -> bool:
     return INTERPRET or dtype != torch.float32 or not torch.backends.cuda.matmul.allow_tf32
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _RowsHint:
@@ -45,20 +43,22 @@ class _RowsHint:
     handful of densities per shape. A captured CUDA graph keeps the tile shapes of its capture (warm up first).
     """
 
-    _slots: dict = {}
+    _slots: dict = {}  # key -> (pinned int32 tensor, numpy view of it)
 
     @classmethod
     def get(cls, key, m: int) -> int:
         slot = cls._slots.get(key)
-        k = int(slot[0]) if slot is not None and slot[0] >= 0 else m
+        k = int(slot[1][0]) if slot is not None else -1
+        k = m if k < 0 else k
         return min(m, max(64, 1 << max(0, k - 1).bit_length()))
 
     @classmethod
     def record(cls, key, count: torch.Tensor) -> None:
         slot = cls._slots.get(key)
         if slot is None:
-            slot = cls._slots[key] = torch.full((1,), -1, dtype=torch.int32, pin_memory=True)
-        slot.copy_(count, non_blocking=True)
+            pinned = torch.full((1,), -1, dtype=torch.int32, pin_memory=True)
+            slot = cls._slots[key] = (pinned, pinned.numpy())
+        slot[0].copy_(count, non_blocking=True)
 
 
 def sebp_backward_triton(

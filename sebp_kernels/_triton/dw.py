@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dw_configs
+from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dw_configs, tuned_launch_kwargs
 
 ROW_ALIGN = 64  # split boundaries are multiples of this (and so of every BLOCK_K)
 MIN_CHUNK = 512  # rows per split at least: a split must amortise its partial's write and read
@@ -37,20 +37,40 @@ def _dw_loop(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    for j in range(start, end, BLOCK_K):
-        pos = j + offs_k
-        valid = pos < end
-        rows = tl.load(perm_ptr + pos, mask=valid, other=0).to(tl.int64)
-        a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
-                    mask=valid[:, None] & o_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_M) of dY
-        b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
-                    mask=valid[:, None] & i_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_N) of X
-        if IEEE:
-            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
-        else:
+    if IEEE:
+        # fp32: sum blocks of 8 x BLOCK_K rows apart, then add them up (a two-level sum keeps the rounding
+        # error near cuBLAS's; a single fused accumulator over thousands of rows doubles it).
+        for j0 in range(start, end, 8 * BLOCK_K):
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in range(j0, tl.minimum(j0 + 8 * BLOCK_K, end), BLOCK_K):
+                pos = j + offs_k
+                valid = pos < end
+                rows = tl.load(perm_ptr + pos, mask=valid, other=0).to(tl.int64)
+                a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
+                            mask=valid[:, None] & o_mask[None, :], other=0.0)
+                b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
+                            mask=valid[:, None] & i_mask[None, :], other=0.0)
+                part = tl.dot(tl.trans(a), b, part, input_precision="ieee")
+                if WITH_DB:
+                    db += tl.sum(a.to(tl.float32), axis=0)
+            acc += part
+    else:
+        # The row indices of the next block are loaded one iteration ahead: with the index load feeding
+        # the data loads of the same iteration, the pipeliner keeps only two stages in flight.
+        pos = start + offs_k
+        rows = tl.load(perm_ptr + pos, mask=pos < end, other=0).to(tl.int64)
+        for j in range(start, end, BLOCK_K):
+            nxt = j + BLOCK_K + offs_k
+            rows_next = tl.load(perm_ptr + nxt, mask=nxt < end, other=0).to(tl.int64)
+            valid = (j + offs_k) < end
+            a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
+                        mask=valid[:, None] & o_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_M) of dY
+            b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
+                        mask=valid[:, None] & i_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_N) of X
             acc = tl.dot(tl.trans(a), b, acc)
-        if WITH_DB:
-            db += tl.sum(a.to(tl.float32), axis=0)
+            if WITH_DB:
+                db += tl.sum(a.to(tl.float32), axis=0)
+            rows = rows_next
     return acc, db
 
 
@@ -130,6 +150,7 @@ def _dw_reduce_kernel(
 
 
 _dw_tuned = None
+_CHOSEN: dict = {}  # autotune key -> chosen launch kwargs
 
 
 def _tuned_kernel():
@@ -185,7 +206,10 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
         def grid(meta):
             return (triton.cdiv(n_out, meta["BLOCK_M"]) * triton.cdiv(n_in, meta["BLOCK_N"]), split)
 
-        _tuned_kernel()[grid](*args, **consts)
+        key = (m, n_out, n_in, split, args[10], dy.dtype, need_db)
+        kw = tuned_launch_kwargs(_tuned_kernel(), _CHOSEN, key, lambda tuned: tuned[grid](*args, **consts))
+        if kw is not None:
+            _dw_kernel[grid(kw)](*args, **consts, **kw)
     if use_partial:
         block = 1024
         nblk_w = triton.cdiv(n_out * n_in, block)

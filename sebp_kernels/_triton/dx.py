@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dx_configs
+from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dx_configs, tuned_launch_kwargs
 
 
 @triton.jit
@@ -49,24 +49,33 @@ def _dx_kernel(
         b_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
         n_mask = (offs_n < N)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_mask, other=0.0)
-            else:
-                k_in = (k0 + offs_k) < K
-                a = tl.load(a_ptrs, mask=active[:, None] & k_in[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_in[:, None] & n_mask, other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
+        if IEEE:
+            # fp32: a two-level sum over blocks of 8 x BLOCK_K (see the dW kernel), pointers from k.
+            for k0 in range(0, K, 8 * BLOCK_K):
+                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k1 in range(k0, tl.minimum(k0 + 8 * BLOCK_K, K), BLOCK_K):
+                    k_in = (k1 + offs_k) < K
+                    a = tl.load(a_ptrs + k1 * stride_dyk, mask=active[:, None] & k_in[None, :], other=0.0)
+                    b = tl.load(b_ptrs + k1 * stride_wk, mask=k_in[:, None] & n_mask, other=0.0)
+                    part = tl.dot(a, b, part, input_precision="ieee")
+                acc += part
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=n_mask, other=0.0)
+                else:
+                    k_in = (k0 + offs_k) < K
+                    a = tl.load(a_ptrs, mask=active[:, None] & k_in[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_in[:, None] & n_mask, other=0.0)
                 acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_dyk
-            b_ptrs += BLOCK_K * stride_wk
+                a_ptrs += BLOCK_K * stride_dyk
+                b_ptrs += BLOCK_K * stride_wk
         tl.store(out_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
 
 
 _dx_tuned = None
+_CHOSEN: dict = {}  # autotune key -> chosen launch kwargs
 
 
 def _tuned_kernel():
@@ -97,5 +106,8 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _tuned_kernel()[grid](*args, IEEE=ieee)
+    kw = tuned_launch_kwargs(_tuned_kernel(), _CHOSEN, (m, n, k_dim, args[8], dy.dtype),
+                             lambda tuned: tuned[grid](*args, IEEE=ieee))
+    if kw is not None:
+        _dx_kernel[grid(kw)](*args, IEEE=ieee, EVEN_K=k_dim % kw["BLOCK_K"] == 0, **kw)
     return dx

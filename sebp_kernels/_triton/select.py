@@ -15,6 +15,8 @@ builds the same permutation with ``torch.topk`` and a stable sort, all on the de
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +53,7 @@ def _row_flags_kernel(
         active = tl.maximum(active, tl.max(hit.to(tl.int32), axis=1))
         n_active = tl.sum(active, axis=0)
         c0 += BLOCK_C
-    tl.store(flags_ptr + rows, active.to(tl.int8), mask=rmask)
+    tl.store(flags_ptr + rows, active, mask=rmask)
     tl.store(block_count_ptr + pid, n_active)
 
 
@@ -69,7 +71,7 @@ def _compact_kernel(
     local = tl.arange(0, BLOCK_R)
     rows = pid * BLOCK_R + local
     rmask = rows < M
-    f = tl.load(flags_ptr + rows, mask=rmask, other=0).to(tl.int32)
+    f = tl.load(flags_ptr + rows, mask=rmask, other=0)
     excl = tl.cumsum(f, axis=0) - f
     pos_active = before + excl
     pos_inactive = M - 1 - (pid * BLOCK_R - before + local - excl)
@@ -100,11 +102,11 @@ def _row_sumsq_kernel(
     tl.store(out_ptr + rows, acc, mask=rmask)
 
 
-def _row_blocks(m: int, n: int, interpret: bool) -> tuple[int, int, int]:
+@functools.lru_cache(maxsize=None)
+def _row_blocks(m: int, n: int, interpret: bool, n_sm: int = 132) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) for the row passes: enough programs to fill the GPU, ~8K-element tiles."""
     if interpret:
         return 8, 16, 1
-    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     block_r = 32
     while block_r > 4 and triton.cdiv(m, block_r) < 4 * n_sm:
         block_r //= 2
@@ -112,20 +114,29 @@ def _row_blocks(m: int, n: int, interpret: bool) -> tuple[int, int, int]:
     return block_r, block_c, 4
 
 
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int | None = None,
                        interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(perm, count): int32 permutation of the M rows of 2-D ``dy`` with the k active rows first, in order,
     and k as an int32 tensor of shape (1,) on the device. No host synchronisation."""
     m, n = dy.shape
-    dev = dy.device
     if mode == "topk":
         return _topk_perm(dy, top_n, interpret)
-    block_r, block_c, warps = _row_blocks(m, n, interpret)
+    block_r, block_c, warps = _row_blocks(m, n, interpret, _sm_count(dy.device))
     nb = triton.cdiv(m, block_r)
-    flags = torch.empty(m, dtype=torch.int8, device=dev)
-    block_count = torch.empty(nb, dtype=torch.int32, device=dev)
-    perm = torch.empty(m, dtype=torch.int32, device=dev)
-    count = torch.empty(1, dtype=torch.int32, device=dev)
+    # one allocation for the four int32 outputs (fewer host calls per layer)
+    perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
+                                                  device=dy.device).split((m, m, nb, 1))
     mode_id = EXACT if mode == "exact" else THRESHOLD
     _row_flags_kernel[(nb,)](dy, flags, block_count, m, n, dy.stride(0), dy.stride(1), float(eps),
                              MODE=mode_id, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
@@ -141,7 +152,7 @@ def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor,
     count = torch.full((1,), min(n, m), dtype=torch.int32, device=dev)
     if n >= m:
         return torch.arange(m, dtype=torch.int32, device=dev), count
-    block_r, block_c, warps = _row_blocks(m, cols, interpret)
+    block_r, block_c, warps = _row_blocks(m, cols, interpret, _sm_count(dev))
     sumsq = torch.empty(m, dtype=torch.float32, device=dev)
     _row_sumsq_kernel[(triton.cdiv(m, block_r),)](dy, sumsq, m, cols, dy.stride(0), dy.stride(1),
                                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)

@@ -12,22 +12,22 @@ def _cfg(bm, bn, bk, stages, warps, group=8):
 def dx_configs() -> list:
     """dX: rows x in_features tiles, reduction over out_features."""
     return [
+        _cfg(128, 256, 64, 4, 8),
         _cfg(128, 256, 64, 3, 8),
         _cfg(128, 128, 64, 4, 8),
-        _cfg(128, 128, 64, 4, 4),
+        _cfg(64, 256, 64, 4, 8),
         _cfg(64, 128, 64, 4, 4),
-        _cfg(64, 256, 64, 3, 8),
     ]
 
 
 def dw_configs() -> list:
     """dW: out_features x in_features tiles, reduction over the gathered rows."""
     return [
+        _cfg(128, 256, 64, 4, 8),
         _cfg(128, 256, 64, 3, 8),
         _cfg(128, 128, 64, 4, 8),
+        _cfg(128, 128, 64, 5, 8),
         _cfg(128, 128, 64, 4, 4),
-        _cfg(128, 128, 32, 4, 4),
-        _cfg(64, 128, 64, 4, 4),
     ]
 
 
@@ -35,3 +35,17 @@ def dw_configs() -> list:
 # config, so that it costs one compile instead of a tuning sweep.
 FP32_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 1}
+
+
+def tuned_launch_kwargs(tuned, memo: dict, key, launch) -> dict | None:
+    """The launch kwargs (tile sizes, warps, stages) the autotuner chose for ``key``, or None on first sight.
+
+    On first sight ``launch(tuned)`` runs the autotuner (which launches the kernel) and its choice is kept:
+    later calls launch the plain kernel with it and skip the autotuner's per-call Python work.
+    """
+    kw = memo.get(key)
+    if kw is None:
+        launch(tuned)
+        best = tuned.best_config
+        memo[key] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+    return kw
