@@ -656,10 +656,11 @@ class Run:
             while step < total:
                 _sync(dev)
                 t_step = time.perf_counter()
-                bwd_ms, loss_sum, tokens, epoch = 0.0, torch.zeros((), device=dev), 0, 0
+                bwd_ms, loss_sum, tokens, rows, epoch = 0.0, torch.zeros((), device=dev), 0, 0, 0
                 for i in range(A):
                     epoch, batch = next(batches)
                     tokens += int(batch["attention_mask"].sum())
+                    rows += batch["attention_mask"].numel()
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
                     with ctx:
                         loss = model(**batch).loss
@@ -694,7 +695,7 @@ class Run:
                 _sync(dev)
                 rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                        "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
-                       "peak_mem_mb": _peak_memory_mb(dev), "tokens": tokens}
+                       "peak_mem_mb": _peak_memory_mb(dev), "tokens": tokens, "rows": rows}
                 live_bwd.append(bwd_ms)
                 if ref_ms:
                     recent = live_bwd[-20:]

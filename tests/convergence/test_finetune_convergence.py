@@ -193,3 +193,16 @@ def test_causal_lm_model_saved_loads_without_sebp(tmp_path):
     assert not any(isinstance(x, SEBPLinear) for x in m.modules())
     cfgjson = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert cfgjson["config"]["max_steps"] == 4 and "torch" in cfgjson["versions"]
+
+
+def test_epochs_and_dynamic_padding(tmp_path):
+    data = synthetic_data("classification", n=96)  # 12 batches of 8: half an epoch is 6 steps
+    s = ft.finetune(_cfg(tmp_path, max_steps=None, epochs=0.5, data=DataConfig(max_length=24, batch_size=8,
+                                                                                 padding="longest")),
+                    load_fn=_loader("bert"), data=data)
+    assert s["status"] == "completed" and s["steps"] == s["total_steps"] == 6
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in recs if r["type"] == "train"]
+    assert all(r["epoch"] == 0 for r in train)
+    assert all(r["rows"] % 8 == 0 and r["tokens"] <= r["rows"] for r in train)
+    assert min(r["rows"] for r in train) < 8 * 24  # padded to the batch's longest, not to max_length
