@@ -720,7 +720,9 @@ class Run:
         summary = {"status": status, "method": self.method, "total_steps": total,
                    **summarize_records(self.records), "checkpoint": last_ckpt,
                    "model_dir": str(self.dir / MODEL_DIR) if status == "completed" else None,
-                   "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes}
+                   "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes,
+                   "peak_mem_kind": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
+                   "process max RSS (CPU: grows over the runs of one process)"}
         if error:
             summary["error"] = error
         if self.main:
