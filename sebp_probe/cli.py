@@ -410,7 +410,7 @@ def _print_analysis(report: dict, per_layer: bool) -> None:
                   f"{_pct(zr['avg'])} / {_pct(zr['max'])} / {_pct(zr['min'])}")
     console.print(t)
     t = Table(title="Recommended SEBP settings per layer type", box=box.SIMPLE_HEAD)
-    for col in ("layer type", "knee", "eps", "rows > eps %", "N", "FLOPs saved %\nthreshold/topk"):
+    for col in ("layer type", "knee", "eps", "rows\n> eps %", "N", "FLOPs saved %\nthr. / topk"):
         t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
     for r in rows:
         t.add_row(r["type"], f"{r['knees']}/{r['layers']}", _eps_text(*r["eps"]), _pct(r["active_rows"]),

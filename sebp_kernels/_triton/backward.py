@@ -46,11 +46,11 @@ class _RowsHint:
     _slots: dict = {}  # key -> (pinned int32 tensor, numpy view of it)
 
     @classmethod
-    def get(cls, key, m: int) -> int:
+    def get(cls, key, m: int) -> int | None:
+        """The bucketed count of the last call, or None before any count has landed."""
         slot = cls._slots.get(key)
         k = int(slot[1][0]) if slot is not None else -1
-        k = m if k < 0 else k
-        return min(m, max(64, 1 << max(0, k - 1).bit_length()))
+        return None if k < 0 else min(m, max(64, 1 << max(0, k - 1).bit_length()))
 
     @classmethod
     def record(cls, key, count: torch.Tensor) -> None:
@@ -79,7 +79,7 @@ def sebp_backward_triton(
         return sebp_backward_torch(dy, x, weight, config, need_dx, need_dw, need_db)
     perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
     m = dy.shape[0]
-    hint = m
+    hint = None
     if not INTERPRET:
         key = (dy.device, m, *weight.shape, config)
         hint = _RowsHint.get(key, m)
@@ -90,7 +90,7 @@ def sebp_backward_triton(
     if need_dx:
         dx = dx_rows(dy, weight, perm, count, interpret=INTERPRET, ieee=ieee, rows_hint=hint)
     if need_dw:
-        split = 1 if INTERPRET else dw_splits(weight.shape[0], weight.shape[1], hint, _sm_count(dy.device))
+        split = 1 if INTERPRET else dw_splits(weight.shape[0], weight.shape[1], hint or m, _sm_count(dy.device))
         dw, db = dw_db_rows(dy, x, perm, count, need_db, split, interpret=INTERPRET, ieee=ieee,
                             w_dtype=weight.dtype, rows_hint=hint)
     elif need_db:

@@ -207,7 +207,8 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
             return (triton.cdiv(n_out, meta["BLOCK_M"]) * triton.cdiv(n_in, meta["BLOCK_N"]), split)
 
         key = (m, n_out, n_in, split, args[10], dy.dtype, need_db)
-        kw = tuned_launch_kwargs(_tuned_kernel(), _CHOSEN, key, lambda tuned: tuned[grid](*args, **consts))
+        kw = tuned_launch_kwargs(_tuned_kernel(), _CHOSEN, key, lambda tuned: tuned[grid](*args, **consts),
+                                 rows_known=rows_hint is not None)
         if kw is not None:
             _dw_kernel[grid(kw)](*args, **consts, **kw)
     if use_partial:

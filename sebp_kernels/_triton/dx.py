@@ -90,7 +90,7 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
             interpret: bool = False, ieee: bool = True, rows_hint: int | None = None) -> torch.Tensor:
     """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows.
 
-    ``rows_hint``: the expected k (a power of two), used only to pick tuned tile shapes.
+    ``rows_hint``: the expected k (a power of two), used only to pick tuned tile shapes (None: unknown).
     """
     m, k_dim = dy.shape
     n = weight.shape[1]
@@ -107,7 +107,7 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     kw = tuned_launch_kwargs(_tuned_kernel(), _CHOSEN, (m, n, k_dim, args[8], dy.dtype),
-                             lambda tuned: tuned[grid](*args, IEEE=ieee))
+                             lambda tuned: tuned[grid](*args, IEEE=ieee), rows_known=rows_hint is not None)
     if kw is not None:
         _dx_kernel[grid(kw)](*args, IEEE=ieee, EVEN_K=k_dim % kw["BLOCK_K"] == 0, **kw)
     return dx
