@@ -125,6 +125,12 @@ def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=256)
+def _eps_in(eps: float, dtype: torch.dtype) -> float:
+    """eps rounded to dY's dtype: torch compares ``|dy| > eps`` in that dtype, and so does the reference."""
+    return float(torch.tensor(eps, dtype=dtype))
+
+
 def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int | None = None,
                        interpret: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(perm, count): int32 permutation of the M rows of 2-D ``dy`` with the k active rows first, in order,
@@ -138,7 +144,7 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
                                                   device=dy.device).split((m, m, nb, 1))
     mode_id = EXACT if mode == "exact" else THRESHOLD
-    _row_flags_kernel[(nb,)](dy, flags, block_count, m, n, dy.stride(0), dy.stride(1), float(eps),
+    _row_flags_kernel[(nb,)](dy, flags, block_count, m, n, dy.stride(0), dy.stride(1), _eps_in(eps, dy.dtype),
                              MODE=mode_id, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     block_nb = 16 if interpret else 1024
     _compact_kernel[(nb,)](flags, block_count, perm, count, m, nb,

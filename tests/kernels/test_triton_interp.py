@@ -123,6 +123,19 @@ else:
         dx, dw, db = sebp_backward_triton(dy, x, w, cfg)
         assert not torch.isfinite(dx[7]).all() and not torch.isfinite(dw).all()
 
+    def test_threshold_compares_in_the_input_dtype():
+        # 0.10002 rounds up to fp16 0.1000366: a row whose max is exactly that value is not above eps in fp16
+        # (how torch and the reference compare), though it is above the fp32 number 0.10002.
+        eps = 0.10002
+        at_eps = torch.tensor(eps, dtype=torch.float16)
+        assert float(at_eps) > eps
+        dy = torch.full((6, 5), 0.01, dtype=torch.float16)
+        dy[2, 3] = at_eps
+        dy[4, 1] = -0.5
+        cfg = SEBPConfig("threshold", eps=eps)
+        perm, count = select_rows_device(dy, cfg.mode, cfg.eps, interpret=True)
+        assert perm[: int(count.item())].tolist() == select_rows(dy, cfg).tolist() == [4]
+
     @pytest.mark.parametrize("layout", ["transposed", "expanded"])
     def test_non_contiguous_dy(layout):
         _, x, w = _inputs(33, 14, 11, torch.float32)
