@@ -137,14 +137,15 @@ def plot_training_curves(runs: dict, out_dir) -> list:
     paths = []
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
-    for label, recs in runs.items():
+    styles = ("-", "--", ":", "-.")  # dashed over solid: identical curves (exact SEBP) stay visible
+    for i, (label, recs) in enumerate(runs.items()):
         train = [r for r in recs if r.get("type") == "train"]
         if not train:
             continue
         steps, loss = [r["step"] for r in train], [r["loss"] for r in train]
         w = max(1, len(loss) // 25)
-        smooth = [statistics.fmean(loss[max(0, i - w + 1): i + 1]) for i in range(len(loss))]
-        line, = ax.plot(steps, smooth, label=f"{label} (moving mean of {w})")
+        smooth = [statistics.fmean(loss[max(0, j - w + 1): j + 1]) for j in range(len(loss))]
+        line, = ax.plot(steps, smooth, styles[i % 4], label=f"{label} (moving mean of {w})")
         ax.plot(steps, loss, color=line.get_color(), alpha=0.25, linewidth=0.8)
     ax.set(xlabel="optimizer step", ylabel="train loss")
     ax.legend()
@@ -157,11 +158,12 @@ def plot_training_curves(runs: dict, out_dir) -> list:
             else "eval_perplexity"
         fig = Figure(figsize=(10, 4))
         axes = fig.subplots(1, 2)
-        for label, recs in evals.items():
+        for i, (label, recs) in enumerate(evals.items()):
             if recs:
                 steps = [r["step"] for r in recs]
-                axes[0].plot(steps, [r[metric] for r in recs], marker="o", label=label)
-                axes[1].plot(steps, [r["eval_loss"] for r in recs], marker="o", label=label)
+                kw = dict(linestyle=styles[i % 4], marker="ox+s"[i % 4], label=label)
+                axes[0].plot(steps, [r[metric] for r in recs], **kw)
+                axes[1].plot(steps, [r["eval_loss"] for r in recs], **kw)
         axes[0].set_ylabel(metric.replace("eval_", "held-out "))
         axes[1].set_ylabel("held-out loss")
         for a in axes:
