@@ -183,7 +183,7 @@ def finetune_cmd(
     - `sebp-probe finetune minilm tweets --auto-eps --compare -o runs/auto` : analysis, then dense vs SEBP
     - `sebp-probe finetune minilm tweets --report report.json --mode topk`
     - `sebp-probe finetune ./my-model data.csv --eps 1e-6 --bf16 --lora --epochs 1`
-    - `accelerate launch --num_processes 2 -m sebp_probe.cli finetune minilm tweets --compare` : DDP
+    - `accelerate launch --multi_gpu --num_processes 2 -m sebp_probe finetune minilm tweets --compare` : DDP
 
     Ctrl-C or SIGTERM writes a checkpoint and stops (exit 130); `--resume` continues it. Output: run_config.json,
     metrics.jsonl, summary.json, loss.png, eval.png, model/ (plain Hugging Face) and checkpoints/.

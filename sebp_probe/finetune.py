@@ -187,6 +187,48 @@ def _timed_backward(model, batch, device, autocast) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _rng_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig], device: torch.device,
+                    autocast=contextlib.nullcontext) -> dict[str, float]:
+    """Each candidate layer's share of rows of dL/dY that its SEBP setting keeps, over dense backward passes
+    on ``batches``. The caller discards the gradients (and forks the RNG when it matters)."""
+    modules = dict(model.named_modules())
+    counts = {n: [0, 0] for n in candidates}
+
+    def hook_for(name, scfg):
+        def fwd(_mod, _inp, out):
+            if out.requires_grad:
+                def grad(g):
+                    g2 = g.detach().reshape(-1, g.shape[-1])
+                    counts[name][0] += select_rows(g2, scfg).numel()
+                    counts[name][1] += g2.shape[0]
+                out.register_hook(grad)
+        return fwd
+
+    handles = [modules[n].register_forward_hook(hook_for(n, c)) for n, c in candidates.items()]
+    try:
+        for b in batches:
+            _timed_backward(model, b, device, autocast)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (k / m if m else 1.0) for n, (k, m) in counts.items()}
+
+
+def _first_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device) -> list[dict]:
+    loader, _, sampler = _loaders(cfg, data)
+    sampler.set_epoch(0)
+    out = []
+    for b in loader:
+        out.append({k: v.to(device) for k, v in b.items()})
+        if len(out) >= max(1, cfg.calib_batches):
+            break
+    return out
+
+
 @dataclass
 class Calibration:
     density: dict[str, float]
@@ -216,30 +258,9 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     """
     from .patch import unpatch_model
 
-    modules = dict(model.named_modules())
-    counts = {n: [0, 0] for n in candidates}
-
-    def hook_for(name, scfg):
-        def fwd(_mod, _inp, out):
-            if out.requires_grad:
-                def grad(g):
-                    g2 = g.detach().reshape(-1, g.shape[-1])
-                    counts[name][0] += select_rows(g2, scfg).numel()
-                    counts[name][1] += g2.shape[0]
-                out.register_hook(grad)
-        return fwd
-
-    devices = [device.index or 0] if device.type == "cuda" else []
     dense_ms, sebp_ms, reason = [], [], None
-    with torch.random.fork_rng(devices=devices):
-        handles = [modules[n].register_forward_hook(hook_for(n, c)) for n, c in candidates.items()]
-        try:
-            for b in batches:  # also the dense warm-up
-                _timed_backward(model, b, device, autocast)
-        finally:
-            for h in handles:
-                h.remove()
-        density = {n: (k / m if m else 1.0) for n, (k, m) in counts.items()}
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
         if layers:
             patch_model(model, layer_configs=layers)
@@ -511,24 +532,13 @@ class Run:
         return loaded, model, calib
 
     def _calibrate(self, model, cands: dict[str, SEBPConfig]) -> dict:
-        loader, _, sampler = _loaders(self.cfg, self.data)
-        sampler.set_epoch(0)
-        it = iter(loader)
-        batches = []
-        for _ in range(max(1, self.cfg.calib_batches)):
-            try:
-                batches.append({k: v.to(self.acc.device) for k, v in next(it).items()})
-            except StopIteration:
-                break
+        batches = _first_batches(self.cfg, self.data, self.acc.device)
         if self.cfg.calib_batches == 0:  # no measurement: patch every candidate
             patch_model(model, layer_configs=cands)
             c = Calibration({}, None, None, cands, [])
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
                           if_slower=self.cfg.fallback_if_slower)
-        if cands and c.density and self.cfg.sebp_mode == "threshold" and max(c.density.values()) == 0.0:
-            raise FinetuneError("with these eps values no row of any layer is active on the calibration batches: "
-                                "SEBP would drop every gradient; pick a smaller --eps (or use --auto-eps)")
         if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
             from accelerate.utils import broadcast_object_list
 
@@ -787,6 +797,16 @@ def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bo
     return report
 
 
+def _check_some_rows_active(model, cfg: FinetuneConfig, data: TrainData, cands: dict, acc) -> None:
+    model.to(acc.device).train()
+    with torch.random.fork_rng(devices=_rng_devices(acc.device)):
+        density = measure_density(model, _first_batches(cfg, data, acc.device), cands, acc.device, acc.autocast)
+    model.zero_grad(set_to_none=True)
+    if max(density.values()) == 0.0:
+        raise FinetuneError("with these eps values no row of any layer is active on the first batches: SEBP "
+                            "would drop every gradient; pick a smaller --eps (or use --auto-eps)")
+
+
 def _compare(dense: dict, sebp: dict) -> dict:
     out = {}
     for what in ("backward", "step"):
@@ -846,11 +866,14 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
         # No --mode: each layer's recommendation (threshold where the analysis found a knee, else exact).
         report_layers = layer_configs_from_report(report, cfg.mode, backend=cfg.backend)
-    if "sebp" in cfg.methods():
-        candidate_layers(first.model, cfg, report_layers)  # bad targets fail here, before anything is written
+    if "sebp" in cfg.methods():  # bad targets and an eps that drops everything fail before anything is written
+        cands = candidate_layers(first.model, cfg, report_layers)
+        if any(c.mode == "threshold" and c.eps > 0 for c in cands.values()):
+            _check_some_rows_active(first.model, cfg, data, cands, acc)
     del first
 
     # Everything is checked: only now is an old run replaced and the new one written.
+    made_dir = not out.exists()
     if acc.is_main_process:
         _clear(stale)
         out.mkdir(parents=True, exist_ok=True)
@@ -867,15 +890,22 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     acc.wait_for_everyone()
 
     summaries, records, dense_ref = {}, {}, None
-    for method in cfg.methods():
-        run_dir = out / method if cfg.compare else out
-        run = Run(cfg, method, run_dir, acc, data, load_fn, report_layers, dense_ref, emit)
-        summaries[method] = run.run(resuming)
-        records[method] = run.records
-        if method == "dense":
-            dense_ref = summaries[method]
-        if summaries[method]["status"] != "completed":
-            break
+    try:
+        for method in cfg.methods():
+            run_dir = out / method if cfg.compare else out
+            run = Run(cfg, method, run_dir, acc, data, load_fn, report_layers, dense_ref, emit)
+            summaries[method] = run.run(resuming)
+            records[method] = run.records
+            if method == "dense":
+                dense_ref = summaries[method]
+            if summaries[method]["status"] != "completed":
+                break
+    except BaseException:
+        if not resuming and acc.is_main_process and not _has_progress(out):  # failed before any step: leave no trace
+            _clear([out / e for e in os.listdir(out)])
+            if made_dir:
+                out.rmdir()
+        raise
 
     summary = dict(summaries[cfg.methods()[0]]) if not cfg.compare else {"runs": summaries}
     if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", "sebp")):

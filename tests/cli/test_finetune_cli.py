@@ -117,6 +117,7 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--report", "missing.json"], "does not exist"),
     (["--targets", "nosuchlayer"], "matches no linear layer"),
     (["--auto-eps", "--report", "r.json"], "only one of them"),
+    (["--eps", "1e9"], "no row of any layer is active"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"

@@ -206,3 +206,12 @@ def test_epochs_and_dynamic_padding(tmp_path):
     assert all(r["epoch"] == 0 for r in train)
     assert all(r["rows"] % 8 == 0 and r["tokens"] <= r["rows"] for r in train)
     assert min(r["rows"] for r in train) < 8 * 24  # padded to the batch's longest, not to max_length
+
+
+def test_second_signal_interrupts_at_once():
+    with ft.StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
