@@ -390,6 +390,8 @@ class LayerPicture:
     element_hist: np.ndarray
     row_hist: np.ndarray
     eps: EpsResult
+    zero_elements: float  # exact fractions over the analysed batches
+    zero_rows: float
     labels: list[str] = field(default_factory=list)
 
 
@@ -417,7 +419,9 @@ def heatmap_data(model: nn.Module, batches: list[dict], sample_batch: dict, laye
         g = g.reshape(len(lengths), -1, g.shape[-1])
         out.append(LayerPicture(name=name, samples=[g[i] for i in range(len(lengths))], lengths=lengths,
                                 padding_side=padding_side, element_hist=lay.element_hist, row_hist=lay.row_hist,
-                                eps=detect_eps(lay.row_hist, min_gap_decades=settings.min_gap_decades)))
+                                eps=detect_eps(lay.row_hist, min_gap_decades=settings.min_gap_decades),
+                                zero_elements=sum(lay.zero_elements) / max(sum(lay.elements), 1),
+                                zero_rows=sum(lay.zero_rows) / max(sum(lay.rows), 1)))
     return out
 
 
@@ -460,9 +464,12 @@ def heatmaps(
 
 
 def measure_overhead(model: nn.Module, batches: list[dict], rounds: int = 3,
-                     settings: AnalyzeSettings = AnalyzeSettings()) -> dict:
+                     settings: AnalyzeSettings = AnalyzeSettings(), amp_dtype: torch.dtype | None = None) -> dict:
     """Median seconds of a plain forward + backward and of the same with the collector, interleaved per
-    batch so drift hits both alike; ``ratio`` = collected / plain (the budget is 1.3)."""
+    batch so drift hits both alike; ``ratio`` = collected / plain (the budget is 1.3). ``amp_dtype`` runs
+    under autocast (e.g. torch.bfloat16)."""
+    import contextlib
+
     device = next(model.parameters()).device
     batches = [_to_device(b, device) for b in batches]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -470,7 +477,10 @@ def measure_overhead(model: nn.Module, batches: list[dict], rounds: int = 3,
 
     def step(b):
         model.zero_grad(set_to_none=True)
-        model(**b).loss.backward()
+        amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        with amp:
+            loss = model(**b).loss
+        loss.backward()
 
     plain, collected = [], []
     with GradientStatsCollector(model, settings.target_modules, settings.exclude_modules) as col:
@@ -492,4 +502,4 @@ def measure_overhead(model: nn.Module, batches: list[dict], rounds: int = 3,
     model.zero_grad(set_to_none=True)
     p, c = float(np.median(plain)), float(np.median(collected))
     return {"plain_s": p, "collect_s": c, "ratio": c / p, "batches": len(batches), "rounds": rounds,
-            "device": str(device)}
+            "device": str(device), "amp": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32"}

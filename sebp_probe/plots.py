@@ -58,8 +58,6 @@ def _cdf_panel(ax, pic) -> None:
     from .knee import bucket_edges, log_cdf
 
     edges = bucket_edges()
-    zero_el = pic.element_hist[0] / max(pic.element_hist.sum(), 1)
-    zero_rows = pic.row_hist[0] / max(pic.row_hist.sum(), 1)
     for hist, label, color in ((pic.element_hist, "|dL/dY| elements", "#7f7f7f"),
                                (pic.row_hist, "row max |dL/dY|", "#d62728")):
         curve = log_cdf(hist, edges)
@@ -87,7 +85,7 @@ def _cdf_panel(ax, pic) -> None:
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("magnitude (log)")
     ax.set_ylabel("fraction of non-zero values")
-    ax.set_title(f"exact zeros: {zero_el:.1%} of elements, {zero_rows:.1%} of rows", fontsize=9)
+    ax.set_title(f"exact zeros: {pic.zero_elements:.1%} of elements, {pic.zero_rows:.1%} of rows", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3, which="both", lw=0.4)
 

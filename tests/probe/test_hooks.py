@@ -91,6 +91,37 @@ def test_bfloat16_and_float16_gradients_bucket_like_float32():
         np.testing.assert_array_equal(eh.numpy(), fine_histogram(ref))
 
 
+def test_large_gradients_sample_rows_for_the_element_histogram_only():
+    from sebp_probe import hooks
+
+    g = torch.randn(1000, 600) * torch.logspace(-9, 1, 600)
+    g[::7] = 0
+    rows, elems, scalars, eh, rh = reduce_grad(g)
+    step = -(-g.numel() // hooks.ELEMENT_SAMPLE)
+    assert step > 1
+    ref = g.numpy()
+    np.testing.assert_array_equal(eh.numpy(), fine_histogram(ref[::step]))  # sampled rows
+    np.testing.assert_array_equal(rh.numpy(), fine_histogram(np.abs(ref).max(axis=1)))  # exact
+    assert scalars.tolist()[:3] == [143, 0, int((ref == 0).sum())]
+
+
+def test_sync_free_bucket_counts_equal_bincount():
+    """The GPU path (histc on bucket centres, chunked) is exercised on the CPU against bincount."""
+    from sebp_probe import hooks
+
+    ids = torch.randint(0, 2049, (100_003,), dtype=torch.int32)
+    ids[:5000] = 0
+    ids[-7:] = 2048
+    want = torch.bincount(ids, minlength=2049)
+    old = hooks._HISTC_CHUNK
+    try:
+        hooks._HISTC_CHUNK = 4096  # several chunks, the last one short
+        got = hooks.bucket_counts(ids, 2049, sync_free=True)
+    finally:
+        hooks._HISTC_CHUNK = old
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
 def test_left_padded_decoder_noise_rows_fall_below_the_detected_eps():
     """In a left-padded decoder the first real token only attends to itself, so its query gradient is
     round-off noise (~1e-11) rather than zero; the detected eps must separate these rows from the rest."""
@@ -173,3 +204,29 @@ def test_nan_rows_are_counted_and_layers_without_gradient_record_zero_rows():
     assert np.isnan(stats.layers[name].max_abs[0])
     assert stats.layers["bert.encoder.layer.0.attention.self.query"].rows == [0]
     assert not stats.layers["bert.encoder.layer.0.attention.self.query"].seen.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_reduction_equals_cpu_and_backward_never_syncs(dtype):
+    g = torch.randn(4096, 1536) * torch.logspace(-12, 2, 1536)
+    g[::3] = 0
+    gd = g.to(dtype)
+    on_gpu, on_cpu = reduce_grad(gd.cuda()), reduce_grad(gd)
+    assert on_gpu[:2] == on_cpu[:2]
+    for a, b in zip(on_gpu[2:], on_cpu[2:]):
+        assert torch.equal(a.cpu(), b)
+
+    model = tiny_model("bert").cuda()
+    batch = {k: v.cuda() for k, v in padded_batch("bert", LENGTHS).items()}
+    with GradientStatsCollector(model) as col:
+        with col.batch(batch["attention_mask"]):
+            loss = model(**batch).loss
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # any host sync in the hooks raises
+            try:
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    layer = col.stats().layers["bert.encoder.layer.0.attention.self.query"]
+    assert layer.zero_rows == [_n_pad(batch)]
