@@ -264,7 +264,8 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
         if layers:
             patch_model(model, layer_configs=layers)
-            _timed_backward(model, batches[0], device, autocast)  # SEBP warm-up (kernels, allocator)
+            for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
+                _timed_backward(model, b, device, autocast)
             for _ in range(reps):
                 for b in batches:
                     unpatch_model(model)
