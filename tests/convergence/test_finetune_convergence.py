@@ -215,3 +215,16 @@ def test_second_signal_interrupts_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_calibration_times_both_backends_on_cuda_only():
+    from sebp_kernels import SEBPConfig
+    from sebp_probe.finetune import _backend_variants
+
+    layers = {"a": SEBPConfig("exact"), "b": SEBPConfig("threshold", eps=1e-6)}
+    assert _backend_variants(layers, torch.device("cpu")) == [layers]
+    variants = _backend_variants(layers, torch.device("cuda"))
+    assert [v["a"].backend for v in variants] == ["triton", "torch"]
+    assert variants[1]["b"] == SEBPConfig("threshold", eps=1e-6, backend="torch")
+    pinned = {"a": SEBPConfig("exact", backend="torch")}
+    assert _backend_variants(pinned, torch.device("cuda")) == [pinned]
