@@ -78,12 +78,13 @@ def test_analyze_smollm2_left_padded_report_patches_the_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_heatmap_writes_a_picture(tmp_path):
-    out = tmp_path / "q0.png"
+@pytest.mark.parametrize("ext, magic", [(".png", b"\x89PNG\r\n\x1a\n"), (".pdf", b"%PDF"), (".svg", b"<?xml")])
+def test_heatmap_writes_a_picture_in_the_extensions_format(tmp_path, ext, magic):
+    out = tmp_path / f"q0{ext}"
     r = _run("heatmap", "minilm", "tweets", "--layer", "*.0.attention.self.query", "-o", str(out),
              "--max-batches", "1", "--batch-size", "4", "--max-length", "32")
     assert r.exit_code == 0, r.output
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert out.read_bytes().startswith(magic) and out.stat().st_size > 20_000
     assert "bert.encoder.layer.0.attention.self.query: eps" in r.output
 
 
