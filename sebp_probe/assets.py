@@ -453,6 +453,9 @@ class PadCollator:
             mask[row, sl] = 1
             if labels is not None:
                 labels[row, sl] = torch.tensor(it["labels"])
+                # A causal LM shifts labels by one: the first real token is predicted by the position before
+                # it, a pad under left padding. Mask it, so pads never carry loss (as under right padding).
+                labels[row, sl.start] = -100
         batch = {"input_ids": ids, "attention_mask": mask}
         batch["labels"] = labels if labels is not None else torch.tensor([it["label"] for it in items])
         return batch

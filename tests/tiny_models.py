@@ -59,4 +59,6 @@ def padded_batch(arch: str, lengths=(11, 4, 7), side: str = "right", seed: int =
         labels = torch.randint(0, 3, (len(lengths),), generator=g)
     else:
         labels = ids.masked_fill(mask == 0, -100)
+        first = mask.argmax(dim=1)  # the first real token is predicted by the position before it: no loss there
+        labels[torch.arange(len(lengths)), first] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

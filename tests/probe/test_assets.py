@@ -80,9 +80,26 @@ def test_pad_collator_left_right():
     right = PadCollator(0, "causal-lm", "longest", 16, "right")(items)
     left = PadCollator(0, "causal-lm", "max_length", 4, "left")(items)
     assert right["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert right["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
+    assert right["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]  # first token: never a target
     assert left["input_ids"].tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
     assert left["attention_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+    assert left["labels"].tolist() == [[-100, -100, 6, 7], [-100, -100, -100, -100]]
+
+
+def test_left_padded_decoder_pads_carry_no_gradient():
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    collate = PadCollator(0, "causal-lm", "longest", 16, "left")
+    batch = collate([{"input_ids": list(range(3, 12)), "labels": list(range(3, 12))},
+                     {"input_ids": [5, 6, 7], "labels": [5, 6, 7]}])
+    grads = {}
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj.register_full_backward_hook(lambda m, gi, go: grads.update(dy=go[0].detach()))
+    model(**batch).loss.backward()
+    pads = batch["attention_mask"] == 0
+    assert pads.sum() == 6
+    assert (grads["dy"][pads] == 0).all()  # before the fix the pad left of the first token carried loss
 
 
 @pytest.mark.parametrize("content,msg", [
