@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -641,7 +642,10 @@ class Run:
             return self._train(loaded, model, calib, state)
         finally:
             self.acc.free_memory()  # forget this run's prepared objects: a checkpoint holds one run only
-            del model
+            # DDP and accelerate's autocast wrapper of forward leave reference cycles: without a collection
+            # the first run of a --compare would still hold its memory during the second, inflating its peak.
+            del model, loaded
+            gc.collect()
             if self.acc.device.type == "cuda":
                 torch.cuda.empty_cache()
 

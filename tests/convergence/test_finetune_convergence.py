@@ -228,3 +228,19 @@ def test_calibration_times_both_backends_on_cuda_only():
     assert variants[1]["b"] == SEBPConfig("threshold", eps=1e-6, backend="torch")
     pinned = {"a": SEBPConfig("exact", backend="torch")}
     assert _backend_variants(pinned, torch.device("cuda")) == [pinned]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compare_frees_the_first_run_before_the_second(tmp_path, precision):
+    """The dense run's model must be gone when the SEBP run starts, or its memory inflates SEBP's peak."""
+    import gc
+
+    alive = {}
+
+    def on_event(kind, payload):
+        if kind == "start" and payload["run"] == "sebp":  # counted without a collection on purpose
+            alive["n"] = sum(type(o).__name__ == "BertForSequenceClassification" for o in gc.get_objects())
+
+    ft.finetune(_cfg(tmp_path, compare=True, max_steps=2, precision=precision), load_fn=_loader("bert"),
+                data=synthetic_data("classification"), on_event=on_event)
+    assert alive["n"] == 1
