@@ -8,6 +8,28 @@ from .config import SEBPConfig
 from .functional import sebp_linear
 
 
+# Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
+# a swap keep firing after it, and their handles still remove them.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def _take_over(new: nn.Module, old: nn.Module) -> None:
+    """Give ``new`` the training mode, hooks and extra attributes (e.g. accelerate's ``_hf_hook``) of ``old``."""
+    new.train(old.training)
+    for name in _HOOK_DICTS:
+        if hasattr(old, name):
+            setattr(new, name, getattr(old, name))
+    for key in ("_is_full_backward_hook", "_hf_hook"):
+        if key in vars(old):
+            setattr(new, key, vars(old)[key])
+    for key, value in vars(old).items():
+        if not key.startswith("_") and key not in vars(new) and key != "sebp_config":
+            setattr(new, key, value)
+
+
 class SEBPLinear(nn.Linear):
     """Drop-in nn.Linear with the SEBP backward. Build it with :meth:`from_linear` to share Parameters."""
 
@@ -24,10 +46,7 @@ class SEBPLinear(nn.Linear):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
         new.weight = linear.weight
         new.bias = linear.bias
-        new.train(linear.training)
-        for name, hook_dict in (("_forward_hooks", linear._forward_hooks),
-                                ("_forward_pre_hooks", linear._forward_pre_hooks)):
-            getattr(new, name).update(hook_dict)
+        _take_over(new, linear)
         return new
 
     def to_linear(self) -> nn.Linear:
@@ -36,7 +55,7 @@ class SEBPLinear(nn.Linear):
             lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         lin.weight = self.weight
         lin.bias = self.bias
-        lin.train(self.training)
+        _take_over(lin, self)
         return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 # Output heads: left dense by "all-linear" unless named explicitly.
-HEAD_NAMES: tuple[str, ...] = ("classifier", "lm_head", "score", "qa_outputs", "cls", "head", "out_proj")
+HEAD_NAMES: tuple[str, ...] = ("classifier", "classification_head", "lm_head", "score", "qa_outputs", "cls",
+                               "head", "pooler")
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -35,18 +36,25 @@ def _logical_name(name: str) -> str:
 
 
 def _is_head(name: str) -> bool:
-    parts = name.split(".")
-    return any(p in HEAD_NAMES for p in parts) or parts[-1] == "pooler" or ".pooler." in f".{name}."
+    return any(p in HEAD_NAMES for p in name.split("."))
+
+
+def _names_exactly(name: str, pattern: str) -> bool:
+    return name == pattern or name.endswith("." + pattern)
 
 
 def name_matches(name: str, pattern: str) -> bool:
     """Exact name, dotted suffix, or full regex match."""
-    if name == pattern or name.endswith("." + pattern):
+    if _names_exactly(name, pattern):
         return True
     try:
         return re.fullmatch(pattern, name) is not None
     except re.error:
         return False
+
+
+def _as_list(patterns: Iterable[str] | str | None) -> list[str]:
+    return [patterns] if isinstance(patterns, str) else list(patterns or [])
 
 
 def _is_plain_linear(m: nn.Module) -> bool:
@@ -72,12 +80,8 @@ def find_targets(
 ) -> list[str]:
     """Full names of the linear modules that patching would swap (checked, see :func:`patch_model`)."""
     explicit = target_modules is not None
-    if isinstance(target_modules, str):
-        target_modules = [target_modules]
-    if isinstance(exclude_modules, str):
-        exclude_modules = [exclude_modules]
-    patterns = list(target_modules) if explicit else list(DEFAULT_TARGETS)
-    excludes = list(exclude_modules or [])
+    patterns = _as_list(target_modules) if explicit else list(DEFAULT_TARGETS)
+    excludes = _as_list(exclude_modules)
     modules = dict(model.named_modules())
     linear_names = [n for n, m in modules.items() if _is_plain_linear(m)]
 
@@ -95,7 +99,8 @@ def find_targets(
                     hits.append(n)
                 elif isinstance(base, nn.Module) and _is_plain_linear(base):
                     hits.append(f"{n}.base_layer")
-                elif explicit and not any(c for c in m.modules() if c is not m and _is_plain_linear(c)):
+                elif explicit and _names_exactly(n, pattern) and not any(
+                        c for c in m.modules() if c is not m and _is_plain_linear(c)):
                     raise PatchError(
                         f"target {pattern!r} matches {n!r}, a {type(m).__name__}, not an nn.Linear"
                     )
@@ -144,17 +149,25 @@ def patch_model(
     if layer_configs:
         names = dict(model.named_modules())
         for name, value in layer_configs.items():
-            real = name if name in names else f"{name}.base_layer"
+            real = f"{name}.base_layer" if f"{name}.base_layer" in names else name
             if real not in names:
                 raise PatchError(f"layer {name!r} from the per-layer settings is not in this model")
             if not _is_plain_linear(names[real]):
                 raise PatchError(f"layer {name!r} is a {type(names[real]).__name__}, not an nn.Linear")
             per_layer[real] = _as_config(value, name)
-        if target_modules is None:
-            target_modules = list(per_layer)
 
+    if per_layer and target_modules is None:  # exactly the named layers, not their names used as patterns
+        excludes = _as_list(exclude_modules)
+        targets = [n for n in per_layer
+                   if not any(name_matches(_logical_name(n), p) for p in excludes)
+                   and (filter_fn is None or filter_fn(names[n], _logical_name(n)))]
+    else:
+        targets = find_targets(model, target_modules, exclude_modules, filter_fn)
+        missed = sorted(set(per_layer) - set(targets))
+        if missed:
+            raise PatchError(f"per-layer settings name layers that the targets leave out: {', '.join(missed[:5])}")
     patched = []
-    for name in find_targets(model, target_modules, exclude_modules, filter_fn):
+    for name in targets:
         module = model.get_submodule(name)
         cfg = per_layer.get(name, config)
         if isinstance(module, SEBPLinear):

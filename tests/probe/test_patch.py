@@ -138,3 +138,58 @@ def test_lora_base_layer_gets_sebp_and_no_dw():
     base = model.get_submodule(names[0])
     assert isinstance(base, SEBPLinear) and base.weight.grad is None
     assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_hooks_and_mode_survive_patch_and_unpatch():
+    model = tiny_model("llama")
+    name = "model.layers.0.mlp.up_proj"
+    calls = []
+    handle = model.get_submodule(name).register_forward_hook(lambda m, i, o: calls.append("fwd"))
+    model.get_submodule(name).register_full_backward_hook(lambda m, gi, go: calls.append("bwd"))
+    model.eval()
+    patch_model(model)
+    assert isinstance(model.get_submodule(name), SEBPLinear) and not model.get_submodule(name).training
+    model(**padded_batch("llama")).loss.backward()
+    assert calls == ["fwd", "bwd"]
+    unpatch_model(model)
+    calls.clear()
+    model(**padded_batch("llama")).loss.backward()
+    assert calls == ["fwd", "bwd"]
+    handle.remove()  # a handle taken before patching still removes the hook
+    calls.clear()
+    model(**padded_batch("llama")).loss.backward()
+    assert calls == ["bwd"]
+
+
+def test_per_layer_keys_are_exact_names_not_patterns():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4)))
+    names = patch_model(seq, layer_configs={"0": {"mode": "threshold", "eps": 0.1}})
+    assert names == ["0"] and type(seq[2][0]) is nn.Linear
+    with pytest.raises(PatchError, match="leave out"):
+        patch_model(tiny_model("llama"), target_modules=["q_proj"],
+                    layer_configs={"model.layers.0.mlp.up_proj": {"mode": "exact"}})
+
+
+def test_per_layer_setting_under_a_lora_wrapper_name():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    wrapper = next(n for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+    names = patch_model(model, layer_configs={wrapper: {"mode": "threshold", "eps": 1e-3}})
+    assert names == [f"{wrapper}.base_layer"]
+    assert patched_layers(model)[names[0]] == SEBPConfig("threshold", eps=1e-3)
+
+
+def test_all_linear_keeps_attention_out_proj_and_regex_skips_non_linear_leaves():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.out_proj, self.act = nn.Linear(4, 4), nn.Linear(4, 4), nn.GELU()
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.lm_head = Attn(), nn.Linear(4, 9)
+
+    assert sorted(patch_model(Toy(), target_modules="all-linear")) == ["self_attn.out_proj", "self_attn.q_proj"]
+    assert sorted(patch_model(Toy(), target_modules=[r"self_attn\..*"])) == ["self_attn.out_proj",
+                                                                          "self_attn.q_proj"]
