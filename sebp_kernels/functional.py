@@ -82,7 +82,7 @@ def sebp_linear(
     """
     config = config or _DEFAULT
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):
+    if torch.is_autocast_enabled(dev) and x.dtype != torch.float64:  # autocast leaves fp64 alone too
         dt = torch.get_autocast_dtype(dev)
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None

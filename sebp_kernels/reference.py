@@ -18,8 +18,9 @@ def row_activity(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
     if config.mode == "exact":
         return dy.any(dim=1)  # NaN and Inf are truthy; -0.0 is not, and contributes nothing anyway
     if config.mode == "threshold":
+        eps = min(config.eps, torch.finfo(dy.dtype).max)  # rounded to +inf it would hide Inf rows
         hi, lo = dy.amax(dim=1), dy.amin(dim=1)
-        return (hi > config.eps) | (lo < -config.eps) | torch.isnan(hi)
+        return (hi > eps) | (lo < -eps) | torch.isnan(hi)
     raise ValueError(f"row_activity does not handle mode {config.mode!r}")
 
 

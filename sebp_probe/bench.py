@@ -440,7 +440,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     """
     from sebp_kernels import SEBPConfig
 
-    from .patch import patch_model, unpatch_model
+    from .patch import find_targets, patch_model, unpatch_model
 
     _require_cuda()
     model = _build_model(case, dtype)
@@ -471,8 +471,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: dense, padding trimmed")
         measure("dense_trimmed", trimmed)
-    n_linear = len(patch_model(model, SEBPConfig(mode), target_modules=targets))
-    unpatch_model(model)
+    n_linear = len(find_targets(model, targets))
     def med(table):
         return {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for name, rs in table.items()}
 

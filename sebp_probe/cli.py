@@ -314,6 +314,9 @@ def bench_cmd(
         raise UserError(f"--mode must be exact, threshold or topk, got {mode!r}")
     if repeats < 1 or model_repeats < 1:
         raise UserError("--repeats and --model-repeats must be >= 1")
+    if mode == "topk" and scope != "layers":
+        raise UserError("--mode topk needs an N per layer, which only the per-layer benchmark sets "
+                        "(N = active rows); use --scope layers, or exact/threshold for the whole model")
     dens = bench.parse_densities(densities)
     shapes = bench.resolve_shapes(model, rows, in_features, out_features, seq) if scope != "model" else []
     models = []

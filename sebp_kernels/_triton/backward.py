@@ -77,6 +77,9 @@ def sebp_backward_triton(
     """
     if not supported(dy, x if need_dw else None, weight):
         return sebp_backward_torch(dy, x, weight, config, need_dx, need_dw, need_db)
+    # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1.
+    dy, weight = _unit_col_stride(dy), _unit_col_stride(weight)
+    x = _unit_col_stride(x) if x is not None else None
     perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
     m = dy.shape[0]
     hint = None
@@ -98,9 +101,14 @@ def sebp_backward_triton(
     return dx, dw, db
 
 
+def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
+
+
 def _db_only(dy: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """db over active rows when dW is not needed (frozen weight, trainable bias): a 0/1 row mask times dY."""
     m = dy.shape[0]
-    keep = (torch.arange(m, device=dy.device) < count).to(dy.dtype)
-    mask = torch.empty(m, dtype=dy.dtype, device=dy.device).scatter_(0, perm.long(), keep)
-    return mask @ dy
+    keep = torch.arange(m, device=dy.device) < count
+    mask = torch.empty(m, dtype=torch.bool, device=dy.device).scatter_(0, perm.long(), keep)
+    # where(), not mask @ dy: 0 * Inf on an inactive row would leak NaN into db
+    return torch.where(mask[:, None], dy, 0).sum(0, dtype=torch.float32).to(dy.dtype)

@@ -128,7 +128,9 @@ def _sm_count_of(index: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _eps_in(eps: float, dtype: torch.dtype) -> float:
     """eps rounded to dY's dtype: torch compares ``|dy| > eps`` in that dtype, and so does the reference."""
-    return float(torch.tensor(eps, dtype=dtype))
+    # An eps beyond the dtype's range would round to +inf and hide Inf rows: the largest finite value keeps
+    # every finite row inactive and every Inf row active, as the definition says.
+    return min(float(torch.tensor(eps, dtype=dtype)), torch.finfo(dtype).max)
 
 
 def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int | None = None,

@@ -53,7 +53,9 @@ def test_dry_run_explicit_layer():
      (["--in-features", "64"], "explicit shapes need"),
      (["--rows", "-5", "--in-features", "4", "--out-features", "4"], "rows must be a positive integer"),
      (["no-such-model-or-dir", "--dry-run"], "unknown shape set or model"),
-     (["llama-3.2-1b", "--scope", "model"], "no whole-model case")],
+     (["llama-3.2-1b", "--scope", "model"], "no whole-model case"),
+     (["bert-base", "--scope", "model", "--mode", "topk", "--dry-run"], "--mode topk needs an N per layer"),
+     (["bert-base", "--scope", "all", "--mode", "topk"], "--mode topk needs an N per layer")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
     res = _run(*args)

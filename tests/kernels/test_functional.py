@@ -169,3 +169,20 @@ def test_module_shares_parameters_and_roundtrips():
 def test_config_rejects_bad_values(kwargs, err):
     with pytest.raises(ValueError, match=err):
         SEBPConfig(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_inf_row_stays_active_when_eps_exceeds_the_dtype_range(dtype):
+    dy = torch.zeros(4, 3, dtype=dtype)
+    dy[1, 0] = float("inf")
+    dy[2, 1] = 1.0
+    assert select_rows(dy, SEBPConfig("threshold", eps=1e39)).tolist() == [1]
+
+
+def test_fp64_under_autocast_stays_fp64():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sebp_linear(x, w)
+        ref = F.linear(x, w)
+    assert y.dtype == ref.dtype == torch.float64
