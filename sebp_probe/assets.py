@@ -311,11 +311,11 @@ def _text(v) -> str:
     return "" if v is None or (isinstance(v, float) and v != v) else str(v)
 
 
-def _classification_examples(rows, cfg: DataConfig, name: str):
+def _classification_examples(rows, cfg: DataConfig, name: str, known: list[str] | None = None):
     cols = list(rows[0].keys())
     label_col = cfg.label_column or _first(cols, LABEL_COLUMNS)
     if label_col is None or label_col not in cols:
-        what = f"label column {cfg.label_column!r}" if cfg.label_column else "a label column"
+        what = f"column {cfg.label_column!r}" if cfg.label_column else "label column"
         raise AssetError(f"dataset {name!r} has no {what} (columns: {', '.join(cols)}); pass --label-column")
     text_col, pair_col = cfg.text_column, cfg.text_pair_column
     if text_col is None:
@@ -341,8 +341,15 @@ def _classification_examples(rows, cfg: DataConfig, name: str):
         labels = ints
     else:
         label_names = sorted({str(v) for v in raw})
+        labels = [str(v) for v in raw]
+    if known is not None:  # another split of the same data: its label ids must mean the same classes
+        unseen = sorted(set(label_names) - set(known), key=str)
+        if unseen:
+            raise AssetError(f"split of {name!r} has labels {unseen[:5]} that the training split does not have")
+        label_names = list(known)
+    if labels and isinstance(labels[0], str):
         index = {n: i for i, n in enumerate(label_names)}
-        labels = [index[str(v)] for v in raw]
+        labels = [index[v] for v in labels]
     if len(label_names) < 2:
         raise AssetError(f"label column {label_col!r} of {name!r} has fewer than 2 classes")
     examples = []
@@ -375,8 +382,12 @@ def _causal_examples(rows, cfg: DataConfig, name: str):
     return [{"text": _text(r[text_col])} for r in rows], {"text_column": text_col}
 
 
-def load_text_data(cfg: DataConfig, task: str, split: str | None = None) -> TextData:
-    """Read ``cfg.dataset`` (split ``split`` or ``cfg.split`` or ``train``) into examples for ``task``."""
+def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
+                   label_names: list[str] | None = None) -> TextData:
+    """Read ``cfg.dataset`` (split ``split`` or ``cfg.split`` or ``train``) into examples for ``task``.
+
+    ``label_names``: the classes of the training split, so that another split maps its labels to the same ids.
+    """
     if task not in TASKS:
         raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     split = split or cfg.split or "train"
@@ -398,7 +409,7 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None) -> Text
     if cfg.max_samples is not None and len(rows) > cfg.max_samples:
         rows = rows[: cfg.max_samples]
     if task == "classification":
-        examples, label_names, columns = _classification_examples(rows, cfg, name)
+        examples, label_names, columns = _classification_examples(rows, cfg, name, label_names)
     else:
         (examples, columns), label_names = _causal_examples(rows, cfg, name), []
     identity = {"name": name, "source": source, "origin": origin, "split": split, "num_samples": len(examples),
@@ -430,8 +441,11 @@ def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]
         else:
             ids = tok(e["text"], truncation=True, max_length=max_length)["input_ids"]
             labels = list(ids)
-        if ids:
+        if any(t != -100 for t in labels[1:]):  # the first token is never a target (the labels shift by one)
             out.append({"input_ids": ids, "labels": labels})
+    if not out and data.examples:
+        raise AssetError(f"max length {max_length} leaves no target token in any example (prompts this long "
+                         "cut off every response): raise --max-length")
     return out
 
 

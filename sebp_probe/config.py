@@ -169,6 +169,13 @@ class FinetuneConfig:
                                  f"length = {rows} rows; pick N below that")
         if self.auto_eps and self.report:
             raise ValueError("--auto-eps runs the analysis and --report reads one: pass only one of them")
+        if self.auto_eps or self.report:
+            clash = [n for n, v in (("--eps", self.eps is not None), ("--top-n", self.top_n is not None),
+                                    ("--targets", self.targets is not None)) if v]
+            if clash:
+                src = "--auto-eps" if self.auto_eps else "--report"
+                raise ValueError(f"{src} sets the layers and their eps/N itself: drop {', '.join(clash)} "
+                                 "(or drop " + src + " and give the settings directly)")
         sebp_given = [n for n, v in (("eps", self.eps is not None), ("top-n", self.top_n is not None),
                                      ("auto-eps", self.auto_eps), ("report", bool(self.report))) if v]
         if self.method == "dense" and not self.compare and (sebp_given or self.mode):

@@ -98,7 +98,8 @@ def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
     ``tweets``, else a deterministic 10% of the training split; at most ``eval_samples`` of them."""
     data = load_text_data(cfg.data, loaded.task)
     if cfg.data.eval_split or cfg.data.dataset == "tweets":
-        held = load_text_data(cfg.data, loaded.task, split=cfg.data.eval_split or "test")
+        held = load_text_data(replace(cfg.data, max_samples=None), loaded.task,  # --eval-samples caps this one
+                              split=cfg.data.eval_split or "test", label_names=data.label_names or None)
     else:
         data, held = data.split_off(0.1, seed=cfg.seed)
     if cfg.eval_samples is not None:
@@ -566,9 +567,9 @@ class Run:
 
             from .patch import unpatch_model
 
-            chosen = broadcast_object_list([sorted(c.layers)])[0]
+            chosen = broadcast_object_list([{n: sc.to_dict() for n, sc in c.layers.items()}])[0]
             unpatch_model(model)
-            c.layers = {n: cands[n] for n in chosen}
+            c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen.items()}
             c.fallback = sorted(n for n in cands if n not in c.layers)
             if c.layers:
                 patch_model(model, layer_configs=c.layers)
@@ -819,6 +820,15 @@ def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bo
 
         report = analyze_for_finetune(loaded, cfg.data, progress=progress)
     rep.check_report_for_model(report, loaded.model)
+    if cfg.mode == "topk":  # N counts rows of a batch: it only means something for the batches it was measured on
+        pad = report.get("padding", {})
+        theirs = (pad.get("batch_size"), pad.get("max_length"), pad.get("padding"))
+        ours = (cfg.data.batch_size, cfg.data.max_length, cfg.data.padding)
+        if theirs != ours:
+            raise FinetuneError(
+                f"the report's N was measured on batches of {theirs[0]} x {theirs[1]} ({theirs[2]}); this run "
+                f"uses {ours[0]} x {ours[1]} ({ours[2]}): analyze with the same --batch-size, --max-length and "
+                "--padding, or use --mode threshold/exact")
     return report
 
 
@@ -868,12 +878,16 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     acc = Accelerator(mixed_precision={"fp32": "no"}.get(cfg.precision, cfg.precision))
     out = Path(cfg.output_dir)
     resuming, stale = check_output_dir(cfg, resume, overwrite)
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run
 
     if load_fn is None:
         task = resolve_task(cfg)
-        probe = load_model(cfg.model, task)
         if data is None:
+            probe = load_model(cfg.model, task)  # the tokenizer, and the labels that size the head
             data = load_train_data(cfg, probe)
+            del probe
         num_labels = data.label_names and len(data.label_names) or None
         load_fn = lambda: load_model(cfg.model, task, num_labels=num_labels)  # noqa: E731
         first = load_fn()

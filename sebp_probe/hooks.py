@@ -8,7 +8,7 @@ together (a few kernels, whatever the number of layers) and travel to the host i
 Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.knee`): an integer shift, no
 logarithm, and every bucket edge is an exact float32, so row counts above a threshold at an edge are exact.
 bfloat16 gradients map onto the same buckets without conversion; float16 and float64 are bucketed as
-float32 (float64 magnitudes below ~1e-45 then count as zero in the histograms, never in the zero counts).
+float32 (float64 magnitudes below ~1e-45 then count as zero, in the histograms and in the zero-row counts).
 The per-row statistics are exact; the histogram of single elements is taken on a strided sample of rows
 when a gradient holds more than ``ELEMENT_SAMPLE`` values (see :func:`reduce_grad`).
 
@@ -30,11 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .knee import FINE_SHIFT, N_FINE, N_OCTAVE, octave_histogram
+from .knee import _INF_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, octave_histogram
 from .patch import _logical_name, find_targets
 
 _ABS_MASK = 0x7FFFFFFF
-_INF_BITS = 0x7F800000
 # layout of the per-layer scalars of :func:`reduce_calls`
 _NONZERO, _NONFINITE_ROWS, _MAX_BITS, _ZERO_ROWS = range(4)
 _N_SCALARS = 4

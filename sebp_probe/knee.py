@@ -36,8 +36,6 @@ N_FINE = (1 << (31 - FINE_SHIFT)) + 1  # 2049: zero bucket + every 11-bit prefix
 N_OCTAVE = (1 << (31 - OCTAVE_SHIFT)) + 1  # 257
 # float32 bits of +inf, and the first bucket of each kind holding +inf (the buckets above it are NaN)
 _INF_BITS = 0x7F800000
-FINE_INF_BUCKET = _INF_BITS >> FINE_SHIFT  # 2040
-OCTAVE_INF_BUCKET = _INF_BITS >> OCTAVE_SHIFT  # 255
 
 GRID_STEP = 0.05  # decades per point of the log grid the knee is searched on
 

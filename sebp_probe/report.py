@@ -76,8 +76,17 @@ def validate_report(report: object, where: str = "report") -> dict:
             raise ReportError(f"{where}: layer {name!r} is not an object")
         try:
             SEBPConfig.from_dict({k: entry.get(k) for k in ("mode", "eps", "top_n")})
+            if entry.get("top_n") is None:
+                raise ValueError("top_n is missing")
         except (TypeError, ValueError) as e:
             raise ReportError(f"{where}: layer {name!r}: {e}") from None
+    glob = report.get("global")
+    if not isinstance(glob, dict) or any(k not in glob for k in ("mode", "eps", "top_n")):
+        raise ReportError(f"{where}: the global setting needs mode, eps and top_n")
+    try:
+        SEBPConfig.from_dict({k: glob[k] for k in ("mode", "eps", "top_n")})
+    except (TypeError, ValueError) as e:
+        raise ReportError(f"{where}: global setting: {e}") from None
     return report
 
 
@@ -118,6 +127,11 @@ def check_report_for_model(report: dict, model: nn.Module) -> None:
     have_type = getattr(getattr(model, "config", None), "model_type", None)
     if want_type and have_type and want_type != have_type:
         raise ReportError(f"the report was made for {label} ({want_type}), not for this {have_type} model")
+    config = getattr(model, "config", None)
+    for key in ("num_hidden_layers", "hidden_size"):  # same type and shapes, but a deeper or wider model
+        want, have = made_for.get(key), getattr(config, key, None)
+        if want is not None and have is not None and want != have:
+            raise ReportError(f"the report was made for {label} with {key} {want}; this model has {have}")
     modules = dict(model.named_modules())
     for name, entry in report["layers"].items():
         m = _linear(modules, name)

@@ -100,7 +100,7 @@ def test_bad_input_gives_one_clear_line(tmp_path, case):
     args, words = {
         "unknown model": (["analyze", "./no/such/model"], "does not exist"),
         "missing column": (["analyze", "minilm", _csv(tmp_path, "nolabel.csv", "text,score\nhello,1\nbye,2\n")],
-                           "no a label column"),
+                           "no label column"),
         "empty dataset": (["analyze", "minilm", _csv(tmp_path, "empty.csv", "text,label\n")], "no rows"),
         "layer glob": (["heatmap", "minilm", "tweets", "--layer", "*.nothing.*"], "matches no linear layer"),
         "image format": (["heatmap", "minilm", "tweets", "--layer", "query", "-o", "x.jpg"], "unsupported image"),

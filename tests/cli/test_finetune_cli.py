@@ -117,6 +117,9 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--report", "missing.json"], "does not exist"),
     (["--targets", "nosuchlayer"], "matches no linear layer"),
     (["--auto-eps", "--report", "r.json"], "only one of them"),
+    (["--auto-eps", "--top-n", "64"], "drop --top-n"),
+    (["--report", "r.json", "--eps", "0.001", "--mode", "threshold"], "drop --eps"),
+    (["--auto-eps", "--targets", "query"], "drop --targets"),
     (["--eps", "1e9"], "no row of any layer is active"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
@@ -130,7 +133,7 @@ def test_dataset_without_labels_is_refused(tiny, tmp_path):
     csv = tmp_path / "unlabeled.csv"
     csv.write_text("text,source\nhello there,a\nhow are you,b\n")
     line = _error_line(_run([tiny, str(csv), "--max-steps", "2", "-o", str(tmp_path / "run")]))
-    assert "no a label column" in line and "--label-column" in line
+    assert "no label column" in line and "--label-column" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -186,3 +189,19 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     r = _run([*base, "-o", str(out), "--resume"])
     assert r.exit_code == 0, r.output
     assert _train_records(out / "metrics.jsonl") == _train_records(tmp_path / "a" / "metrics.jsonl")
+
+
+def test_topk_report_from_other_batch_shapes_is_refused(tiny, tmp_path):
+    from sebp_probe.analyze import AnalyzeSettings, analyze_for_finetune
+    from sebp_probe.assets import load_model
+    from sebp_probe.config import DataConfig
+    from sebp_probe.report import save_report
+
+    loaded = load_model(tiny, num_labels=3)
+    report = analyze_for_finetune(loaded, DataConfig(max_samples=16, batch_size=4, max_length=32),
+                                  AnalyzeSettings(max_batches=2))
+    save_report(report, tmp_path / "r.json")
+    line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "--report", str(tmp_path / "r.json"),
+                             "--mode", "topk", "-o", str(tmp_path / "run")]))
+    assert "measured on batches of 4 x 32" in line and "8 x 32" in line
+    assert not (tmp_path / "run").exists()

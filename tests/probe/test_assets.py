@@ -103,7 +103,7 @@ def test_left_padded_decoder_pads_carry_no_gradient():
 
 
 @pytest.mark.parametrize("content,msg", [
-    ("text,score\nhello,0.5\n", "no a label column"),
+    ("text,score\nhello,0.5\n", "no label column"),
     ("text,label\n", "has no rows"),
     ("words,label\n1,0\n2,1\n", "no text column"),
     ("text,label\nhi,0\nho,0\n", "fewer than 2 classes"),
@@ -148,3 +148,31 @@ def test_smollm2_loads_offline_from_bundled_gguf(tmp_path_factory):
     with torch.no_grad():
         loss = s.model(**b).loss
     assert torch.isfinite(loss) and 0.5 < loss.item() < 12
+
+
+def test_eval_split_labels_use_the_training_classes(tmp_path):
+    train = load_text_data(DataConfig(), "classification")
+    test = load_text_data(DataConfig(split="test", max_samples=3), "classification", label_names=train.label_names)
+    assert test.label_names == train.label_names
+    for e in test.examples:  # ids mean the same classes as in train
+        assert 0 <= e["label"] < 3
+    f = tmp_path / "d.csv"
+    f.write_text("text,label\na,x\nb,z\n")
+    with pytest.raises(AssetError, match="training split does not have"):
+        load_text_data(DataConfig(dataset=str(f)), "classification", label_names=["x", "y"])
+
+
+def test_prompts_longer_than_max_length_are_refused_not_nan(tmp_path, minilm):
+    class Tok:
+        pad_token_id, eos_token_id, padding_side = 0, 1, "right"
+
+        def __call__(self, text, add_special_tokens=True, truncation=False, max_length=None):
+            ids = [2 + (hash(w) % 50) for w in text.split()]
+            return {"input_ids": ids[:max_length] if truncation else ids}
+
+    f = tmp_path / "qa.jsonl"
+    f.write_text(json.dumps({"prompt": "one two three four five six", "response": "seven"}) + "\n")
+    data = load_text_data(DataConfig(dataset=str(f)), "causal-lm")
+    fake = type(minilm)(model=None, tokenizer=Tok(), task="causal-lm", name="fake", source="test")
+    with pytest.raises(AssetError, match="no target token"):
+        make_loader(fake, data, DataConfig(dataset=str(f), max_length=4))

@@ -116,6 +116,10 @@ def test_report_for_another_model_is_refused(llama_report):
     cfg.intermediate_size = 48
     with pytest.raises(ReportError, match=r"is 32x48 here, 32x40 in the report"):
         check_report_for_model(report, AutoModelForCausalLM.from_config(cfg))
+    deeper = tiny_config("llama")
+    deeper.num_hidden_layers = 3  # every layer of the report exists, with its shape: still another model
+    with pytest.raises(ReportError, match="num_hidden_layers 2; this model has 3"):
+        check_report_for_model(report, AutoModelForCausalLM.from_config(deeper))
     bad = copy.deepcopy(report)
     bad["layers"]["model.layers.9.mlp.up_proj"] = bad["layers"]["model.layers.1.mlp.up_proj"]
     with pytest.raises(ReportError, match="no linear layer 'model.layers.9.mlp.up_proj'"):
@@ -153,6 +157,9 @@ def test_bad_report_files_give_one_clear_line(tmp_path, llama_report):
         (lambda r: r.__setitem__("layers", {}), "no per-layer settings"),
         (lambda r: next(iter(r["layers"].values())).__setitem__("eps", -1.0), "eps must be"),
         (lambda r: next(iter(r["layers"].values())).__setitem__("top_n", 0), "N"),
+        (lambda r: next(iter(r["layers"].values())).__setitem__("top_n", None), "top_n is missing"),
+        (lambda r: r["global"].pop("eps"), "global setting needs"),
+        (lambda r: r["global"].__setitem__("eps", -2.0), "global setting: eps must be"),
     ]:
         r = copy.deepcopy(report)
         mutate(r)
