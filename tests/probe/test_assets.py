@@ -10,6 +10,16 @@ from sebp_probe.assets import AssetError, PadCollator, load_model, load_text_dat
 from sebp_probe.config import DataConfig
 
 
+class WordTokenizer:
+    """A whitespace tokenizer standing in for a decoder's (pad 0, EOS 1)."""
+
+    pad_token_id, eos_token_id, padding_side = 0, 1, "right"
+
+    def __call__(self, text, add_special_tokens=True, truncation=False, max_length=None):
+        ids = [2 + (hash(w) % 50) for w in text.split()]
+        return {"input_ids": ids[:max_length] if truncation else ids}
+
+
 @pytest.fixture(scope="module")
 def minilm():
     return load_model("minilm", num_labels=3)
@@ -55,17 +65,10 @@ def test_local_files_and_column_detection(tmp_path, minilm):
 
 
 def test_prompt_response_masks_prompt_tokens(tmp_path, minilm):
-    class Tok:  # a whitespace tokenizer standing in for a decoder's
-        pad_token_id, eos_token_id, padding_side = 0, 1, "right"
-
-        def __call__(self, text, add_special_tokens=True, truncation=False, max_length=None):
-            ids = [2 + (hash(w) % 50) for w in text.split()]
-            return {"input_ids": ids[:max_length] if truncation else ids}
-
     f = tmp_path / "qa.jsonl"
     f.write_text(json.dumps({"prompt": "what is two plus two", "response": "four"}) + "\n")
     data = load_text_data(DataConfig(dataset=str(f)), "causal-lm")
-    fake = type(minilm)(model=None, tokenizer=Tok(), task="causal-lm", name="fake", source="test")
+    fake = type(minilm)(model=None, tokenizer=WordTokenizer(), task="causal-lm", name="fake", source="test")
     for side in ("right", "left"):
         b = next(iter(make_loader(fake, data, DataConfig(dataset=str(f), max_length=10, padding_side=side))))
         ids, labels, mask = b["input_ids"][0], b["labels"][0], b["attention_mask"][0]
@@ -163,16 +166,9 @@ def test_eval_split_labels_use_the_training_classes(tmp_path):
 
 
 def test_prompts_longer_than_max_length_are_refused_not_nan(tmp_path, minilm):
-    class Tok:
-        pad_token_id, eos_token_id, padding_side = 0, 1, "right"
-
-        def __call__(self, text, add_special_tokens=True, truncation=False, max_length=None):
-            ids = [2 + (hash(w) % 50) for w in text.split()]
-            return {"input_ids": ids[:max_length] if truncation else ids}
-
     f = tmp_path / "qa.jsonl"
     f.write_text(json.dumps({"prompt": "one two three four five six", "response": "seven"}) + "\n")
     data = load_text_data(DataConfig(dataset=str(f)), "causal-lm")
-    fake = type(minilm)(model=None, tokenizer=Tok(), task="causal-lm", name="fake", source="test")
+    fake = type(minilm)(model=None, tokenizer=WordTokenizer(), task="causal-lm", name="fake", source="test")
     with pytest.raises(AssetError, match="no target token"):
         make_loader(fake, data, DataConfig(dataset=str(f), max_length=4))
