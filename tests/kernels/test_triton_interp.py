@@ -123,6 +123,26 @@ else:
         dx, dw, db = sebp_backward_triton(dy, x, w, cfg)
         assert not torch.isfinite(dx[7]).all() and not torch.isfinite(dw).all()
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_inf_row_active_when_eps_is_beyond_the_dtype_range(dtype):
+        dy = torch.zeros(9, 5, dtype=dtype)
+        dy[3, 2] = float("inf")
+        dy[6, 0] = 1.0
+        cfg = SEBPConfig("threshold", eps=1e39)
+        perm, count = select_rows_device(dy, cfg.mode, cfg.eps, interpret=True)
+        assert perm[: int(count.item())].tolist() == select_rows(dy, cfg).tolist() == [3]
+
+    def test_db_only_ignores_inactive_inf_rows():
+        dy, _, w = _inputs(20, 6, 5, torch.float32)
+        dy[2], dy[5], dy[11] = float("inf"), float("inf"), float("inf")  # three Inf rows, N = 2: one is inactive
+        cfg = SEBPConfig("topk", top_n=2)
+        perm, count = select_rows_device(dy, cfg.mode, cfg.eps, cfg.top_n, interpret=True)
+        active = perm[: int(count.item())]
+        assert sorted(active.tolist()) != [2, 5, 11] and set(active.tolist()) <= {2, 5, 11}
+        _, _, db = sebp_backward_triton(dy, None, w, cfg, need_dx=False, need_dw=False, need_db=True)
+        want = dy[active].sum(0)  # by the definition: active rows only, no 0 * Inf from the inactive one
+        assert torch.equal(db, want), (db, want)
+
     def test_threshold_compares_in_the_input_dtype():
         # 0.10002 rounds up to fp16 0.1000366: a row whose max is exactly that value is not above eps in fp16
         # (how torch and the reference compare), though it is above the fp32 number 0.10002.
