@@ -181,7 +181,7 @@ def finetune_cmd(
 
     - `sebp-probe finetune` : MiniLM on the bundled tweets, exact SEBP, 200 steps (CPU: minutes)
     - `sebp-probe finetune minilm tweets --auto-eps --compare -o runs/auto` : analysis, then dense vs SEBP
-    - `sebp-probe finetune minilm tweets --report report.json --mode topk`
+    - `sebp-probe finetune minilm tweets --report report.json` : per-layer settings of `sebp-probe analyze -o report.json`
     - `sebp-probe finetune ./my-model data.csv --eps 1e-6 --bf16 --lora --epochs 1`
     - `accelerate launch --multi_gpu --num_processes 2 -m sebp_probe finetune minilm tweets --compare` : DDP
 
