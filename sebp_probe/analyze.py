@@ -310,25 +310,20 @@ def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | 
     The task decides how the data is read and the data decides the classifier's size, so the task is
     guessed from the model's config first.
     """
-    from transformers import AutoConfig
-
-    from .assets import guess_task, load_model, load_text_data, resolve_model_path
+    from .assets import load_model, load_text_data, model_task
 
     cfg = _limit_samples(data_cfg, max_batches)
-    if task is None:
-        path, _ = resolve_model_path(model_name)
-        try:
-            task = guess_task(AutoConfig.from_pretrained(path))
-        except Exception:  # noqa: BLE001 - load_model says what is wrong in one line
-            task = load_model(model_name).task
+    task = model_task(model_name, task)
     data = load_text_data(cfg, task)
     loaded = load_model(model_name, task=task, num_labels=data.num_labels if task == "classification" else None)
     return loaded, data, cfg
 
 
 def padding_info(loaded, cfg) -> dict:
+    from .assets import padding_side
+
     return {"padding": cfg.padding, "max_length": cfg.max_length,
-            "padding_side": cfg.padding_side or getattr(loaded.tokenizer, "padding_side", None) or "right",
+            "padding_side": padding_side(loaded, cfg),
             "batch_size": cfg.batch_size}
 
 

@@ -132,6 +132,31 @@ def guess_task(config) -> str:
     return "causal-lm" if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "classification"
 
 
+def _load_config(name_or_path: str, path: str, source: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - offline hub misses, bad json, unknown architectures
+        where = "on the hub (no network, or no such repo?)" if source == "hub" else f"at {path}"
+        raise AssetError(f"cannot load model {name_or_path!r} {where}: {_one_line(e)}") from None
+
+
+def model_task(name_or_path: str, task: str | None = None) -> str:
+    """``task`` (checked), else the one the model's config implies, without loading any weights."""
+    if task is not None:
+        if task not in TASKS:
+            raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+        return task
+    path, source = resolve_model_path(name_or_path)
+    return guess_task(_load_config(name_or_path, path, source))
+
+
+def padding_side(loaded: "LoadedModel", cfg: DataConfig) -> str:
+    """``cfg.padding_side``, else the tokenizer's, else right."""
+    return cfg.padding_side or getattr(loaded.tokenizer, "padding_side", None) or "right"
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:400] or type(e).__name__
 
@@ -148,17 +173,13 @@ def load_model(
     (AutoModelForCausalLM); by default it is guessed from the config. A tokenizer without a pad token
     gets its EOS token as pad.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if task is not None and task not in TASKS:
         raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     path, source = resolve_model_path(name_or_path)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - offline hub misses, bad json, unknown architectures
-        where = "on the hub (no network, or no such repo?)" if source == "hub" else f"at {path}"
-        raise AssetError(f"cannot load model {name_or_path!r} {where}: {_one_line(e)}") from None
+    config = _load_config(name_or_path, path, source)
     task = task or guess_task(config)
     kwargs = {}
     if dtype is not None:
@@ -486,8 +507,8 @@ def make_loader(loaded: LoadedModel, data: TextData, cfg: DataConfig, shuffle: b
     items = tokenize(loaded, data, cfg.max_length)
     if not items:
         raise AssetError(f"dataset {cfg.dataset!r} has no non-empty text")
-    side = cfg.padding_side or getattr(loaded.tokenizer, "padding_side", None) or "right"
-    collate = PadCollator(loaded.tokenizer.pad_token_id, data.task, cfg.padding, cfg.max_length, side)
+    collate = PadCollator(loaded.tokenizer.pad_token_id, data.task, cfg.padding, cfg.max_length,
+                          padding_side(loaded, cfg))
     g = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
     return torch.utils.data.DataLoader(items, batch_size=cfg.batch_size, shuffle=shuffle, generator=g,
                                        collate_fn=collate)

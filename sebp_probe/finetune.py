@@ -40,7 +40,7 @@ import torch
 
 from sebp_kernels import SEBPConfig, select_rows
 
-from .assets import AssetError, LoadedModel, PadCollator, guess_task, load_model, load_text_data, tokenize
+from .assets import AssetError, LoadedModel, PadCollator, load_model, load_text_data, model_task, padding_side, tokenize
 from .config import DEFAULT_MAX_STEPS, FinetuneConfig
 from .patch import find_targets, patch_model
 
@@ -78,21 +78,6 @@ class TrainData:
     identity: dict = field(default_factory=dict)
 
 
-def resolve_task(cfg: FinetuneConfig) -> str:
-    """``cfg.task``, else what the model's config says (classification for encoders, causal-lm for decoders)."""
-    if cfg.task:
-        return cfg.task
-    from transformers import AutoConfig
-
-    from .assets import resolve_model_path
-
-    path, _ = resolve_model_path(cfg.model)
-    try:
-        return guess_task(AutoConfig.from_pretrained(path))
-    except OSError as e:
-        raise AssetError(f"cannot read the config of model {cfg.model!r}: {' '.join(str(e).split())[:300]}") from None
-
-
 def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
     """Train and held-out examples of ``cfg.data``: ``eval_split`` if given, the bundled test split of
     ``tweets``, else a deterministic 10% of the training split; at most ``eval_samples`` of them."""
@@ -107,7 +92,7 @@ def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
     train, ev = tokenize(loaded, data, cfg.data.max_length), tokenize(loaded, held, cfg.data.max_length)
     if not train or not ev:
         raise AssetError(f"dataset {cfg.data.dataset!r} has no non-empty text to train or evaluate on")
-    side = cfg.data.padding_side or getattr(loaded.tokenizer, "padding_side", None) or "right"
+    side = padding_side(loaded, cfg.data)
     identity = {"train": data.identity, "eval": held.identity}
     return TrainData(loaded.task, train, ev, loaded.tokenizer.pad_token_id, side, data.label_names, identity)
 
@@ -883,7 +868,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run
 
     if load_fn is None:
-        task = resolve_task(cfg)
+        task = model_task(cfg.model, cfg.task)
         if data is None:
             probe = load_model(cfg.model, task)  # the tokenizer, and the labels that size the head
             data = load_train_data(cfg, probe)
