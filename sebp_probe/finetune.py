@@ -141,13 +141,12 @@ def _wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.
 
 
 def _linear_name(modules: dict, name: str) -> str:
-    """The nn.Linear that a report's layer name (of the plain model) is in this model: peft adds a prefix
-    and wraps the frozen layer as ``.base_layer``."""
-    for cand in (name, f"base_model.model.{name}"):
-        for real in (f"{cand}.base_layer", cand):
-            if real in modules:
-                return real
-    raise FinetuneError(f"layer {name!r} of the SEBP settings is not in this model")
+    from .report import linear_name
+
+    real = linear_name(modules, name)
+    if real is None:
+        raise FinetuneError(f"layer {name!r} of the SEBP settings is not in this model")
+    return real
 
 
 def candidate_layers(model: torch.nn.Module, cfg: FinetuneConfig,

@@ -106,14 +106,13 @@ def load_report(path: str | os.PathLike) -> dict:
     return validate_report(report, f"report {path}")
 
 
-def _linear(modules: dict[str, nn.Module], name: str) -> nn.Linear | None:
-    """The nn.Linear a report name stands for: itself, or inside a peft wrapper (``base_model.model.`` prefix,
-    ``.base_layer`` suffix)."""
+def linear_name(modules: dict[str, nn.Module], name: str) -> str | None:
+    """The name of the nn.Linear that a report's layer name (of the plain model) stands for in a model: the
+    name itself, or inside a peft wrapper (``base_model.model.`` prefix, ``.base_layer`` suffix)."""
     for prefix in ("", "base_model.model."):
         for suffix in (".base_layer", ""):
-            m = modules.get(f"{prefix}{name}{suffix}")
-            if isinstance(m, nn.Linear):
-                return m
+            if isinstance(modules.get(f"{prefix}{name}{suffix}"), nn.Linear):
+                return f"{prefix}{name}{suffix}"
     return None
 
 
@@ -134,7 +133,8 @@ def check_report_for_model(report: dict, model: nn.Module) -> None:
             raise ReportError(f"the report was made for {label} with {key} {want}; this model has {have}")
     modules = dict(model.named_modules())
     for name, entry in report["layers"].items():
-        m = _linear(modules, name)
+        real = linear_name(modules, name)
+        m = modules[real] if real is not None else None
         if m is None:
             raise ReportError(f"the report was made for {label}: this model has no linear layer {name!r}")
         shape = entry.get("stats", {}).get("shape")
