@@ -29,8 +29,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 for s in $STAGES; do
   case $s in
-    # tests check results, not speed: first config of each kernel, no autotuning (the bench tunes)
-    tests) SEBP_TRITON_AUTOTUNE=0 stage "gpu tests" "${TESTS_LIMIT:-300}" python3 -m pytest -q \
+    # tests check results, not speed
+    tests) stage "gpu tests" "${TESTS_LIMIT:-300}" python3 -m pytest -q \
              -p no:cacheprovider tests/kernels/test_triton_gpu.py ;;
     layers) for m in ${LAYER_SETS:-bert-base llama-3.2-3b}; do
               stage "layers $m" "${LAYERS_LIMIT:-200}" $BENCH "$m" --repeats "$REPEATS" -o "$OUT/layers_$m.json"

@@ -12,18 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import FP32_CONFIG, INTERPRET_CONFIG, dx_configs, tuned_launch_kwargs
+from .tuning import gemm_config
 
 
 @triton.jit
 def _dx_kernel(
     dy_ptr, w_ptr, dx_ptr, perm_ptr, count_ptr,
-    M, N, K, ROWS_HINT,
+    M, N, K,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr,
 ):
-    # M rows of dY/dX, N = in_features, K = out_features. ROWS_HINT (expected k) only keys the autotuner.
+    # M rows of dY/dX, N = in_features, K = out_features.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -36,7 +36,9 @@ def _dx_kernel(
     count = tl.load(count_ptr)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = pos < M
-    rows = tl.load(perm_ptr + pos, mask=in_m, other=0).to(tl.int64)
+    rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
+    if BIG:
+        rows = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_mask = in_m[:, None] & (offs_n < N)[None, :]
     out_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn
@@ -74,40 +76,16 @@ def _dx_kernel(
         tl.store(out_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
 
 
-_dx_tuned = None
-_CHOSEN: dict = {}  # autotune key -> chosen launch kwargs
-
-
-def _tuned_kernel():
-    global _dx_tuned
-    if _dx_tuned is None:
-        even_k = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_dx_kernel)
-        _dx_tuned = triton.autotune(configs=dx_configs(), key=["M", "N", "K", "ROWS_HINT"])(even_k)
-    return _dx_tuned
-
-
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
-            interpret: bool = False, ieee: bool = True, rows_hint: int | None = None) -> torch.Tensor:
-    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows.
-
-    ``rows_hint``: the expected k (a power of two), used only to pick tuned tile shapes (None: unknown).
-    """
+            interpret: bool = False, ieee: bool = True) -> torch.Tensor:
+    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows."""
     m, k_dim = dy.shape
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
-    args = (dy, weight, dx, perm, count, m, n, k_dim, rows_hint or m,
-            dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1))
-    if interpret or dy.dtype == torch.float32:
-        cfg = INTERPRET_CONFIG if interpret else FP32_CONFIG
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _dx_kernel[grid](*args, **cfg, EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee)
-        return dx
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    kw = tuned_launch_kwargs(_tuned_kernel(), _CHOSEN, (m, n, k_dim, args[8], dy.dtype),
-                             lambda tuned: tuned[grid](*args, IEEE=ieee), rows_known=rows_hint is not None)
-    if kw is not None:
-        _dx_kernel[grid(kw)](*args, IEEE=ieee, EVEN_K=k_dim % kw["BLOCK_K"] == 0, **kw)
+    cfg = gemm_config("dx", dy.dtype, interpret)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
+    _dx_kernel[grid](dy, weight, dx, perm, count, m, n, k_dim,
+                     dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
+                     EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, **cfg)
     return dx

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call, several steps (STEPS="diag collector tests bench finetune"); every output is packed into
+# $OUT/results.tgz (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
+set -u
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+nvidia-smi -L | tee $OUT/env.txt
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a $OUT/env.txt
+for s in ${STEPS:-diag tests}; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    diag) ( timeout ${DIAG_LIMIT:-300} python3 scripts/gpu_diag.py $OUT/diag.json ) > $OUT/diag.txt 2>&1
+          grep -v "^ *{" $OUT/diag.txt | head -80
+          for f in $(find .triton_cache -name "_dw_kernel.ptx" -o -name "_dx_kernel.ptx"); do
+            echo "$(basename $f) wgmma=$(grep -c wgmma $f) cp.async=$(grep -c 'cp.async' $f)"; done | sort | uniq -c ;;
+    collector) ( timeout 150 python3 scripts/collector_profile.py; timeout 300 python3 scripts/collector_overhead.py \
+                 --models minilm,bert-base,smollm2 --rounds 5 --output $OUT/collector_fp32.json;
+                 timeout 300 python3 scripts/collector_overhead.py --models minilm,bert-base,smollm2 --rounds 5 --bf16 \
+                 --output $OUT/collector_bf16.json ) > $OUT/collector.txt 2>&1; grep -v "^ " $OUT/collector.txt | head -40 ;;
+    tests) ( timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py \
+             ${EXTRA_TESTS:-} ) > $OUT/tests.txt 2>&1; tail -15 $OUT/tests.txt ;;
+    bench) for m in ${LAYER_SETS:-bert-base llama-3.2-3b}; do
+             ( timeout ${LAYERS_LIMIT:-200} python3 -m sebp_probe.cli bench $m --repeats ${REPEATS:-20} \
+               -o $OUT/layers_$m.json ) > $OUT/bench_layers_$m.txt 2>&1; tail -30 $OUT/bench_layers_$m.txt; done
+           for m in ${MODEL_SETS:-bert-base llama-3.2-3b}; do
+             ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs \
+               -o $OUT/model_$m.json ) > $OUT/bench_model_$m.txt 2>&1; tail -20 $OUT/bench_model_$m.txt; done ;;
+    finetune) ( OUT=$OUT/ft timeout ${FT_LIMIT:-400} bash scripts/gpu_finetune.sh ) > $OUT/finetune.txt 2>&1
+              tail -40 $OUT/finetune.txt ;;
+  esac
+done
+cd $OUT && tar czf results.tgz --exclude=results.tgz . 2>/dev/null; ls
