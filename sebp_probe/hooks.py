@@ -1,14 +1,24 @@
 """Per-layer statistics of dL/dY, reduced on the device while the backward pass runs.
 
 A forward hook on every target linear puts a tensor hook on its output; in the backward that hook reduces
-dL/dY (flattened to rows x features) on the device to its per-row max |g|, its count of non-zeros and a
-small sample, and never copies the gradient itself. Once per batch these are bucketed for all layers
-together (a few kernels, whatever the number of layers) and travel to the host in one transfer.
+dL/dY (flattened to rows x features) on the device and never copies the gradient itself. Two paths give
+the same numbers:
+
+* Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): one kernel per hook call
+  (:mod:`sebp_kernels._triton.rowstats`) adds the layer's counts, largest bit pattern and both histograms
+  into a per-collector int64 buffer, preallocated once per device; a batch ends with one device->host copy
+  of it. The backward then costs one launch per layer, the batch a few operations: the steps of small
+  models are bound by host time, so this is what keeps the collector cheap.
+* torch (everything else, e.g. plain CPU runs): the hook keeps each row's max |g|, its count of non-zeros
+  and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
+  (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
 
 Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.knee`): an integer shift, no
 logarithm, and every bucket edge is an exact float32, so row counts above a threshold at an edge are exact.
 bfloat16 gradients map onto the same buckets without conversion; float16 and float64 are bucketed as
 float32 (float64 magnitudes below ~1e-45 then count as zero, in the histograms and in the zero-row counts).
+Every NaN is bucketed as the canonical quiet NaN (float32 bits ``0x7FC00000``): payloads carry no meaning
+and torch's own reductions do not preserve them consistently.
 The per-row statistics are exact; the histogram of single elements is taken on a strided sample of rows
 when a gradient holds more than ``ELEMENT_SAMPLE`` values (see :func:`reduce_grad`).
 
@@ -23,6 +33,9 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -30,13 +43,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .knee import _INF_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, octave_histogram
+from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, octave_histogram
 from .patch import _logical_name, find_targets
 
 _ABS_MASK = 0x7FFFFFFF
-# layout of the per-layer scalars of :func:`reduce_calls`
-_NONZERO, _NONFINITE_ROWS, _MAX_BITS, _ZERO_ROWS = range(4)
-_N_SCALARS = 4
+# Per-layer row of a batch's statistics, in both paths (the layout of sebp_kernels._triton.rowstats):
+# non-zero elements, non-finite rows, float32 bits of the largest |g| (0 without a call), then the
+# fine-bucket histogram of the rows' max |g| (its bucket 0 counts the zero rows).
+_NONZERO, _NONFINITE_ROWS, _MAX_BITS = range(3)
+_N_SCALARS = 3
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton then runs on CPU tensors
 
 
 @dataclass
@@ -112,10 +128,13 @@ ELEMENT_SAMPLE = 1 << 14  # the element histogram reads at most about this many 
 
 
 def _abs_bits(x: torch.Tensor) -> torch.Tensor:
-    """float32 bit patterns of |x| as int32 (bfloat16 is the top half of a float32: no conversion)."""
+    """float32 bit patterns of |x| as int32, NaN as ``_NAN_BITS`` (bfloat16 is the top half of a float32:
+    no conversion)."""
     if x.dtype == torch.bfloat16:
-        return (x.view(torch.int16).to(torch.int32) << 16) & _ABS_MASK
-    return (x if x.dtype == torch.float32 else x.float()).view(torch.int32) & _ABS_MASK
+        bits = (x.view(torch.int16).to(torch.int32) << 16) & _ABS_MASK
+    else:
+        bits = (x if x.dtype == torch.float32 else x.float()).view(torch.int32) & _ABS_MASK
+    return bits.masked_fill_(bits > _INF_BITS, _NAN_BITS)
 
 
 def _buckets(bits: torch.Tensor) -> torch.Tensor:
@@ -149,8 +168,35 @@ def summarize_grad(grad: torch.Tensor) -> GradCall:
     else:  # on the CPU these are ~10x faster than the norms
         row_max = g2.abs().amax(dim=1)
         nonzero = (g2 != 0).sum(dim=1)
-    step = max(1, -(-g2.numel() // ELEMENT_SAMPLE))
-    return GradCall(rows, rows * cols, row_max, nonzero, g2[::step].clone())
+    return GradCall(rows, rows * cols, row_max, nonzero, g2[::_sample_step(g2)].clone())
+
+
+def _sample_step(grad2d: torch.Tensor) -> int:
+    """Every how many rows the element histogram reads one (both paths)."""
+    return max(1, -(-grad2d.numel() // ELEMENT_SAMPLE))
+
+
+@functools.lru_cache(maxsize=None)
+def _rowstats():
+    """The Triton row-statistics module, imported on first use; None when triton cannot be used here."""
+    try:
+        from sebp_kernels._triton import rowstats
+    except Exception as exc:  # no triton, or one that fails to initialise: the torch path still works
+        if torch.cuda.is_available() or _INTERPRET:
+            warnings.warn(f"Triton row statistics unavailable ({exc!r}); the collector uses torch ops",
+                          RuntimeWarning, stacklevel=3)
+        return None
+    assert (rowstats.NONZERO, rowstats.NONFINITE_ROWS, rowstats.MAX_BITS, rowstats.N_SCALARS) == \
+        (_NONZERO, _NONFINITE_ROWS, _MAX_BITS, _N_SCALARS)
+    return rowstats
+
+
+def _kernel_for(grad2d: torch.Tensor):
+    """The rowstats module when its kernel handles this 2-D gradient, else None (torch path)."""
+    if not (grad2d.is_cuda or _INTERPRET):
+        return None
+    mod = _rowstats()
+    return mod if mod is not None and mod.supported(grad2d) else None
 
 
 def _per_layer(layer: torch.Tensor, counts: list[int], total: int) -> torch.Tensor:
@@ -159,13 +205,14 @@ def _per_layer(layer: torch.Tensor, counts: list[int], total: int) -> torch.Tens
 
 
 def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int):
-    """Per-layer statistics of a batch's calls, on the device: (scalars (L, 4), element hist (L, N_FINE),
-    row-max hist (L, N_FINE)), int64.
+    """Per-layer statistics of a batch's calls, on the device: (batch (L, 3 + N_FINE), element hist
+    (L, N_FINE)), int64.
 
-    scalars: non-zero elements, non-finite rows, float32 bits of the largest |g| (-1: no call), zero
-    rows. The row statistics are exact; the element histogram counts every value of a gradient of at most
-    ``ELEMENT_SAMPLE`` values and otherwise an evenly strided sample of its rows (it only draws the CDF of
-    |g|; every decision uses the exact row statistics).
+    A row of ``batch``: non-zero elements, non-finite rows, float32 bits of the largest |g| (0: no call),
+    then the histogram of the rows' max |g| (bucket 0: zero rows). The row statistics are exact; the
+    element histogram counts every value of a gradient of at most ``ELEMENT_SAMPLE`` values and otherwise
+    an evenly strided sample of its rows (it only draws the CDF of |g|; every decision uses the exact row
+    statistics).
     """
     device = calls[0].row_max.device
     layer = torch.tensor(layer_of_call, device=device)
@@ -174,7 +221,7 @@ def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int)
     rbits = _abs_bits(torch.cat([c.row_max.reshape(-1) for c in calls]))
     row_hist = bucket_counts(row_layer * N_FINE + _buckets(rbits), n_layers * N_FINE).view(n_layers, N_FINE)
     nonfinite = bucket_counts(row_layer * 2 + (rbits >= _INF_BITS), n_layers * 2).view(n_layers, 2)[:, 1]
-    max_bits = torch.full((n_layers,), -1, dtype=torch.int64, device=device)
+    max_bits = torch.zeros(n_layers, dtype=torch.int64, device=device)
     max_bits.scatter_reduce_(0, row_layer, rbits.to(torch.int64), "amax")
     nonzero = torch.zeros(n_layers, dtype=torch.int64, device=device)
     nonzero.index_add_(0, row_layer, torch.cat([c.nonzero for c in calls]).to(torch.int64))
@@ -183,18 +230,75 @@ def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int)
     sample_layer = _per_layer(layer, sizes, sum(sizes))
     ebits = _abs_bits(torch.cat(samples))
     element_hist = bucket_counts(sample_layer * N_FINE + _buckets(ebits), n_layers * N_FINE).view(n_layers, N_FINE)
-    scalars = torch.stack([nonzero, nonfinite, max_bits, row_hist[:, 0]], dim=1)
-    return scalars, element_hist, row_hist
+    return torch.cat([torch.stack([nonzero, nonfinite, max_bits], dim=1), row_hist], dim=1), element_hist
+
+
+def _rows_view(grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
 
 
 def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All statistics of one dL/dY: (rows, elements, scalars, element histogram, row-max histogram), with
-    scalars = [zero rows, non-finite rows, zero elements, float32 bits of the largest |g|]."""
-    call = summarize_grad(grad)
-    scalars, element_hist, row_hist = (t[0] for t in reduce_calls([call], [0], 1))
-    nonzero, nonfinite, max_bits, zero_rows = scalars
-    return call.rows, call.elements, torch.stack([zero_rows, nonfinite, call.elements - nonzero, max_bits]), \
-        element_hist, row_hist
+    scalars = [zero rows, non-finite rows, zero elements, float32 bits of the largest |g|]. Takes the path
+    the collector would take for this tensor (Triton or torch)."""
+    g2 = _rows_view(grad.detach())
+    rows, elements = g2.shape[0], g2.numel()
+    kernel = _kernel_for(g2)
+    if kernel is None:
+        batch, element_hist = reduce_calls([summarize_grad(g2)], [0], 1)
+    else:
+        batch = torch.zeros(1, _N_SCALARS + N_FINE, dtype=torch.int64, device=g2.device)
+        element_hist = torch.zeros(1, N_FINE, dtype=torch.int64, device=g2.device)
+        kernel.row_stats_(g2, batch, element_hist, 0, _sample_step(g2), FINE_SHIFT)
+    b = batch[0]
+    scalars = torch.stack([b[_N_SCALARS], b[_NONFINITE_ROWS], elements - b[_NONZERO], b[_MAX_BITS]])
+    return rows, elements, scalars, element_hist[0], b[_N_SCALARS:]
+
+
+class _DeviceBuffers:
+    """Where the row-statistics kernel accumulates a batch, on one device (allocated once per collector).
+
+    One int64 allocation holds ``stats`` (layers, 3 + N_FINE; the layout of :func:`reduce_calls`) and
+    ``sample`` (layers, N_FINE, this batch's element histogram), so discarding a batch is one memset;
+    ``element_acc`` sums the element histograms of the kept batches.
+    """
+
+    def __init__(self, n_layers: int, device: torch.device, kernel) -> None:
+        width = _N_SCALARS + N_FINE
+        self._kernel = kernel
+        self._flat = torch.zeros(n_layers * (width + N_FINE), dtype=torch.int64, device=device)
+        self.stats = self._flat[: n_layers * width].view(n_layers, width)
+        self.sample = self._flat[n_layers * width:].view(n_layers, N_FINE)
+        self.element_acc = torch.zeros(n_layers, N_FINE, dtype=torch.int64, device=device)
+        self._host: torch.Tensor | None = None  # pinned on CUDA: the copy is one DMA, reused every batch
+
+    def add(self, layer: int, grad2d: torch.Tensor) -> None:
+        """One launch, no host sync."""
+        self._kernel.row_stats_(grad2d, self.stats, self.sample, layer, _sample_step(grad2d), FINE_SHIFT)
+
+    def take(self) -> np.ndarray:
+        """This batch's ``stats`` on the host (valid until the next call); the device side starts over."""
+        if self._host is None:
+            self._host = torch.empty(self.stats.shape, dtype=torch.int64, pin_memory=self.stats.is_cuda)
+        self.element_acc += self.sample
+        self._host.copy_(self.stats)  # waits for the batch's kernels
+        self._flat.zero_()
+        return self._host.numpy()
+
+    def discard(self) -> None:
+        self._flat.zero_()
+
+
+def _merge(parts: list[np.ndarray], n_layers: int) -> np.ndarray:
+    """Batch statistics from several sources (devices, paths) in one array: sums, and the max of max bits."""
+    if not parts:
+        return np.zeros((n_layers, _N_SCALARS + N_FINE), dtype=np.int64)
+    out = parts[0]
+    for p in parts[1:]:
+        top = np.maximum(out[:, _MAX_BITS], p[:, _MAX_BITS])
+        out = out + p
+        out[:, _MAX_BITS] = top
+    return out
 
 
 class GradientStatsCollector:
@@ -217,8 +321,13 @@ class GradientStatsCollector:
             n: LayerStats(n, m.in_features, m.out_features) for n, m in self._modules.items()
         }
         self._handles: list = []
-        self._pending: list[tuple[int, GradCall]] | None = None
-        self._element_acc: torch.Tensor | None = None  # (layers, N_FINE) on the device
+        self._pending: list[tuple[int, GradCall]] | None = None  # torch-path calls of the open batch
+        self._element_acc: torch.Tensor | None = None  # (layers, N_FINE) on the device, torch path
+        self._buffers: dict[torch.device, _DeviceBuffers] = {}  # Triton path
+        self._route: dict = {}  # (device, dtype) -> _DeviceBuffers, or None for the torch path
+        n = len(self.names)
+        self._rows, self._elements = [0] * n, [0] * n  # of the open batch, per layer
+        self._row_hist = np.zeros((n, N_FINE), dtype=np.int64)  # LayerStats.row_hist are rows of this
         self._lengths: list[np.ndarray] = []
         self._padded: list[int] = []
         self._batches = 0
@@ -239,8 +348,27 @@ class GradientStatsCollector:
             output.register_hook(partial(self._on_grad, index))
 
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
-        if self._pending is not None and grad.numel():
-            self._pending.append((index, summarize_grad(grad)))
+        if self._pending is None or not grad.numel():
+            return
+        g = _rows_view(grad)
+        self._rows[index] += g.shape[0]
+        self._elements[index] += g.numel()
+        key = (g.device, g.dtype)
+        buffers = self._route[key] if key in self._route else self._add_route(key, g)
+        if buffers is None:
+            self._pending.append((index, summarize_grad(g)))
+        else:
+            buffers.add(index, g)
+
+    def _add_route(self, key, grad2d: torch.Tensor) -> _DeviceBuffers | None:
+        kernel = _kernel_for(grad2d)
+        buffers = None
+        if kernel is not None:
+            buffers = self._buffers.get(grad2d.device)
+            if buffers is None:
+                buffers = self._buffers[grad2d.device] = _DeviceBuffers(len(self.names), grad2d.device, kernel)
+        self._route[key] = buffers
+        return buffers
 
     @contextlib.contextmanager
     def batch(self, attention_mask: torch.Tensor | None = None):
@@ -254,39 +382,45 @@ class GradientStatsCollector:
         if self._pending is not None:
             raise RuntimeError("batches cannot nest")
         self._pending = []
+        n = len(self.names)
+        self._rows, self._elements = [0] * n, [0] * n
         try:
             yield self
             self._flush(attention_mask)
+        except BaseException:
+            for buffers in self._buffers.values():
+                buffers.discard()
+            raise
         finally:
             self._pending = None
 
     def _flush(self, attention_mask) -> None:
         n = len(self.names)
-        rows, elements = [0] * n, [0] * n
-        for i, call in self._pending:
-            rows[i] += call.rows
-            elements[i] += call.elements
+        parts = [buffers.take() for buffers in self._buffers.values()]  # one transfer per device
         if self._pending:
-            scalars, element_hist, row_hist = reduce_calls([c for _, c in self._pending],
-                                                           [i for i, _ in self._pending], n)
+            batch, element_hist = reduce_calls([c for _, c in self._pending], [i for i, _ in self._pending], n)
             if self._element_acc is None:
                 self._element_acc = element_hist
             else:
                 self._element_acc += element_hist
-            host = torch.cat([scalars, row_hist], dim=1).cpu().numpy()  # the one transfer of the batch
-        else:
-            host = np.zeros((n, _N_SCALARS + N_FINE), dtype=np.int64)
+            parts.append(batch.cpu().numpy())  # the one transfer of the torch path
+        host = _merge(parts, n)
+        fine = host[:, _N_SCALARS:]
+        zero_rows = fine[:, 0].tolist()
+        nonfinite = host[:, _NONFINITE_ROWS].tolist()
+        zero_elements = (np.asarray(self._elements, dtype=np.int64) - host[:, _NONZERO]).tolist()
+        max_abs = host[:, _MAX_BITS].astype(np.int32).view(np.float32).tolist()  # bits in [0, 2**31)
+        octaves = octave_histogram(fine).astype(np.int32)
+        self._row_hist = self._row_hist + fine  # a new array per batch: row_hist taken earlier stay as they were
         for i, layer in enumerate(self._layers.values()):
-            v = host[i]
-            fine = v[_N_SCALARS:]
-            layer.rows.append(rows[i])
-            layer.elements.append(elements[i])
-            layer.zero_rows.append(int(v[_ZERO_ROWS]))
-            layer.nonfinite_rows.append(int(v[_NONFINITE_ROWS]))
-            layer.zero_elements.append(elements[i] - int(v[_NONZERO]))
-            layer.max_abs.append(float(np.array([max(v[_MAX_BITS], 0)], dtype=np.int32).view(np.float32)[0]))
-            layer.row_octaves.append(octave_histogram(fine).astype(np.int32))
-            layer.row_hist = layer.row_hist + fine
+            layer.rows.append(self._rows[i])
+            layer.elements.append(self._elements[i])
+            layer.zero_rows.append(zero_rows[i])
+            layer.nonfinite_rows.append(nonfinite[i])
+            layer.zero_elements.append(zero_elements[i])
+            layer.max_abs.append(max_abs[i])
+            layer.row_octaves.append(octaves[i])
+            layer.row_hist = self._row_hist[i]
         if attention_mask is not None:
             mask = attention_mask.reshape(attention_mask.shape[0], -1)
             self._lengths.append(mask.sum(dim=1).cpu().numpy())
@@ -295,8 +429,10 @@ class GradientStatsCollector:
 
     def stats(self) -> GradientStats:
         """The statistics gathered so far (histograms copied to the host)."""
-        if self._element_acc is not None:
-            acc = self._element_acc.cpu().numpy().astype(np.int64)
+        accs = [b.element_acc for b in self._buffers.values()]
+        accs += [self._element_acc] if self._element_acc is not None else []
+        if accs:
+            acc = sum(a.cpu().numpy().astype(np.int64) for a in accs)
             for i, layer in enumerate(self._layers.values()):
                 layer.element_hist = acc[i]
         return GradientStats(layers=dict(self._layers), lengths=list(self._lengths),

@@ -36,3 +36,74 @@ def assert_within_torch_error(actual, ref64, torch_same_dtype, dtype, name="tens
     base = (torch_same_dtype.double() - ref64).abs().max().item()
     bound = 2 * base + ATOL[dtype]
     assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (torch's own error {base:.3g})"
+
+
+# --- gradient-statistics collector: chosen dL/dY fed through real hooks, and a field-by-field comparison ---
+
+def special_rows_grad(shape, dtype, seed=0, device="cpu"):
+    """A dL/dY of ``shape`` (last dim = features) whose rows cycle through: exact zeros, magnitudes spread
+    over 12 decades, round-off noise down to the dtype's subnormals, a NaN, a +-Inf, NaN and Inf together,
+    and signed zeros among normal values."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, cols = shape
+    rows = int(torch.tensor(lead).prod()) if lead else 1
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-10, 2, cols)[torch.randperm(cols, generator=g)]
+    kind = torch.arange(rows)[torch.randperm(rows, generator=g)] % 8
+    col = torch.randint(0, cols, (rows,), generator=g)
+    r = torch.arange(rows)
+    x[kind == 0] = 0.0
+    x[kind == 1] *= 1e-36 if dtype == torch.float32 else 1e-5  # down to subnormals (and exact zeros)
+    x[r[kind == 2], col[kind == 2]] = float("nan")
+    x[r[kind == 3], col[kind == 3]] = float("-inf")
+    x[r[kind == 4], col[kind == 4]] = float("inf")
+    x[r[kind == 4], (col[kind == 4] + 1) % cols] = float("nan")
+    x[kind == 5, ::2] = -0.0
+    return x.to(dtype).reshape(shape).to(device)
+
+
+class LinearStack(torch.nn.Module):
+    """Independent linears ``proj.i`` (in_i -> out_i): each call's output gets a chosen gradient."""
+
+    def __init__(self, shapes, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(i, o, dtype=dtype, device=device) for i, o in shapes)
+
+
+def collect_with_grads(model: LinearStack, steps, **collector_kw):
+    """Run the collector over ``steps``: each a list of (layer index, leading shape, dL/dY) calls of one
+    batch; the gradients reach the hooks exactly as given."""
+    from sebp_probe.hooks import GradientStatsCollector
+
+    p = next(model.parameters())
+    with GradientStatsCollector(model, target_modules="all-linear", **collector_kw) as col:
+        for calls in steps:
+            with col.batch():
+                outs = [model.proj[i](torch.randn(*lead, model.proj[i].in_features, dtype=p.dtype, device=p.device))
+                        for i, lead, _ in calls]
+                torch.autograd.backward(outs, [g.to(p.device) for _, _, g in calls])
+    return col
+
+
+def _first_mismatches(a, b, name):
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    bad = ~((a == b) | (a.isnan() & b.isnan()))
+    idx = bad.nonzero()[:6].tolist()
+    return f"{name}: {int(bad.sum())} mismatches, first " + ", ".join(
+        f"{tuple(i)} got {a[tuple(i)].item():.6g} want {b[tuple(i)].item():.6g}" for i in idx)
+
+
+def assert_same_stats(got, want):
+    """Every field of every LayerStats equal (NaN equal to NaN); names the first mismatches."""
+    import numpy as np
+
+    assert got.batches == want.batches and list(got.layers) == list(want.layers)
+    for name, b in want.layers.items():
+        a = got.layers[name]
+        for f in ("rows", "elements", "zero_rows", "nonfinite_rows", "zero_elements", "max_abs", "element_hist",
+                  "row_hist"):
+            x, y = np.asarray(getattr(a, f)), np.asarray(getattr(b, f))
+            assert x.shape == y.shape and np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), \
+                _first_mismatches(x, y, f"{name}.{f}")
+        assert all(x.dtype == y.dtype for x, y in zip(a.row_octaves, b.row_octaves))
+        x, y = a.octaves(), b.octaves()
+        assert np.array_equal(x, y), _first_mismatches(x, y, f"{name}.row_octaves")

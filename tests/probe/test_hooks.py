@@ -12,6 +12,7 @@ from sebp_kernels import SEBPConfig
 from sebp_probe import patch_model
 from sebp_probe.hooks import GradientStatsCollector, capture_output_grads, reduce_grad
 from sebp_probe.knee import detect_eps, fine_histogram, octave_histogram
+from tests.helpers import LinearStack, assert_same_stats, collect_with_grads, special_rows_grad
 from tests.tiny_models import padded_batch, tiny_model
 
 LENGTHS = (11, 4, 7, 9, 2)
@@ -230,3 +231,25 @@ def test_cuda_reduction_equals_cpu_and_backward_never_syncs(dtype):
                 torch.cuda.set_sync_debug_mode(0)
     layer = col.stats().layers["bert.encoder.layer.0.attention.self.query"]
     assert layer.zero_rows == [_n_pad(batch)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_collector_equals_cpu_torch_path(dtype):
+    """The CUDA path (one rowstats kernel per hook) gives the CPU torch path's statistics field for field:
+    MiniLM-sized 3-D gradients that sample rows for the element histogram, CLS-only and odd shapes, a layer
+    called twice, a layer without gradient, zero/noise/NaN/Inf rows, three batches."""
+    shapes = [(384, 1536), (1536, 384), (384, 384), (64, 1027)]
+    steps = []
+    for b in range(3):
+        calls = [(0, (32, 128), special_rows_grad((32, 128, 1536), dtype, seed=10 * b)),
+                 (1, (32, 128), special_rows_grad((32, 128, 384), dtype, seed=10 * b + 1)),
+                 (1, (32,), special_rows_grad((32, 384), dtype, seed=10 * b + 2)),
+                 (3, (999,), special_rows_grad((999, 1027), dtype, seed=10 * b + 3))]
+        if b != 1:
+            calls.append((2, (7, 33), special_rows_grad((7, 33, 384), dtype, seed=10 * b + 4)))
+        steps.append(calls)
+    cpu = collect_with_grads(LinearStack(shapes, dtype), steps)
+    gpu = collect_with_grads(LinearStack(shapes, dtype, "cuda"), steps)
+    assert not cpu._buffers and list(gpu._buffers) and gpu._element_acc is None  # the kernel did the work
+    assert_same_stats(gpu.stats(), cpu.stats())

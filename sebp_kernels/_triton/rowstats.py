@@ -1,0 +1,139 @@
+"""Statistics of the rows of a 2-D gradient, accumulated on the device in one launch, no host sync.
+
+For a matrix ``g`` (rows x cols; float32, float16 or bfloat16) one kernel reads every element once and
+adds into row ``slot`` of two caller-owned int64 buffers:
+
+* ``stats[slot]``: ``[non-zero elements, rows holding a NaN/Inf, max bits, row histogram (nb buckets)]``;
+* ``sample_hist[slot]``: histogram of the single elements of every ``row_step``-th row (rows 0, step, ...).
+
+Magnitudes are bucketed by the float32 bit pattern of ``|g|`` (``bits``, an int32 in [0, 2**31)): bucket
+``ceil(bits / 2**shift)``, so bucket 0 holds exact zeros and every bucket edge is an exact float32. bfloat16
+is the top half of a float32 (no conversion); float16 is widened exactly. Every NaN counts as the canonical
+quiet NaN ``0x7FC00000`` (payloads say nothing about a gradient, and differ between conversions). "max bits"
+is the largest bit pattern: NaN sorts above +Inf, so a diverging row wins. A row's histogram bucket is that
+of its max ``|g|``; an all-zero row lands in bucket 0.
+
+Counts live in int64 buffers and are added with int64 atomics, so they cannot overflow across calls and
+batches; in registers they are per-row int32 (at most ``cols`` each) and summed as int64. A program
+reduces its rows first: one atomic per scalar, one for its zero rows, one per non-zero row, and, for the
+sampled rows, one per non-zero element plus one for the zeros. Row offsets are int64.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Read when the kernel is decorated: under TRITON_INTERPRET=1 it runs on CPU tensors.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Columns of ``stats``: three scalars, then the row histogram. The kernel spells these (and the float32
+# bits of +Inf, 0x7F800000, and of the canonical NaN, 0x7FC00000) as literals: every global constexpr a
+# kernel reads is re-compared on each launch, which costs host time.
+NONZERO, NONFINITE_ROWS, MAX_BITS, N_SCALARS = 0, 1, 2, 3
+_FP16, _BF16, _FP32 = 0, 1, 2
+
+
+@triton.jit
+def _abs_bits(x, KIND: tl.constexpr):
+    """float32 bit pattern of |x| as int32, every NaN as the canonical one."""
+    if KIND == 1:  # bfloat16: the top half of a float32
+        bits = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16) & 0x7FFFFFFF
+    else:  # float16 widens exactly
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(bits > 0x7F800000, 0x7FC00000, bits)
+
+
+# slot and row_step change from call to call: specialising on them (== 1, multiple of 16) would only compile
+# more variants of the kernel.
+@triton.jit(do_not_specialize=["slot", "row_step"])
+def _row_stats_kernel(
+    g_ptr, stats_ptr, sample_ptr,
+    M, N, stride_m,
+    slot, stats_stride, sample_stride, row_step,
+    KIND: tl.constexpr, SHIFT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r0 = pid * BLOCK_R
+    rows = r0 + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    row_ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_m
+    sampled = rmask & (rows % row_step == 0)
+    # Does this program hold a sampled row? (skips the element scatter everywhere else)
+    first = (r0 + row_step - 1) // row_step * row_step
+    has_sample = first < tl.minimum(r0 + BLOCK_R, M)
+    stats = stats_ptr + slot * stats_stride  # slot and strides are small: int32 is safe
+    sample = sample_ptr + slot * sample_stride
+
+    row_max = tl.zeros([BLOCK_R], dtype=tl.int32)
+    nonzero = tl.zeros([BLOCK_R], dtype=tl.int32)
+    sample_zero = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (cols < N)[None, :]
+        x = tl.load(row_ptrs + cols[None, :], mask=m, other=0.0)
+        bits = _abs_bits(x, KIND)
+        nonzero += tl.sum((bits != 0).to(tl.int32), axis=1)
+        row_max = tl.maximum(row_max, tl.max(bits, axis=1))
+        if has_sample:
+            in_sample = m & sampled[:, None]
+            # ceil(bits / 2**SHIFT) without overflow near 2**31; zeros counted per row, not by atomics
+            bucket = ((bits - 1) >> SHIFT) + 1
+            tl.atomic_add(sample + bucket, tl.full(bucket.shape, 1, tl.int64), mask=in_sample & (bits != 0),
+                          sem="relaxed")
+            sample_zero += tl.sum((in_sample & (bits == 0)).to(tl.int32), axis=1)
+
+    n_zero_rows = tl.sum((rmask & (row_max == 0)).to(tl.int64), axis=0)
+    tl.atomic_add(stats + 0, tl.sum(nonzero.to(tl.int64), axis=0), sem="relaxed")  # NONZERO
+    tl.atomic_add(stats + 1, tl.sum((rmask & (row_max >= 0x7F800000)).to(tl.int64), axis=0),  # NONFINITE_ROWS
+                  sem="relaxed")
+    tl.atomic_max(stats + 2, tl.max(row_max, axis=0).to(tl.int64), sem="relaxed")  # MAX_BITS
+    row_hist = stats + 3  # N_SCALARS
+    row_bucket = ((row_max - 1) >> SHIFT) + 1
+    tl.atomic_add(row_hist + row_bucket, tl.full(row_bucket.shape, 1, tl.int64), mask=rmask & (row_max != 0),
+                  sem="relaxed")
+    tl.atomic_add(row_hist, n_zero_rows, mask=n_zero_rows > 0, sem="relaxed")
+    if has_sample:
+        tl.atomic_add(sample, tl.sum(sample_zero.to(tl.int64), axis=0), sem="relaxed")
+
+
+_KIND = {torch.float16: _FP16, torch.bfloat16: _BF16, torch.float32: _FP32}
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks(m: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, grid): tiles of up to 8K elements, rows per program halved until ~256 programs."""
+    if INTERPRET:
+        return 4, 16, triton.cdiv(m, 4)  # small tiles: several programs and column blocks on test shapes
+    block_c = max(16, min(triton.next_power_of_2(n), 1024))
+    block_r = max(1, min(32, 8192 // block_c))
+    while block_r > 1 and triton.cdiv(m, block_r) < 256:
+        block_r //= 2
+    return block_r, block_c, triton.cdiv(m, block_r)
+
+
+def supported(g: torch.Tensor) -> bool:
+    """Whether :func:`row_stats_` runs this tensor (CUDA, or CPU under the interpreter; 2-D; its dtypes)."""
+    return g.device.type == ("cpu" if INTERPRET else "cuda") and g.dtype in DTYPES and g.dim() == 2
+
+
+def row_stats_(g: torch.Tensor, stats: torch.Tensor, sample_hist: torch.Tensor, slot: int, row_step: int,
+               shift: int) -> None:
+    """Add the statistics of the rows of 2-D ``g`` into ``stats[slot]`` and ``sample_hist[slot]`` (see the
+    module docstring for the layout); both int64 with unit column stride, on ``g``'s device, with at least
+    ``(1 << (31 - shift)) + 1`` buckets. Asynchronous: one kernel launch, no host sync."""
+    m, n = g.shape
+    if m == 0 or n == 0:
+        return
+    if g.stride(1) != 1 and n > 1:  # the kernel reads columns at unit stride
+        g = g.contiguous()
+    block_r, block_c, grid = _blocks(m, n)
+    _row_stats_kernel[(grid,)](
+        g, stats, sample_hist, m, n, g.stride(0), slot, stats.stride(0), sample_hist.stride(0), row_step,
+        KIND=_KIND[g.dtype], SHIFT=shift, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=1 if INTERPRET else 4,
+    )
