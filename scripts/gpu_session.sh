@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag collector tests bench finetune"); every output is packed into
-# $OUT/results.tgz (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
+# One device call, several steps (STEPS="diag collector tests bench profile finetune"); every output is packed
+# into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -26,8 +26,9 @@ for s in ${STEPS:-diag tests}; do
            for m in ${MODEL_SETS:-bert-base llama-3.2-3b}; do
              ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs \
                -o $OUT/model_$m.json ) > $OUT/bench_model_$m.txt 2>&1; tail -20 $OUT/bench_model_$m.txt; done ;;
+    profile) ( timeout 120 python3 scripts/profile_backward.py ) > $OUT/profile.txt 2>&1; tail -60 $OUT/profile.txt ;;
     finetune) ( OUT=$OUT/ft timeout ${FT_LIMIT:-400} bash scripts/gpu_finetune.sh ) > $OUT/finetune.txt 2>&1
               tail -40 $OUT/finetune.txt ;;
   esac
 done
-cd $OUT && tar czf results.tgz --exclude=results.tgz . 2>/dev/null; ls
+cd $OUT && tar czf /tmp/results.tgz . && rm -rf $OUT/* && mv /tmp/results.tgz $OUT/ && ls -la $OUT

@@ -29,8 +29,10 @@ def supported(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor) ->
 
 
 def _ieee(dtype: torch.dtype) -> bool:
-    """fp32 dots in full precision unless torch itself allows TF32 for matmuls."""
-    return INTERPRET or dtype != torch.float32 or not torch.backends.cuda.matmul.allow_tf32
+    """The fp32 correctness path (full-precision dots, two-level sums) for fp32 inputs, unless torch itself
+    allows TF32 for matmuls. fp16/bf16 take the fast tensor-core loops: their dots accumulate in fp32 anyway.
+    (Until 2026-11-22 this returned True for fp16/bf16 too, which put them on the slow loop.)"""
+    return dtype == torch.float32 and (INTERPRET or not torch.backends.cuda.matmul.allow_tf32)
 
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from .tuning import gemm_config
 
 ROW_ALIGN = 64  # split boundaries are multiples of this (and so of every BLOCK_K)
-MIN_CHUNK = 512  # rows per split at least: a split must amortise its partial's write and read
+MIN_CHUNK = 2048  # rows per split at least: a split must amortise its partial's write and read (measured)
 
 
 @triton.jit

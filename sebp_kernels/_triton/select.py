@@ -104,13 +104,14 @@ def _row_sumsq_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _row_blocks(m: int, n: int, interpret: bool, n_sm: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) for the row passes: enough programs to fill the GPU, ~8K-element tiles."""
+    """(BLOCK_R, BLOCK_C, num_warps) for the row passes: enough programs to fill the GPU, ~16K-element tiles
+    (an all-zero row is read to its end one tile per step, so each step must carry many bytes)."""
     if interpret:
         return 8, 16, 1
     block_r = 32
     while block_r > 4 and triton.cdiv(m, block_r) < 4 * n_sm:
         block_r //= 2
-    block_c = max(64, min(triton.next_power_of_2(n), 8192 // block_r))
+    block_c = max(64, min(triton.next_power_of_2(n), 16384 // block_r))
     return block_r, block_c, 4
 
 

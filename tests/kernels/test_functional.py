@@ -186,3 +186,17 @@ def test_fp64_under_autocast_stays_fp64():
         y = sebp_linear(x, w)
         ref = F.linear(x, w)
     assert y.dtype == ref.dtype == torch.float64
+
+
+def test_only_fp32_takes_the_full_precision_kernel_loops():
+    """fp16/bf16 must take the tensor-core loops (a slip here once halved the Triton path's speed)."""
+    pytest.importorskip("triton")
+    from sebp_kernels._triton.backward import _ieee
+
+    assert not _ieee(torch.bfloat16) and not _ieee(torch.float16)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert _ieee(torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev

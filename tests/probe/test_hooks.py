@@ -53,7 +53,12 @@ def test_right_padded_llama_zero_rows_are_pads_plus_each_last_token():
     stats = _collect(model, [batch])
     # a pad row gets no gradient; nor does each sample's last token (it predicts nothing, nothing sees it)
     want = _n_pad(batch) + len(LENGTHS)
-    assert {n: lay.zero_rows[0] for n, lay in stats.layers.items()} == {n: want for n in stats.layers}
+    got = {n: lay.zero_rows[0] for n, lay in stats.layers.items()}
+    # A sample's first query sees one key only, so its softmax is constant and dL/dq is zero in exact
+    # arithmetic: rounding leaves it tiny on the CPU, some GPU attention kernels give exactly 0.
+    q = {n for n in got if n.endswith("q_proj")}
+    assert {n: v for n, v in got.items() if n not in q} == {n: want for n in got if n not in q}
+    assert all(want <= got[n] <= want + len(LENGTHS) for n in q), {n: got[n] for n in q}
 
 
 @pytest.mark.parametrize("arch, side", [("bert", "right"), ("llama", "left"), ("qwen3", "right")])
