@@ -6,7 +6,7 @@
    "Triton loses to cuBLAS here" from "the gather costs".
 3. Whole SEBP backward of one layer at low density: host time per call vs GPU time per call.
 
-    python scripts/gpu_diag.py out.json [--quick]
+    python scripts/gpu_diag.py out.json
 """
 import json
 import sys
@@ -15,7 +15,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
+from triton.testing import do_bench_cudagraph
 
 from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import sebp_backward_triton
@@ -26,7 +26,6 @@ from sebp_probe.bench import padded_rows
 
 out = {"host_us": {}, "sweep": [], "layer_eager": []}
 dev = "cuda"
-QUICK = "--quick" in sys.argv
 
 
 @triton.jit
@@ -86,13 +85,6 @@ def host_us(fn, n=200):
     return (t1 - t0) / n * 1e6
 
 
-def bench(fn):
-    try:
-        return round(do_bench(fn, warmup=10, rep=40, return_mode="median"), 5)
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {str(e)[:100]}"
-
-
 # 1. host cost -------------------------------------------------------------------------------------------
 m, o, i = 512, 256, 256
 dy = torch.randn(m, o, device=dev, dtype=torch.bfloat16)
@@ -131,7 +123,6 @@ def graph_bench(fn):
         return f"{type(e).__name__}: {str(e)[:100]}"
 
 
-from triton.testing import do_bench_cudagraph  # noqa: E402
 from sebp_kernels._triton.dw import _tickets, db_rows  # noqa: E402
 from sebp_kernels._triton.select import _compact_kernel, _row_blocks, _row_flags_kernel  # noqa: E402
 
