@@ -11,7 +11,6 @@ import torch
 sys.path.insert(0, "scripts")
 from collector_overhead import SHAPES, batches  # noqa: E402
 
-from sebp_probe import hooks  # noqa: E402
 from sebp_probe.hooks import GradientStatsCollector  # noqa: E402
 
 dev = torch.device("cuda")
