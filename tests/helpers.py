@@ -107,3 +107,23 @@ def assert_same_stats(got, want):
         assert all(x.dtype == y.dtype for x, y in zip(a.row_octaves, b.row_octaves))
         x, y = a.octaves(), b.octaves()
         assert np.array_equal(x, y), _first_mismatches(x, y, f"{name}.row_octaves")
+
+
+def run_file_under_interpreter(test_file: str) -> None:
+    """Run one test file in a pytest subprocess with TRITON_INTERPRET=1 (the variable must be set before
+    the kernels are decorated, and other tests may have imported them already); fail with its output."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(test_file)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"

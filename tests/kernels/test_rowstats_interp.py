@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[2]
 
 if not INTERPRET:
 
     def test_interpreter_suite():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-            [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(Path(__file__))],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+        from tests.helpers import run_file_under_interpreter
+
+        run_file_under_interpreter(__file__)
 
 else:
     import numpy as np
