@@ -787,9 +787,34 @@ class Run:
 # ------------------------------------------------------------------------------------------ top level
 
 
+def _analysis_on_main(loaded: LoadedModel, cfg: FinetuneConfig, acc, progress) -> dict:
+    """``--auto-eps``: the main process analyses, the others take its report (one analysis, not one per
+    process). An analysis that fails stops every process with the main one's message."""
+    from .analyze import analyze_for_finetune
+
+    if acc is None or acc.num_processes == 1:
+        return analyze_for_finetune(loaded, cfg.data, progress=progress)
+    from accelerate.utils import broadcast_object_list
+
+    payload, failure = [None], None
+    if acc.is_main_process:
+        try:
+            payload = [{"report": analyze_for_finetune(loaded, cfg.data, progress=progress)}]
+        except Exception as exc:  # noqa: BLE001  (sent to the other processes, then raised here)
+            failure = exc
+            payload = [{"error": f"{type(exc).__name__}: {exc}"}]
+    payload = broadcast_object_list(payload)[0]
+    if failure is not None:
+        raise failure
+    if "error" in payload:
+        raise FinetuneError(f"the analysis failed on the main process: {payload['error']}")
+    return payload["report"]
+
+
 def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bool,
-                 progress: Callable[[int, int], None] | None = None) -> dict | None:
-    """The report of ``--report``, or the analysis run now (``--auto-eps``; reused when resuming)."""
+                 progress: Callable[[int, int], None] | None = None, acc=None) -> dict | None:
+    """The report of ``--report``, or the analysis run now (``--auto-eps``; reused when resuming; under
+    data parallel only the main process analyses, see :func:`_analysis_on_main`)."""
     if not cfg.uses_report:
         return None
     from . import report as rep
@@ -800,9 +825,7 @@ def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bo
     elif resume and saved.exists():
         report = rep.load_report(saved)
     else:
-        from .analyze import analyze_for_finetune
-
-        report = analyze_for_finetune(loaded, cfg.data, progress=progress)
+        report = _analysis_on_main(loaded, cfg, acc, progress)
     rep.check_report_for_model(report, loaded.model)
     if cfg.mode == "topk":  # N counts rows of a batch: it only means something for the batches it was measured on
         pad = report.get("padding", {})
@@ -882,7 +905,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     if cfg.auto_eps and not resuming:
         first.model.to(acc.device)
     report = _load_report(cfg, first, out, resuming,
-                          progress=lambda done, total: emit("analysis", {"done": done, "total": total}))
+                          progress=lambda done, total: emit("analysis", {"done": done, "total": total}), acc=acc)
     report_layers = None
     if report is not None:
         from .report import layer_configs_from_report

@@ -66,3 +66,17 @@ def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-2000:]
     assert _train_records(tmp_path / "b" / "metrics.jsonl") == _train_records(tmp_path / "a" / "metrics.jsonl")
+
+
+def test_two_process_auto_eps_shares_the_main_report(tiny, tmp_path):
+    """The main process analyses and broadcasts its report (tests/probe/test_finetune_report_ddp.py checks
+    that the others do not analyse); here the real gloo broadcast carries it and both processes train."""
+    args = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32"]
+    p = _torchrun(tiny, *args, "--auto-eps", "--max-steps", "3", "--json", "-o", str(tmp_path / "run"))
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["layers"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run = summary["runs"]["sebp"] if "runs" in summary else summary
+    assert run["num_processes"] == 2 and run["steps"] == 3
