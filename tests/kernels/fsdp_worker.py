@@ -1,0 +1,49 @@
+"""Worker of test_fsdp.py (run under torchrun, gloo, CPU): the same small model with and without SEBP linears,
+each sharded with torch FSDP2 (``fully_shard``), on right-padded batches; prints one JSON line of the largest
+gradient difference per parameter, relative to the gradient's largest magnitude."""
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from sebp_kernels import SEBPConfig, SEBPLinear
+
+
+def build(sebp: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 40), torch.nn.GELU(),
+                            torch.nn.Linear(40, 6))
+    if sebp:
+        for i in (0, 2, 4):
+            m[i] = SEBPLinear.from_linear(m[i], SEBPConfig("exact"))
+    for i in (0, 2, 4):
+        fully_shard(m[i])
+    fully_shard(m)
+    return m
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dense, sebp = build(False), build(True)
+    g = torch.Generator().manual_seed(1 + rank)  # each process its own data, as in data parallel
+    for _ in range(2):  # two steps of gradient accumulation
+        x = torch.randn(4, 9, 24, generator=g)
+        lengths = torch.randint(1, 10, (4,), generator=g)
+        mask = (torch.arange(9) < lengths[:, None]).unsqueeze(-1).float()  # right padding: pad rows get no loss
+        target = torch.randn(4, 9, 6, generator=g)
+        for m in (dense, sebp):
+            ((m(x) - target) * mask).pow(2).sum().backward()
+    diffs = {}
+    for (name, a), (_, b) in zip(dense.named_parameters(), sebp.named_parameters()):
+        ga, gb = a.grad.full_tensor(), b.grad.full_tensor()
+        scale = float(ga.abs().max())
+        assert scale > 0, name
+        diffs[name] = float((ga - gb).abs().max()) / scale  # relative: only the summation order differs
+    print(json.dumps({"rank": rank, "sharded": type(next(sebp.parameters())).__name__, "diffs": diffs}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
