@@ -15,11 +15,13 @@ off the asynchronous copy path: on an H200 those programs ran about 3x slower an
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .tuning import gemm_config
+from .tuning import cdiv, gemm_config
 
 ROW_ALIGN = 64  # split boundaries are multiples of this (and so of every BLOCK_K)
 MIN_CHUNK = 2048  # rows per split at least: a split must amortise its partial's write and read (measured)
@@ -178,16 +180,17 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+@functools.lru_cache(maxsize=1024)
 def dw_splits(n_out: int, n_in: int, m: int, n_sm: int, block_m: int = 128, block_n: int = 128) -> int:
     """Most row splits per dW tile (used when all m rows are active): the fewest that fill the GPU in whole
     waves (>= 85%), at most 8, and none that would leave a split fewer than MIN_CHUNK rows."""
-    tiles = triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n)
+    tiles = cdiv(n_out, block_m) * cdiv(n_in, block_n)
     best = 1
     for s in range(1, 9):
         if s > 1 and m < s * MIN_CHUNK:
             break
         best = s
-        waves = triton.cdiv(tiles * s, n_sm)
+        waves = cdiv(tiles * s, n_sm)
         if tiles * s / (waves * n_sm) >= 0.85:
             break
     return best
@@ -198,14 +201,20 @@ DB_BLOCK_R = 64
 DB_MIN_CHUNK = 128
 
 
+@functools.lru_cache(maxsize=1024)
+def _db_splits(m: int, cols: int, n_sm: int, min_chunk: int) -> int:
+    """Row splits of the db kernel: about four programs per SM at full density."""
+    return max(1, min(cdiv(4 * n_sm, cols), m // min_chunk, 64))
+
+
 def db_rows(dy: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, n_sm: int = 1,
             interpret: bool = False, split: int | None = None) -> torch.Tensor:
     """db (out,) = dY[perm[:count]].sum(0), accumulated in fp32; deterministic."""
     m, n = dy.shape
     block_c, block_r, min_chunk = (16, 8, 8) if interpret else (DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK)
-    cols = triton.cdiv(n, block_c)
-    if split is None:  # about four programs per SM at full density
-        split = max(1, min(triton.cdiv(4 * n_sm, cols), m // min_chunk, 64))
+    cols = cdiv(n, block_c)
+    if split is None:
+        split = _db_splits(m, cols, n_sm, min_chunk)
     db = torch.empty(n, dtype=dy.dtype, device=dy.device)
     part = torch.empty(split * n, dtype=torch.float32, device=dy.device) if split > 1 else db
     _db_kernel[(cols, split)](dy, db, part, perm, count, _tickets(dy.device, cols), m, n, split,
@@ -226,7 +235,7 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
     if split is None:
         split = dw_splits(n_out, n_in, m, n_sm, cfg["BLOCK_M"], cfg["BLOCK_N"])
     dw = torch.empty((n_out, n_in), dtype=w_dtype or x.dtype, device=dev)
-    tiles = triton.cdiv(n_out, cfg["BLOCK_M"]) * triton.cdiv(n_in, cfg["BLOCK_N"])
+    tiles = cdiv(n_out, cfg["BLOCK_M"]) * cdiv(n_in, cfg["BLOCK_N"])
     part = torch.empty(split * n_out * n_in, dtype=torch.float32, device=dev) if split > 1 else dw
     align, min_chunk = (16, 16) if interpret else (ROW_ALIGN, MIN_CHUNK)
     big = max(dy.stride(0), x.stride(0)) * m >= 2**31

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import gemm_config
+from .tuning import cdiv, gemm_config
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
     cfg = gemm_config("dx", dy.dtype, interpret)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
     _dx_kernel[grid](dy, weight, dx, perm, count, m, n, k_dim,
                      dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),

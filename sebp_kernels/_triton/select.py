@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import cdiv
+
 EXACT, THRESHOLD = 0, 1
 
 
@@ -109,7 +111,7 @@ def _row_blocks(m: int, n: int, interpret: bool, n_sm: int = 132) -> tuple[int, 
     if interpret:
         return 8, 16, 1
     block_r = 32
-    while block_r > 4 and triton.cdiv(m, block_r) < 4 * n_sm:
+    while block_r > 4 and cdiv(m, block_r) < 4 * n_sm:
         block_r //= 2
     block_c = max(64, min(triton.next_power_of_2(n), 16384 // block_r))
     return block_r, block_c, 4
@@ -142,7 +144,7 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     if mode == "topk":
         return _topk_perm(dy, top_n, interpret)
     block_r, block_c, warps = _row_blocks(m, n, interpret, _sm_count(dy.device))
-    nb = triton.cdiv(m, block_r)
+    nb = cdiv(m, block_r)
     # one allocation for the four int32 outputs (fewer host calls per layer)
     perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
                                                   device=dy.device).split((m, m, nb, 1))
@@ -163,7 +165,7 @@ def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor,
         return torch.arange(m, dtype=torch.int32, device=dev), count
     block_r, block_c, warps = _row_blocks(m, cols, interpret, _sm_count(dev))
     sumsq = torch.empty(m, dtype=torch.float32, device=dev)
-    _row_sumsq_kernel[(triton.cdiv(m, block_r),)](dy, sumsq, m, cols, dy.stride(0), dy.stride(1),
+    _row_sumsq_kernel[(cdiv(m, block_r),)](dy, sumsq, m, cols, dy.stride(0), dy.stride(1),
                                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     top = torch.topk(sumsq, n, sorted=False).indices
     outside = torch.ones(m, dtype=torch.uint8, device=dev).index_fill_(0, top, 0)

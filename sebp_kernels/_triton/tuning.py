@@ -8,6 +8,8 @@ kernel (``results/h200_kernel_sweep.json``).
 """
 from __future__ import annotations
 
+import torch
+
 # tile of rows x in_features, reduction over out_features
 DX_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 # tile of out_features x in_features, reduction over the gathered rows
@@ -19,10 +21,14 @@ FP32_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_w
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 1}
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for host code (``triton.cdiv`` is a constexpr function whose Python call costs a few
+    microseconds; the launchers call it on every backward)."""
+    return -(-a // b)
+
+
 def gemm_config(kind: str, dtype, interpret: bool) -> dict:
     """Launch kwargs (tile sizes, warps, stages) for ``kind`` in ("dx", "dw")."""
-    import torch
-
     if interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float32:
