@@ -1,7 +1,10 @@
 """Worker of test_fsdp.py (run under torchrun, gloo, CPU): the same small model with and without SEBP linears,
-each sharded with torch FSDP2 (``fully_shard``), on right-padded batches; prints one JSON line of the largest
-gradient difference per parameter, relative to the gradient's largest magnitude."""
+each sharded with torch FSDP2 (``fully_shard``), on right-padded batches; writes ``<argv[1]>/rank<r>.json``
+with the largest gradient difference per parameter, relative to the gradient's largest magnitude (a file per
+process: lines two processes print to one stdout can interleave)."""
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,7 +44,11 @@ def main() -> None:
         scale = float(ga.abs().max())
         assert scale > 0, name
         diffs[name] = float((ga - gb).abs().max()) / scale  # relative: only the summation order differs
-    print(json.dumps({"rank": rank, "sharded": type(next(sebp.parameters())).__name__, "diffs": diffs}), flush=True)
+    result = {"rank": rank, "sharded": type(next(sebp.parameters())).__name__, "diffs": diffs}
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
+    # every rank done with FSDP's collectives before gloo is torn down (without it, a rank now and then
+    # aborts at exit: "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
