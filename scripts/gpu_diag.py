@@ -22,6 +22,7 @@ from sebp_kernels._triton import sebp_backward_triton
 from sebp_kernels._triton.dw import MIN_CHUNK, ROW_ALIGN, _dw_kernel, dw_db_rows, dw_splits
 from sebp_kernels._triton.dx import _dx_kernel, dx_rows
 from sebp_kernels._triton.select import select_rows_device
+from sebp_kernels._triton.tiles import grouped_tile
 from sebp_probe.bench import padded_rows
 
 out = {"host_us": {}, "sweep": [], "layer_eager": []}
@@ -37,14 +38,7 @@ def _noop(a, b, c, d, e, f, g, h, i, j, k, l, m, n, BLOCK: tl.constexpr):
 def _plain_mm(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Textbook C = A @ B over contiguous operands (any strides), for comparison only."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)

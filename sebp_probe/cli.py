@@ -127,11 +127,15 @@ def _print_finetune_summary(summary: dict) -> None:
         console.print("SEBP vs dense: " + ", ".join(p for p in parts if p), highlight=False)
 
 
+_DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
+_MODEL_HELP = "Bundled name (minilm, smollm2), local Hugging Face directory, or hub id."
+
+
 @app.command("finetune")
 @one_line_errors
 def finetune_cmd(
-    model: str = typer.Argument("minilm", help="Bundled name (minilm, smollm2), local directory or hub id."),
-    dataset: str = typer.Argument("tweets", help="Bundled name (tweets), local CSV/JSON/JSONL/Parquet or hub name."),
+    model: str = typer.Argument("minilm", help=_MODEL_HELP),
+    dataset: str = typer.Argument("tweets", help=_DATA_HELP),
     auto_eps: bool = typer.Option(False, "--auto-eps", help="Run the analysis first and use its per-layer eps/N."),
     report: str = typer.Option(None, "--report", help="Use the per-layer settings of this analysis report."),
     eps: float = typer.Option(None, "--eps", help="One threshold for every layer (threshold mode)."),
@@ -434,10 +438,6 @@ def _print_analysis(report: dict, per_layer: bool) -> None:
     console.print(f"backward GEMM FLOPs (dX, dW) saved, all layers: threshold {_pct(tot['saving_threshold'])}%, "
                   f"topk {_pct(tot['saving_topk'])}% with the per-layer settings; {_pct(g['saving_threshold'])}% "
                   f"/ {_pct(g['saving_topk'])}% with the global one", highlight=False)
-
-
-_DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
-_MODEL_HELP = "Bundled name (minilm, smollm2), local Hugging Face directory, or hub id."
 
 
 @app.command("analyze")

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import grouped_tile
 from .tuning import cdiv, gemm_config
 
 ROW_ALIGN = 64  # split boundaries are multiples of this (and so of every BLOCK_K)
@@ -28,9 +29,31 @@ MIN_CHUNK = 2048  # rows per split at least: a split must amortise its partial's
 
 
 @triton.jit
-def _split_chunk(count, SPLIT, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    per = tl.cdiv(tl.cdiv(count, SPLIT), ROW_ALIGN) * ROW_ALIGN
-    return tl.maximum(per, MIN_CHUNK)
+def _split_rows(count, pid_s, SPLIT, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """(start, end, n_split): the compacted-row range of split ``pid_s`` (empty past the last split that holds
+    rows) and how many splits hold rows (at least 1: split 0 always runs)."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(count, SPLIT), ROW_ALIGN) * ROW_ALIGN, MIN_CHUNK)
+    start = pid_s * chunk
+    return start, tl.minimum(start + chunk, count), tl.maximum(tl.cdiv(count, chunk), 1)
+
+
+@triton.jit
+def _store_split(out_ptr, part_ptr, ticket_ptr, acc, offs, mask, pid_s, n_split, part_stride, ticket):
+    """Write fp32 ``acc`` to ``out_ptr + offs`` (in the output's dtype) when one split holds all the rows.
+    Otherwise store it as split ``pid_s``'s partial and take a ticket from counter ``ticket``; the last split
+    to arrive adds the partials in split order (a result that depends only on the data), writes the output
+    and resets the counter for the next launch (and graph replay)."""
+    if n_split == 1:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_s * part_stride + offs, acc, mask=mask)
+        # release our partial, acquire everyone else's
+        if tl.atomic_add(ticket_ptr + ticket, 1, sem="acq_rel") == n_split - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, n_split):
+                total += tl.load(part_ptr + s * part_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(ticket_ptr + ticket, 0)
 
 
 @triton.jit
@@ -90,41 +113,18 @@ def _dw_kernel(
     # per tile, zero between launches.
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    num_m = tl.cdiv(N_OUT, BLOCK_M)
-    num_n = tl.cdiv(N_IN, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = grouped_tile(pid, N_OUT, N_IN, BLOCK_M, BLOCK_N, GROUP_M)
 
-    count = tl.load(count_ptr)
-    chunk = _split_chunk(count, SPLIT, ROW_ALIGN, MIN_CHUNK)
-    n_split = tl.maximum(tl.cdiv(count, chunk), 1)  # splits that hold rows (split 0 always runs)
+    start, end, n_split = _split_rows(tl.load(count_ptr), pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
     if pid_s < n_split:
-        start = pid_s * chunk
-        end = tl.minimum(start + chunk, count)
         offs_o = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         o_mask = offs_o < N_OUT
         i_mask = offs_i < N_IN
         acc = _dw_loop(dy_ptr, x_ptr, perm_ptr, start, end, offs_o, offs_i, o_mask, i_mask,
                        stride_dym, stride_dyo, stride_xm, stride_xi, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BIG)
-        offs = offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :]
-        mask = o_mask[:, None] & i_mask[None, :]
-        if n_split == 1:
-            tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
-        else:
-            numel = N_OUT.to(tl.int64) * N_IN
-            tl.store(part_ptr + pid_s * numel + offs, acc, mask=mask)
-            # release our partial, acquire everyone else's: the last split to arrive sums them in order
-            ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")
-            if ticket == n_split - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, n_split):
-                    total += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(dw_ptr + offs, total.to(dw_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(ticket_ptr + pid, 0)  # ready for the next launch (and graph replay)
+        _store_split(dw_ptr, part_ptr, ticket_ptr, acc, offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :],
+                     o_mask[:, None] & i_mask[None, :], pid_s, n_split, N_OUT.to(tl.int64) * N_IN, pid)
 
 
 @triton.jit
@@ -136,12 +136,8 @@ def _db_kernel(
     """db = sum of the active rows of dY: column blocks x row splits, fp32, last arriver adds the splits."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    count = tl.load(count_ptr)
-    chunk = _split_chunk(count, SPLIT, ROW_ALIGN, MIN_CHUNK)
-    n_split = tl.maximum(tl.cdiv(count, chunk), 1)
+    start, end, n_split = _split_rows(tl.load(count_ptr), pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
     if pid_s < n_split:
-        start = pid_s * chunk
-        end = tl.minimum(start + chunk, count)
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = cols < N
         offs_r = tl.arange(0, BLOCK_R)
@@ -154,18 +150,7 @@ def _db_kernel(
             acc += tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n,
                            mask=valid[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
             rows = rows_next
-        db = tl.sum(acc, axis=0)
-        if n_split == 1:
-            tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=c_mask)
-        else:
-            tl.store(part_ptr + pid_s * N + cols, db, mask=c_mask)
-            ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")
-            if ticket == n_split - 1:
-                total = tl.zeros([BLOCK_C], dtype=tl.float32)
-                for s in range(0, n_split):
-                    total += tl.load(part_ptr + s * N + cols, mask=c_mask, other=0.0, cache_modifier=".cg")
-                tl.store(db_ptr + cols, total.to(db_ptr.dtype.element_ty), mask=c_mask)
-                tl.atomic_xchg(ticket_ptr + pid, 0)
+        _store_split(db_ptr, part_ptr, ticket_ptr, tl.sum(acc, axis=0), cols, c_mask, pid_s, n_split, N, pid)
 
 
 _TICKETS: dict = {}  # device -> int32 counters, zero between launches

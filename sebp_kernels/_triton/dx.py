@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import grouped_tile
 from .tuning import cdiv, gemm_config
 
 
@@ -24,14 +25,7 @@ def _dx_kernel(
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr,
 ):
     # M rows of dY/dX, N = in_features, K = out_features.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n  # grouped order: neighbouring programs share dY row tiles (L2 reuse)
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     count = tl.load(count_ptr)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
