@@ -3,7 +3,11 @@ time inside the gradient hooks, inside the per-batch flush, and a profiler table
 
     python scripts/collector_profile.py [--fp32]
 """
+import cProfile
+import io
+import pstats
 import sys
+import threading
 import time
 
 import torch
@@ -19,12 +23,18 @@ torch.manual_seed(0)
 model = SHAPES["minilm"]().to(dev).train()
 bs = [{k: v.to(dev) for k, v in b.items()} for b in batches("minilm", 2, 32, 128, "right")]
 acc = {"hook": 0.0, "flush": 0.0, "hook_calls": 0}
+hook_prof = cProfile.Profile()  # enabled inside the hook: it runs on the autograd engine's thread
 orig_grad, orig_flush = GradientStatsCollector._on_grad, GradientStatsCollector._flush
 
 
 def on_grad(self, *a):
     t = time.perf_counter()
-    orig_grad(self, *a)
+    if acc.get("profile"):
+        hook_prof.enable()
+        orig_grad(self, *a)
+        hook_prof.disable()
+    else:
+        orig_grad(self, *a)
     acc["hook"] += time.perf_counter() - t
     acc["hook_calls"] += 1
 
@@ -70,6 +80,16 @@ with GradientStatsCollector(model) as col:
           f"hooks {1e3 * acc['hook'] / n:.2f} ms/batch over {acc['hook_calls'] // n} calls "
           f"({1e6 * acc['hook'] / max(acc['hook_calls'], 1):.1f} us/call), flush {1e3 * acc['flush'] / n:.2f} ms/batch",
           flush=True)
+    acc["profile"] = True
+    for _ in range(5):
+        with col.batch(bs[1]["attention_mask"]):
+            step(bs[1])
+    torch.cuda.synchronize()
+    acc["profile"] = False
+    out = io.StringIO()
+    pstats.Stats(hook_prof, stream=out).sort_stats("tottime").print_stats(20)
+    print("cProfile inside the hooks, 5 batches (thread of the hook vs main: "
+          f"{threading.main_thread().ident})\n" + "\n".join(out.getvalue().splitlines()[:34]), flush=True)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with col.batch(bs[1]["attention_mask"]):

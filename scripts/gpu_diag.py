@@ -157,7 +157,7 @@ for (M, IN, OUT) in SHAPES:
             row[f"dx {tag}"] = graph_bench(lambda: _dx_kernel[grid](
                 dy, w, dxo, perm, count, M, IN, OUT, dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
                 dxo.stride(0), dxo.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                EVEN_K=OUT % bk == 0, IEEE=False, BIG=False, num_warps=wp, num_stages=st))
+                EVEN_K=OUT % bk == 0, IEEE=False, BIG=False, STAGES=st, num_warps=wp, num_stages=st))
             row[f"plain_dx {tag}"] = graph_bench(plain_mm(dyk, w, dxk, c))
         for c in DW_CFGS:
             bm, bn, bk, st, wp = c

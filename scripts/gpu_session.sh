@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag collector tests bench profile finetune"); every output is packed
+# One device call, several steps (STEPS="diag host colprof collector tests bench profile finetune"); every output is packed
 # into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
@@ -18,6 +18,8 @@ for s in ${STEPS:-diag tests}; do
                  --models minilm,bert-base,smollm2 --rounds 5 --output $OUT/collector_fp32.json;
                  timeout 300 python3 scripts/collector_overhead.py --models minilm,bert-base,smollm2 --rounds 5 --bf16 \
                  --output $OUT/collector_bf16.json ) > $OUT/collector.txt 2>&1; grep -v "^ " $OUT/collector.txt | head -40 ;;
+    host) ( timeout 200 python3 scripts/host_cost.py ) > $OUT/host.txt 2>&1; cat $OUT/host.txt | head -120 ;;
+    colprof) ( timeout 150 python3 scripts/collector_profile.py ) > $OUT/colprof.txt 2>&1; head -40 $OUT/colprof.txt ;;
     tests) ( timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py \
              ${EXTRA_TESTS:-} ) > $OUT/tests.txt 2>&1; tail -15 $OUT/tests.txt ;;
     bench) for m in ${LAYER_SETS:-bert-base llama-3.2-3b}; do

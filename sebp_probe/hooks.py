@@ -331,6 +331,7 @@ class GradientStatsCollector:
         self._lengths: list[np.ndarray] = []
         self._padded: list[int] = []
         self._batches = 0
+        self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]  # made once: hooks run every step
 
     def __enter__(self) -> "GradientStatsCollector":
         for i, module in enumerate(self._modules.values()):
@@ -345,15 +346,16 @@ class GradientStatsCollector:
 
     def _on_forward(self, index: int, module, args, output) -> None:
         if self._pending is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(partial(self._on_grad, index))
+            output.register_hook(self._grad_hooks[index])
 
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         if self._pending is None or not grad.numel():
             return
-        g = _rows_view(grad)
-        self._rows[index] += g.shape[0]
-        self._elements[index] += g.numel()
-        key = (g.device, g.dtype)
+        g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+        rows, cols = g.shape
+        self._rows[index] += rows
+        self._elements[index] += rows * cols
+        key = (g.get_device(), g.dtype)
         buffers = self._route[key] if key in self._route else self._add_route(key, g)
         if buffers is None:
             self._pending.append((index, summarize_grad(g)))

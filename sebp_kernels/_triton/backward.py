@@ -1,4 +1,5 @@
-"""Host launcher of the fused SEBP backward: select -> dX -> dW/db, all on the device, no host sync.
+"""Host launcher of the fused SEBP backward: two launches (select; then dX, dW and db together), all on the
+device, no host sync.
 
 Inputs the Triton path does not cover (CPU tensors outside the interpreter, mixed or other dtypes, empty
 shapes) go to the torch reference, so this function is always safe to call.
@@ -11,8 +12,7 @@ import torch
 
 from ..config import SEBPConfig
 from ..reference import sebp_backward_torch
-from .dw import db_rows, dw_db_rows
-from .dx import dx_rows
+from .grads import grads_rows
 from .select import _sm_count, select_rows_device
 
 # Read when the kernels were decorated: under TRITON_INTERPRET=1 they run on CPU tensors.
@@ -56,16 +56,11 @@ def sebp_backward_triton(
     # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1.
     dy, weight = _unit_col_stride(dy), _unit_col_stride(weight)
     x = _unit_col_stride(x) if x is not None else None
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
     perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
-    ieee = _ieee(dy.dtype)
-    dx = dw = db = None
-    if need_dx:
-        dx = dx_rows(dy, weight, perm, count, interpret=INTERPRET, ieee=ieee)
-    if need_dw:
-        dw, db = dw_db_rows(dy, x, perm, count, need_db, 1 if INTERPRET else None, interpret=INTERPRET,
-                            ieee=ieee, w_dtype=weight.dtype, n_sm=_sm_count(dy.device))
-    elif need_db:  # frozen weight, trainable bias
-        db = db_rows(dy, perm, count, _sm_count(dy.device), INTERPRET)
+    dx, dw, db = grads_rows(dy, x, weight, perm, count, need_dx, need_dw, need_db, _ieee(dy.dtype),
+                            _sm_count(dy.device), INTERPRET, 1 if INTERPRET else None)
     return dx, dw, db
 
 

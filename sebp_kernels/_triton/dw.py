@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import FastLaunch
 from .tiles import grouped_tile
 from .tuning import cdiv, gemm_config
 
@@ -102,20 +103,18 @@ def _dw_loop(
 
 
 @triton.jit
-def _dw_kernel(
-    dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
+def _dw_tile(
+    dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count, ticket_ptr, pid, pid_s,
     M, N_OUT, N_IN, SPLIT,
     stride_dym, stride_dyo, stride_xm, stride_xi,
     IEEE: tl.constexpr, BIG: tl.constexpr, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # part_ptr: fp32 partials [SPLIT, N_OUT*N_IN] (unused when SPLIT == 1); ticket_ptr: one int32 counter
-    # per tile, zero between launches.
-    pid = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    """Split ``pid_s`` of dW tile ``pid`` (also called by the fused gradient kernel).
+    part_ptr: fp32 partials [SPLIT, N_OUT*N_IN] (unused when SPLIT == 1); ticket_ptr: one int32 counter per
+    tile, zero between launches."""
     pid_m, pid_n = grouped_tile(pid, N_OUT, N_IN, BLOCK_M, BLOCK_N, GROUP_M)
-
-    start, end, n_split = _split_rows(tl.load(count_ptr), pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
+    start, end, n_split = _split_rows(count, pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
     if pid_s < n_split:
         offs_o = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,15 +127,28 @@ def _dw_kernel(
 
 
 @triton.jit
-def _db_kernel(
-    dy_ptr, db_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
+def _dw_kernel(
+    dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
+    M, N_OUT, N_IN, SPLIT,
+    stride_dym, stride_dyo, stride_xm, stride_xi,
+    IEEE: tl.constexpr, BIG: tl.constexpr, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    _dw_tile(dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, tl.load(count_ptr), ticket_ptr,
+             tl.program_id(0), tl.program_id(1), M, N_OUT, N_IN, SPLIT,
+             stride_dym, stride_dyo, stride_xm, stride_xi,
+             IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _db_cols(
+    dy_ptr, db_ptr, part_ptr, perm_ptr, count, ticket_ptr, pid, pid_s,
     M, N, SPLIT, stride_m, stride_n,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """db = sum of the active rows of dY: column blocks x row splits, fp32, last arriver adds the splits."""
-    pid = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    start, end, n_split = _split_rows(tl.load(count_ptr), pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
+    """Split ``pid_s`` of db column block ``pid``: the sum of the active rows of dY, fp32, the last arriver
+    adds the splits (also called by the fused gradient kernel)."""
+    start, end, n_split = _split_rows(count, pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
     if pid_s < n_split:
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = cols < N
@@ -151,6 +163,20 @@ def _db_kernel(
                            mask=valid[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
             rows = rows_next
         _store_split(db_ptr, part_ptr, ticket_ptr, tl.sum(acc, axis=0), cols, c_mask, pid_s, n_split, N, pid)
+
+
+@triton.jit
+def _db_kernel(
+    dy_ptr, db_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
+    M, N, SPLIT, stride_m, stride_n,
+    ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    _db_cols(dy_ptr, db_ptr, part_ptr, perm_ptr, tl.load(count_ptr), ticket_ptr, tl.program_id(0),
+             tl.program_id(1), M, N, SPLIT, stride_m, stride_n, ROW_ALIGN, MIN_CHUNK, BLOCK_R, BLOCK_C)
+
+
+_dw = FastLaunch(_dw_kernel)
+_db = FastLaunch(_db_kernel)
 
 
 _TICKETS: dict = {}  # device -> int32 counters, zero between launches
@@ -202,7 +228,7 @@ def db_rows(dy: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, n_sm: int
         split = _db_splits(m, cols, n_sm, min_chunk)
     db = torch.empty(n, dtype=dy.dtype, device=dy.device)
     part = torch.empty(split * n, dtype=torch.float32, device=dy.device) if split > 1 else db
-    _db_kernel[(cols, split)](dy, db, part, perm, count, _tickets(dy.device, cols), m, n, split,
+    _db[(cols, split)](dy, db, part, perm, count, _tickets(dy.device, cols), m, n, split,
                               dy.stride(0), dy.stride(1), ROW_ALIGN=block_r, MIN_CHUNK=min_chunk,
                               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=1 if interpret else 4)
     return db
@@ -224,7 +250,7 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
     part = torch.empty(split * n_out * n_in, dtype=torch.float32, device=dev) if split > 1 else dw
     align, min_chunk = (16, 16) if interpret else (ROW_ALIGN, MIN_CHUNK)
     big = max(dy.stride(0), x.stride(0)) * m >= 2**31
-    _dw_kernel[(tiles, split)](
+    _dw[(tiles, split)](
         dy, x, dw, part, perm, count, _tickets(dev, tiles),
         m, n_out, n_in, split, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
         IEEE=ieee, BIG=big, ROW_ALIGN=align, MIN_CHUNK=min_chunk, **cfg)

@@ -12,22 +12,23 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import FastLaunch
 from .tiles import grouped_tile
 from .tuning import cdiv, gemm_config
 
 
 @triton.jit
-def _dx_kernel(
-    dy_ptr, w_ptr, dx_ptr, perm_ptr, count_ptr,
+def _dx_tile(
+    dy_ptr, w_ptr, dx_ptr, perm_ptr, count, pid,
     M, N, K,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
 ):
+    """Output tile ``pid`` of dX (also called by the fused gradient kernel); STAGES: software-pipeline depth
+    of its main loop (the fused kernel's other roles keep the launch's num_stages)."""
     # M rows of dY/dX, N = in_features, K = out_features.
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    count = tl.load(count_ptr)
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = pos < M
     rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
@@ -56,7 +57,7 @@ def _dx_kernel(
                     part = tl.dot(a, b, part, input_precision="ieee")
                 acc += part
         else:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
                     b = tl.load(b_ptrs, mask=n_mask, other=0.0)
@@ -70,6 +71,22 @@ def _dx_kernel(
         tl.store(out_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _dx_kernel(
+    dy_ptr, w_ptr, dx_ptr, perm_ptr, count_ptr,
+    M, N, K,
+    stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
+):
+    _dx_tile(dy_ptr, w_ptr, dx_ptr, perm_ptr, tl.load(count_ptr), tl.program_id(0), M, N, K,
+             stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
+             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES)
+
+
+_dx = FastLaunch(_dx_kernel)
+
+
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
             interpret: bool = False, ieee: bool = True) -> torch.Tensor:
     """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows."""
@@ -79,7 +96,7 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
     cfg = gemm_config("dx", dy.dtype, interpret)
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
-    _dx_kernel[grid](dy, weight, dx, perm, count, m, n, k_dim,
+    _dx[grid](dy, weight, dx, perm, count, m, n, k_dim,
                      dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-                     EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, **cfg)
+                     EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1), **cfg)
     return dx

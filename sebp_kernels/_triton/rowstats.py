@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import FastLaunch
+
 # Read when the kernel is decorated: under TRITON_INTERPRET=1 it runs on CPU tensors.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -101,6 +103,7 @@ def _row_stats_kernel(
         tl.atomic_add(sample, tl.sum(sample_zero.to(tl.int64), axis=0), sem="relaxed")
 
 
+_row_stats = FastLaunch(_row_stats_kernel)
 _KIND = {torch.float16: _FP16, torch.bfloat16: _BF16, torch.float32: _FP32}
 
 
@@ -132,7 +135,7 @@ def row_stats_(g: torch.Tensor, stats: torch.Tensor, sample_hist: torch.Tensor, 
     if g.stride(1) != 1 and n > 1:  # the kernel reads columns at unit stride
         g = g.contiguous()
     block_r, block_c, grid = _blocks(m, n)
-    _row_stats_kernel[(grid,)](
+    _row_stats[(grid,)](
         g, stats, sample_hist, m, n, g.stride(0), slot, stats.stride(0), sample_hist.stride(0), row_step,
         KIND=_KIND[g.dtype], SHIFT=shift, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=1 if INTERPRET else 4,

@@ -170,3 +170,64 @@ def test_training_step_with_sebp_linear_is_graph_capturable():
     assert_close_report(sebp.weight.grad.float(), dense.weight.grad.float(), atol=0.25, rtol=2e-2, name="dW")
     assert_close_report(sebp.bias.grad.float(), dense.bias.grad.float(), atol=0.1, rtol=2e-2, name="db")
     assert_close_report(x.grad.float(), xd.grad.float(), atol=2e-2, rtol=2e-2, name="dX")
+
+
+def test_fused_grads_equal_the_separate_kernels():
+    """One launch for dX, dW and db runs the same device code as the three kernels: same bits for dX and
+    dW (same tiles, same order), db within fp32 summation-order noise (its own launch uses fewer warps)."""
+    from sebp_kernels._triton.dw import dw_db_rows
+    from sebp_kernels._triton.dx import dx_rows
+    from sebp_kernels._triton.grads import grads_rows
+    from sebp_kernels._triton.select import _sm_count, select_rows_device
+
+    for m, n_out, n_in, density in ((6000, 1024, 640, 0.6), (1000, 1027, 515, 0.2), (333, 768, 768, 1.0)):
+        dy, x, w = _inputs(m, n_out, n_in, torch.bfloat16, density, seed=m)
+        perm, count = select_rows_device(dy, "exact")
+        n_sm = _sm_count(dy.device)
+        dx, dw, db = grads_rows(dy, x, w, perm, count, True, True, True, False, n_sm)
+        assert torch.equal(dx, dx_rows(dy, w, perm, count, ieee=False))
+        dw2, db2 = dw_db_rows(dy, x, perm, count, True, ieee=False, w_dtype=w.dtype, n_sm=n_sm)
+        assert torch.equal(dw, dw2)
+        assert_close_report(db.float(), db2.float(), atol=1e-2, rtol=1e-2, name="db")
+        for need in ((True, False, False), (False, True, False), (False, False, True), (True, True, False)):
+            part = grads_rows(dy, x, w, perm, count, *need, False, n_sm)
+            for name, wanted, got, full in zip(("dX", "dW", "db"), need, part, (dx, dw, db)):
+                assert (got is not None) == wanted, name
+                if wanted and name != "db":
+                    assert torch.equal(got, full), name
+
+
+@pytest.mark.parametrize("m", [1, 31, 4096, 65537])
+@pytest.mark.parametrize("mode", ["exact", "threshold"])
+def test_select_matches_reference_from_one_row_to_many_blocks(m, mode):
+    """Row selection (flags, then compaction over the blocks' counts) against the reference, from one row
+    to 65537 rows (thousands of blocks), all-zero, all-active and sparse, called repeatedly."""
+    from sebp_kernels._triton import select as sel
+
+    cfg = SEBPConfig(mode, eps=0.5 if mode == "threshold" else 0.0)
+    for seed, density in ((0, 0.3), (1, 0.0), (2, 1.0), (3, 0.01)):
+        dy, _, _ = _inputs(m, 96, 8, torch.bfloat16, density, seed=seed)
+        for _ in range(3):
+            perm, count = sel.select_rows_device(dy, mode, cfg.eps)
+            want = select_rows(dy, cfg)
+            k = int(count.item())
+            assert k == want.numel()
+            assert torch.equal(perm[:k].long(), want)
+            assert torch.equal(torch.sort(perm.long()).values, torch.arange(m, device="cuda"))
+
+
+def test_fast_launch_respects_alignment_and_integer_specialisation():
+    """After a launch with 16-byte-aligned tensors and multiple-of-16 sizes, a launch with a misaligned view
+    and odd sizes must not reuse that compiled kernel: results equal a fresh torch computation."""
+    fn = _triton()
+    base = torch.randn(4097 * 769 + 8, device="cuda", dtype=torch.bfloat16)
+    for offset, (m, n) in ((0, (4096, 768)), (1, (4097, 769)), (8, (4096, 768)), (3, (4096, 768))):
+        dy = base[offset: offset + m * n].view(m, n)
+        dy[::3] = 0
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, 256, device="cuda", dtype=torch.bfloat16) / 16
+        got = fn(dy, x, w, SEBPConfig("exact"))
+        want = sebp_backward_torch(dy, x, w, SEBPConfig("exact"))
+        ref = sebp_backward_torch(dy.double(), x.double(), w.double(), SEBPConfig("exact"))
+        for name, g, t, r in zip(("dX", "dW", "db"), got, want, ref):
+            assert_within_torch_error(g, r, t, torch.bfloat16, f"{name} offset {offset}")

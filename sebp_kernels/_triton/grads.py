@@ -1,0 +1,100 @@
+"""dX, dW and db of the SEBP backward in one launch.
+
+The programs of one grid take the roles of the three separate kernels, in this order: the dW tiles (times
+their row splits), the dX tiles, the db column blocks (times their row splits). Each role runs the same
+device code as its own kernel (``_dw_tile``, ``_dx_tile``, ``_db_cols``), on the permutation and device-side
+count of the select pass. One launch instead of three saves host time (each Triton launch costs about
+10-17 us on the device machine's host) and two kernel boundaries on the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
+    _tickets, dw_splits
+from .dx import _dx_tile
+from .launch import FastLaunch
+from .tuning import cdiv, gemm_config
+
+
+@triton.jit
+def _grads_kernel(
+    dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, perm_ptr, count_ptr, ticket_ptr,
+    M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS,
+    stride_dym, stride_dyo, stride_xm, stride_xi, stride_wo, stride_wi, stride_dxm, stride_dxi,
+    DO_DX: tl.constexpr, DO_DW: tl.constexpr, DO_DB: tl.constexpr,
+    IEEE: tl.constexpr, BIG: tl.constexpr, EVEN_K: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, DB_ALIGN: tl.constexpr, DB_MIN_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr,
+):
+    # ticket_ptr: the dW tiles' split counters, then the db column blocks'.
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    if pid < N_DW:
+        if DO_DW:
+            _dw_tile(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, pid % DW_TILES,
+                     pid // DW_TILES, M, N_OUT, N_IN, DW_SPLIT, stride_dym, stride_dyo, stride_xm, stride_xi,
+                     IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    elif pid < N_DW + N_DX:
+        if DO_DX:
+            _dx_tile(dy_ptr, w_ptr, dx_ptr, perm_ptr, count, pid - N_DW, M, N_IN, N_OUT,
+                     stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES)
+    else:
+        if DO_DB:
+            g = pid - N_DW - N_DX
+            _db_cols(dy_ptr, db_ptr, db_part_ptr, perm_ptr, count, ticket_ptr + DW_TILES, g % DB_COLS,
+                     g // DB_COLS, M, N_OUT, DB_SPLIT, stride_dym, stride_dyo, DB_ALIGN, DB_MIN_CHUNK,
+                     DB_BLOCK_R, DB_BLOCK_C)
+
+
+_grads = FastLaunch(_grads_kernel)
+
+
+def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
+               count: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, ieee: bool, n_sm: int,
+               interpret: bool = False, dw_split: int | None = None, db_split: int | None = None):
+    """(dX or None, dW or None, db or None) over rows ``perm[:count]`` in one launch; the same results as
+    :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code)."""
+    m, n_out = dy.shape
+    n_in = weight.shape[1]
+    dev = dy.device
+    cfg = dict(gemm_config("dw", dy.dtype, interpret))
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    dw_tiles = cdiv(n_out, bm) * cdiv(n_in, bn)
+    if dw_split is None:
+        dw_split = dw_splits(n_out, n_in, m, n_sm, bm, bn)
+    db_block_r, db_block_c, db_min = (8, 16, 8) if interpret else (DB_BLOCK_R, DB_BLOCK_C, DB_MIN_CHUNK)
+    db_cols = cdiv(n_out, db_block_c)
+    if db_split is None:
+        db_split = _db_splits(m, db_cols, n_sm, db_min)
+    n_dw = dw_tiles * dw_split if need_dw else 0
+    n_dx = cdiv(m, bm) * cdiv(n_in, bn) if need_dx else 0
+    n_db = db_cols * db_split if need_db else 0
+    dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
+    dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None
+    db = torch.empty(n_out, dtype=dy.dtype, device=dev) if need_db else None
+    dw_part_n = dw_split * n_out * n_in if need_dw and dw_split > 1 else 0
+    db_part_n = db_split * n_out if need_db and db_split > 1 else 0
+    part = torch.empty(dw_part_n + db_part_n, dtype=torch.float32, device=dev) if dw_part_n + db_part_n else None
+    dw_part = part[:dw_part_n] if dw_part_n else (dw if dw is not None else dy)
+    db_part = part[dw_part_n:] if db_part_n else (db if db is not None else dy)
+    xs = x if need_dw else dy
+    big = max(dy.stride(0), xs.stride(0), n_in) * m >= 2**31
+    opts = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    dx_stages = gemm_config("dx", dy.dtype, interpret).get("num_stages", 1)
+    _grads[(n_dw + n_dx + n_db,)](
+        dy, xs, weight, dx if need_dx else dy, dw if need_dw else dy, db if need_db else dy, dw_part, db_part,
+        perm, count, _tickets(dev, dw_tiles + db_cols),
+        m, n_out, n_in, dw_split, db_split, dw_tiles, n_dw, n_dx, db_cols,
+        dy.stride(0), dy.stride(1), xs.stride(0), xs.stride(1), weight.stride(0), weight.stride(1),
+        dx.stride(0) if need_dx else 0, dx.stride(1) if need_dx else 1,
+        DO_DX=need_dx, DO_DW=need_dw, DO_DB=need_db, IEEE=ieee, BIG=big, EVEN_K=n_out % cfg["BLOCK_K"] == 0,
+        ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
+        DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
+        DX_STAGES=dx_stages, **cfg, **opts)
+    return dx, dw, db

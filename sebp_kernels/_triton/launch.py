@@ -1,0 +1,86 @@
+"""Kernel launches with less host work than Triton's JIT launcher.
+
+``fn[grid](...)`` binds the arguments, specialises each one, builds a cache key, checks the globals the
+kernel read and then calls the compiled kernel's C launcher. Measured on the H100 host of the device
+machine (Triton 3.6): 16.5 us per launch of an empty kernel, 10.5 us through the compiled kernel directly.
+The backward of one layer launches several kernels and the collector one per hook, so this is a real share
+of a small model's step.
+
+:class:`FastLaunch` goes through Triton's launcher the first time it sees a specialisation, keeps the
+compiled kernel it returns, and afterwards calls that kernel's launcher itself. Its cache key holds, for
+every argument, all that Triton specialises on (tensor dtype and 16-byte alignment, integer == 1,
+divisibility by 16 and 32-bit range) plus the constexprs and launch options, so a key never maps to a
+kernel compiled for different arguments (it may only split one Triton specialisation into several keys).
+Under the interpreter, without CUDA, or while Triton launch hooks are set (profilers), every call takes the
+JIT path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _spec(v):
+    """What Triton could specialise on for one argument (a superset of it)."""
+    if type(v) is int:
+        return (v == 1, not v & 15, _I32_MIN <= v <= _I32_MAX)
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, not v.data_ptr() & 15)
+    if type(v) is float:
+        return float
+    return (type(v), v)  # bool, None, anything else: by value
+
+
+# The current CUDA stream of a device, as Triton's own launcher gets it (absent from CPU-only torch builds,
+# which then always take the JIT path).
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _active(hook) -> bool:
+    """Whether a Triton launch hook would do anything: None or an empty chain (Triton >= 3.5 keeps a
+    ``HookChain`` there, empty unless a profiler added to it) does not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class FastLaunch:
+    """Wraps a ``@triton.jit`` kernel: ``FastLaunch(kernel)[grid](*args, **constexprs_and_options)``.
+
+    Positional arguments must come first in the kernel's signature order and the first must be a tensor
+    (its device picks the stream); keywords are the remaining parameters (constexprs) and launch options.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._cache: dict = {}
+        self._hooks = None
+        if not INTERPRET and _stream is not None:
+            from triton import knobs
+
+            self._hooks = knobs.runtime
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self._launch(grid, args, kw)
+
+    def _launch(self, grid, args, kw):
+        if self._hooks is None:
+            return self.fn[grid](*args, **kw)
+        dev = args[0].get_device()
+        key = (dev, tuple(map(_spec, args)), tuple(kw.items()))
+        hit = self._cache.get(key)
+        if hit is not None and not _active(self._hooks.launch_enter_hook):
+            k, tail = hit
+            g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
+            k.run(grid[0], g1, g2, _stream(dev), k.function, k.packed_metadata, None, None, None, *args, *tail)
+            return k
+        k = self.fn[grid](*args, **kw)
+        if hasattr(k, "result"):  # an asynchronous compile's future
+            k = k.result()
+        if getattr(k, "function", None) is not None:
+            names = self.fn.arg_names[len(args):]
+            self._cache[key] = (k, tuple(kw[n] for n in names))
+        return k
