@@ -19,6 +19,7 @@ for s in ${STEPS:-diag tests}; do
                  timeout 300 python3 scripts/collector_overhead.py --models minilm,bert-base,smollm2 --rounds 5 --bf16 \
                  --output $OUT/collector_bf16.json ) > $OUT/collector.txt 2>&1; grep -v "^ " $OUT/collector.txt | head -40 ;;
     host) ( timeout 200 python3 scripts/host_cost.py ) > $OUT/host.txt 2>&1; cat $OUT/host.txt | head -120 ;;
+    flags) ( timeout 240 python3 scripts/flags_sweep.py $OUT/flags_sweep.json ) > $OUT/flags.txt 2>&1; tail -14 $OUT/flags.txt ;;
     colprof) ( timeout 150 python3 scripts/collector_profile.py ) > $OUT/colprof.txt 2>&1; head -40 $OUT/colprof.txt ;;
     tests) ( timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py \
              ${EXTRA_TESTS:-} ) > $OUT/tests.txt 2>&1; tail -15 $OUT/tests.txt ;;

@@ -22,39 +22,11 @@ import triton
 import triton.language as tl
 
 from .launch import FastLaunch
-from .tiles import grouped_tile
+from .tiles import _split_rows, _store_split, grouped_tile
 from .tuning import cdiv, gemm_config
 
 ROW_ALIGN = 64  # split boundaries are multiples of this (and so of every BLOCK_K)
 MIN_CHUNK = 2048  # rows per split at least: a split must amortise its partial's write and read (measured)
-
-
-@triton.jit
-def _split_rows(count, pid_s, SPLIT, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """(start, end, n_split): the compacted-row range of split ``pid_s`` (empty past the last split that holds
-    rows) and how many splits hold rows (at least 1: split 0 always runs)."""
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(count, SPLIT), ROW_ALIGN) * ROW_ALIGN, MIN_CHUNK)
-    start = pid_s * chunk
-    return start, tl.minimum(start + chunk, count), tl.maximum(tl.cdiv(count, chunk), 1)
-
-
-@triton.jit
-def _store_split(out_ptr, part_ptr, ticket_ptr, acc, offs, mask, pid_s, n_split, part_stride, ticket):
-    """Write fp32 ``acc`` to ``out_ptr + offs`` (in the output's dtype) when one split holds all the rows.
-    Otherwise store it as split ``pid_s``'s partial and take a ticket from counter ``ticket``; the last split
-    to arrive adds the partials in split order (a result that depends only on the data), writes the output
-    and resets the counter for the next launch (and graph replay)."""
-    if n_split == 1:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + pid_s * part_stride + offs, acc, mask=mask)
-        # release our partial, acquire everyone else's
-        if tl.atomic_add(ticket_ptr + ticket, 1, sem="acq_rel") == n_split - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, n_split):
-                total += tl.load(part_ptr + s * part_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(ticket_ptr + ticket, 0)
 
 
 @triton.jit
@@ -122,8 +94,9 @@ def _dw_tile(
         i_mask = offs_i < N_IN
         acc = _dw_loop(dy_ptr, x_ptr, perm_ptr, start, end, offs_o, offs_i, o_mask, i_mask,
                        stride_dym, stride_dyo, stride_xm, stride_xi, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BIG)
-        _store_split(dw_ptr, part_ptr, ticket_ptr, acc, offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :],
-                     o_mask[:, None] & i_mask[None, :], pid_s, n_split, N_OUT.to(tl.int64) * N_IN, pid)
+        offs = offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :]
+        _store_split(dw_ptr, offs, part_ptr, offs, N_OUT.to(tl.int64) * N_IN, ticket_ptr, pid, acc,
+                     o_mask[:, None] & i_mask[None, :], pid_s, n_split)
 
 
 @triton.jit
@@ -162,7 +135,7 @@ def _db_cols(
             acc += tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n,
                            mask=valid[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
             rows = rows_next
-        _store_split(db_ptr, part_ptr, ticket_ptr, tl.sum(acc, axis=0), cols, c_mask, pid_s, n_split, N, pid)
+        _store_split(db_ptr, cols, part_ptr, cols, N, ticket_ptr, pid, tl.sum(acc, axis=0), c_mask, pid_s, n_split)
 
 
 @triton.jit

@@ -12,91 +12,161 @@ import torch
 import triton
 import triton.language as tl
 
+from .dw import _tickets
 from .launch import FastLaunch
-from .tiles import grouped_tile
+from .tiles import _store_split, grouped_tile
 from .tuning import cdiv, gemm_config
 
 
 @triton.jit
-def _dx_tile(
-    dy_ptr, w_ptr, dx_ptr, perm_ptr, count, pid,
+def _dx_acc(
+    dy_ptr, w_ptr, rows, active, offs_n, n_mask, k_start, k_end, K,
+    stride_dym, stride_dyk, stride_wk, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """fp32 (BLOCK_M, BLOCK_N) = dY[rows, k_start:k_end] @ W[k_start:k_end, offs_n] (inactive rows: zero)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_k[None, :] * stride_dyk
+    b_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if IEEE:
+        # fp32: a two-level sum over blocks of 8 x BLOCK_K (see the dW kernel).
+        for k0 in range(k_start, k_end, 8 * BLOCK_K):
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k1 in range(k0, tl.minimum(k0 + 8 * BLOCK_K, k_end), BLOCK_K):
+                k_in = (k1 + offs_k) < k_end
+                a = tl.load(a_ptrs + k1 * stride_dyk, mask=active[:, None] & k_in[None, :], other=0.0)
+                b = tl.load(b_ptrs + k1 * stride_wk, mask=k_in[:, None] & n_mask, other=0.0)
+                part = tl.dot(a, b, part, input_precision="ieee")
+            acc += part
+    else:
+        a_ptrs += k_start * stride_dyk
+        b_ptrs += k_start * stride_wk
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:  # every split boundary and K are multiples of BLOCK_K
+                a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask, other=0.0)
+            else:
+                k_in = (k0 + offs_k) < K
+                a = tl.load(a_ptrs, mask=active[:, None] & k_in[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_in[:, None] & n_mask, other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_dyk
+            b_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _dx_program(
+    dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, count, g, FILL, EXTRA,
     M, N, K,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
+    MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
 ):
-    """Output tile ``pid`` of dX (also called by the fused gradient kernel); STAGES: software-pipeline depth
-    of its main loop (the fused kernel's other roles keep the launch's num_stages)."""
+    """Program ``g`` of the dX grid (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) + EXTRA`` programs; also called by
+    the fused gradient kernel). STAGES: software-pipeline depth of the main loop.
+
+    The T = cdiv(k, BLOCK_M) * cdiv(N, BLOCK_N) tiles that hold active rows come first. When they are fewer
+    than FILL (the SMs free for dX), each is split over K into S pieces (S <= 1 + EXTRA // T, <= cdiv(FILL, T),
+    pieces of at least MIN_K, at most MAX_SPLIT), chosen here from the device-side k: the spare EXTRA
+    programs do the extra pieces, and the last piece to finish adds the fp32 partials in piece order
+    (``part_ptr``: at least T * S tiles of BLOCK_M x BLOCK_N; ``ticket_ptr``: T counters, zero between
+    launches). The programs after those write the zero rows of the tiles wholly past k; the rest exit.
+    """
     # M rows of dY/dX, N = in_features, K = out_features.
-    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_m = pos < M
-    rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
-    if BIG:
-        rows = rows.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = in_m[:, None] & (offs_n < N)[None, :]
-    out_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn
-    if pid_m * BLOCK_M >= count:
-        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        active = pos < count
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_k[None, :] * stride_dyk
-        b_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    m_act = tl.cdiv(count, BLOCK_M)
+    t_act = m_act * n_tiles_n
+    t_div = tl.maximum(t_act, 1)
+    n_split = tl.minimum(tl.minimum(1 + EXTRA // t_div, tl.cdiv(FILL, t_div)),
+                         tl.minimum(tl.maximum(K // MIN_K, 1), MAX_SPLIT))
+    n_split = tl.maximum(n_split, 1)
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+    if g < t_act * n_split:
+        t = g % t_act
+        pid_s = g // t_act
+        pid_m, pid_n = grouped_tile(t, count, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pos = pid_m * BLOCK_M + offs_bm
+        in_m = pos < M
+        rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
+        if BIG:
+            rows = rows.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + offs_bn
         n_mask = (offs_n < N)[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if IEEE:
-            # fp32: a two-level sum over blocks of 8 x BLOCK_K (see the dW kernel), pointers from k.
-            for k0 in range(0, K, 8 * BLOCK_K):
-                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k1 in range(k0, tl.minimum(k0 + 8 * BLOCK_K, K), BLOCK_K):
-                    k_in = (k1 + offs_k) < K
-                    a = tl.load(a_ptrs + k1 * stride_dyk, mask=active[:, None] & k_in[None, :], other=0.0)
-                    b = tl.load(b_ptrs + k1 * stride_wk, mask=k_in[:, None] & n_mask, other=0.0)
-                    part = tl.dot(a, b, part, input_precision="ieee")
-                acc += part
-        else:
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=active[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=n_mask, other=0.0)
-                else:
-                    k_in = (k0 + offs_k) < K
-                    a = tl.load(a_ptrs, mask=active[:, None] & k_in[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_in[:, None] & n_mask, other=0.0)
-                acc = tl.dot(a, b, acc)
-                a_ptrs += BLOCK_K * stride_dyk
-                b_ptrs += BLOCK_K * stride_wk
-        tl.store(out_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
+        chunk = tl.cdiv(tl.cdiv(K, n_split), BLOCK_K) * BLOCK_K
+        k_start = pid_s * chunk
+        acc = _dx_acc(dy_ptr, w_ptr, rows, pos < count, offs_n, n_mask, k_start, tl.minimum(k_start + chunk, K),
+                      K, stride_dym, stride_dyk, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE,
+                      STAGES)
+        _store_split(dx_ptr, rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
+                     part_ptr + t * (BLOCK_M * BLOCK_N), offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
+                     t_act * (BLOCK_M * BLOCK_N), ticket_ptr, t, acc, in_m[:, None] & n_mask, pid_s, n_split)
+    else:
+        z = g - t_act * n_split  # zero tiles: row tiles m_act, m_act + 1, ... (all past k)
+        if z < (tl.cdiv(M, BLOCK_M) - m_act) * n_tiles_n:
+            pos = (m_act + z // n_tiles_n) * BLOCK_M + offs_bm
+            in_m = pos < M
+            rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
+            if BIG:
+                rows = rows.to(tl.int64)
+            offs_n = (z % n_tiles_n) * BLOCK_N + offs_bn
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty),
+                     mask=in_m[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
 def _dx_kernel(
-    dy_ptr, w_ptr, dx_ptr, perm_ptr, count_ptr,
+    dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, FILL, EXTRA,
     M, N, K,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
+    MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
 ):
-    _dx_tile(dy_ptr, w_ptr, dx_ptr, perm_ptr, tl.load(count_ptr), tl.program_id(0), M, N, K,
-             stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
-             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES)
+    _dx_program(dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, tl.load(count_ptr), tl.program_id(0),
+                FILL, EXTRA, M, N, K, stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES, MIN_K, MAX_SPLIT)
 
 
 _dx = FastLaunch(_dx_kernel)
 
 
+MIN_K = 512  # K per dX split at least (8 steps of BLOCK_K = 64)
+MAX_SPLIT = 16
+
+
+def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: bool, busy: int = 0):
+    """(programs, EXTRA, FILL, MIN_K, partial tiles) of a dX grid: one program per output tile plus EXTRA for
+    the K splits, and room for T * S <= 2 * FILL partial tiles (the kernel splits only when T is below FILL).
+    FILL = the SMs that ``busy`` programs of other work in the same launch (the dW tiles) leave free; no free
+    SM (or the interpreter's stand-in of one SM) means no split, no extra programs, no partials."""
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    fill = n_sm - busy
+    if fill < 2:
+        return tiles, 0, 1, cfg["BLOCK_K"], 0
+    min_k = cfg["BLOCK_K"] if interpret else MIN_K
+    return tiles + fill, fill, fill, min_k, 2 * fill
+
+
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
-            interpret: bool = False, ieee: bool = True) -> torch.Tensor:
-    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows."""
+            interpret: bool = False, ieee: bool = True, n_sm: int = 1, busy: int = 0) -> torch.Tensor:
+    """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows (K splits when the
+    active tiles cannot fill the ``n_sm - busy`` free SMs)."""
     m, k_dim = dy.shape
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
     cfg = gemm_config("dx", dy.dtype, interpret)
-    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
+    programs, extra, fill, min_k, part_tiles = dx_split_args(m, n, k_dim, cfg, n_sm, interpret, busy)
+    part = (torch.empty(part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=dy.device)
+            if part_tiles else dx)
     big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
-    _dx[grid](dy, weight, dx, perm, count, m, n, k_dim,
+    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), fill, extra, m, n, k_dim,
                      dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-                     EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1), **cfg)
+                     EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1),
+                     MIN_K=min_k, MAX_SPLIT=MAX_SPLIT, **cfg)
     return dx

@@ -1,8 +1,9 @@
 """dX, dW and db of the SEBP backward in one launch.
 
 The programs of one grid take the roles of the three separate kernels, in this order: the dW tiles (times
-their row splits), the dX tiles, the db column blocks (times their row splits). Each role runs the same
-device code as its own kernel (``_dw_tile``, ``_dx_tile``, ``_db_cols``), on the permutation and device-side
+their row splits), the dX programs (its tiles plus one spare per SM for splits over K when few row tiles are
+active), the db column blocks (times their row splits). Each role runs the same
+device code as its own kernel (``_dw_tile``, ``_dx_program``, ``_db_cols``), on the permutation and device-side
 count of the select pass. One launch instead of three saves host time (each Triton launch costs about
 10-17 us on the device machine's host) and two kernel boundaries on the GPU.
 """
@@ -14,23 +15,24 @@ import triton.language as tl
 
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
-from .dx import _dx_tile
+from .dx import MAX_SPLIT, _dx_program, dx_split_args
 from .launch import FastLaunch
 from .tuning import cdiv, gemm_config
 
 
 @triton.jit
 def _grads_kernel(
-    dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, perm_ptr, count_ptr, ticket_ptr,
-    M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS,
+    dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, dx_part_ptr, perm_ptr, count_ptr,
+    ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS, DX_FILL, DX_EXTRA,
     stride_dym, stride_dyo, stride_xm, stride_xi, stride_wo, stride_wi, stride_dxm, stride_dxi,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr, DO_DB: tl.constexpr,
     IEEE: tl.constexpr, BIG: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, DB_ALIGN: tl.constexpr, DB_MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr,
+    DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr, DX_MIN_K: tl.constexpr,
+    DX_MAX_SPLIT: tl.constexpr,
 ):
-    # ticket_ptr: the dW tiles' split counters, then the db column blocks'.
+    # ticket_ptr: the dW tiles' split counters, then the db column blocks', then the dX tiles'.
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     if pid < N_DW:
@@ -40,9 +42,10 @@ def _grads_kernel(
                      IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     elif pid < N_DW + N_DX:
         if DO_DX:
-            _dx_tile(dy_ptr, w_ptr, dx_ptr, perm_ptr, count, pid - N_DW, M, N_IN, N_OUT,
-                     stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES)
+            _dx_program(dy_ptr, w_ptr, dx_ptr, dx_part_ptr, perm_ptr, ticket_ptr + DW_TILES + DB_COLS, count,
+                        pid - N_DW, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
+                        stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES, DX_MIN_K, DX_MAX_SPLIT)
     else:
         if DO_DB:
             g = pid - N_DW - N_DX
@@ -73,28 +76,35 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
     if db_split is None:
         db_split = _db_splits(m, db_cols, n_sm, db_min)
     n_dw = dw_tiles * dw_split if need_dw else 0
-    n_dx = cdiv(m, bm) * cdiv(n_in, bn) if need_dx else 0
+    # dX splits over K only onto the SMs the dW tiles leave idle (with few rows dW runs one split per tile)
+    n_dx, dx_extra, dx_fill, dx_min_k, dx_part_tiles = dx_split_args(m, n_in, n_out, cfg, n_sm, interpret,
+                                                                     dw_tiles if need_dw else 0)
+    if not need_dx:
+        n_dx = dx_part_tiles = 0
     n_db = db_cols * db_split if need_db else 0
     dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
     dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if need_db else None
     dw_part_n = dw_split * n_out * n_in if need_dw and dw_split > 1 else 0
     db_part_n = db_split * n_out if need_db and db_split > 1 else 0
-    part = torch.empty(dw_part_n + db_part_n, dtype=torch.float32, device=dev) if dw_part_n + db_part_n else None
+    dx_part_n = dx_part_tiles * bm * bn
+    n_part = dw_part_n + db_part_n + dx_part_n
+    part = torch.empty(n_part, dtype=torch.float32, device=dev) if n_part else None
     dw_part = part[:dw_part_n] if dw_part_n else (dw if dw is not None else dy)
-    db_part = part[dw_part_n:] if db_part_n else (db if db is not None else dy)
+    db_part = part[dw_part_n:dw_part_n + db_part_n] if db_part_n else (db if db is not None else dy)
+    dx_part = part[dw_part_n + db_part_n:] if dx_part_n else (dx if dx is not None else dy)
     xs = x if need_dw else dy
     big = max(dy.stride(0), xs.stride(0), n_in) * m >= 2**31
     opts = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
     dx_stages = gemm_config("dx", dy.dtype, interpret).get("num_stages", 1)
     _grads[(n_dw + n_dx + n_db,)](
         dy, xs, weight, dx if need_dx else dy, dw if need_dw else dy, db if need_db else dy, dw_part, db_part,
-        perm, count, _tickets(dev, dw_tiles + db_cols),
-        m, n_out, n_in, dw_split, db_split, dw_tiles, n_dw, n_dx, db_cols,
+        dx_part, perm, count, _tickets(dev, dw_tiles + db_cols + 2 * n_sm),
+        m, n_out, n_in, dw_split, db_split, dw_tiles, n_dw, n_dx, db_cols, dx_fill, dx_extra,
         dy.stride(0), dy.stride(1), xs.stride(0), xs.stride(1), weight.stride(0), weight.stride(1),
         dx.stride(0) if need_dx else 0, dx.stride(1) if need_dx else 1,
         DO_DX=need_dx, DO_DW=need_dw, DO_DB=need_db, IEEE=ieee, BIG=big, EVEN_K=n_out % cfg["BLOCK_K"] == 0,
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
-        DX_STAGES=dx_stages, **cfg, **opts)
+        DX_STAGES=dx_stages, DX_MIN_K=dx_min_k, DX_MAX_SPLIT=MAX_SPLIT, **cfg, **opts)
     return dx, dw, db

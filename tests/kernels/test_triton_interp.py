@@ -80,6 +80,26 @@ else:
         inactive[select_rows(dy, cfg)] = False
         assert (got[0][inactive] == 0).all(), "dX must be exactly zero on inactive rows"
 
+    @pytest.mark.parametrize("shape", [(70, 200, 33), (130, 97, 40)])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_dx_k_splits_match_reference_and_are_deterministic(shape, dtype):
+        """With many SMs to fill and few active row tiles, dX splits over K (here up to 12 pieces of 16)."""
+        from sebp_kernels._triton.dx import dx_rows
+        from sebp_kernels._triton.grads import grads_rows
+
+        dy, x, w = _inputs(*shape, dtype, density=0.2, seed=3)
+        cfg = CONFIGS["exact"]
+        perm, count = select_rows_device(dy, "exact", interpret=True)
+        ieee = dtype == torch.float32
+        split = dx_rows(dy, w, perm, count, interpret=True, ieee=ieee, n_sm=64)
+        want = sebp_backward_torch(dy, x, w, cfg)[0]
+        ref = sebp_backward_torch(dy.double(), x.double(), w.double(), cfg)[0]
+        assert_within_torch_error(split, ref, want, dtype, "dX split")
+        assert torch.equal(split, dx_rows(dy, w, perm, count, interpret=True, ieee=ieee, n_sm=64))
+        fused = grads_rows(dy, x, w, perm, count, True, True, True, ieee, 64, interpret=True, dw_split=1)
+        dw_tiles = -(-shape[1] // 16) * -(-shape[2] // 16)  # the fused launch leaves dX the SMs dW does not use
+        assert torch.equal(fused[0], dx_rows(dy, w, perm, count, interpret=True, ieee=ieee, n_sm=64, busy=dw_tiles))
+
     @pytest.mark.parametrize("split", [1, 2, 3, 5])
     def test_dw_row_splits_agree_and_are_deterministic(split):
         from sebp_kernels._triton.dw import _TICKETS
