@@ -154,10 +154,11 @@ for (M, IN, OUT) in SHAPES:
             bm, bn, bk, st, wp = c
             tag = f"{bm}x{bn}x{bk}s{st}w{wp}"
             grid = (triton.cdiv(M, bm) * triton.cdiv(IN, bn),)
-            row[f"dx {tag}"] = graph_bench(lambda: _dx_kernel[grid](
-                dy, w, dxo, perm, count, M, IN, OUT, dy.stride(0), dy.stride(1), w.stride(0), w.stride(1),
-                dxo.stride(0), dxo.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                EVEN_K=OUT % bk == 0, IEEE=False, BIG=False, STAGES=st, num_warps=wp, num_stages=st))
+            row[f"dx {tag}"] = graph_bench(lambda: _dx_kernel[grid](  # no K splits (EXTRA = 0)
+                dy, w, dxo, dxo, perm, count, _tickets(torch.device(dev, 0), 1), 1, 0, M, IN, OUT,
+                dy.stride(0), dy.stride(1), w.stride(0), w.stride(1), dxo.stride(0), dxo.stride(1),
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=OUT % bk == 0, IEEE=False, BIG=False,
+                STAGES=st, MIN_K=512, MAX_SPLIT=1, num_warps=wp, num_stages=st))
             row[f"plain_dx {tag}"] = graph_bench(plain_mm(dyk, w, dxk, c))
         for c in DW_CFGS:
             bm, bn, bk, st, wp = c
