@@ -129,6 +129,16 @@ def _print_finetune_summary(summary: dict) -> None:
 
 _DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
 _MODEL_HELP = "Bundled name (minilm, smollm2), local Hugging Face directory, or hub id."
+# Options that analyze, heatmap and finetune share, declared once (typer reads these defaults per command).
+_TASK = typer.Option(None, "--task", help="classification | causal-lm (default: from the model).")
+_SPLIT = typer.Option(None, "--split", help="Dataset split (default train).")
+_TEXT = typer.Option(None, "--text-column", help="Text (or prompt) column (default: detected).")
+_PAIR = typer.Option(None, "--text-pair-column", help="Second text of sentence pairs.")
+_LABEL = typer.Option(None, "--label-column", help="Label column (default: detected).")
+_PADDING = typer.Option("max_length", "--padding", help="max_length | longest (dynamic).")
+_PADDING_SIDE = typer.Option(None, "--padding-side", help="left | right (default: the tokenizer's).")
+_MIN_GAP = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee.")
+_DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N.")
 
 
 @app.command("finetune")
@@ -149,15 +159,15 @@ def finetune_cmd(
                                          "this share run dense."),
     always_sebp: bool = typer.Option(False, "--always-sebp", help="Keep SEBP even where calibration measures "
                                      "it slower than dense."),
-    task: str = typer.Option(None, "--task", help="classification | causal-lm (default: from the model)."),
+    task: str = _TASK,
     split: str = typer.Option(None, "--split", help="Training split (default train)."),
     eval_split: str = typer.Option(None, "--eval-split", help="Held-out split (default: test for tweets, "
                                    "else 10% of train)."),
-    text_column: str = typer.Option(None, "--text-column"),
-    label_column: str = typer.Option(None, "--label-column"),
+    text_column: str = _TEXT,
+    label_column: str = _LABEL,
     max_samples: int = typer.Option(None, "--max-samples", help="Use at most this many training examples."),
     eval_samples: int = typer.Option(1000, "--eval-samples", help="Evaluate on at most this many examples."),
-    padding: str = typer.Option("max_length", "--padding", help="max_length | longest."),
+    padding: str = _PADDING,
     max_length: int = typer.Option(64, "--max-length"),
     batch_size: int = typer.Option(16, "--batch-size", help="Per process (and per micro-batch)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
@@ -445,14 +455,14 @@ def _print_analysis(report: dict, per_layer: bool) -> None:
 def analyze_cmd(
     model: str = typer.Argument("minilm", help=_MODEL_HELP),
     dataset: str = typer.Argument("tweets", help=_DATA_HELP),
-    task: str = typer.Option(None, "--task", help="classification | causal-lm (default: from the model)."),
-    split: str = typer.Option(None, "--split", help="Dataset split (default train)."),
-    text_column: str = typer.Option(None, "--text-column", help="Text (or prompt) column (default: detected)."),
-    text_pair_column: str = typer.Option(None, "--text-pair-column", help="Second text of sentence pairs."),
-    label_column: str = typer.Option(None, "--label-column", help="Label column (default: detected)."),
-    padding: str = typer.Option("max_length", "--padding", help="max_length | longest (dynamic)."),
+    task: str = _TASK,
+    split: str = _SPLIT,
+    text_column: str = _TEXT,
+    text_pair_column: str = _PAIR,
+    label_column: str = _LABEL,
+    padding: str = _PADDING,
     max_length: int = typer.Option(128, "--max-length", help="Truncate, and pad to, this many tokens."),
-    padding_side: str = typer.Option(None, "--padding-side", help="left | right (default: the tokenizer's)."),
+    padding_side: str = _PADDING_SIDE,
     batch_size: int = typer.Option(32, "--batch-size"),
     max_batches: int = typer.Option(16, "--max-batches", help="Analyse this many batches (the first ones)."),
     max_samples: int = typer.Option(None, "--max-samples", help="Read at most this many samples."),
@@ -462,8 +472,8 @@ def analyze_cmd(
     quantile: float = typer.Option(0.99, "--quantile", help="N covers this quantile of per-batch active rows..."),
     margin: float = typer.Option(0.1, "--margin", help="...plus this margin..."),
     tile: int = typer.Option(64, "--tile", help="...rounded up to a multiple of this (the kernel's row block)."),
-    min_gap: float = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    min_gap: float = _MIN_GAP,
+    device: str = _DEVICE,
     seed: int = typer.Option(0, "--seed", help="Seed for dropout."),
     output: str = typer.Option(None, "--output", "-o", help="Write the JSON report here (finetune --report)."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Also print a table row per layer."),
@@ -518,18 +528,18 @@ def heatmap_cmd(
     layer: str = typer.Option(..., "--layer", "-l", help="Layer name, suffix, glob ('*.0.attention.self.query') "
                               "or regex; at most 6 layers."),
     output: str = typer.Option("heatmap.png", "--output", "-o", help="Image file: .png, .pdf or .svg."),
-    task: str = typer.Option(None, "--task", help="classification | causal-lm (default: from the model)."),
-    split: str = typer.Option(None, "--split"),
-    text_column: str = typer.Option(None, "--text-column"),
-    text_pair_column: str = typer.Option(None, "--text-pair-column"),
-    label_column: str = typer.Option(None, "--label-column"),
-    padding: str = typer.Option("max_length", "--padding", help="max_length | longest."),
+    task: str = _TASK,
+    split: str = _SPLIT,
+    text_column: str = _TEXT,
+    text_pair_column: str = _PAIR,
+    label_column: str = _LABEL,
+    padding: str = _PADDING,
     max_length: int = typer.Option(128, "--max-length"),
-    padding_side: str = typer.Option(None, "--padding-side", help="left | right."),
+    padding_side: str = _PADDING_SIDE,
     batch_size: int = typer.Option(32, "--batch-size"),
     max_batches: int = typer.Option(4, "--max-batches", help="Batches behind the histogram/CDF panel."),
-    min_gap: float = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee."),
-    device: str = typer.Option("auto", "--device"),
+    min_gap: float = _MIN_GAP,
+    device: str = _DEVICE,
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Draw |dL/dY| of chosen layers: heatmaps of the shortest and the longest sample (rows = tokens,
