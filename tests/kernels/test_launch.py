@@ -32,3 +32,80 @@ def test_launch_hooks_count_as_active_only_when_they_do_something():
 
     assert not _active(None) and not _active(Chain([]))
     assert _active(Chain([print])) and _active(print)
+
+
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records what the fast path hands its launcher."""
+
+    function = object()
+    packed_metadata = "meta"
+
+    def __init__(self):
+        self.launches = []
+
+    @property
+    def run(self):
+        return lambda *a: self.launches.append(a)
+
+
+class _FakeJIT:
+    """Stands in for a @triton.jit kernel ``k(x_ptr, n, eps, B: constexpr)``: counts JIT-path launches."""
+
+    arg_names = ["x_ptr", "n", "eps", "B"]
+
+    def __init__(self):
+        self.jit_launches = 0
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.jit_launches += 1
+            return self.compiled
+
+        return launch
+
+
+def _fast(monkeypatch, hook=None):
+    from types import SimpleNamespace
+
+    from sebp_kernels._triton import launch
+
+    monkeypatch.setattr(launch, "_stream", lambda device: 7)
+    fn = _FakeJIT()
+    fl = launch.FastLaunch(fn)
+    fl._hooks = SimpleNamespace(launch_enter_hook=hook)  # as on a CUDA build
+    return fn, fl
+
+
+class _EmptyChain:  # Triton >= 3.5 keeps one in launch_enter_hook when no profiler is attached
+    calls = []
+
+
+@pytest.mark.parametrize("hook", [None, _EmptyChain()])
+def test_fast_path_after_the_first_launch_of_a_specialisation(monkeypatch, hook):
+    fn, fl = _fast(monkeypatch, hook)
+    buf = torch.zeros(64)
+    fl[(3,)](buf, 32, 0.5, B=16, num_warps=4)
+    assert fn.jit_launches == 1 and not fn.compiled.launches
+    fl[(5, 2)](buf, 48, 0.25, B=16, num_warps=4)  # same specialisation (48 is also a multiple of 16)
+    assert fn.jit_launches == 1
+    # grid padded to 3-D, the stream, Triton's function and metadata, no launch hooks, then every argument
+    # in signature order with the constexprs last
+    assert fn.compiled.launches == [(5, 2, 1, 7, _FakeCompiled.function, "meta", None, None, None, buf, 48, 0.25,
+                                     16)]
+    for other in ((buf[1:], 32, 0.5), (buf, 33, 0.5), (buf.double(), 32, 0.5)):  # alignment, divisibility, dtype
+        fl[(1,)](*other, B=16, num_warps=4)
+    fl[(1,)](buf, 32, 0.5, B=32, num_warps=4)  # another constexpr
+    fl[(1,)](buf, 32, 0.5, B=16, num_warps=8)  # another launch option
+    assert fn.jit_launches == 6 and len(fn.compiled.launches) == 1
+
+
+def test_active_launch_hooks_take_the_jit_path(monkeypatch):
+    class Chain:
+        calls = [print]
+
+    fn, fl = _fast(monkeypatch, hook=Chain())
+    buf = torch.zeros(64)
+    for _ in range(3):
+        fl[(1,)](buf, 32, 0.5, B=16)
+    assert fn.jit_launches == 3 and not fn.compiled.launches
