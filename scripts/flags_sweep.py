@@ -41,7 +41,6 @@ def run(dy, block_r, block_c, warps):
                                                    MODE=0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
-n_sm = torch.cuda.get_device_properties(0).multi_processor_count
 configs = [(r, c, w) for r in (4, 8, 16, 32, 64) for c in (256, 512, 1024, 2048, 4096) for w in (4, 8)
            if 2048 <= r * c <= 65536]
 out = []
@@ -49,7 +48,7 @@ for m, n, seq in ((16384, 3072, 512), (16384, 768, 512), (4096, 8192, 4096), (40
     for d in (0.01, 0.2, 1.0):
         mask = padded_rows(m, seq, d, "cuda")
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * mask[:, None].to(torch.bfloat16)
-        cur = select._row_blocks(m, n, False, n_sm)
+        cur = select._row_blocks(n, False)
         times = {f"{r}x{c}w{w}": graph_us(run(dy, r, c, w)) for r, c, w in configs}
         best = min(times, key=times.get)
         cur_key = f"{cur[0]}x{cur[1]}w{cur[2]}"

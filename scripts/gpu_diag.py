@@ -136,7 +136,7 @@ for (M, IN, OUT) in SHAPES:
         row["cublas_dw"] = graph_bench(lambda: dyk.t() @ xk)
         row["cublas_dense_bwd"] = graph_bench(lambda: (dy @ w, dy.t() @ x))
         row["select"] = graph_bench(lambda: select_rows_device(dy, "exact"))
-        br, bc, wp = _row_blocks(M, OUT, False, n_sm)
+        br, bc, wp = _row_blocks(OUT, False)
         nb = triton.cdiv(M, br)
         flags = torch.empty(M, dtype=torch.int32, device=dev)
         bcnt = torch.empty(nb, dtype=torch.int32, device=dev)

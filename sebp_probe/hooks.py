@@ -351,7 +351,7 @@ class GradientStatsCollector:
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         if self._pending is None or not grad.numel():
             return
-        g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+        g = _rows_view(grad)
         rows, cols = g.shape
         self._rows[index] += rows
         self._elements[index] += rows * cols

@@ -51,13 +51,13 @@ def sebp_backward_triton(
     dX (M, in) is zero on inactive rows; dW and db sum over active rows only. The active-row count stays on
     the device, so the whole backward can be captured in a CUDA graph.
     """
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
     if not supported(dy, x if need_dw else None, weight):
         return sebp_backward_torch(dy, x, weight, config, need_dx, need_dw, need_db)
     # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1.
     dy, weight = _unit_col_stride(dy), _unit_col_stride(weight)
     x = _unit_col_stride(x) if x is not None else None
-    if not (need_dx or need_dw or need_db):
-        return None, None, None
     perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
     dx, dw, db = grads_rows(dy, x, weight, perm, count, need_dx, need_dw, need_db, _ieee(dy.dtype),
                             _sm_count(dy.device), INTERPRET, 1 if INTERPRET else None)

@@ -19,6 +19,15 @@ from .tuning import cdiv, gemm_config
 
 
 @triton.jit
+def _perm_rows(perm_ptr, pos, in_m, BIG: tl.constexpr):
+    """The rows of dY/dX at permutation positions ``pos`` (int64 offsets when the tensors need them)."""
+    rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
+    if BIG:
+        rows = rows.to(tl.int64)
+    return rows
+
+
+@triton.jit
 def _dx_acc(
     dy_ptr, w_ptr, rows, active, offs_n, n_mask, k_start, k_end, K,
     stride_dym, stride_dyk, stride_wk, stride_wn,
@@ -92,9 +101,7 @@ def _dx_program(
         pid_m, pid_n = grouped_tile(t, count, N, BLOCK_M, BLOCK_N, GROUP_M)
         pos = pid_m * BLOCK_M + offs_bm
         in_m = pos < M
-        rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
-        if BIG:
-            rows = rows.to(tl.int64)
+        rows = _perm_rows(perm_ptr, pos, in_m, BIG)
         offs_n = pid_n * BLOCK_N + offs_bn
         n_mask = (offs_n < N)[None, :]
         chunk = tl.cdiv(tl.cdiv(K, n_split), BLOCK_K) * BLOCK_K
@@ -110,9 +117,7 @@ def _dx_program(
         if z < (tl.cdiv(M, BLOCK_M) - m_act) * n_tiles_n:
             pos = (m_act + z // n_tiles_n) * BLOCK_M + offs_bm
             in_m = pos < M
-            rows = tl.load(perm_ptr + pos, mask=in_m, other=0)
-            if BIG:
-                rows = rows.to(tl.int64)
+            rows = _perm_rows(perm_ptr, pos, in_m, BIG)
             offs_n = (z % n_tiles_n) * BLOCK_N + offs_bn
             tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
                      tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty),

@@ -110,7 +110,7 @@ def _row_sumsq_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _row_blocks(m: int, n: int, interpret: bool, n_sm: int = 132) -> tuple[int, int, int]:
+def _row_blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) for the row passes: 8 rows x up to 512 columns, 8 warps. Chosen by
     ``scripts/flags_sweep.py`` on an H100 (``results/h100_flags_sweep.json``): over BERT-base and
     Llama-3.2-3B dY shapes at densities 0.01, 0.2 and 1.0 it was within 6% of each case's best on average
@@ -152,7 +152,7 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     m, n = dy.shape
     if mode == "topk":
         return _topk_perm(dy, top_n, interpret)
-    block_r, block_c, warps = _row_blocks(m, n, interpret, _sm_count(dy.device))
+    block_r, block_c, warps = _row_blocks(n, interpret)
     nb = cdiv(m, block_r)
     # one allocation for the four int32 outputs (fewer host calls per layer)
     perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
@@ -172,7 +172,7 @@ def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor,
     count = torch.full((1,), min(n, m), dtype=torch.int32, device=dev)
     if n >= m:
         return torch.arange(m, dtype=torch.int32, device=dev), count
-    block_r, block_c, warps = _row_blocks(m, cols, interpret, _sm_count(dev))
+    block_r, block_c, warps = _row_blocks(cols, interpret)
     sumsq = torch.empty(m, dtype=torch.float32, device=dev)
     _row_sumsq[(cdiv(m, block_r),)](dy, sumsq, m, cols, dy.stride(0), dy.stride(1),
                                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
