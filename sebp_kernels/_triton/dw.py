@@ -165,10 +165,21 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def dw_splits(n_out: int, n_in: int, m: int, n_sm: int, block_m: int = 128, block_n: int = 128) -> int:
-    """Most row splits per dW tile (used when all m rows are active): the fewest that fill the GPU in whole
-    waves (>= 85%), at most 8, and none that would leave a split fewer than MIN_CHUNK rows."""
+def dw_splits(n_out: int, n_in: int, m: int, n_sm: int, block_m: int = 128, block_n: int = 128,
+              other_work: int = 0) -> int:
+    """Most row splits per dW tile (used when all m rows are active), at most 8, none that would leave a split
+    fewer than MIN_CHUNK rows.
+
+    Alone (``other_work`` 0), the fewest splits that fill the GPU in whole waves (>= 85%). Sharing a launch
+    with other tiles of the same size (the dX tiles of the fused kernel: ``other_work`` = their count times
+    their reduction length), those tiles fill the waves, and a split only has to keep one dW tile (m rows)
+    from outlasting an even share of all the work. Measured on an H100 at density 1.0 (``dense_gap.py``,
+    2026-11-22): this picks the fastest of 1, 2 and 4 splits at all seven BERT-base and Llama-3.2-3B shapes;
+    the waves rule cost 4-29% more GPU time there, mostly in fp32 partials that need not exist."""
     tiles = cdiv(n_out, block_m) * cdiv(n_in, block_n)
+    most = max(1, min(8, m // MIN_CHUNK))
+    if other_work:
+        return min(most, max(1, cdiv(m * n_sm, tiles * m + other_work)))
     best = 1
     for s in range(1, 9):
         if s > 1 and m < s * MIN_CHUNK:

@@ -69,8 +69,9 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dw_tiles = cdiv(n_out, bm) * cdiv(n_in, bn)
-    if dw_split is None:
-        dw_split = dw_splits(n_out, n_in, m, n_sm, bm, bn)
+    if dw_split is None:  # the dX tiles (same tile shape, reduction length n_out) share the launch
+        dx_work = cdiv(m, bm) * cdiv(n_in, bn) * n_out if need_dx else 0
+        dw_split = dw_splits(n_out, n_in, m, n_sm, bm, bn, dx_work)
     db_block_r, db_block_c, db_min = (8, 16, 8) if interpret else (DB_BLOCK_R, DB_BLOCK_C, DB_MIN_CHUNK)
     db_cols = cdiv(n_out, db_block_c)
     if db_split is None:
