@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .config import SEBPConfig
+from .density import RowDensity
 from .functional import sebp_linear
 
 
@@ -36,6 +37,7 @@ class SEBPLinear(nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
+        self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None) -> "SEBPLinear":
@@ -59,7 +61,7 @@ class SEBPLinear(nn.Linear):
         return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sebp_linear(x, self.weight, self.bias, self.sebp_config)
+        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

@@ -7,6 +7,9 @@ rows of each sequence are real), the backward of one linear is timed as:
 - ``torch_ref``: the pure-torch SEBP (``nonzero()`` selection, gather, GEMMs, scatter; it syncs the host);
 - ``torch_rows``: the same GEMMs with the active rows known in advance (no selection);
 - ``triton``: the fused Triton SEBP backward (selection included, no host sync);
+- ``triton_adaptive``: the same with the layer's density estimate (what ``SEBPLinear`` runs): in exact mode,
+  after a backward with at least 85% of rows active it takes the dense cuBLAS backward (timed at steady
+  state, after the warm-up calls; every 16th eager backward also runs the row selection, not timed here);
 - ``ideal``: dense GEMMs on the k active rows already laid out contiguously (selection, gather and the zero
   rows of dX for free): the floor SEBP can approach.
 
@@ -245,6 +248,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
     """Time the backward of one linear layer at each density (see the module docstring)."""
     from sebp_kernels import SEBPConfig
     from sebp_kernels._triton import sebp_backward_triton
+    from sebp_kernels.density import RowDensity
     from sebp_kernels.reference import backward_over_rows, sebp_backward_torch
 
     _require_cuda()
@@ -264,6 +268,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
         cfg = (SEBPConfig("topk", top_n=k) if mode == "topk" else
                SEBPConfig("threshold", eps=1e-6) if mode == "threshold" else SEBPConfig("exact"))
         dy_k, x_k = dy.index_select(0, rows).contiguous(), x.index_select(0, rows).contiguous()
+        state = RowDensity()  # this layer's density estimate, as an SEBPLinear keeps it across steps
         bias = shape.bias
 
         def dense():
@@ -276,6 +281,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
             "dense": (dense, True),
             "ideal": (ideal, True),
             "triton": (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias), True),
+            "triton_adaptive": (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, state=state), True),
             "torch_ref": (lambda: sebp_backward_torch(dy, x, w, cfg, True, True, bias), False),
             "torch_rows": (lambda: backward_over_rows(dy, x, w, rows, True, True, bias), True),
         }

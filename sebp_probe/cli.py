@@ -244,13 +244,15 @@ def _bench_tables(result: dict) -> None:
         table = Table(title=f"SEBP backward per layer ({result['dtype']}, {result['mode']}; "
                             f"median ms, speedup vs dense cuBLAS)")
         for col in ("layer", "density", "k", "dense", "ideal", "triton", "torch ref", "x ideal", "x triton",
-                    "of ideal", "x torch ref", "peak MiB d/t"):
+                    "x adaptive", "of ideal", "x torch ref", "peak MiB d/t"):
             table.add_column(col, justify="left" if col == "layer" else "right")
         for r in result["layers"]:
             ms, sp = r["ms"], r["speedup_vs_dense"]
             table.add_row(r["shape"]["name"], f"{r['density']:g}", str(r["k"]), f"{ms['dense']:.3f}",
                           f"{ms['ideal']:.3f}", f"{ms['triton']:.3f}", f"{ms['torch_ref']:.3f}",
-                          f"{sp['ideal']:.2f}", f"{sp['triton']:.2f}", f"{r['triton_fraction_of_ideal_speedup']:.2f}",
+                          f"{sp['ideal']:.2f}", f"{sp['triton']:.2f}",
+                          f"{sp['triton_adaptive']:.2f}" if "triton_adaptive" in sp else "-",
+                          f"{r['triton_fraction_of_ideal_speedup']:.2f}",
                           f"{r['triton_vs_torch_ref']:.2f}",
                           f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}")
         console.print(table)

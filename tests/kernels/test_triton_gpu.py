@@ -246,3 +246,47 @@ def test_dx_k_splits_agree_with_one_split_and_are_deterministic(density):
     split = dx_rows(dy, w, perm, count, ieee=False, n_sm=_sm_count(dy.device))
     assert_close_report(split.float(), one.float(), atol=0.05, rtol=2e-2, name="dX")
     assert torch.equal(split, dx_rows(dy, w, perm, count, ieee=False, n_sm=_sm_count(dy.device)))
+
+
+def test_adaptive_dense_path_eager_graph_and_no_sync():
+    """With a RowDensity in exact mode: after a backward with every row active the dense GEMMs run (no host
+    sync on any path), a CUDA graph captured then records the dense path, and the results match dense
+    autograd; when rows go sparse the probe notices and the SEBP path comes back."""
+    from sebp_kernels import density as D
+    from sebp_kernels.density import RowDensity
+
+    fn, state, cfg = _triton(), RowDensity(), SEBPConfig("exact")
+    dy, x, w = _inputs(3000, 1024, 768, torch.bfloat16, 1.1, seed=5)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(dy, x, w, cfg, state=state)  # SEBP path, starts the read-back
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert state.choose() == "dense" and state.density == 1.0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fn(dy, x, w, cfg, state=state)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, g, t in zip(("dX", "dW", "db"), got, dense_grads(x, w, torch.zeros(1024, device='cuda'), dy, torch.float32)):
+        assert_close_report(g.float(), t.float(), atol=2e-2, rtol=2e-2, name=name)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(dy, x, w, cfg, state=state)
+    new_dy, new_x, _ = _inputs(3000, 1024, 768, torch.bfloat16, 0.3, seed=6)
+    dy.copy_(new_dy)
+    x.copy_(new_x)
+    graph.replay()  # the dense path on sparse rows: still exact (zero rows give zero dX rows)
+    for name, g, t in zip(("dX", "dW", "db"), out, dense_grads(x, w, torch.zeros(1024, device='cuda'), dy, torch.float32)):
+        assert_close_report(g.float(), t.float(), atol=2e-2, rtol=2e-2, name=name)
+    zero = (dy == 0).all(1)
+    assert zero.any() and (out[0][zero] == 0).all()
+    for _ in range(D.PROBE_EVERY + 1):
+        fn(dy, x, w, cfg, state=state)
+        torch.cuda.synchronize()
+    assert state.density is not None and state.density < 0.5
+    got = fn(dy, x, w, cfg, state=state)
+    want = sebp_backward_torch(dy, x, w, cfg)
+    for name, g, t in zip(("dX", "dW", "db"), got, want):
+        assert_close_report(g.float(), t.float(), atol=2e-2, rtol=2e-2, name=name)

@@ -223,3 +223,80 @@ else:
         assert_close_report(leaves[0].grad.view(24, 7), want[0], atol=1e-5, rtol=1e-5, name="dX")
         assert_close_report(leaves[1].grad, want[1], atol=1e-5, rtol=1e-5, name="dW")
         assert_close_report(leaves[2].grad, want[2], atol=1e-5, rtol=1e-5, name="db")
+
+    def _spy_select(monkeypatch):
+        """Count the selection passes of the Triton backward (each SEBP or probe backward makes one)."""
+        import sebp_kernels._triton.backward as backward
+
+        calls = []
+        real = backward.select_rows_device
+
+        def spy(*a, **k):
+            calls.append(a[1])
+            return real(*a, **k)
+
+        monkeypatch.setattr(backward, "select_rows_device", spy)
+        return calls
+
+    def test_adaptive_takes_dense_path_once_rows_are_dense(monkeypatch):
+        """Exact mode with a RowDensity: the first backward measures (SEBP path), later ones with all rows
+        active take the dense GEMMs, every PROBE_EVERY-th re-measures; the gradients match the reference
+        throughout, and dX stays exactly zero on zero rows when density drops again."""
+        from sebp_kernels import density
+        from sebp_kernels.density import RowDensity
+
+        calls = _spy_select(monkeypatch)
+        state, cfg = RowDensity(), CONFIGS["exact"]
+        dy, x, w = _inputs(40, 12, 9, torch.float32, density=1.1)  # every row active
+        for _ in range(density.PROBE_EVERY + 2):
+            got = sebp_backward_triton(dy, x, w, cfg, state=state)
+            _check_against_reference(got, dy, x, w, cfg, torch.float32)
+        assert state.density == 1.0
+        # the first call measured; then dense, with one probe after PROBE_EVERY - 1 dense calls
+        assert len(calls) == 2, calls
+        # rows go sparse: the next probe sees it, and the SEBP path comes back
+        sparse = dy.clone()
+        sparse[::2] = 0
+        for _ in range(density.PROBE_EVERY):
+            got = sebp_backward_triton(sparse, x, w, cfg, state=state)
+            _check_against_reference(got, sparse, x, w, cfg, torch.float32)
+            assert (got[0][::2] == 0).all()
+        assert state.density == 0.5
+        n = len(calls)
+        sebp_backward_triton(sparse, x, w, cfg, state=state)
+        assert len(calls) == n + 1, "back on the SEBP path, every backward selects rows"
+
+    @pytest.mark.parametrize("mode", ["threshold", "topk"])
+    def test_adaptive_never_dense_outside_exact_mode(monkeypatch, mode):
+        """Threshold and topk skip rows that are not zero: only the SEBP path computes their gradients."""
+        from sebp_kernels.density import RowDensity
+
+        calls = _spy_select(monkeypatch)
+        state, cfg = RowDensity(), CONFIGS[mode]
+        dy, x, w = _inputs(40, 12, 9, torch.float32, density=1.1)
+        for _ in range(5):
+            got = sebp_backward_triton(dy, x, w, cfg, state=state)
+            _check_against_reference(got, dy, x, w, cfg, torch.float32)
+        assert len(calls) == 5 and state.density is None
+
+    def test_sebp_linear_module_keeps_its_density(monkeypatch):
+        """SEBPLinear carries a RowDensity across steps (dense after a dense step); copies start afresh."""
+        import copy
+
+        from sebp_kernels import SEBPLinear
+
+        calls = _spy_select(monkeypatch)
+        torch.manual_seed(0)
+        lin = SEBPLinear(9, 12, config=SEBPConfig("exact", backend="triton"))
+        x = torch.randn(5, 8, 9)
+        for _ in range(3):
+            lin.zero_grad()
+            lin(x).square().sum().backward()
+        ref = torch.nn.Linear(9, 12)
+        ref.load_state_dict(lin.state_dict())
+        ref(x).square().sum().backward()
+        assert len(calls) == 1 and lin._sebp_density.density == 1.0
+        for a, b in ((lin.weight.grad, ref.weight.grad), (lin.bias.grad, ref.bias.grad)):
+            assert_close_report(a, b, atol=1e-5, rtol=1e-5, name="grad")
+        twin = copy.deepcopy(lin)
+        assert twin._sebp_density.density is None and twin._sebp_density is not lin._sebp_density

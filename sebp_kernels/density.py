@@ -1,0 +1,79 @@
+"""A layer's recent share of active rows, read back from the device without waiting for it.
+
+In ``exact`` mode the rows the SEBP backward skips are exactly zero, so the plain dense backward (cuBLAS,
+``dY @ W``, ``dYᵀ X``, ``dY.sum(0)``) gives the same gradients up to summation order. When nearly every row
+is active, the dense GEMMs are the faster way to get them: there is nothing to skip, and the row selection
+and gathered GEMMs cost more than cuBLAS. :class:`RowDensity` lets a layer pick between the two.
+
+The active-row count stays on the device (the SEBP backward never syncs), so the density is copied into
+pinned host memory asynchronously and read on a later backward once its event has completed. The choice is
+therefore a step or more stale, which can cost speed but never correctness. While the dense path is in use,
+every ``PROBE_EVERY``-th backward also runs the row selection (a few microseconds when rows are dense: it
+stops at the first non-zero of each row) to see whether the density has dropped. Inside
+CUDA-graph capture nothing is read or copied; the capture records whichever path the estimate picks then.
+"""
+from __future__ import annotations
+
+import torch
+
+# Take the dense backward when at least this share of rows was active last time. H100, bf16, the seven
+# BERT-base / Llama-3.2-3B shapes (results/h100_dense_gap.json): the SEBP kernels are 1-13% faster than
+# cuBLAS at 0.75 (one shape 1.5% slower), 5% faster to 10% slower at 0.9, and 2-16% slower at 1.0.
+DENSE_ABOVE = 0.85
+PROBE_EVERY = 16  # while dense, every PROBE_EVERY-th backward re-measures through the SEBP path
+OBSERVE_EVERY = 8  # while sparse, read the count back every OBSERVE_EVERY-th backward (host cost ~10 us)
+
+
+class RowDensity:
+    """Host-side estimate of one layer's active-row share (see the module docstring)."""
+
+    __slots__ = ("density", "_host", "_event", "_rows", "_calls", "_dense_calls")
+
+    def __init__(self) -> None:
+        self.density: float | None = None  # the last share read back; None before the first
+        self._host = None  # pinned int32 buffer of the count in flight
+        self._event = None
+        self._rows = 0
+        self._calls = 0
+        self._dense_calls = 0
+
+    def __reduce__(self):  # copies and pickles (deepcopy of a model) start afresh: no event, no pinned buffer
+        return (RowDensity, ())
+
+    def choose(self, capturing: bool = False) -> str:
+        """This backward's path: ``sebp``, ``dense``, or ``probe`` (dense, plus the row selection alone, whose
+        count is then passed to :meth:`observe`)."""
+        if capturing:
+            return "dense" if self.density is not None and self.density >= DENSE_ABOVE else "sebp"
+        if self._event is not None and self._event.query():
+            self.density = int(self._host[0]) / self._rows
+            self._event = None
+        if self.density is None or self.density < DENSE_ABOVE:
+            return "sebp"
+        self._dense_calls += 1
+        if self._dense_calls >= PROBE_EVERY:
+            self._dense_calls = 0
+            self._calls = 0  # so that observe() reads this probe's count back
+            return "probe"
+        return "dense"
+
+    def observe(self, count: torch.Tensor, rows: int, capturing: bool = False) -> None:
+        """Start reading back the device-side active-row ``count`` of a backward over ``rows`` rows."""
+        calls, self._calls = self._calls, self._calls + 1
+        if capturing or self._event is not None or calls % OBSERVE_EVERY:
+            return
+        if count.device.type != "cuda":  # CPU (the Triton interpreter): no sync to avoid
+            self.density = int(count.reshape(-1)[0]) / rows
+            return
+        if self._host is None:
+            self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        self._host.copy_(count.reshape(1), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._rows = rows
+
+
+def dense_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, need_dx: bool, need_dw: bool,
+                   need_db: bool):
+    """(dX, dW, db) of ``Y = X Wᵀ + b`` over all rows; None where not needed."""
+    return (dy @ weight if need_dx else None, dy.t() @ x if need_dw else None, dy.sum(0) if need_db else None)
