@@ -1,8 +1,9 @@
 """dX, dW and db of the SEBP backward in one launch.
 
-The programs of one grid take the roles of the three separate kernels, in this order: the dW tiles (times
-their row splits), the dX programs (its tiles plus one spare per SM for splits over K when few row tiles are
-active), the db column blocks (times their row splits). Each role runs the same
+The programs of one grid take the roles of the three separate kernels: the dW tiles (times their row
+splits) and the dX programs (its tiles plus one spare per SM for splits over K when few row tiles are
+active), whichever reduces over more (decided on the device from the active-row count) first, then the db
+column blocks (times their row splits). Each role runs the same
 device code as its own kernel (``_dw_tile``, ``_dx_program``, ``_db_cols``), on the permutation and device-side
 count of the select pass. One launch instead of three saves host time (each Triton launch costs about
 10-17 us on the device machine's host) and two kernel boundaries on the GPU.
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
+from .tiles import _split_rows
 from .dx import MAX_SPLIT, _dx_program, dx_split_args
 from .launch import FastLaunch
 from .tuning import cdiv, gemm_config
@@ -35,15 +37,21 @@ def _grads_kernel(
     # ticket_ptr: the dW tiles' split counters, then the db column blocks', then the dX tiles'.
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
-    if pid < N_DW:
+    # Longest programs first (the GPU starts programs in pid order): a dX tile reduces over N_OUT, a dW split
+    # over its share of the k active rows. With the longer ones last, their tail runs on a few SMs.
+    dw_start, dw_end, _ = _split_rows(count, 0, DW_SPLIT, ROW_ALIGN, MIN_CHUNK)
+    dx_first = N_OUT > dw_end - dw_start
+    dw_pid = pid - N_DX if dx_first else pid
+    dx_pid = pid if dx_first else pid - N_DW
+    if (dw_pid >= 0) & (dw_pid < N_DW):
         if DO_DW:
-            _dw_tile(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, pid % DW_TILES,
-                     pid // DW_TILES, M, N_OUT, N_IN, DW_SPLIT, stride_dym, stride_dyo, stride_xm, stride_xi,
+            _dw_tile(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, dw_pid % DW_TILES,
+                     dw_pid // DW_TILES, M, N_OUT, N_IN, DW_SPLIT, stride_dym, stride_dyo, stride_xm, stride_xi,
                      IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-    elif pid < N_DW + N_DX:
+    elif (dx_pid >= 0) & (dx_pid < N_DX):
         if DO_DX:
             _dx_program(dy_ptr, w_ptr, dx_ptr, dx_part_ptr, perm_ptr, ticket_ptr + DW_TILES + DB_COLS, count,
-                        pid - N_DW, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
+                        dx_pid, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
                         stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES, DX_MIN_K, DX_MAX_SPLIT)
     else:
