@@ -67,6 +67,18 @@ def _dx_acc(
 
 
 @triton.jit
+def _dx_work(count, N, K, FILL, EXTRA, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_K: tl.constexpr,
+             MAX_SPLIT: tl.constexpr):
+    """(T, S): the dX tiles that hold active rows and the K pieces each is split into (see ``_dx_program``);
+    the first T * S programs of the dX grid compute, the rest write zero rows or exit."""
+    t_act = tl.cdiv(count, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    t_div = tl.maximum(t_act, 1)
+    n_split = tl.minimum(tl.minimum(1 + EXTRA // t_div, tl.cdiv(FILL, t_div)),
+                         tl.minimum(tl.maximum(K // MIN_K, 1), MAX_SPLIT))
+    return t_act, tl.maximum(n_split, 1)
+
+
+@triton.jit
 def _dx_program(
     dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, count, g, FILL, EXTRA,
     M, N, K,
@@ -88,11 +100,7 @@ def _dx_program(
     # M rows of dY/dX, N = in_features, K = out_features.
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     m_act = tl.cdiv(count, BLOCK_M)
-    t_act = m_act * n_tiles_n
-    t_div = tl.maximum(t_act, 1)
-    n_split = tl.minimum(tl.minimum(1 + EXTRA // t_div, tl.cdiv(FILL, t_div)),
-                         tl.minimum(tl.maximum(K // MIN_K, 1), MAX_SPLIT))
-    n_split = tl.maximum(n_split, 1)
+    t_act, n_split = _dx_work(count, N, K, FILL, EXTRA, BLOCK_M, BLOCK_N, MIN_K, MAX_SPLIT)
     offs_bm = tl.arange(0, BLOCK_M)
     offs_bn = tl.arange(0, BLOCK_N)
     if g < t_act * n_split:

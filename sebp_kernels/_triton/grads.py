@@ -1,9 +1,9 @@
 """dX, dW and db of the SEBP backward in one launch.
 
 The programs of one grid take the roles of the three separate kernels: the dW tiles (times their row
-splits) and the dX programs (its tiles plus one spare per SM for splits over K when few row tiles are
-active), whichever reduces over more (decided on the device from the active-row count) first, then the db
-column blocks (times their row splits). Each role runs the same
+splits) and the computing dX programs (its active tiles, split over K when few are active), whichever
+reduces over more (decided on the device from the active-row count) first; then the dX programs that write
+the zero rows (or exit), then the db column blocks (times their row splits). Each role runs the same
 device code as its own kernel (``_dw_tile``, ``_dx_program``, ``_db_cols``), on the permutation and device-side
 count of the select pass. One launch instead of three saves host time (each Triton launch costs about
 10-17 us on the device machine's host) and two kernel boundaries on the GPU.
@@ -17,7 +17,7 @@ import triton.language as tl
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
 from .tiles import _split_rows
-from .dx import MAX_SPLIT, _dx_program, dx_split_args
+from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
 from .launch import FastLaunch
 from .tuning import cdiv, gemm_config
 
@@ -38,11 +38,17 @@ def _grads_kernel(
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     # Longest programs first (the GPU starts programs in pid order): a dX tile reduces over N_OUT, a dW split
-    # over its share of the k active rows. With the longer ones last, their tail runs on a few SMs.
+    # over its share of the k active rows. With the longer ones last, their tail runs on a few SMs. The dX
+    # programs that only write zero rows (or exit) always come after both.
     dw_start, dw_end, _ = _split_rows(count, 0, DW_SPLIT, ROW_ALIGN, MIN_CHUNK)
-    dx_first = N_OUT > dw_end - dw_start
-    dw_pid = pid - N_DX if dx_first else pid
-    dx_pid = pid if dx_first else pid - N_DW
+    dw_pid = pid
+    dx_pid = pid - N_DW
+    if N_OUT > dw_end - dw_start:
+        t_act, dx_split = _dx_work(count, N_IN, N_OUT, DX_FILL, DX_EXTRA, BLOCK_M, BLOCK_N, DX_MIN_K,
+                                   DX_MAX_SPLIT)
+        n_first = tl.minimum(t_act * dx_split, N_DX)  # dX programs that compute
+        dw_pid = pid - n_first
+        dx_pid = tl.where(pid < n_first, pid, pid - N_DW)
     if (dw_pid >= 0) & (dw_pid < N_DW):
         if DO_DW:
             _dw_tile(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, dw_pid % DW_TILES,
