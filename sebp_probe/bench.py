@@ -26,7 +26,6 @@ import datetime
 import math
 import platform
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -198,14 +197,7 @@ def time_fn(fn: Callable[[], object], repeats: int, flush: _Flush, graph: bool) 
     return statistics.median(times)
 
 
-def _warm_up(fn: Callable[[], object], seconds: float = 0.3) -> None:
-    """Run ``fn`` for a while so that the GPU leaves its idle clocks before the first timing (the first
-    dense timing of a run came out 1.5x slow without this: H100, 2026-11-22)."""
-    torch.cuda.synchronize()
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        fn()
-        torch.cuda.synchronize()
+_WARM: list = []  # non-empty once a timing has been thrown away in this process
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> float:
@@ -270,7 +262,11 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
     w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(dtype)
     dy_full = torch.randn(m, n_out, device=dev, dtype=dtype, generator=g)
     flush = _Flush()
-    _warm_up(lambda: (dy_full @ w, dy_full.t() @ x))
+    if not _WARM:  # the first timing of a process (graph capture included) is thrown away: it came out 1.5x
+        # slow (158 vs 106 us, H100, 2026-11-22). A 0.3 s busy loop before every layer, tried too, made the
+        # first dense timing of several layers 5-25% slower instead, so there is none.
+        time_fn(lambda: (dy_full @ w, dy_full.t() @ x, dy_full.sum(0) if shape.bias else None), 5, flush, True)
+        _WARM.append(True)
     results = []
     for density in densities:
         mask = padded_rows(m, shape.seq, density, dev)

@@ -175,7 +175,8 @@ def dw_splits(n_out: int, n_in: int, m: int, n_sm: int, block_m: int = 128, bloc
     their reduction length), those tiles fill the waves, and a split only has to keep one dW tile (m rows)
     from outlasting an even share of all the work. Measured on an H100 at density 1.0 (``dense_gap.py``,
     2026-11-22): this picks the fastest of 1, 2 and 4 splits at all seven BERT-base and Llama-3.2-3B shapes;
-    the waves rule cost 4-29% more GPU time there, mostly in fp32 partials that need not exist."""
+    at the five where the waves rule chose otherwise (2-7 splits) it cost 6-16% more GPU time, mostly in fp32
+    partials that need not exist."""
     tiles = cdiv(n_out, block_m) * cdiv(n_in, block_n)
     most = max(1, min(8, m // MIN_CHUNK))
     if other_work:
