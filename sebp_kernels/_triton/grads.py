@@ -71,15 +71,21 @@ def _grads_kernel(
 _grads = FastLaunch(_grads_kernel)
 
 
-def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
-               count: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, ieee: bool, n_sm: int,
-               interpret: bool = False, dw_split: int | None = None, db_split: int | None = None):
-    """(dX or None, dW or None, db or None) over rows ``perm[:count]`` in one launch; the same results as
-    :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code)."""
-    m, n_out = dy.shape
-    n_in = weight.shape[1]
-    dev = dy.device
-    cfg = dict(gemm_config("dw", dy.dtype, interpret))
+class _Plan:
+    """What one backward shape launches with, worked out once (host Python per backward is a real share of a
+    small model's step): grid, allocation sizes, the integer arguments and the launch keywords."""
+
+    __slots__ = ("idx", "grid", "part_n", "ints", "kw", "n_tickets")
+
+
+_PLANS: dict = {}  # plan key -> _Plan; cleared when it grows past _MAX_PLANS (dynamic shapes)
+_MAX_PLANS = 4096
+_N_TENSORS = 12  # the kernel's leading tensor arguments
+
+
+def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
+          dy_stride, xs_stride, w_stride) -> _Plan:
+    cfg = dict(gemm_config("dw", dtype, interpret))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dw_tiles = cdiv(n_out, bm) * cdiv(n_in, bn)
@@ -97,29 +103,54 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
     if not need_dx:
         n_dx = dx_part_tiles = 0
     n_db = db_cols * db_split if need_db else 0
+    plan = _Plan()
+    plan.idx = len(_PLANS)
+    plan.grid = (n_dw + n_dx + n_db,)
+    plan.part_n = (dw_split * n_out * n_in if need_dw and dw_split > 1 else 0,
+                   db_split * n_out if need_db and db_split > 1 else 0, dx_part_tiles * bm * bn)
+    big = max(dy_stride[0], xs_stride[0], n_in) * m >= 2**31
+    plan.ints = (m, n_out, n_in, dw_split, db_split, dw_tiles, n_dw, n_dx, db_cols, dx_fill, dx_extra,
+                 *dy_stride, *xs_stride, *w_stride, n_in if need_dx else 0, 1)
+    opts = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    plan.kw = dict(
+        DO_DX=need_dx, DO_DW=need_dw, DO_DB=need_db, IEEE=ieee, BIG=big, EVEN_K=n_out % cfg["BLOCK_K"] == 0,
+        ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
+        DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
+        DX_STAGES=gemm_config("dx", dtype, interpret).get("num_stages", 1), DX_MIN_K=dx_min_k,
+        DX_MAX_SPLIT=MAX_SPLIT, **cfg, **opts)
+    plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
+    return plan
+
+
+def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
+               count: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, ieee: bool, n_sm: int,
+               interpret: bool = False, dw_split: int | None = None, db_split: int | None = None):
+    """(dX or None, dW or None, db or None) over rows ``perm[:count]`` in one launch; the same results as
+    :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code)."""
+    m, n_out = dy.shape
+    n_in = weight.shape[1]
+    xs = x if need_dw else dy
+    key = (m, n_out, n_in, dy.dtype, xs.dtype, weight.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
+           dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()  # plan numbers restart; the launcher's entries for old numbers could then
+            _grads.clear()  # be hit by new plans of other shapes, so they go too
+        plan = _PLANS[key] = _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
+                                   dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
+    dev = dy.device
     dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
     dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if need_db else None
-    dw_part_n = dw_split * n_out * n_in if need_dw and dw_split > 1 else 0
-    db_part_n = db_split * n_out if need_db and db_split > 1 else 0
-    dx_part_n = dx_part_tiles * bm * bn
+    dw_part_n, db_part_n, dx_part_n = plan.part_n
     n_part = dw_part_n + db_part_n + dx_part_n
     part = torch.empty(n_part, dtype=torch.float32, device=dev) if n_part else None
     dw_part = part[:dw_part_n] if dw_part_n else (dw if dw is not None else dy)
     db_part = part[dw_part_n:dw_part_n + db_part_n] if db_part_n else (db if db is not None else dy)
     dx_part = part[dw_part_n + db_part_n:] if dx_part_n else (dx if dx is not None else dy)
-    xs = x if need_dw else dy
-    big = max(dy.stride(0), xs.stride(0), n_in) * m >= 2**31
-    opts = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
-    dx_stages = gemm_config("dx", dy.dtype, interpret).get("num_stages", 1)
-    _grads[(n_dw + n_dx + n_db,)](
-        dy, xs, weight, dx if need_dx else dy, dw if need_dw else dy, db if need_db else dy, dw_part, db_part,
-        dx_part, perm, count, _tickets(dev, dw_tiles + db_cols + 2 * n_sm),
-        m, n_out, n_in, dw_split, db_split, dw_tiles, n_dw, n_dx, db_cols, dx_fill, dx_extra,
-        dy.stride(0), dy.stride(1), xs.stride(0), xs.stride(1), weight.stride(0), weight.stride(1),
-        dx.stride(0) if need_dx else 0, dx.stride(1) if need_dx else 1,
-        DO_DX=need_dx, DO_DW=need_dw, DO_DB=need_db, IEEE=ieee, BIG=big, EVEN_K=n_out % cfg["BLOCK_K"] == 0,
-        ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
-        DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
-        DX_STAGES=dx_stages, DX_MIN_K=dx_min_k, DX_MAX_SPLIT=MAX_SPLIT, **cfg, **opts)
+    _grads.launch_planned(
+        plan.grid, plan.idx, _N_TENSORS,
+        (dy, xs, weight, dx if need_dx else dy, dw if need_dw else dy, db if need_db else dy, dw_part, db_part,
+         dx_part, perm, count, _tickets(dev, plan.n_tickets), *plan.ints), plan.kw)
     return dx, dw, db

@@ -69,7 +69,24 @@ class FastLaunch:
         if self._hooks is None:
             return self.fn[grid](*args, **kw)
         dev = args[0].get_device()
-        key = (dev, tuple(map(_spec, args)), tuple(kw.items()))
+        return self._run(grid, args, kw, dev, (dev, tuple(map(_spec, args)), tuple(kw.items())))
+
+    def launch_planned(self, grid, plan: int, n_tensors: int, args, kw):
+        """A launch whose caller vouches that the int ``plan`` fixes everything Triton specialises on but the
+        alignment of the first ``n_tensors`` arguments (the tensors): every integer and float argument, every
+        tensor's dtype, the constexprs and the options. The key then costs one ``data_ptr`` per tensor
+        instead of a ``_spec`` per argument (the fused gradient kernel has 37 arguments)."""
+        if self._hooks is None:
+            return self.fn[grid](*args, **kw)
+        dev = args[0].get_device()
+        return self._run(grid, args, kw, dev, (dev, plan, *[not a.data_ptr() & 15 for a in args[:n_tensors]]))
+
+    def clear(self) -> None:
+        """Forget the compiled kernels kept for the fast path (the next launch of each key goes through
+        Triton again, which has them cached)."""
+        self._cache.clear()
+
+    def _run(self, grid, args, kw, dev, key):
         hit = self._cache.get(key)
         if hit is not None and not _active(self._hooks.launch_enter_hook):
             k, tail = hit

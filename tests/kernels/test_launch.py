@@ -109,3 +109,22 @@ def test_active_launch_hooks_take_the_jit_path(monkeypatch):
     for _ in range(3):
         fl[(1,)](buf, 32, 0.5, B=16)
     assert fn.jit_launches == 3 and not fn.compiled.launches
+
+
+def test_planned_launch_keys_on_the_plan_and_tensor_alignment(monkeypatch):
+    """launch_planned: the caller's plan number stands for every non-tensor argument, so only the plan and
+    the tensors' 16-byte alignment pick the compiled kernel; clear() forgets them all."""
+    fn, fl = _fast(monkeypatch)
+    buf = torch.zeros(64)
+    fl.launch_planned((3,), 0, 1, (buf, 32, 0.5), {"B": 16, "num_warps": 4})
+    fl.launch_planned((3,), 0, 1, (buf[4:], 32, 0.5), {"B": 16, "num_warps": 4})  # still aligned: fast path
+    assert fn.jit_launches == 1 and len(fn.compiled.launches) == 1
+    assert fn.compiled.launches[0][10:] == (32, 0.5, 16)  # the arguments, then the constexpr
+    fl.launch_planned((3,), 0, 1, (buf[1:], 32, 0.5), {"B": 16, "num_warps": 4})  # misaligned: JIT
+    fl.launch_planned((3,), 1, 1, (buf, 33, 0.5), {"B": 16, "num_warps": 4})  # another plan: JIT
+    assert fn.jit_launches == 3
+    fl.launch_planned((3,), 1, 1, (buf, 33, 0.5), {"B": 16, "num_warps": 4})
+    assert fn.jit_launches == 3 and len(fn.compiled.launches) == 2
+    fl.clear()
+    fl.launch_planned((3,), 1, 1, (buf, 33, 0.5), {"B": 16, "num_warps": 4})
+    assert fn.jit_launches == 4
