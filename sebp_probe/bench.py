@@ -13,7 +13,8 @@ rows of each sequence are real), the backward of one linear is timed as:
 - ``ideal``: dense GEMMs on the k active rows already laid out contiguously (selection, gather and the zero
   rows of dX for free): the floor SEBP can approach.
 
-Times are medians over repeats with CUDA events, with the L2 cache flushed before each repeat. Methods that
+Times are medians over repeats with CUDA events, with the L2 cache flushed before each repeat; within a
+repeat the methods take turns, so clock drift over the run falls on all of them alike. Methods that
 make no host sync (dense, triton, ideal) are timed as CUDA-graph replays, so host launch overhead is not
 counted for any of them; the torch reference, which cannot be captured, runs eagerly.
 
@@ -169,32 +170,50 @@ class _Flush:
         self.buf.zero_()
 
 
-def time_fn(fn: Callable[[], object], repeats: int, flush: _Flush, graph: bool) -> float:
-    """Median milliseconds of ``fn`` with CUDA events (a CUDA-graph replay when ``graph``)."""
+def _prepared(fn: Callable[[], object], graph: bool) -> Callable[[], object]:
+    """``fn`` after three warm-up calls, or the replay of a CUDA graph of it when ``graph``."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    times = []
+    if not graph:
+        return fn
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _time_once(run: Callable[[], object], flush: _Flush) -> float:
+    flush()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_fn(fn: Callable[[], object], repeats: int, flush: _Flush, graph: bool) -> float:
+    """Median milliseconds of ``fn`` with CUDA events (a CUDA-graph replay when ``graph``)."""
+    run = _prepared(fn, graph)
+    return statistics.median(_time_once(run, flush) for _ in range(repeats))
+
+
+def time_methods(methods: dict, repeats: int, flush: _Flush) -> dict:
+    """Median milliseconds of each ``name: (fn, graph)``, the methods taking turns within every repeat: the
+    GPU's clocks drift over a run (its power limit), and timing one method's repeats back to back let the
+    drift land on whichever came later (H100, 2026-11-22: the same cuBLAS calls measured 1-9% apart)."""
+    runs = {name: _prepared(fn, graph) for name, (fn, graph) in methods.items()}
+    times: dict = {name: [] for name in runs}
     for _ in range(repeats):
-        flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, run in runs.items():
+            times[name].append(_time_once(run, flush))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 _WARM: list = []  # non-empty once a timing has been thrown away in this process
@@ -294,10 +313,10 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
             "torch_rows": (lambda: backward_over_rows(dy, x, w, rows, True, True, bias), True),
         }
         res = LayerResult(shape, density, k)
-        for name, (fn, graph) in methods.items():
-            if progress:
-                progress(f"{shape.name} d={density:g} {name}")
-            res.ms[name] = round(time_fn(fn, repeats, flush, graph), 5)
+        if progress:
+            progress(f"{shape.name} d={density:g}")
+        res.ms = {name: round(ms, 5) for name, ms in time_methods(methods, repeats, flush).items()}
+        for name, (fn, _) in methods.items():
             res.peak_mib[name] = round(peak_extra_mib(fn), 2)
         results.append(res)
     return results
