@@ -67,9 +67,9 @@ class RowDensity:
             return
         if self._host is None:
             self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        self._host.copy_(count.reshape(1), non_blocking=True)
+        self._host.copy_(count.reshape(1), non_blocking=True)  # on the count's device's current stream
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(count.device))
         self._rows = rows
 
 

@@ -152,18 +152,35 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     m, n = dy.shape
     if mode == "topk":
         return _topk_perm(dy, top_n, interpret)
-    block_r, block_c, warps = _row_blocks(n, interpret)
-    nb = cdiv(m, block_r)
+    key = (m, n, dy.dtype, dy.stride(), mode, eps, interpret)
+    plan = _SELECT_PLANS.get(key)
+    if plan is None:
+        if len(_SELECT_PLANS) >= _MAX_PLANS:  # plan numbers restart: the launchers forget the old ones
+            _SELECT_PLANS.clear()
+            _row_flags.clear()
+            _compact.clear()
+        plan = _SELECT_PLANS[key] = _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret)
+    idx, nb, sizes, flags_ints, flags_kw, compact_kw = plan
     # one allocation for the four int32 outputs (fewer host calls per layer)
     perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
-                                                  device=dy.device).split((m, m, nb, 1))
-    mode_id = EXACT if mode == "exact" else THRESHOLD
-    _row_flags[(nb,)](dy, flags, block_count, m, n, dy.stride(0), dy.stride(1), _eps_in(eps, dy.dtype),
-                             MODE=mode_id, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    block_nb = 16 if interpret else 1024
-    _compact[(nb,)](flags, block_count, perm, count, m, nb,
-                           BLOCK_R=block_r, BLOCK_NB=block_nb, num_warps=1 if interpret else 4)
+                                                  device=dy.device).split(sizes)
+    _row_flags.launch_planned((nb,), idx, 3, (dy, flags, block_count, *flags_ints), flags_kw)
+    _compact.launch_planned((nb,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
     return perm, count
+
+
+_SELECT_PLANS: dict = {}  # (shape, dtype, strides, mode, eps, interpreter) -> launch plan of the two passes
+_MAX_PLANS = 4096
+
+
+def _select_plan(m, n, dtype, stride, mode, eps, interpret):
+    """(plan number, blocks, split sizes, the flags pass's scalar arguments, and both passes' keywords)."""
+    block_r, block_c, warps = _row_blocks(n, interpret)
+    nb = cdiv(m, block_r)
+    mode_id = EXACT if mode == "exact" else THRESHOLD
+    flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
+    compact_kw = {"BLOCK_R": block_r, "BLOCK_NB": 16 if interpret else 1024, "num_warps": 1 if interpret else 4}
+    return (len(_SELECT_PLANS), nb, (m, m, nb, 1), (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw)
 
 
 def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
