@@ -128,3 +128,4 @@ def test_planned_launch_keys_on_the_plan_and_tensor_alignment(monkeypatch):
     fl.clear()
     fl.launch_planned((3,), 1, 1, (buf, 33, 0.5), {"B": 16, "num_warps": 4})
     assert fn.jit_launches == 4
+
