@@ -152,7 +152,13 @@ def _dx_kernel(
 _dx = FastLaunch(_dx_kernel)
 
 
-MIN_K = 512  # K per dX split at least (8 steps of BLOCK_K = 64)
+MIN_K = 512  # K per dX split at least (8 steps of BLOCK_K = 64), beside the dW tiles of the fused launch
+# ... and when dX runs alone (frozen weight: every SM free, T small): pieces shorter than this lost to no split
+# on an H100 (k/v 3072 -> 1024 at d = 0.05: 22.8 us in 2 pieces of 512, 14.3 us whole; Llama down at d = 0.05:
+# 54.0 in 2 pieces of 1536, 51.3 whole), longer ones won (gate/up at d = 0.05: 51.1 in 5 pieces of 1638, 77.4
+# whole). With 1600 the rule picks the faster of the two measured choices at all 21 points of
+# results/h100_dx_only_splits.json (this value itself not re-run there).
+MIN_K_ALONE = 1600
 MAX_SPLIT = 16
 
 
@@ -165,7 +171,7 @@ def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: b
     fill = n_sm - busy
     if fill < 2:
         return tiles, 0, 1, cfg["BLOCK_K"], 0
-    min_k = cfg["BLOCK_K"] if interpret else MIN_K
+    min_k = cfg["BLOCK_K"] if interpret else (MIN_K if busy else MIN_K_ALONE)
     return tiles + fill, fill, fill, min_k, 2 * fill
 
 

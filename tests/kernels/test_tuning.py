@@ -21,3 +21,16 @@ def test_dw_splits_with_dx_work_in_the_same_launch():
     assert dw_splits(768, 768, 16384, 132, 128, 256) == 7  # alone: fill the waves
     assert fused(3 * MIN_CHUNK, 256, 128, n_sm=10_000) == 3  # capped by MIN_CHUNK rows per split
     assert fused(64 * MIN_CHUNK, 256, 128, n_sm=10_000) == 8  # and by 8
+
+
+def test_dx_split_args_piece_length_depends_on_company():
+    """dX beside dW tiles may split K into pieces of MIN_K; dX alone (every SM free) only into pieces of
+    MIN_K_ALONE, and with no free SM not at all."""
+    from sebp_kernels._triton.dx import MIN_K, MIN_K_ALONE, dx_split_args
+    from sebp_kernels._triton.tuning import DX_CONFIG
+
+    assert MIN_K < MIN_K_ALONE
+    programs, extra, fill, min_k, part_tiles = dx_split_args(4096, 3072, 1024, DX_CONFIG, 132, False, busy=96)
+    assert (extra, fill, min_k, part_tiles) == (36, 36, MIN_K, 72) and programs == 32 * 12 + 36
+    assert dx_split_args(4096, 3072, 1024, DX_CONFIG, 132, False)[3] == MIN_K_ALONE
+    assert dx_split_args(4096, 3072, 1024, DX_CONFIG, 132, False, busy=131)[1:] == (0, 1, 64, 0)
