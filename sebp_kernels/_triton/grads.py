@@ -18,7 +18,7 @@ from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_
     _tickets, dw_splits
 from .tiles import _split_rows
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
-from .launch import FastLaunch
+from .launch import FastLaunch, plan_ids
 from .tuning import cdiv, gemm_config
 
 
@@ -104,7 +104,7 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         n_dx = dx_part_tiles = 0
     n_db = db_cols * db_split if need_db else 0
     plan = _Plan()
-    plan.idx = len(_PLANS)
+    plan.idx = next(plan_ids)
     plan.grid = (n_dw + n_dx + n_db,)
     plan.part_n = (dw_split * n_out * n_in if need_dw and dw_split > 1 else 0,
                    db_split * n_out if need_db and db_split > 1 else 0, dx_part_tiles * bm * bn)
@@ -134,9 +134,9 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
            dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()  # plan numbers restart; the launcher's entries for old numbers could then
-            _grads.clear()  # be hit by new plans of other shapes, so they go too
+        if len(_PLANS) >= _MAX_PLANS:  # many shapes (dynamic padding): start again, memory stays bounded
+            _PLANS.clear()
+            _grads.clear()
         plan = _PLANS[key] = _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
                                    dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
     dev = dy.device

@@ -16,11 +16,15 @@ JIT path.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Numbers of launch plans (see FastLaunch.launch_planned): never reused, even across threads (the autograd
+# engine runs each device's backward on its own thread; next() on a count is atomic under the GIL).
+plan_ids = itertools.count()
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FastLaunch
+from .launch import FastLaunch, plan_ids
 from .tuning import cdiv
 
 EXACT, THRESHOLD = 0, 1
@@ -155,7 +155,7 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     key = (m, n, dy.dtype, dy.stride(), mode, eps, interpret)
     plan = _SELECT_PLANS.get(key)
     if plan is None:
-        if len(_SELECT_PLANS) >= _MAX_PLANS:  # plan numbers restart: the launchers forget the old ones
+        if len(_SELECT_PLANS) >= _MAX_PLANS:  # many shapes (dynamic padding): start again, memory stays bounded
             _SELECT_PLANS.clear()
             _row_flags.clear()
             _compact.clear()
@@ -180,7 +180,7 @@ def _select_plan(m, n, dtype, stride, mode, eps, interpret):
     mode_id = EXACT if mode == "exact" else THRESHOLD
     flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
     compact_kw = {"BLOCK_R": block_r, "BLOCK_NB": 16 if interpret else 1024, "num_warps": 1 if interpret else 4}
-    return (len(_SELECT_PLANS), nb, (m, m, nb, 1), (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw)
+    return (next(plan_ids), nb, (m, m, nb, 1), (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw)
 
 
 def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
