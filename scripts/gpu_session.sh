@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag host colprof collector tests gap bench profile finetune"); every output is packed
+# One device call, several steps (STEPS="diag host colprof collector tests gap dxonly bench profile finetune"); every output is packed
 # into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
@@ -31,6 +31,8 @@ for s in ${STEPS:-diag tests}; do
                -o $OUT/model_$m.json ) > $OUT/bench_model_$m.txt 2>&1; tail -20 $OUT/bench_model_$m.txt; done ;;
     gap) ( timeout ${GAP_LIMIT:-240} python3 scripts/dense_gap.py $OUT/dense_gap.json ${GAP_DENSITIES:-1.0,0.5} ) \
            > $OUT/gap.txt 2>&1; tail -30 $OUT/gap.txt ;;
+    dxonly) ( timeout 200 python3 scripts/dx_only_splits.py $OUT/dx_only.json ) > $OUT/dx_only.txt 2>&1
+            tail -25 $OUT/dx_only.txt ;;
     profile) ( timeout 120 python3 scripts/profile_backward.py ) > $OUT/profile.txt 2>&1; tail -60 $OUT/profile.txt ;;
     finetune) ( OUT=$OUT/ft timeout ${FT_LIMIT:-400} bash scripts/gpu_finetune.sh ) > $OUT/finetune.txt 2>&1
               tail -40 $OUT/finetune.txt ;;
