@@ -72,8 +72,3 @@ class RowDensity:
         self._event.record(torch.cuda.current_stream(count.device))
         self._rows = rows
 
-
-def dense_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, need_dx: bool, need_dw: bool,
-                   need_db: bool):
-    """(dX, dW, db) of ``Y = X Wᵀ + b`` over all rows; None where not needed."""
-    return (dy @ weight if need_dx else None, dy.t() @ x if need_dw else None, dy.sum(0) if need_db else None)

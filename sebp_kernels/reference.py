@@ -56,23 +56,31 @@ def backward_over_rows(
     """
     m, k = dy.shape[0], rows.numel()
     if k == m:  # every row active: the dense products, no gather or scatter
-        dy_a, x_a = dy, x
-    else:
-        dy_a = dy.index_select(0, rows)
-        x_a = x.index_select(0, rows) if need_dw else None
+        return dense_products(dy, x, weight, need_dx, need_dw, need_db)
+    dy_a = dy.index_select(0, rows)
     dx = dw = db = None
     if need_dx:
-        if k == m:
-            dx = dy_a @ weight
-        else:
-            dx = dy.new_zeros((m, weight.shape[1]))
-            if k:
-                dx.index_copy_(0, rows, dy_a @ weight)
+        dx = dy.new_zeros((m, weight.shape[1]))
+        if k:
+            dx.index_copy_(0, rows, dy_a @ weight)
     if need_dw:
-        dw = dy_a.t() @ x_a
+        dw = dy_a.t() @ x.index_select(0, rows)
     if need_db:
         db = dy_a.sum(0, dtype=torch.float32).to(dy.dtype)
     return dx, dw, db
+
+
+def dense_products(
+    dy: torch.Tensor,
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    need_db: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The three backward products of ``Y = X Wᵀ + b`` over all rows of 2-D ``dy``; None where not needed."""
+    return (dy @ weight if need_dx else None, dy.t() @ x if need_dw else None,
+            dy.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else None)
 
 
 def sebp_backward_torch(

@@ -11,8 +11,8 @@ import os
 import torch
 
 from ..config import SEBPConfig
-from ..density import RowDensity, dense_backward
-from ..reference import sebp_backward_torch
+from ..density import RowDensity
+from ..reference import dense_products, sebp_backward_torch
 from .grads import grads_rows
 from .select import _sm_count, select_rows_device
 
@@ -70,7 +70,7 @@ def sebp_backward_triton(
         if path != "sebp":
             if path == "probe":
                 state.observe(select_rows_device(dy, "exact", interpret=INTERPRET)[1], dy.shape[0])
-            return dense_backward(dy, x, weight, need_dx, need_dw, need_db)
+            return dense_products(dy, x, weight, need_dx, need_dw, need_db)
     perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
     dx, dw, db = grads_rows(dy, x, weight, perm, count, need_dx, need_dw, need_db, _ieee(dy.dtype),
                             _sm_count(dy.device), INTERPRET, 1 if INTERPRET else None)
