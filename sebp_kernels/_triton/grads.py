@@ -18,7 +18,7 @@ from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_
     _tickets, dw_splits
 from .tiles import _split_rows
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
-from .launch import FastLaunch, plan_ids
+from .launch import FastLaunch, Plans, plan_ids
 from .tuning import cdiv, gemm_config
 
 
@@ -69,6 +69,7 @@ def _grads_kernel(
 
 
 _grads = FastLaunch(_grads_kernel)
+_PLANS = Plans(_grads)
 
 
 class _Plan:
@@ -78,8 +79,6 @@ class _Plan:
     __slots__ = ("idx", "grid", "part_n", "ints", "kw", "n_tickets")
 
 
-_PLANS: dict = {}  # plan key -> _Plan; cleared when it grows past _MAX_PLANS (dynamic shapes)
-_MAX_PLANS = 4096
 _N_TENSORS = 12  # the kernel's leading tensor arguments
 
 
@@ -134,11 +133,8 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
            dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:  # many shapes (dynamic padding): start again, memory stays bounded
-            _PLANS.clear()
-            _grads.clear()
-        plan = _PLANS[key] = _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-                                   dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
+        plan = _PLANS.add(key, _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
+                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride()))
     dev = dy.device
     dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
     dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None

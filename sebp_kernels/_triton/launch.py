@@ -105,3 +105,25 @@ class FastLaunch:
             names = self.fn.arg_names[len(args):]
             self._cache[key] = (k, tuple(kw[n] for n in names))
         return k
+
+
+class Plans:
+    """Launch plans by key (shapes, dtypes, strides, settings), each worked out once and numbered from
+    ``plan_ids`` for :meth:`FastLaunch.launch_planned`. Past ``limit`` keys (many shapes: dynamic padding) it
+    starts afresh, and so do the fast-path caches of its launchers, so memory stays bounded."""
+
+    def __init__(self, *launchers: FastLaunch, limit: int = 4096):
+        self._plans: dict = {}
+        self._launchers = launchers
+        self._limit = limit
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def add(self, key, plan):
+        if len(self._plans) >= self._limit:
+            self._plans.clear()
+            for launcher in self._launchers:
+                launcher.clear()
+        self._plans[key] = plan
+        return plan

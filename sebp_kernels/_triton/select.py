@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FastLaunch, plan_ids
+from .launch import FastLaunch, Plans, plan_ids
 from .tuning import cdiv
 
 EXACT, THRESHOLD = 0, 1
@@ -155,11 +155,7 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     key = (m, n, dy.dtype, dy.stride(), mode, eps, interpret)
     plan = _SELECT_PLANS.get(key)
     if plan is None:
-        if len(_SELECT_PLANS) >= _MAX_PLANS:  # many shapes (dynamic padding): start again, memory stays bounded
-            _SELECT_PLANS.clear()
-            _row_flags.clear()
-            _compact.clear()
-        plan = _SELECT_PLANS[key] = _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret)
+        plan = _SELECT_PLANS.add(key, _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret))
     idx, nb, sizes, flags_ints, flags_kw, compact_kw = plan
     # one allocation for the four int32 outputs (fewer host calls per layer)
     perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
@@ -169,8 +165,7 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     return perm, count
 
 
-_SELECT_PLANS: dict = {}  # (shape, dtype, strides, mode, eps, interpreter) -> launch plan of the two passes
-_MAX_PLANS = 4096
+_SELECT_PLANS = Plans(_row_flags, _compact)  # (shape, dtype, strides, mode, eps, interpreter) -> both passes
 
 
 def _select_plan(m, n, dtype, stride, mode, eps, interpret):

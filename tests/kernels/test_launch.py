@@ -129,3 +129,18 @@ def test_planned_launch_keys_on_the_plan_and_tensor_alignment(monkeypatch):
     fl.launch_planned((3,), 1, 1, (buf, 33, 0.5), {"B": 16, "num_warps": 4})
     assert fn.jit_launches == 4
 
+
+
+def test_plans_start_afresh_past_their_limit(monkeypatch):
+    """Plans keeps at most ``limit`` keys; past it, the plans and its launchers' fast-path entries go."""
+    from sebp_kernels._triton.launch import Plans
+
+    fn, fl = _fast(monkeypatch)
+    plans = Plans(fl, limit=2)
+    buf = torch.zeros(64)
+    fl.launch_planned((1,), 0, 1, (buf, 32, 0.5), {"B": 16})
+    assert plans.add("a", 1) == 1 and plans.add("b", 2) == 2 and plans.get("a") == 1
+    plans.add("c", 3)
+    assert plans.get("a") is None and plans.get("b") is None and plans.get("c") == 3
+    fl.launch_planned((1,), 0, 1, (buf, 32, 0.5), {"B": 16})  # its entry went too: the JIT path again
+    assert fn.jit_launches == 2
