@@ -22,6 +22,7 @@ from sebp_probe.bench import environment, padded_rows, resolve_shapes
 
 
 def bench(fn):
+    """Median microseconds of ``fn`` as CUDA-graph replays, after one call (compile, allocate)."""
     fn()
     torch.cuda.synchronize()
     return round(do_bench_cudagraph(fn, rep=40, return_mode="median") * 1000, 1)  # us
