@@ -14,6 +14,8 @@ and its input is not even saved.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -24,8 +26,10 @@ from .reference import sebp_backward_torch
 _DEFAULT = SEBPConfig()
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_backward():
-    """The Triton backward launcher, or None where Triton cannot run (no CUDA, no triton)."""
+    """The Triton backward launcher, or None where triton is not importable (looked up once: an import on
+    every backward cost a few microseconds of host time per layer)."""
     try:
         from ._triton import sebp_backward_triton
     except ImportError:
