@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag host colprof collector tests gap dxonly bench profile finetune"); every output is packed
+# One device call, several steps (STEPS="diag host colprof collector tests gap dxonly bench mprofile profile finetune"); every output is packed
 # into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
@@ -27,12 +27,18 @@ for s in ${STEPS:-diag tests}; do
              ( timeout ${LAYERS_LIMIT:-200} python3 -m sebp_probe.cli bench $m --repeats ${REPEATS:-20} \
                -o $OUT/layers_$m.json ) > $OUT/bench_layers_$m.txt 2>&1; tail -30 $OUT/bench_layers_$m.txt; done
            for m in ${MODEL_SETS:-bert-base llama-3.2-3b}; do
-             ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs \
-               -o $OUT/model_$m.json ) > $OUT/bench_model_$m.txt 2>&1; tail -20 $OUT/bench_model_$m.txt; done ;;
+             ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs --breakdown \
+               -o $OUT/model_$m.json ) > $OUT/bench_model_$m.txt 2>&1; tail -28 $OUT/bench_model_$m.txt; done
+           for m in ${CAUSAL_SETS:-}; do
+             ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs --breakdown \
+               --no-pad-mask -o $OUT/model_${m}_causal.json ) > $OUT/bench_model_${m}_causal.txt 2>&1
+             tail -28 $OUT/bench_model_${m}_causal.txt; done ;;
     gap) ( timeout ${GAP_LIMIT:-240} python3 scripts/dense_gap.py $OUT/dense_gap.json ${GAP_DENSITIES:-1.0,0.5} ) \
            > $OUT/gap.txt 2>&1; tail -30 $OUT/gap.txt ;;
     dxonly) ( timeout 200 python3 scripts/dx_only_splits.py $OUT/dx_only.json ) > $OUT/dx_only.txt 2>&1
             tail -25 $OUT/dx_only.txt ;;
+    mprofile) ( timeout ${MPROF_LIMIT:-300} python3 scripts/model_profile.py $OUT/model_profile.json ) \
+                > $OUT/mprofile.txt 2>&1; cat $OUT/mprofile.txt | grep -v Warn | head -150 ;;
     profile) ( timeout 120 python3 scripts/profile_backward.py ) > $OUT/profile.txt 2>&1; tail -60 $OUT/profile.txt ;;
     finetune) ( OUT=$OUT/ft timeout ${FT_LIMIT:-400} bash scripts/gpu_finetune.sh ) > $OUT/finetune.txt 2>&1
               tail -40 $OUT/finetune.txt ;;

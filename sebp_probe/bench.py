@@ -19,7 +19,12 @@ make no host sync (dense, triton, ideal) are timed as CUDA-graph replays, so hos
 counted for any of them; the torch reference, which cannot be captured, runs eagerly.
 
 Whole model: forward + backward of a real architecture built from its config with random weights, on a
-padded batch (dense vs SEBP on every projection) and on the same batch with the padding trimmed.
+padded batch (dense vs SEBP on every projection) and on the same batch with the padding trimmed. With
+``breakdown``, one backward of each run is also profiled and its GPU kernel time split by kind (GEMMs,
+attention, SEBP kernels, elementwise, ...), which shows how much of the backward SEBP on linear layers can
+reach at all. Decoders with right padding can leave the padding mask out (``pad_mask=False``): their real
+tokens never attend to the pads after them, so loss and gradients are the same, and attention takes the
+causal kernel instead of the masked one.
 """
 from __future__ import annotations
 
@@ -388,7 +393,7 @@ def _build_model(case: ModelCase, dtype: torch.dtype):
     return model.to(dtype).train()
 
 
-def _batch(case: ModelCase, lengths: list[int], seq: int, vocab: int, seed: int) -> dict:
+def _batch(case: ModelCase, lengths: list[int], seq: int, vocab: int, seed: int, pad_mask: bool = True) -> dict:
     g = torch.Generator().manual_seed(seed)
     b = len(lengths)
     ids = torch.randint(5, vocab, (b, seq), generator=g)
@@ -400,7 +405,60 @@ def _batch(case: ModelCase, lengths: list[int], seq: int, vocab: int, seed: int)
         batch["labels"] = torch.randint(0, 2, (b,), generator=g).cuda()
     else:
         batch["labels"] = ids.masked_fill(mask == 0, -100).cuda()
+    if not pad_mask:  # right padding, causal attention: the pads come after every real token's context
+        del batch["attention_mask"]
     return batch
+
+
+def check_pad_mask(case: ModelCase, pad_mask: bool) -> None:
+    """Leaving the padding mask out is exact only for causal decoders (right padding); say so otherwise."""
+    if not pad_mask and case.arch == "bert":
+        raise ValueError(f"{case.name} attends in both directions: its real tokens would attend to the pads "
+                         "without the padding mask; leaving it out is for causal decoders only")
+
+
+# Kernel kinds of the backward breakdown, by substrings of the kernel's name (first match wins).
+_KERNEL_KINDS = (
+    ("sebp", ("_grads_kernel", "_row_flags_kernel", "_compact_kernel", "_dx_kernel", "_dw_kernel", "_db_kernel")),
+    ("attention", ("fmha", "flash", "sdpa", "attention", "attn")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "splitk")),
+    ("reduction", ("reduce_kernel",)),
+    ("norm", ("norm", "gammabeta")),
+    ("embedding", ("embedding", "indexing_backward", "radix_sort", "segment")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel of the backward, from its name (``elementwise/other`` when none fits)."""
+    low = name.lower()
+    for kind, needles in _KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "elementwise/other"
+
+
+def backward_breakdown(model, batch: dict, top: int = 0) -> dict:
+    """GPU kernel milliseconds of one ``loss.backward()`` (torch.profiler), in total and by kernel kind; with
+    ``top``, also the ``top`` kernels that took longest (name, calls, ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loss.backward()
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    rows = sorted(((e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[2])
+    kinds: dict[str, float] = {}
+    for name, _, ms in rows:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    out = {"total_ms": round(sum(kinds.values()), 3),
+           "by_kind_ms": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}
+    if top:
+        out["top"] = [{"kernel": n[:100], "calls": c, "ms": round(ms, 3)} for n, c, ms in rows[:top]]
+    return out
 
 
 def _time_step(model, batch: dict, repeats: int) -> dict:
@@ -464,34 +522,41 @@ def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
 
 
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, batches: int = 3,
-                mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+                mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None,
+                pad_mask: bool = True, breakdown: bool = False) -> dict:
     """Whole-model forward+backward: dense vs SEBP on the padded batch, and dense on the trimmed batch.
 
     ``batches`` different padded batches (fresh lengths each); times are the median over them. With
     ``graphs``, each step is also captured as CUDA graphs and replayed, which removes host launch overhead
-    (the eager numbers of a small model are bound by the host's Python, not by the GPU).
+    (the eager numbers of a small model are bound by the host's Python, not by the GPU). ``pad_mask=False``:
+    decoders only, the padding mask left out (see the module docstring). ``breakdown``: the first batch's
+    backward kernel time by kind, for each run.
     """
     from sebp_kernels import SEBPConfig
 
     from .patch import find_targets, patch_model, unpatch_model
 
+    check_pad_mask(case, pad_mask)
     _require_cuda()
     model = _build_model(case, dtype)
     vocab = model.config.vocab_size
     targets = DECODER_TARGETS if case.arch != "bert" else None  # None: the attention + MLP projections
     runs: dict[str, list[dict]] = {"dense_padded": [], "sebp_padded": [], "dense_trimmed": []}
     graphed: dict[str, list[dict]] = {k: [] for k in runs}
+    kernels: dict[str, dict] = {}
 
     def measure(key: str, batch: dict) -> None:
         runs[key].append(_time_step(model, batch, repeats))
         if graphs:
             graphed[key].append(_time_step_graphed(model, batch, repeats))
+        if breakdown and key not in kernels:
+            kernels[key] = backward_breakdown(model, batch)
 
     all_lengths = []
     for bi in range(batches):
         lengths = sample_lengths(case.lengths, case.batch, case.seq, seed=bi)
         all_lengths.append(lengths)
-        padded = _batch(case, lengths, case.seq, vocab, seed=bi)
+        padded = _batch(case, lengths, case.seq, vocab, seed=bi, pad_mask=pad_mask)
         trimmed = {k: (v[:, : max(lengths)] if v.dim() == 2 else v) for k, v in padded.items()}
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: dense, padded")
@@ -514,7 +579,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     del model
     torch.cuda.empty_cache()
     result = {
-        "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "sebp_layers": n_linear,
+        "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "pad_mask": pad_mask,
+        "sebp_layers": n_linear,
         "lengths": all_lengths, "token_density": round(tokens / (batches * case.batch * case.seq), 4),
         "median": summary, "per_batch": runs,
         "backward_speedup": round(dense["backward_ms"] / sebp["backward_ms"], 3),
@@ -522,6 +588,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         "peak_memory_ratio": round(sebp["peak_gib"] / dense["peak_gib"], 4),
         "trimmed_step_speedup": round(dense["step_ms"] / summary["dense_trimmed"]["step_ms"], 3),
     }
+    if breakdown:
+        result["backward_kernels"] = kernels
     if graphs:
         gs = med(graphed)
         gd, gsebp, gtrim = gs["dense_padded"], gs["sebp_padded"], gs["dense_trimmed"]

@@ -257,8 +257,9 @@ def _bench_tables(result: dict) -> None:
                           f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}")
         console.print(table)
     for m in result.get("models", []):
+        no_mask = "" if m.get("pad_mask", True) else ", no padding mask"
         table = Table(title=f"{m['case']['name']} forward+backward, batch {m['case']['batch']} x {m['case']['seq']}"
-                            f" (token density {m['token_density']:.3f}; median ms)")
+                            f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
         for col in ("run", "forward", "backward", "step", "peak GiB"):
             table.add_column(col, justify="left" if col == "run" else "right")
         labels = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",
@@ -276,9 +277,25 @@ def _bench_tables(result: dict) -> None:
             console.print(f"as CUDA graphs: backward x{m['graphed_backward_speedup']:.2f}, step "
                           f"x{m['graphed_step_speedup']:.2f}; padding trimmed: step "
                           f"x{m['graphed_trimmed_step_speedup']:.2f}", highlight=False)
+        if "backward_kernels" in m:
+            _breakdown_table(m)
         console.print(f"SEBP vs dense on the padded batch: backward x{m['backward_speedup']:.2f}, step "
                       f"x{m['step_speedup']:.2f}, peak memory x{m['peak_memory_ratio']:.3f}; trimming the padding "
                       f"instead: step x{m['trimmed_step_speedup']:.2f}", highlight=False)
+
+
+def _breakdown_table(m: dict) -> None:
+    runs = m["backward_kernels"]
+    kinds = sorted({k for r in runs.values() for k in r["by_kind_ms"]},
+                   key=lambda k: -runs.get("dense_padded", {"by_kind_ms": {}})["by_kind_ms"].get(k, 0.0))
+    table = Table(title=f"{m['case']['name']}: GPU kernel time of one backward by kind (ms)")
+    table.add_column("run")
+    for k in (*kinds, "total"):
+        table.add_column(k, justify="right")
+    for key, r in runs.items():
+        table.add_row(key.replace("_", ", "), *(f"{r['by_kind_ms'].get(k, 0.0):.2f}" for k in kinds),
+                      f"{r['total_ms']:.2f}")
+    console.print(table)
 
 
 @app.command("bench")
@@ -301,6 +318,11 @@ def bench_cmd(
                                "command) to this JSON file."),
     graphs: bool = typer.Option(False, "--graphs", help="Whole model: also time each step as CUDA-graph "
                                 "replays (no host launch overhead)."),
+    pad_mask: bool = typer.Option(True, "--pad-mask/--no-pad-mask", help="Whole model, decoders: pass the "
+                                  "padding mask (default, as a data collator does) or leave it out (right "
+                                  "padding: same loss and gradients, causal attention kernel)."),
+    breakdown: bool = typer.Option(False, "--breakdown", help="Whole model: split one backward's GPU kernel "
+                                   "time by kind (GEMMs, attention, SEBP, elementwise, ...)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -312,6 +334,8 @@ def bench_cmd(
     - `sebp-probe bench --rows 8192 --in-features 4096 --out-features 11008`
     - `sebp-probe bench ./my-model --rows 8192 --seq 256` : shapes read from a local config
     - `sebp-probe bench bert-base --scope model --graphs` : whole model, padded vs SEBP vs padding trimmed
+    - `sebp-probe bench llama-3.2-3b --scope model --no-pad-mask --breakdown` : causal attention without the
+      padding mask, and where the backward's GPU time goes
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; triton = the
@@ -340,6 +364,12 @@ def bench_cmd(
         if model.lower() not in bench.MODEL_CASES:
             raise UserError(f"no whole-model case for {model!r}; choose one of {', '.join(bench.MODEL_CASES)}")
         models = [model.lower()]
+        try:
+            bench.check_pad_mask(bench.MODEL_CASES[models[0]], pad_mask)
+        except ValueError as e:
+            raise UserError(f"--no-pad-mask: {e}") from None
+    elif not pad_mask or breakdown:
+        raise UserError("--no-pad-mask and --breakdown are for the whole-model run (--scope model or all)")
     if dry_run:
         console.print_json(json.dumps(bench.run_plan(shapes, dens, models)))
         return
@@ -355,7 +385,8 @@ def bench_cmd(
         for name in models:
             result["models"].append(bench.bench_model(bench.MODEL_CASES[name], bench.DTYPES[dtype],
                                                        model_repeats, mode=mode, graphs=graphs,
-                                                       progress=progress))
+                                                       progress=progress, pad_mask=pad_mask,
+                                                       breakdown=breakdown))
     _bench_tables(result)
     if output:
         from pathlib import Path

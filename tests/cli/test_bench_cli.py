@@ -55,7 +55,10 @@ def test_dry_run_explicit_layer():
      (["no-such-model-or-dir", "--dry-run"], "unknown shape set or model"),
      (["llama-3.2-1b", "--scope", "model"], "no whole-model case"),
      (["bert-base", "--scope", "model", "--mode", "topk", "--dry-run"], "--mode topk needs an N per layer"),
-     (["bert-base", "--scope", "all", "--mode", "topk"], "--mode topk needs an N per layer")],
+     (["bert-base", "--scope", "all", "--mode", "topk"], "--mode topk needs an N per layer"),
+     (["bert-base", "--scope", "model", "--no-pad-mask", "--dry-run"], "attends in both directions"),
+     (["llama-3.2-3b", "--no-pad-mask"], "are for the whole-model run"),
+     (["bert-base", "--breakdown", "--dry-run"], "are for the whole-model run")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
     res = _run(*args)
@@ -89,3 +92,45 @@ def test_shapes_from_a_local_config(tmp_path):
     shapes = bench.resolve_shapes(str(tmp_path), rows=2048, seq=256)
     assert {(s.in_features, s.out_features) for s in shapes} == {(256, 256), (256, 64), (256, 688), (688, 256)}
     assert all(s.rows == 2048 and s.seq == 256 and not s.bias for s in shapes)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_right_padded_decoder_needs_no_pad_mask(arch):
+    """What --no-pad-mask relies on: with right padding a causal decoder's real tokens never see the pads,
+    so loss and every gradient are the same without the mask (fp32, to rounding)."""
+    from tests.tiny_models import padded_batch, tiny_model
+
+    model = tiny_model(arch).float()
+    batch = padded_batch(arch, lengths=(11, 4, 7), side="right")
+    grads = []
+    for b in (batch, {k: v for k, v in batch.items() if k != "attention_mask"}):
+        model.zero_grad(set_to_none=True)
+        loss = model(**b).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l1, g1), (l2, g2) = grads
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # and the check fails where it should: left padding puts the pads into the real tokens' context
+    left = padded_batch(arch, lengths=(11, 4, 7), side="left")
+    masked = model(**left).loss
+    unmasked = model(**{k: v for k, v in left.items() if k != "attention_mask"}).loss
+    assert not torch.allclose(masked, unmasked, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_kinds_of_the_backward_breakdown():
+    kinds = {
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+        "_grads_kernel": "sebp", "_row_flags_kernel": "sebp", "_compact_kernel": "sebp",
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16>>": "reduction",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16>": "norm",
+        "void at::native::(anonymous namespace)::layer_norm_grad_input_kernel_vectorized<c10::BFloat16>": "norm",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::GeluBackwardCUDAKernelImpl>": "elementwise/other",
+        "void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float>": "embedding",
+    }
+    for name, kind in kinds.items():
+        assert bench.kernel_kind(name) == kind, name
