@@ -237,6 +237,10 @@ def finetune_cmd(
 # --------------------------------------------------------------------------------------------------- bench
 
 
+_RUN_LABELS = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",
+               "dense_trimmed": "dense, padding trimmed"}
+
+
 def _bench_tables(result: dict) -> None:
     from rich.table import Table
 
@@ -262,9 +266,7 @@ def _bench_tables(result: dict) -> None:
                             f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
         for col in ("run", "forward", "backward", "step", "peak GiB"):
             table.add_column(col, justify="left" if col == "run" else "right")
-        labels = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",
-                  "dense_trimmed": "dense, padding trimmed"}
-        for key, label in labels.items():
+        for key, label in _RUN_LABELS.items():
             s = m["median"][key]
             table.add_row(label, f"{s['forward_ms']:.1f}", f"{s['backward_ms']:.1f}", f"{s['step_ms']:.1f}",
                           f"{s['peak_gib']:.2f}")
@@ -285,6 +287,8 @@ def _bench_tables(result: dict) -> None:
 
 
 def _breakdown_table(m: dict) -> None:
+    from rich.table import Table
+
     runs = m["backward_kernels"]
     kinds = sorted({k for r in runs.values() for k in r["by_kind_ms"]},
                    key=lambda k: -runs.get("dense_padded", {"by_kind_ms": {}})["by_kind_ms"].get(k, 0.0))
@@ -293,7 +297,7 @@ def _breakdown_table(m: dict) -> None:
     for k in (*kinds, "total"):
         table.add_column(k, justify="right")
     for key, r in runs.items():
-        table.add_row(key.replace("_", ", "), *(f"{r['by_kind_ms'].get(k, 0.0):.2f}" for k in kinds),
+        table.add_row(_RUN_LABELS.get(key, key), *(f"{r['by_kind_ms'].get(k, 0.0):.2f}" for k in kinds),
                       f"{r['total_ms']:.2f}")
     console.print(table)
 
@@ -387,12 +391,13 @@ def bench_cmd(
                                                        model_repeats, mode=mode, graphs=graphs,
                                                        progress=progress, pad_mask=pad_mask,
                                                        breakdown=breakdown))
-    _bench_tables(result)
-    if output:
+    if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(result, indent=1) + "\n")
+    _bench_tables(result)
+    if output:
         console.print(f"results written to {output}", highlight=False)
 
 

@@ -134,3 +134,26 @@ def test_kernel_kinds_of_the_backward_breakdown():
     }
     for name, kind in kinds.items():
         assert bench.kernel_kind(name) == kind, name
+
+
+def test_tables_render_committed_results(capsys, monkeypatch):
+    """The result tables render for real result files (the layer and whole-model JSONs in results/), with the
+    kernel breakdown and the no-mask title too, so a table bug cannot cost a GPU run its output."""
+    from pathlib import Path
+
+    from sebp_probe import cli
+
+    root = Path(__file__).resolve().parents[2] / "results"
+    result = json.loads((root / "h100_layers_bert-base.json").read_text())
+    model = json.loads((root / "h100_model_llama-3.2-3b.json").read_text())["models"][0]
+    model["pad_mask"] = False
+    model["backward_kernels"] = {
+        "dense_padded": {"total_ms": 3.0, "by_kind_ms": {"gemm": 2.0, "attention": 1.0}},
+        "sebp_padded": {"total_ms": 1.5, "by_kind_ms": {"sebp": 0.5, "attention": 1.0}}}
+    result["models"] = [model]
+    monkeypatch.setattr(cli.console, "width", 250)
+    cli._bench_tables(result)
+    out = " ".join(capsys.readouterr().out.split())  # titles wrap to their table's width
+    assert "GPU kernel time of one backward by" in out and "no padding" in out
+    assert "│ SEBP, padded │ 0.00 │ 1.00 │ 0.50 │ 1.50 │" in out  # columns by the dense run's largest first
+    assert "as CUDA graphs" in out and "SEBP backward per layer" in out
