@@ -1,15 +1,20 @@
-"""SEBP kernels: a linear layer whose backward works on the active rows of dL/dY only.
+"""SEBP kernels: a linear layer (and LayerNorm/RMSNorm) whose backward works on the active rows of dL/dY only.
 
 Depends on torch (and triton for the GPU kernels) only; knows nothing of models or of sebp_probe.
 """
 from .config import SEBPConfig
 from .functional import SEBPLinearFunction, sebp_linear
 from .modules import SEBPLinear
+from .norms import SEBPNorm, norm_kind, sebp_layer_norm, sebp_rms_norm
 from .reference import backward_over_rows, select_rows, sebp_backward_torch
 
 __all__ = [
     "SEBPConfig",
     "SEBPLinear",
+    "SEBPNorm",
+    "norm_kind",
+    "sebp_layer_norm",
+    "sebp_rms_norm",
     "SEBPLinearFunction",
     "sebp_linear",
     "select_rows",

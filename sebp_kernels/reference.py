@@ -95,3 +95,42 @@ def sebp_backward_torch(
     """Row selection + backward over those rows, all in torch. ``dy`` (M, out), ``x`` (M, in)."""
     rows = select_rows(dy, config)
     return backward_over_rows(dy, x, weight, rows, need_dx, need_dw, need_db)
+
+
+def norm_backward_torch(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    need_db: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of a LayerNorm (``mean`` given) or RMSNorm (``mean`` None) over the rows of 2-D ``dy`` (M, N)
+    that hold a non-zero (exact mode); fp32 math (fp64 for fp64). ``x`` (M, N) is the norm's input, ``rstd`` (M,) its
+    1/sqrt(var + eps) and ``weight`` (N,) its scale or None. dX is zero on the other rows (their dY is zero,
+    so the dense backward gives zero there too); dW = sum of dY * x_hat and db = sum of dY over the active
+    rows, where x_hat = (x - mean) * rstd (LayerNorm) or x * rstd (RMSNorm)."""
+    acc = torch.promote_types(dy.dtype, torch.float32)  # fp32 math, fp64 for fp64 inputs
+    rows = dy.any(dim=1).nonzero().squeeze(1)
+    d = dy.index_select(0, rows).to(acc)
+    xh = x.index_select(0, rows).to(acc)
+    if mean is not None:
+        xh = xh - mean.index_select(0, rows).to(acc)[:, None]
+    r = rstd.index_select(0, rows).to(acc)[:, None]
+    xh = xh * r
+    dx = dw = db = None
+    if need_dx:
+        g = d * weight.to(acc) if weight is not None else d
+        c1 = (g * xh).mean(dim=1, keepdim=True)
+        dxa = g - xh * c1
+        if mean is not None:
+            dxa = dxa - g.mean(dim=1, keepdim=True)
+        dx = dy.new_zeros(x.shape, dtype=x.dtype)
+        dx.index_copy_(0, rows, (dxa * r).to(x.dtype))
+    if need_dw and weight is not None:
+        dw = (d * xh).sum(0).to(weight.dtype)
+    if need_db:
+        db = d.sum(0).to(weight.dtype if weight is not None else dy.dtype)
+    return dx, dw, db

@@ -1,9 +1,10 @@
 """sebp-probe: find and exploit gradient sparsity in Transformer fine-tuning."""
-from sebp_kernels import SEBPConfig, SEBPLinear
+from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
 
-from .patch import PatchError, find_targets, patch_model, patched_layers, unpatch_model
+from .patch import PatchError, find_targets, patch_model, patch_norms, patched_layers, unpatch_model
 
 __version__ = "0.1.0"
 __all__ = [
-    "SEBPConfig", "SEBPLinear", "PatchError", "find_targets", "patch_model", "patched_layers", "unpatch_model",
+    "SEBPConfig", "SEBPLinear", "SEBPNorm", "PatchError", "find_targets", "patch_model", "patch_norms",
+    "patched_layers", "unpatch_model",
 ]

@@ -24,7 +24,8 @@ padded batch (dense vs SEBP on every projection) and on the same batch with the 
 attention, SEBP kernels, elementwise, ...), which shows how much of the backward SEBP on linear layers can
 reach at all. Decoders with right padding can leave the padding mask out (``pad_mask=False``): their real
 tokens never attend to the pads after them, so loss and gradients are the same, and attention takes the
-causal kernel instead of the masked one.
+causal kernel instead of the masked one. With ``norms``, the SEBP run also puts the SEBP backward on the
+LayerNorms/RMSNorms (their dL/dY has the same zero rows).
 """
 from __future__ import annotations
 
@@ -523,18 +524,19 @@ def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
 
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, batches: int = 3,
                 mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None,
-                pad_mask: bool = True, breakdown: bool = False) -> dict:
+                pad_mask: bool = True, breakdown: bool = False, norms: bool = False) -> dict:
     """Whole-model forward+backward: dense vs SEBP on the padded batch, and dense on the trimmed batch.
 
     ``batches`` different padded batches (fresh lengths each); times are the median over them. With
     ``graphs``, each step is also captured as CUDA graphs and replayed, which removes host launch overhead
     (the eager numbers of a small model are bound by the host's Python, not by the GPU). ``pad_mask=False``:
     decoders only, the padding mask left out (see the module docstring). ``breakdown``: the first batch's
-    backward kernel time by kind, for each run.
+    backward kernel time by kind, for each run. ``norms``: the SEBP run also swaps the LayerNorms/RMSNorms
+    for :class:`~sebp_kernels.SEBPNorm` (exact; the zero rows of their dL/dY skipped too).
     """
     from sebp_kernels import SEBPConfig
 
-    from .patch import find_targets, patch_model, unpatch_model
+    from .patch import find_targets, patch_model, patch_norms, unpatch_model
 
     check_pad_mask(case, pad_mask)
     _require_cuda()
@@ -562,6 +564,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             progress(f"{case.name} batch {bi + 1}/{batches}: dense, padded")
         measure("dense_padded", padded)
         patch_model(model, SEBPConfig(mode), target_modules=targets)
+        n_norms = len(patch_norms(model)) if norms else 0
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: SEBP, padded")
         measure("sebp_padded", padded)
@@ -580,7 +583,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     torch.cuda.empty_cache()
     result = {
         "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "pad_mask": pad_mask,
-        "sebp_layers": n_linear,
+        "sebp_layers": n_linear, "sebp_norms": n_norms,
         "lengths": all_lengths, "token_density": round(tokens / (batches * case.batch * case.seq), 4),
         "median": summary, "per_batch": runs,
         "backward_speedup": round(dense["backward_ms"] / sebp["backward_ms"], 3),

@@ -261,7 +261,8 @@ def _bench_tables(result: dict) -> None:
                           f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}")
         console.print(table)
     for m in result.get("models", []):
-        no_mask = "" if m.get("pad_mask", True) else ", no padding mask"
+        no_mask = ("" if m.get("pad_mask", True) else ", no padding mask") + (
+            f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "")
         table = Table(title=f"{m['case']['name']} forward+backward, batch {m['case']['batch']} x {m['case']['seq']}"
                             f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
         for col in ("run", "forward", "backward", "step", "peak GiB"):
@@ -327,6 +328,8 @@ def bench_cmd(
                                   "padding: same loss and gradients, causal attention kernel)."),
     breakdown: bool = typer.Option(False, "--breakdown", help="Whole model: split one backward's GPU kernel "
                                    "time by kind (GEMMs, attention, SEBP, elementwise, ...)."),
+    norms: bool = typer.Option(False, "--norms", help="Whole model: the SEBP run also swaps LayerNorm/RMSNorm "
+                               "for the SEBP norm (exact: their zero rows of dL/dY skipped too)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -340,6 +343,7 @@ def bench_cmd(
     - `sebp-probe bench bert-base --scope model --graphs` : whole model, padded vs SEBP vs padding trimmed
     - `sebp-probe bench llama-3.2-3b --scope model --no-pad-mask --breakdown` : causal attention without the
       padding mask, and where the backward's GPU time goes
+    - `sebp-probe bench bert-base --scope model --graphs --norms` : SEBP on the LayerNorms too
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; triton = the
@@ -372,8 +376,8 @@ def bench_cmd(
             bench.check_pad_mask(bench.MODEL_CASES[models[0]], pad_mask)
         except ValueError as e:
             raise UserError(f"--no-pad-mask: {e}") from None
-    elif not pad_mask or breakdown:
-        raise UserError("--no-pad-mask and --breakdown are for the whole-model run (--scope model or all)")
+    elif not pad_mask or breakdown or norms:
+        raise UserError("--no-pad-mask, --breakdown and --norms are for the whole-model run (--scope model or all)")
     if dry_run:
         console.print_json(json.dumps(bench.run_plan(shapes, dens, models)))
         return
@@ -390,7 +394,7 @@ def bench_cmd(
             result["models"].append(bench.bench_model(bench.MODEL_CASES[name], bench.DTYPES[dtype],
                                                        model_repeats, mode=mode, graphs=graphs,
                                                        progress=progress, pad_mask=pad_mask,
-                                                       breakdown=breakdown))
+                                                       breakdown=breakdown, norms=norms))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 

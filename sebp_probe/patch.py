@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
-from sebp_kernels import SEBPConfig, SEBPLinear
+from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 
 # Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
 DEFAULT_TARGETS: tuple[str, ...] = (
@@ -179,10 +179,22 @@ def patch_model(
 
 
 def unpatch_model(model: nn.Module) -> list[str]:
-    """Put plain nn.Linear modules (same Parameters) back in place of every SEBPLinear; return their names."""
-    names = [n for n, m in model.named_modules() if isinstance(m, SEBPLinear)]
+    """Put plain nn.Linear modules (same Parameters) back in place of every SEBPLinear, and the original norm
+    modules in place of every SEBPNorm (:func:`patch_norms`); return their names."""
+    names = [n for n, m in model.named_modules() if isinstance(m, (SEBPLinear, SEBPNorm))]
     for name in names:
-        _set_submodule(model, name, model.get_submodule(name).to_linear())
+        m = model.get_submodule(name)
+        _set_submodule(model, name, m.to_linear() if isinstance(m, SEBPLinear) else m.original())
+    return names
+
+
+def patch_norms(model: nn.Module, config: SEBPConfig | None = None) -> list[str]:
+    """Swap every LayerNorm and known Hugging Face RMSNorm (Llama, Qwen2/3, Mistral) of ``model`` for an
+    SEBPNorm (same Parameters; exact mode: the same gradients), whose backward skips the zero rows of dL/dY;
+    return their names. Already swapped norms are left as they are."""
+    names = [n for n, m in model.named_modules() if n and norm_kind(m) is not None]
+    for name in names:
+        _set_submodule(model, name, SEBPNorm(model.get_submodule(name), config))
     return names
 
 

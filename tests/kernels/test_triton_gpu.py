@@ -293,3 +293,94 @@ def test_adaptive_dense_path_eager_graph_and_no_sync():
     want = sebp_backward_torch(dy, x, w, cfg)
     for name, g, t in zip(("dX", "dW", "db"), got, want):
         assert_close_report(g.float(), t.float(), atol=2e-2, rtol=2e-2, name=name)
+
+
+# ------------------------------------------------------------------------------------ LayerNorm / RMSNorm
+
+NORM_SHAPES = [(32, 512, 768), (1, 4096, 3072), (3, 100, 1000)]  # BERT-base, Llama-3.2-3B, awkward
+
+
+def _norm_case(shape, dtype, rms, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, s, n = shape
+    lengths = torch.randint(1, s + 1, (b,), device="cuda", generator=g)
+    keep = (torch.arange(s, device="cuda") < lengths[:, None]).unsqueeze(-1)
+    gy = (torch.randn(shape, device="cuda", generator=g) * keep).to(dtype)
+    leafs = [(torch.randn(shape, device="cuda", generator=g) * 3 + 1).to(dtype),
+             torch.randn(n, device="cuda", generator=g).to(dtype)]
+    if not rms:
+        leafs.append(torch.randn(n, device="cuda", generator=g).to(dtype))
+    return gy, [t.requires_grad_() for t in leafs]
+
+
+def _norm_fns(n, rms, eps=1e-5):
+    import torch.nn.functional as F
+
+    from sebp_kernels import sebp_layer_norm, sebp_rms_norm
+
+    if rms:
+        dense = lambda x, w: w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # noqa: E731
+        return (lambda x, w: sebp_rms_norm(x, w, eps)), dense
+    return (lambda x, w, b: sebp_layer_norm(x, (n,), w, b, eps)), (lambda x, w, b: F.layer_norm(x, (n,), w, b, eps))
+
+
+def _norm_grads(fn, leafs, gy):
+    for t in leafs:
+        t.grad = None
+    out = fn(*leafs)
+    out.backward(gy)
+    return out.detach(), [t.grad.clone() for t in leafs]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_norm_backward_matches_dense(shape, dtype, rms):
+    gy, leafs = _norm_case(shape, dtype, rms, seed=shape[1])
+    sebp, dense = _norm_fns(shape[-1], rms)
+    out, got = _norm_grads(sebp, leafs, gy)
+    out_d, want = _norm_grads(dense, leafs, gy)
+    assert torch.equal(out, out_d)
+    leafs64 = [t.detach().double().requires_grad_() for t in leafs]
+    _, ref = _norm_grads(dense, leafs64, gy.double())
+    for name, g, w_, r in zip(("dX", "dW", "db"), got, want, ref):
+        assert g.dtype == dtype, name
+        assert_within_torch_error(g, r, w_, dtype, name)
+    assert (got[0][(gy == 0).all(-1)] == 0).all()
+
+
+def test_norm_backward_no_sync_and_cuda_graph():
+    from sebp_kernels import sebp_layer_norm, sebp_rms_norm
+
+    gy, (x, w, b) = _norm_case((8, 256, 768), torch.bfloat16, rms=False, seed=3)
+    for fn in (lambda: sebp_layer_norm(x, (768,), w, b).backward(gy), lambda: sebp_rms_norm(x, w).backward(gy)):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # capture forward + backward, then replay with other padding
+    static = gy.clone()
+    for t in (x, w, b):
+        t.grad = None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sebp_layer_norm(x, (768,), w, b).backward(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in (x, w, b):
+        t.grad = None
+    with torch.cuda.graph(graph):
+        sebp_layer_norm(x, (768,), w, b).backward(static)
+    gy2, _ = _norm_case((8, 256, 768), torch.bfloat16, rms=False, seed=4)
+    static.copy_(gy2)
+    graph.replay()
+    got = [t.grad.clone() for t in (x, w, b)]
+    import torch.nn.functional as F
+
+    _, want = _norm_grads(lambda x_, w_, b_: F.layer_norm(x_, (768,), w_, b_), [x, w, b], gy2)
+    for name, g, w_ in zip(("dX", "dW", "db"), got, want):
+        assert_close_report(g.float(), w_.float(), atol=0.1, rtol=2e-2, name=name)

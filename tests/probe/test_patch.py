@@ -193,3 +193,32 @@ def test_all_linear_keeps_attention_out_proj_and_regex_skips_non_linear_leaves()
     assert sorted(patch_model(Toy(), target_modules="all-linear")) == ["self_attn.out_proj", "self_attn.q_proj"]
     assert sorted(patch_model(Toy(), target_modules=[r"self_attn\..*"])) == ["self_attn.out_proj",
                                                                           "self_attn.q_proj"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_norms_too_exact_gradients_equal_dense(arch, side):
+    from sebp_kernels import SEBPNorm
+    from sebp_probe import patch_norms
+
+    dense = tiny_model(arch)
+    sebp = copy.deepcopy(dense)
+    before = {k: v.data_ptr() for k, v in sebp.state_dict().items()}
+    patch_model(sebp, SEBPConfig("exact"))
+    norms = patch_norms(sebp)
+    # every LayerNorm (embeddings + 2 per layer) or RMSNorm (2 per layer + final, + q/k norms in Qwen3)
+    assert len(norms) == {"qwen3": 9}.get(arch, 5)
+    assert all(isinstance(sebp.get_submodule(n), SEBPNorm) for n in norms)
+    assert {k: v.data_ptr() for k, v in sebp.state_dict().items()} == before
+    assert patch_norms(sebp) == []  # already swapped
+    batch = padded_batch(arch, side=side)
+    loss_d, g_d = _grads(dense, batch)
+    loss_s, g_s = _grads(sebp, batch)
+    assert torch.equal(loss_d, loss_s)
+    assert g_d.keys() == g_s.keys()
+    for k in g_d:
+        torch.testing.assert_close(g_s[k], g_d[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    originals = {n: sebp.get_submodule(n).original() for n in norms}
+    unpatch_model(sebp)
+    assert all(sebp.get_submodule(n) is m for n, m in originals.items())
+    assert not any(isinstance(m, (SEBPLinear, SEBPNorm)) for m in sebp.modules())

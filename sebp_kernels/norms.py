@@ -1,0 +1,186 @@
+"""LayerNorm and RMSNorm whose backward skips the zero rows of dL/dY (exact mode only).
+
+The forward is computed exactly as before (``torch.native_layer_norm``, the op behind ``F.layer_norm``; for
+RMSNorm the Llama/Qwen/Mistral formula, op for op). The backward runs over the rows of dY that hold a
+non-zero: in a padded batch the padding rows of a norm's dY are exactly zero, like those of the linear
+layers around it, so their dX rows are zero and they add nothing to dW and db. The gradients are the dense
+ones (up to summation order). On CUDA one Triton pass does it (:mod:`._triton.norm`); elsewhere the torch
+reference (:func:`.reference.norm_backward_torch`).
+
+Only exact mode: a norm's backward is memory-bound, so dropping small rows would save little and change
+the gradients.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import SEBPConfig
+from .modules import _take_over
+from .reference import norm_backward_torch
+
+# Hugging Face RMSNorm classes whose forward is exactly _rms_forward (checked against transformers 5.x).
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def _norm_backward(config: SEBPConfig, device: torch.device):
+    """The backward implementation: Triton on CUDA (or under the interpreter) unless the torch one is asked."""
+    if config.backend == "torch":
+        return None
+    try:
+        from ._triton import backward as tb
+        from ._triton.norm import MAX_N, norm_backward_triton
+        from ._triton.select import _sm_count
+    except ImportError:
+        if config.backend == "triton":
+            raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable") from None
+        return None
+    want = "cpu" if tb.INTERPRET else "cuda"
+    if device.type != want:
+        return None
+    return lambda dy, x, w, mean, rstd, nx, nw, nb, bias_dtype: (
+        norm_backward_triton(dy, x, w, mean, rstd, nx, nw, nb, _sm_count(dy.device), tb.INTERPRET, bias_dtype)
+        if dy.shape[1] <= MAX_N and dy.shape[0] > 0 else
+        norm_backward_torch(dy, x, w, mean, rstd, nx, nw, nb))
+
+
+def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype):
+    n = x.shape[-1]
+    dy2, x2 = dy.reshape(-1, n), x.reshape(-1, n)
+    if dy2.stride(1) != 1:
+        dy2 = dy2.contiguous()
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    mean2 = mean.reshape(-1) if mean is not None else None
+    impl = _norm_backward(config, dy.device)
+    if impl is None:
+        dx, dw, db = norm_backward_torch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db)
+        if db is not None and bias_dtype is not None:
+            db = db.to(bias_dtype)
+    else:
+        dx, dw, db = impl(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db, bias_dtype)
+    return (dx.view(x.shape) if dx is not None else None), dw, db
+
+
+class SEBPLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps, config):
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.config = config
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        w = weight.reshape(-1) if weight is not None else None
+        dx, dw, db = _backward(ctx.config, dy, x, w, mean, rstd, nx, nw and w is not None,
+                               nb and ctx.bias_dtype is not None, ctx.bias_dtype)
+        return (dx, dw.view(weight.shape) if dw is not None else None,
+                db.view(weight.shape) if db is not None else None, None, None, None)
+
+
+class SEBPRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, config):
+        xf = x.to(torch.float32)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * (xf * rstd).to(x.dtype)
+        ctx.config = config
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw, _ = _backward(ctx.config, dy, x, weight, None, rstd, ctx.needs_input_grad[0],
+                              ctx.needs_input_grad[1], False, None)
+        return dx, dw, None, None
+
+
+_EXACT = SEBPConfig()
+
+
+def _check(config: SEBPConfig | None) -> SEBPConfig:
+    config = config or _EXACT
+    if config.mode != "exact":
+        raise ValueError(f"SEBP norms support exact mode only, got {config.mode!r}")
+    return config
+
+
+def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, eps: float = 1e-5,
+                    config: SEBPConfig | None = None) -> torch.Tensor:
+    """``F.layer_norm`` whose backward skips the zero rows of dL/dY. Under CUDA autocast it runs in fp32, as
+    autocast runs ``layer_norm`` there (CPU autocast leaves it in the input's dtype, and so does this)."""
+    config = _check(config)
+    shape = tuple(normalized_shape) if not isinstance(normalized_shape, int) else (normalized_shape,)
+    dev = x.device.type
+    if dev == "cuda" and torch.is_autocast_enabled(dev) and x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+        weight = weight.float() if weight is not None else None
+        bias = bias.float() if bias is not None else None
+        with torch.autocast(dev, enabled=False):
+            return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
+    return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
+
+
+def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                  config: SEBPConfig | None = None) -> torch.Tensor:
+    """The Llama/Qwen RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in fp32),
+    whose backward skips the zero rows of dL/dY."""
+    return SEBPRMSNormFunction.apply(x, weight, eps, _check(config))
+
+
+def norm_kind(module: nn.Module) -> str | None:
+    """``layer`` for an nn.LayerNorm over the last dimension, ``rms`` for a known Hugging Face RMSNorm
+    (:data:`RMS_NORM_CLASSES`), else None."""
+    if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
+        return "layer"
+    w = getattr(module, "weight", None)
+    if (type(module).__name__ in RMS_NORM_CLASSES and isinstance(w, nn.Parameter) and w.dim() == 1
+            and isinstance(getattr(module, "variance_epsilon", None), float)):
+        return "rms"
+    return None
+
+
+class SEBPNorm(nn.Module):
+    """A LayerNorm or RMSNorm (see :func:`norm_kind`) with the SEBP backward, holding the *same* Parameters as
+    the module it replaces (same state_dict keys); :meth:`original` gives that module back."""
+
+    def __init__(self, original: nn.Module, config: SEBPConfig | None = None):
+        super().__init__()
+        kind = norm_kind(original)
+        if kind is None:
+            raise TypeError(f"expected an nn.LayerNorm or one of {', '.join(RMS_NORM_CLASSES)}, "
+                            f"got {type(original).__name__}")
+        self.kind = kind
+        self.sebp_config = _check(config)
+        object.__setattr__(self, "_original", original)  # not a submodule: the state_dict keys stay
+        self.weight = original.weight
+        if kind == "layer":
+            self.bias = original.bias
+            self.normalized_shape = tuple(original.normalized_shape)
+            self.eps = original.eps
+        else:
+            self.eps = original.variance_epsilon
+        _take_over(self, original)
+
+    def original(self) -> nn.Module:
+        """The module this one replaced (it shares the Parameters)."""
+        return self._original
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return sebp_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.sebp_config)
+        return sebp_rms_norm(x, self.weight, self.eps, self.sebp_config)
+
+    def extra_repr(self) -> str:
+        n = self.weight.shape[0] if self.weight is not None else math.prod(self.normalized_shape)
+        return f"{self.kind}, {n}, eps={self.eps}"
