@@ -173,8 +173,14 @@ class SEBPNorm(nn.Module):
         _take_over(self, original)
 
     def original(self) -> nn.Module:
-        """The module this one replaced (it shares the Parameters)."""
-        return self._original
+        """The module this one replaced, holding this one's current Parameters (a wrapper such as FSDP may have
+        swapped them since)."""
+        m = self._original
+        for name in ("weight", "bias") if self.kind == "layer" else ("weight",):
+            p = getattr(self, name)
+            if isinstance(p, nn.Parameter):
+                setattr(m, name, p)
+        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":

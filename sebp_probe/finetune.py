@@ -42,7 +42,7 @@ from sebp_kernels import SEBPConfig, select_rows
 
 from .assets import AssetError, LoadedModel, PadCollator, load_model, load_text_data, model_task, padding_side, tokenize
 from .config import DEFAULT_MAX_STEPS, FinetuneConfig
-from .patch import find_targets, patch_model
+from .patch import find_targets, patch_model, patch_norms
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
@@ -54,6 +54,8 @@ OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "s
                "loss.png", "eval.png")
 # A resumed run must be the same run: every setting must match except these.
 RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit")
+# Settings added after runs were first written: a run config without one ran with this value.
+ADDED_SETTINGS = {"sebp_norms": False}
 
 Event = Callable[[str, dict], None]
 
@@ -223,11 +225,13 @@ class Calibration:
     layers: dict[str, SEBPConfig]
     fallback: list[str]
     reason: str | None = None
+    norms: list[str] = field(default_factory=list)  # norms with the SEBP backward (``sebp_norms``)
 
     def to_dict(self) -> dict:
         return {"density": self.density, "dense_backward_ms": self.dense_backward_ms,
                 "sebp_backward_ms": self.sebp_backward_ms, "fallback_dense": self.fallback,
-                "fallback_reason": self.reason, "layers": {n: s.to_dict() for n, s in self.layers.items()}}
+                "fallback_reason": self.reason, "layers": {n: s.to_dict() for n, s in self.layers.items()},
+                "norms": self.norms}
 
 
 def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device) -> list[dict[str, SEBPConfig]]:
@@ -242,10 +246,20 @@ def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device) -> li
     return [{n: replace(c, backend=b) for n, c in layers.items()} for b in backends]
 
 
+def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False) -> list[str]:
+    """Patch ``layers`` into ``model``, and with ``norms`` (and any layer at all) its norms too; return the
+    names of the norms patched now."""
+    if not layers:
+        return []
+    patch_model(model, layer_configs=layers)
+    return patch_norms(model) if norms else []
+
+
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
               device: torch.device, autocast=contextlib.nullcontext, if_slower: bool = True,
-              reps: int = 2) -> Calibration:
-    """Decide which candidate layers run SEBP, and patch them into ``model``.
+              reps: int = 2, norms: bool = False) -> Calibration:
+    """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too:
+    they are timed and kept or dropped together with the linear layers).
 
     1. One dense backward per batch measures each layer's share of active rows under its setting; layers
        above ``fallback`` stay dense (gathering nearly every row costs more than it saves).
@@ -257,14 +271,14 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     """
     from .patch import unpatch_model
 
-    dense_ms, sebp_ms, reason = [], [], None
+    dense_ms, sebp_ms, reason, norm_names = [], [], None, []
     with torch.random.fork_rng(devices=_rng_devices(device)):
         density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
         if layers:
             best = None
             for cfgs in _backend_variants(layers, device):
-                patch_model(model, layer_configs=cfgs)
+                apply_sebp(model, cfgs, norms)
                 for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
                     _timed_backward(model, b, device, autocast)
                 d_ms, s_ms = [], []
@@ -272,22 +286,23 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
                     for b in batches:
                         unpatch_model(model)
                         d_ms.append(_timed_backward(model, b, device, autocast))
-                        patch_model(model, layer_configs=cfgs)
+                        apply_sebp(model, cfgs, norms)
                         s_ms.append(_timed_backward(model, b, device, autocast))
                 if best is None or statistics.median(s_ms) < statistics.median(best[2]):
                     best = (cfgs, d_ms, s_ms)
             layers, dense_ms, sebp_ms = best
-            patch_model(model, layer_configs=layers)
+            unpatch_model(model)
+            norm_names = apply_sebp(model, layers, norms)
             if if_slower and statistics.median(sebp_ms) > statistics.median(dense_ms):
                 unpatch_model(model)
                 reason = "SEBP backward measured slower than dense on the calibration batches"
-                layers = {}
+                layers, norm_names = {}, []
         else:
             dense_ms = [_timed_backward(model, b, device, autocast) for b in batches]
         model.zero_grad(set_to_none=True)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return Calibration(density, med(dense_ms), med(sebp_ms), layers,
-                       sorted(n for n in candidates if n not in layers), reason)
+                       sorted(n for n in candidates if n not in layers), reason, norm_names)
 
 
 # ---------------------------------------------------------------------------------------- output dir
@@ -314,7 +329,7 @@ def _config_changes(old: dict, new: dict) -> list[str]:
             continue
         if isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
             out += [f"{k}.{s}" for s in _config_changes(old[k], new[k])]
-        elif old.get(k) != new.get(k):
+        elif old.get(k, ADDED_SETTINGS.get(k)) != new.get(k, ADDED_SETTINGS.get(k)):
             out.append(k)
     return out
 
@@ -530,8 +545,7 @@ class Run:
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
                 layers = {n: SEBPConfig.from_dict(d) for n, d in state["layers"].items()}
-                if layers:
-                    patch_model(model, layer_configs=layers)
+                apply_sebp(model, layers, self.cfg.sebp_norms)
                 calib = state.get("calibration")
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
@@ -541,11 +555,10 @@ class Run:
     def _calibrate(self, model, cands: dict[str, SEBPConfig]) -> dict:
         batches = _first_batches(self.cfg, self.data, self.acc.device)
         if self.cfg.calib_batches == 0:  # no measurement: patch every candidate
-            patch_model(model, layer_configs=cands)
-            c = Calibration({}, None, None, cands, [])
+            c = Calibration({}, None, None, cands, [], norms=apply_sebp(model, cands, self.cfg.sebp_norms))
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
-                          if_slower=self.cfg.fallback_if_slower)
+                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms)
         if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
             from accelerate.utils import broadcast_object_list
 
@@ -555,8 +568,7 @@ class Run:
             unpatch_model(model)
             c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen.items()}
             c.fallback = sorted(n for n in cands if n not in c.layers)
-            if c.layers:
-                patch_model(model, layer_configs=c.layers)
+            c.norms = apply_sebp(model, c.layers, self.cfg.sebp_norms)
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})
         return info

@@ -92,6 +92,20 @@ def test_compare_run_writes_outputs_and_guards_its_directory(tiny, tmp_path):
     assert not (out / "sebp").exists() and (out / "metrics.jsonl").exists()
 
 
+def test_sebp_norms_compare_matches_dense_and_saves_plain_norms(tiny, tmp_path):
+    out = tmp_path / "norms"
+    r = _run([tiny, "tweets", *FAST, "--max-steps", "4", "--compare", "--always-sebp", "--dense-fallback", "1",
+              "--sebp-norms", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    calib = summary["runs"]["sebp"]["calibration"]
+    assert len(calib["layers"]) == 12 and len(calib["norms"]) == 5  # embeddings + 2 per layer
+    assert summary["comparison"]["max_abs_loss_gap"] < 1e-5  # exact: the dense losses
+    model = AutoModelForSequenceClassification.from_pretrained(out / "sebp" / "model")
+    assert type(model.bert.encoder.layer[0].output.LayerNorm).__name__ == "LayerNorm"
+    assert json.loads((out / "run_config.json").read_text())["config"]["sebp_norms"] is True
+
+
 def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     for extra in ([], ["--overwrite"]):
@@ -205,3 +219,11 @@ def test_topk_report_from_other_batch_shapes_is_refused(tiny, tmp_path):
                              "--mode", "topk", "-o", str(tmp_path / "run")]))
     assert "measured on batches of 4 x 32" in line and "8 x 32" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_settings_added_later_do_not_block_resuming_older_runs():
+    from sebp_probe.finetune import _config_changes
+
+    old = {"lr": 1e-4, "data": {"max_length": 32}}  # written before sebp_norms existed
+    assert _config_changes(old, {**old, "sebp_norms": False}) == []
+    assert _config_changes(old, {**old, "sebp_norms": True}) == ["sebp_norms"]
