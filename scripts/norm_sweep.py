@@ -1,7 +1,7 @@
 """Tile size, pipeline depth and accumulator layout of the SEBP norm backward (``_triton/norm.py``): its
 backward time (forward + backward as a CUDA graph, minus the forward) at d = 0.05 and 1.0 for the shapes of
-scripts/norm_bench.py. (An earlier sweep of programs per SM, 1-16, found 1 best: the partial sums to add up
-grow with it.)
+scripts/norm_bench.py. (An earlier sweep of programs per SM, 1-16, with a reduction of 3-24 programs, found 1
+best; GRID tries 2 and 4 again with the current reduction.)
 
     python scripts/norm_sweep.py OUT.json
 """
@@ -13,6 +13,11 @@ import torch
 from sebp_kernels import sebp_layer_norm, sebp_rms_norm
 from sebp_kernels._triton import norm as N
 from sebp_probe.bench import _Flush, environment, padded_rows, time_methods
+
+
+# (programs per SM, column sums per tile row, tile elements, stages)
+GRID = ([(1, a, t, s) for a in (False, True) for t in (4096, 8192, 16384) for s in (2, 3, 4)]
+        + [(p, True, t, s) for p in (2, 4) for t in (4096, 8192) for s in (2, 3)])
 
 
 def main():
@@ -30,13 +35,11 @@ def main():
             gy = torch.randn(m, n, device="cuda", generator=g, dtype=torch.bfloat16) * \
                 padded_rows(m, seq, d, "cuda")[:, None].to(torch.bfloat16)
             methods = {"forward": (f, True)}
-            for acc2d in (False, True):
-                for tile in (4096, 8192, 16384):
-                    for stages in (2, 3, 4):
-                        def step(acc2d=acc2d, tile=tile, stages=stages):
-                            N.PROGRAMS_PER_SM, N.TILE, N.STAGES, N.ACC2D = 1, tile, stages, acc2d
-                            return torch.autograd.grad(f(), leafs, gy)
-                        methods[f"acc2d{int(acc2d)}_tile{tile}_st{stages}"] = (step, True)
+            for pps, acc2d, tile, stages in GRID:
+                def step(pps=pps, acc2d=acc2d, tile=tile, stages=stages):
+                    N.PROGRAMS_PER_SM, N.TILE, N.STAGES, N.ACC2D = pps, tile, stages, acc2d
+                    return torch.autograd.grad(f(), leafs, gy)
+                methods[f"pps{pps}_acc2d{int(acc2d)}_tile{tile}_st{stages}"] = (step, True)
             ms = time_methods(methods, 15, flush)
             rec = {"norm": name, "rows": m, "features": n, "density": d,
                    "backward_us": {k: round((v - ms["forward"]) * 1e3, 1) for k, v in ms.items() if k != "forward"}}

@@ -115,8 +115,8 @@ _sum_parts = FastLaunch(_sum_parts_kernel)
 
 # Chosen by scripts/norm_sweep.py on an H100 (results/h100_norm_sweep.json; bf16, BERT-base LayerNorm 16384 x 768
 # and Llama-3.2-3B RMSNorm 4096 x 3072, d = 0.05 and 1.0): one program per SM walking its rows three tiles
-# deep, column sums kept per tile row until the end. More programs were slower (more partial sums to add
-# up); per-iteration column reductions made the LayerNorm 1.8x slower.
+# deep, column sums kept per tile row until the end. 2 or 4 programs per SM were 6-25% slower (more partial
+# sums to add up); per-iteration column reductions made the LayerNorm 1.8x slower.
 PROGRAMS_PER_SM = 1  # each program adds 2 x N fp32 sums for the reduction to read
 TILE = 8192  # elements of one program's tile (whole rows)
 STAGES = 3  # tiles in flight per program (software pipelining of the row loop)
