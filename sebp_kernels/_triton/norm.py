@@ -124,12 +124,15 @@ SUM_BLOCK = 32  # columns per program of the reduction
 ACC2D = True  # column sums per tile row until the end (no cross-row reduction in the loop)
 
 
+WARPS = 8  # per program (16 for rows of 8192+ elements); 4 or 16 were slower at both shapes
+
+
 def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_R, num_warps): whole rows, about TILE elements a tile."""
     block_n = triton.next_power_of_2(n)
     if interpret:
         return block_n, 2, 1
-    return block_n, max(1, min(16, TILE // block_n)), 16 if block_n >= 8192 else 8
+    return block_n, max(1, min(16, TILE // block_n)), max(WARPS, 16 if block_n >= 8192 else 0)
 
 
 def norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
