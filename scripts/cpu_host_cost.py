@@ -89,7 +89,16 @@ def main():
             best = min(best, (time.perf_counter() - t0) / n * 1e6)
         return best
 
+    from sebp_kernels._triton import norm as N
+
+    for fl in (N._norm_bwd, N._sum_parts):
+        fl._hooks = knobs.runtime
+    nw, nb = torch.randn(i, dtype=torch.bfloat16), torch.randn(i, dtype=torch.bfloat16)
+    mean, rstd = torch.randn(m), torch.rand(m)
+    norm = lambda: N.norm_backward_triton(x, x, nw, mean, rstd, True, True, True, 132, False, nb.dtype)  # noqa: E731
+    norm()  # compiles
     for name, fn in (("sebp_backward_triton", lambda: B.sebp_backward_triton(dy, x, w, cfg)),
+                     ("norm_backward_triton (LayerNorm)", norm),
                      ("select_rows_device", lambda: S.select_rows_device(dy, "exact")),
                      ("grads_rows", lambda: G.grads_rows(dy, x, w, perm, count, True, True, True, False, 132)),
                      ("torch.empty (4096, 768) bf16", lambda: torch.empty((m, i), dtype=torch.bfloat16))):

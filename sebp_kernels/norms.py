@@ -12,6 +12,7 @@ the gradients.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,25 +26,17 @@ from .reference import norm_backward_torch
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
-def _norm_backward(config: SEBPConfig, device: torch.device):
-    """The backward implementation: Triton on CUDA (or under the interpreter) unless the torch one is asked."""
-    if config.backend == "torch":
-        return None
+@functools.lru_cache(maxsize=1)
+def _triton_norm():
+    """(interpreter?, widest row, the Triton launcher, SM count of a device), or None without triton. Looked
+    up once: imports on every backward cost host time."""
     try:
         from ._triton import backward as tb
         from ._triton.norm import MAX_N, norm_backward_triton
         from ._triton.select import _sm_count
     except ImportError:
-        if config.backend == "triton":
-            raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable") from None
         return None
-    want = "cpu" if tb.INTERPRET else "cuda"
-    if device.type != want:
-        return None
-    return lambda dy, x, w, mean, rstd, nx, nw, nb, bias_dtype: (
-        norm_backward_triton(dy, x, w, mean, rstd, nx, nw, nb, _sm_count(dy.device), tb.INTERPRET, bias_dtype)
-        if dy.shape[1] <= MAX_N and dy.shape[0] > 0 else
-        norm_backward_torch(dy, x, w, mean, rstd, nx, nw, nb))
+    return tb.INTERPRET, MAX_N, norm_backward_triton, _sm_count
 
 
 def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype):
@@ -54,13 +47,17 @@ def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     mean2 = mean.reshape(-1) if mean is not None else None
-    impl = _norm_backward(config, dy.device)
-    if impl is None:
+    tri = None if config.backend == "torch" else _triton_norm()
+    if tri is None and config.backend == "triton":
+        raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable")
+    if tri is not None and dy.device.type == ("cpu" if tri[0] else "cuda") and n <= tri[1] and dy2.shape[0]:
+        interpret, _, launch, sm_count = tri
+        dx, dw, db = launch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db,
+                            sm_count(dy.device), interpret, bias_dtype)
+    else:
         dx, dw, db = norm_backward_torch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db)
         if db is not None and bias_dtype is not None:
             db = db.to(bias_dtype)
-    else:
-        dx, dw, db = impl(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db, bias_dtype)
     return (dx.view(x.shape) if dx is not None else None), dw, db
 
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FastLaunch
+from .launch import FastLaunch, Plans, plan_ids
 from .tuning import cdiv
 
 MAX_N = 16384  # wider rows go to the torch reference (one row must fit in a program's registers)
@@ -111,6 +111,7 @@ def _sum_parts_kernel(part_ptr, dw_ptr, db_ptr, P, N, DO_DW: tl.constexpr, DO_DB
 
 _norm_bwd = FastLaunch(_norm_bwd_kernel)
 _sum_parts = FastLaunch(_sum_parts_kernel)
+_PLANS = Plans(_norm_bwd, _sum_parts)
 
 
 # Chosen by scripts/norm_sweep.py on an H100 (results/h100_norm_sweep.json; bf16, BERT-base LayerNorm 16384 x 768
@@ -135,29 +136,44 @@ def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     return block_n, max(1, min(16, TILE // block_n)), max(WARPS, 16 if block_n >= 8192 else 0)
 
 
+def _plan(m, n, n_sm, interpret, has_mean, has_w, need_dx, do_dw, do_db, strides):
+    """(plan number, programs, the main kernel's integer arguments and keywords, the reduction's grid and
+    keywords): what one shape launches with, worked out once."""
+    block_n, block_r, warps = _blocks(n, interpret)
+    rows = max(block_r, cdiv(cdiv(m, PROGRAMS_PER_SM * n_sm), block_r) * block_r)
+    programs = cdiv(m, rows)
+    kw = dict(HAS_MEAN=has_mean, HAS_W=has_w, DO_DX=need_dx, DO_DB=do_db, BLOCK_R=block_r, BLOCK_N=block_n,
+              STAGES=1 if interpret else STAGES, ACC2D=ACC2D, num_warps=warps)
+    block = 16 if interpret else SUM_BLOCK
+    sum_kw = dict(DO_DW=do_dw, DO_DB=do_db, BLOCK=block, BLOCK_P=4 if interpret else 32,
+                  num_warps=1 if interpret else 4)
+    return next(plan_ids), programs, (m, n, rows, *strides), kw, (cdiv(n, block),), sum_kw
+
+
 def norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
                          rstd: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, n_sm: int,
                          interpret: bool = False, bias_dtype: torch.dtype | None = None):
     """(dX or None, dW or None, db or None) of a LayerNorm (``mean`` given) or RMSNorm over the non-zero rows
     of 2-D ``dy`` (see :func:`~sebp_kernels.reference.norm_backward_torch`, the same results)."""
     m, n = dy.shape
-    block_n, block_r, warps = _blocks(n, interpret)
-    rows = max(block_r, cdiv(cdiv(m, PROGRAMS_PER_SM * n_sm), block_r) * block_r)
-    programs = cdiv(m, rows)
+    do_dw = need_dw and weight is not None
     dev = dy.device
     dx = torch.empty((m, n), dtype=x.dtype, device=dev) if need_dx else None
+    strides = (dy.stride(0), x.stride(0), dx.stride(0) if need_dx else 0)
+    key = (m, n, n_sm, interpret, mean is not None, weight is not None, need_dx, do_dw, need_db, strides,
+           dy.dtype, x.dtype, weight.dtype if weight is not None else None, rstd.dtype,
+           mean.dtype if mean is not None else None, bias_dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.add(key, _plan(m, n, n_sm, interpret, mean is not None, weight is not None, need_dx, do_dw,
+                                     need_db, strides))
+    idx, programs, ints, kw, sum_grid, sum_kw = plan
     part = torch.empty(programs * 2 * n, dtype=torch.float32, device=dev)
-    w = weight if weight is not None else dy
-    _norm_bwd[(programs,)](dy, x, w, mean if mean is not None else rstd, rstd, dx if need_dx else dy, part,
-                           m, n, rows, dy.stride(0), x.stride(0), dx.stride(0) if need_dx else 0,
-                           HAS_MEAN=mean is not None, HAS_W=weight is not None, DO_DX=need_dx, DO_DB=need_db,
-                           BLOCK_R=block_r, BLOCK_N=block_n, STAGES=1 if interpret else STAGES, ACC2D=ACC2D,
-                           num_warps=warps)
-    dw = torch.empty(n, dtype=weight.dtype, device=dev) if need_dw and weight is not None else None
+    _norm_bwd.launch_planned((programs,), idx, 7, (dy, x, weight if weight is not None else dy,
+                             mean if mean is not None else rstd, rstd, dx if need_dx else dy, part, *ints), kw)
+    dw = torch.empty(n, dtype=weight.dtype, device=dev) if do_dw else None
     db = torch.empty(n, dtype=bias_dtype or dy.dtype, device=dev) if need_db else None
-    if dw is not None or db is not None:
-        block = 16 if interpret else SUM_BLOCK
-        _sum_parts[(cdiv(n, block),)](part, dw if dw is not None else part, db if db is not None else part,
-                                      programs, n, DO_DW=dw is not None, DO_DB=db is not None, BLOCK=block,
-                                      BLOCK_P=4 if interpret else 32, num_warps=1 if interpret else 4)
+    if do_dw or need_db:
+        _sum_parts.launch_planned(sum_grid, idx, 3, (part, dw if do_dw else part, db if need_db else part,
+                                                     programs, n), sum_kw)
     return dx, dw, db
