@@ -22,7 +22,7 @@ from .config import SEBPConfig
 from .modules import _take_over
 from .reference import norm_backward_torch
 
-# Hugging Face RMSNorm classes whose forward is exactly _rms_forward (checked against transformers 5.x).
+# Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
@@ -39,8 +39,8 @@ def _triton_norm():
     return tb.INTERPRET, MAX_N, norm_backward_triton, _sm_count
 
 
-def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype):
-    n = x.shape[-1]
+def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n):
+    """Gradients over rows of ``n`` elements (the normalized dimensions flattened)."""
     dy2, x2 = dy.reshape(-1, n), x.reshape(-1, n)
     if dy2.stride(1) != 1:
         dy2 = dy2.contiguous()
@@ -66,6 +66,7 @@ class SEBPLayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, normalized_shape, eps, config):
         out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.config = config
+        ctx.normalized_shape = normalized_shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(x, weight, mean, rstd)
         return out
@@ -77,7 +78,7 @@ class SEBPLayerNormFunction(torch.autograd.Function):
         nx, nw, nb = ctx.needs_input_grad[:3]
         w = weight.reshape(-1) if weight is not None else None
         dx, dw, db = _backward(ctx.config, dy, x, w, mean, rstd, nx, nw and w is not None,
-                               nb and ctx.bias_dtype is not None, ctx.bias_dtype)
+                               nb and ctx.bias_dtype is not None, ctx.bias_dtype, math.prod(ctx.normalized_shape))
         return (dx, dw.view(weight.shape) if dw is not None else None,
                 db.view(weight.shape) if db is not None else None, None, None, None)
 
@@ -97,7 +98,7 @@ class SEBPRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw, _ = _backward(ctx.config, dy, x, weight, None, rstd, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[1], False, None)
+                              ctx.needs_input_grad[1], False, None, x.shape[-1])
         return dx, dw, None, None
 
 

@@ -93,6 +93,19 @@ def test_backward_matches_dense(shape, dtype, rms):
     assert (got[0][zero_rows] == 0).all()  # skipped rows: exact zeros in dX
 
 
+def test_layernorm_over_two_trailing_dims():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 4, 6, generator=g, requires_grad=True)
+    w = torch.randn(4, 6, generator=g, requires_grad=True)
+    b = torch.randn(4, 6, generator=g, requires_grad=True)
+    gy = torch.randn(3, 7, 4, 6, generator=g)
+    gy[:, 3:] = 0
+    _, got = _grads(lambda x_, w_, b_: sebp_layer_norm(x_, (4, 6), w_, b_), [x, w, b], gy)
+    _, want = _grads(lambda x_, w_, b_: F.layer_norm(x_, (4, 6), w_, b_), [x, w, b], gy)
+    for name, a, e in zip(("dX", "dW", "db"), got, want):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_nan_rows_stay_active():
     x = torch.randn(2, 6, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
