@@ -1,4 +1,5 @@
-"""Backward time of the real MiniLM classifier on CPU: dense vs SEBP (exact, torch path).
+"""Backward time of the real MiniLM classifier on CPU: dense vs SEBP (exact, torch path), and SEBP on the
+LayerNorms too.
 
 Usage: python scripts/cpu_backward_speed.py [--batch 32] [--length 128] [--repeats 5] [--output FILE]
 Batches are real tweets from the bundled corpus, padded to a fixed length.
@@ -19,7 +20,7 @@ import torch
 from sebp_kernels import SEBPConfig
 from sebp_probe.assets import load_model, load_text_data, make_loader
 from sebp_probe.config import DataConfig
-from sebp_probe.patch import patch_model
+from sebp_probe.patch import patch_model, patch_norms
 
 
 def time_backward(model, batches, repeats):
@@ -54,20 +55,25 @@ def main(argv=None):
     dense = lm.model.train()
     sebp = copy.deepcopy(dense)
     patch_model(sebp, SEBPConfig("exact", backend="torch"))
-    for m in (dense, sebp):  # warm-up
+    norms = copy.deepcopy(sebp)
+    patch_norms(norms, SEBPConfig("exact", backend="torch"))
+    models = (("dense", dense), ("sebp_exact", sebp), ("sebp_exact_norms", norms))
+    for _, m in models:  # warm-up
         m(**batches[0]).loss.backward()
     res = {}
-    for name, m in (("dense", dense), ("sebp_exact", sebp)):
+    for name, m in models:
         f, b = time_backward(m, batches, a.repeats)
         res[name] = {"forward_s": f, "backward_s": b}
     out = {
-        "what": "MiniLM (all-MiniLM-L6-v2) classifier backward on CPU, dense vs SEBP exact (torch path)",
+        "what": "MiniLM (all-MiniLM-L6-v2) classifier backward on CPU, dense vs SEBP exact (torch path), "
+                "without and with the SEBP norms",
         "batch": a.batch, "length": a.length, "token_density": density,
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join(sys.argv),
         **res,
         "backward_speedup": res["dense"]["backward_s"] / res["sebp_exact"]["backward_s"],
+        "backward_speedup_with_norms": res["dense"]["backward_s"] / res["sebp_exact_norms"]["backward_s"],
     }
     print(json.dumps(out, indent=2))
     if a.output:
