@@ -28,39 +28,49 @@ def bench(fn):
     return round(do_bench_cudagraph(fn, rep=40, return_mode="median") * 1000, 1)  # us
 
 
+def layer_shapes(dev):
+    """(shape, a generator seeded 0 on ``dev``) for every BERT-base and Llama-3.2-3B layer shape."""
+    for model in ("bert-base", "llama-3.2-3b"):
+        for shape in resolve_shapes(model):
+            yield shape, torch.Generator(device=dev).manual_seed(0)
+
+
+def padded(dy_full, shape, density):
+    """(dY with the rows of right padding at ``density`` zeroed, the active-row mask)."""
+    mask = padded_rows(shape.rows, shape.seq, density, dy_full.device)
+    return dy_full * mask.unsqueeze(1).to(dy_full.dtype), mask
+
+
 def main(path, densities):
     dev = torch.device("cuda")
     n_sm = _sm_count(dev)
     rows = []
-    for model in ("bert-base", "llama-3.2-3b"):
-        for shape in resolve_shapes(model):
-            m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-            g = torch.Generator(device=dev).manual_seed(0)
-            x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
-            w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
-            dy_full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
-            for d in densities:
-                mask = padded_rows(m, shape.seq, d, dev)
-                dy = dy_full * mask.unsqueeze(1).to(dy_full.dtype)
-                act = mask.nonzero().squeeze(1)
-                dy_k, x_k = dy.index_select(0, act).contiguous(), x.index_select(0, act).contiguous()
-                perm, count = select_rows_device(dy, "exact")
-                ie = _ieee(dy.dtype)
-                b = shape.bias
-                r = {"shape": shape.name, "density": d, "k": int(act.numel())}
-                r["dense"] = bench(lambda: (dy @ w, dy.t() @ x, dy.sum(0) if b else None))
-                r["sebp"] = bench(lambda: sebp_backward_triton(dy, x, w, SEBPConfig("exact"), True, True, b))
-                r["cublas_dx"] = bench(lambda: dy_k @ w)
-                r["cublas_dw"] = bench(lambda: dy_k.t() @ x_k)
-                r["select"] = bench(lambda: select_rows_device(dy, "exact"))
-                r["grads"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm))
-                r["grads_dx_only"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, False, False, ie, n_sm))
-                r["grads_dw_only"] = bench(lambda: grads_rows(dy, x, w, perm, count, False, True, False, ie, n_sm))
-                for s in (1, 2, 4):
-                    r[f"grads_split{s}"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm,
-                                                                    dw_split=s))
-                print(r, flush=True)
-                rows.append(r)
+    for shape, g in layer_shapes(dev):
+        m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
+        x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
+        w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
+        dy_full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
+        for d in densities:
+            dy, mask = padded(dy_full, shape, d)
+            act = mask.nonzero().squeeze(1)
+            dy_k, x_k = dy.index_select(0, act).contiguous(), x.index_select(0, act).contiguous()
+            perm, count = select_rows_device(dy, "exact")
+            ie = _ieee(dy.dtype)
+            b = shape.bias
+            r = {"shape": shape.name, "density": d, "k": int(act.numel())}
+            r["dense"] = bench(lambda: (dy @ w, dy.t() @ x, dy.sum(0) if b else None))
+            r["sebp"] = bench(lambda: sebp_backward_triton(dy, x, w, SEBPConfig("exact"), True, True, b))
+            r["cublas_dx"] = bench(lambda: dy_k @ w)
+            r["cublas_dw"] = bench(lambda: dy_k.t() @ x_k)
+            r["select"] = bench(lambda: select_rows_device(dy, "exact"))
+            r["grads"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm))
+            r["grads_dx_only"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, False, False, ie, n_sm))
+            r["grads_dw_only"] = bench(lambda: grads_rows(dy, x, w, perm, count, False, True, False, ie, n_sm))
+            for s in (1, 2, 4):
+                r[f"grads_split{s}"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm,
+                                                                dw_split=s))
+            print(r, flush=True)
+            rows.append(r)
     with open(path, "w") as f:
         json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
 

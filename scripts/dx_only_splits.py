@@ -10,37 +10,36 @@ import json
 import sys
 
 import torch
-from dense_gap import bench  # beside this file: the same CUDA-graph timing (us)
+
+# beside this file: the same CUDA-graph timing (us), layer shapes and padded inputs
+from dense_gap import bench, layer_shapes, padded
 
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
-from sebp_probe.bench import environment, padded_rows, resolve_shapes
+from sebp_probe.bench import environment
 
 
 def main(path):
     dev = torch.device("cuda")
     n_sm = _sm_count(dev)
     rows = []
-    for model in ("bert-base", "llama-3.2-3b"):
-        for shape in resolve_shapes(model):
-            m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-            g = torch.Generator(device=dev).manual_seed(0)
-            w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
-            dy_full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
-            for d in (0.05, 0.2, 0.5):
-                mask = padded_rows(m, shape.seq, d, dev)
-                dy = dy_full * mask.unsqueeze(1).to(dy_full.dtype)
-                dy_k = dy.index_select(0, mask.nonzero().squeeze(1)).contiguous()
-                perm, count = select_rows_device(dy, "exact")
-                r = {"shape": shape.name, "density": d}
-                r["cublas_dx_k_rows"] = bench(lambda: dy_k @ w)
-                r["dense_dx"] = bench(lambda: dy @ w)
-                r["split_auto"] = bench(lambda: grads_rows(dy, None, w, perm, count, True, False, False, False, n_sm))
-                r["split_none"] = bench(lambda: grads_rows(dy, None, w, perm, count, True, False, False, False, 1))
-                r["split_half_sms"] = bench(lambda: grads_rows(dy, None, w, perm, count, True, False, False, False,
-                                                               n_sm // 2))
-                print(r, flush=True)
-                rows.append(r)
+    for shape, g in layer_shapes(dev):
+        m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
+        w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
+        dy_full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
+        for d in (0.05, 0.2, 0.5):
+            dy, mask = padded(dy_full, shape, d)
+            dy_k = dy.index_select(0, mask.nonzero().squeeze(1)).contiguous()
+            perm, count = select_rows_device(dy, "exact")
+            r = {"shape": shape.name, "density": d}
+            r["cublas_dx_k_rows"] = bench(lambda: dy_k @ w)
+            r["dense_dx"] = bench(lambda: dy @ w)
+            r["split_auto"] = bench(lambda: grads_rows(dy, None, w, perm, count, True, False, False, False, n_sm))
+            r["split_none"] = bench(lambda: grads_rows(dy, None, w, perm, count, True, False, False, False, 1))
+            r["split_half_sms"] = bench(lambda: grads_rows(dy, None, w, perm, count, True, False, False, False,
+                                                           n_sm // 2))
+            print(r, flush=True)
+            rows.append(r)
     with open(path, "w") as f:
         json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
 
