@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from sebp_kernels import SEBPConfig, select_rows
+from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from .assets import AssetError, LoadedModel, PadCollator, load_model, load_text_data, model_task, padding_side, tokenize
 from .config import DEFAULT_MAX_STEPS, FinetuneConfig
@@ -248,11 +248,14 @@ def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device) -> li
 
 def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False) -> list[str]:
     """Patch ``layers`` into ``model``, and with ``norms`` (and any layer at all) its norms too; return the
-    names of the norms patched now."""
+    names of the model's SEBP norms (patched now or before)."""
     if not layers:
         return []
     patch_model(model, layer_configs=layers)
-    return patch_norms(model) if norms else []
+    if not norms:
+        return []
+    patch_norms(model)
+    return [n for n, m in model.named_modules() if isinstance(m, SEBPNorm)]
 
 
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
@@ -291,8 +294,7 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
                 if best is None or statistics.median(s_ms) < statistics.median(best[2]):
                     best = (cfgs, d_ms, s_ms)
             layers, dense_ms, sebp_ms = best
-            unpatch_model(model)
-            norm_names = apply_sebp(model, layers, norms)
+            norm_names = apply_sebp(model, layers, norms)  # the chosen backend in place of the last one timed
             if if_slower and statistics.median(sebp_ms) > statistics.median(dense_ms):
                 unpatch_model(model)
                 reason = "SEBP backward measured slower than dense on the calibration batches"
