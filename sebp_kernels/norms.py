@@ -77,8 +77,8 @@ class SEBPLayerNormFunction(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad[:3]
         w = weight.reshape(-1) if weight is not None else None
-        dx, dw, db = _backward(ctx.config, dy, x, w, mean, rstd, nx, nw and w is not None,
-                               nb and ctx.bias_dtype is not None, ctx.bias_dtype, math.prod(ctx.normalized_shape))
+        dx, dw, db = _backward(ctx.config, dy, x, w, mean, rstd, nx, nw, nb and ctx.bias_dtype is not None,
+                               ctx.bias_dtype, math.prod(ctx.normalized_shape))
         return (dx, dw.view(weight.shape) if dw is not None else None,
                 db.view(weight.shape) if db is not None else None, None, None, None)
 

@@ -123,8 +123,6 @@ TILE = 8192  # elements of one program's tile (whole rows)
 STAGES = 3  # tiles in flight per program (software pipelining of the row loop)
 SUM_BLOCK = 32  # columns per program of the reduction
 ACC2D = True  # column sums per tile row until the end (no cross-row reduction in the loop)
-
-
 WARPS = 8  # per program (16 for rows of 8192+ elements); 4 or 16 were slower at both shapes
 
 
@@ -133,7 +131,7 @@ def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n)
     if interpret:
         return block_n, 2, 1
-    return block_n, max(1, min(16, TILE // block_n)), max(WARPS, 16 if block_n >= 8192 else 0)
+    return block_n, max(1, min(16, TILE // block_n)), 16 if block_n >= 8192 else WARPS
 
 
 def _plan(m, n, n_sm, interpret, has_mean, has_w, need_dx, do_dw, do_db, strides):
