@@ -35,6 +35,20 @@ def layer_shapes(dev):
             yield shape, torch.Generator(device=dev).manual_seed(0)
 
 
+def operands(shape, g):
+    """bf16 X, W (scaled by 1/sqrt(in)) and a full dY for ``shape``, drawn in this order from ``g``."""
+    m, n_in, n_out, dev = shape.rows, shape.in_features, shape.out_features, g.device
+    x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
+    return x, w, torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
+
+
+def write_rows(path, rows):
+    """The JSON every diagnostic script writes: environment, the exact command, its rows."""
+    with open(path, "w") as f:
+        json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+
+
 def padded(dy_full, shape, density):
     """(dY with the rows of right padding at ``density`` zeroed, the active-row mask)."""
     mask = padded_rows(shape.rows, shape.seq, density, dy_full.device)
@@ -46,10 +60,7 @@ def main(path, densities):
     n_sm = _sm_count(dev)
     rows = []
     for shape, g in layer_shapes(dev):
-        m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-        x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
-        w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
-        dy_full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
+        x, w, dy_full = operands(shape, g)
         for d in densities:
             dy, mask = padded(dy_full, shape, d)
             act = mask.nonzero().squeeze(1)
@@ -71,8 +82,7 @@ def main(path, densities):
                                                                 dw_split=s))
             print(r, flush=True)
             rows.append(r)
-    with open(path, "w") as f:
-        json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    write_rows(path, rows)
 
 
 if __name__ == "__main__":

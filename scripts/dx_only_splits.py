@@ -6,17 +6,15 @@ the SMs, and cuBLAS dY[active] @ W on the active rows laid out contiguously. bf1
 
     python scripts/dx_only_splits.py out.json
 """
-import json
 import sys
 
 import torch
 
 # beside this file: the same CUDA-graph timing (us), layer shapes and padded inputs
-from dense_gap import bench, layer_shapes, padded
+from dense_gap import bench, layer_shapes, padded, write_rows
 
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
-from sebp_probe.bench import environment
 
 
 def main(path):
@@ -40,8 +38,7 @@ def main(path):
                                                            n_sm // 2))
             print(r, flush=True)
             rows.append(r)
-    with open(path, "w") as f:
-        json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    write_rows(path, rows)
 
 
 if __name__ == "__main__":

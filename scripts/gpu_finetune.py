@@ -110,8 +110,12 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         targets=LLAMA_TARGETS if kind.startswith("llama") else None,
         dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, sebp_norms=norms, seed=0)
     t0 = time.time()
-    summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data)
+    traces: dict = {}
+    summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data,
+                       on_event=_memory_tracer(traces) if os.environ.get("MEMORY_TRACE") else None)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    if traces and rank0:
+        _print_traces(traces)
     if not rank0:
         return
     res = {
@@ -132,6 +136,41 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmp = summary.get("comparison", {})
     print(f"{exp} ({world} GPU): " + ", ".join(f"{k} {v:.4g}" for k, v in cmp.items() if v is not None))
+
+
+def _memory_tracer(traces: dict):
+    """An on_event callback (MEMORY_TRACE=1) recording the CUDA allocator's history over the first three
+    training steps of each run: which blocks are alive at the peak of those steps (``ddp_memory.py``)."""
+    import torch
+
+    from ddp_memory import live_at_peak
+
+    def on_event(kind, payload):
+        if kind == "start":
+            traces[payload["run"]] = {"start_mib": torch.cuda.memory_allocated() / 2**20}
+            torch.cuda.memory._record_memory_history(max_entries=1000000, stacks="python")
+        elif kind == "step" and payload["step"] == 3:
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            rise, groups, pre_freed, pending = live_at_peak(snap, torch.cuda.current_device())
+            traces[payload["run"]].update(rise_mib=rise / 2**20, groups=groups, pre_freed=pre_freed,
+                                          pending_mib=pending / 2**20,
+                                          peak_mib=torch.cuda.max_memory_allocated() / 2**20)
+    return on_event
+
+
+def _print_traces(traces: dict) -> None:
+    for m, r in traces.items():
+        print(f"{m:6s} allocated at the first step {r['start_mib']:.0f} MiB, peak of steps 1-3 "
+              f"{r.get('peak_mib', 0):.0f} MiB, rise in the trace {r.get('rise_mib', 0):.0f} MiB, free pending "
+              f"{r.get('pending_mib', 0):.0f} MiB")
+        for k, v in sorted(r.get("pre_freed", {}).items(), key=lambda kv: -kv[1])[:6]:
+            print(f"    freed by the peak, allocated before step 1: {v / 2**20:8.1f} MiB  {k}")
+    d, s = traces.get("dense", {}).get("groups", {}), traces.get("sebp", {}).get("groups", {})
+    print("alive at the peak of steps 1-3, MiB (dense, sebp), largest differences first:")
+    for k in sorted(set(d) | set(s), key=lambda k: -abs(s.get(k, 0) - d.get(k, 0)))[:16]:
+        print(f"  {d.get(k, 0) / 2**20:8.1f} {s.get(k, 0) / 2**20:8.1f}  {k}")
 
 
 def collect(out: Path) -> None:

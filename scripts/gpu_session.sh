@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag host colprof collector tests gap dxonly normbench bench mprofile profile finetune"); every output is packed
+# One device call, several steps (STEPS="diag host colprof collector tests gap overlap dxonly normbench bench mprofile profile finetune"); every output is packed
 # into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
@@ -42,10 +42,13 @@ for s in ${STEPS:-diag tests}; do
                --no-pad-mask -o $OUT/model_${m}_causal.json ) > $OUT/bench_model_${m}_causal.txt 2>&1
              tail -28 $OUT/bench_model_${m}_causal.txt; done ;;
     normbench) ( timeout 200 python3 scripts/norm_bench.py $OUT/norm_bench.json;
-                 timeout 200 python3 scripts/norm_sweep.py $OUT/norm_sweep.json ) > $OUT/norm_bench.txt 2>&1
+                 [ "${NORM_SWEEP:-1}" = 1 ] && timeout 200 python3 scripts/norm_sweep.py $OUT/norm_sweep.json ) \
+                 > $OUT/norm_bench.txt 2>&1
                grep -v Warn $OUT/norm_bench.txt | tail -14 ;;
     gap) ( timeout ${GAP_LIMIT:-240} python3 scripts/dense_gap.py $OUT/dense_gap.json ${GAP_DENSITIES:-1.0,0.5} ) \
            > $OUT/gap.txt 2>&1; tail -30 $OUT/gap.txt ;;
+    overlap) ( timeout 240 python3 scripts/overlap_probe.py $OUT/overlap.json ) > $OUT/overlap.txt 2>&1
+             tail -25 $OUT/overlap.txt ;;
     dxonly) ( timeout 200 python3 scripts/dx_only_splits.py $OUT/dx_only.json ) > $OUT/dx_only.txt 2>&1
             tail -25 $OUT/dx_only.txt ;;
     mprofile) ( timeout ${MPROF_LIMIT:-300} python3 scripts/model_profile.py $OUT/model_profile.json ) \
