@@ -1,5 +1,6 @@
-"""Backward time of the real MiniLM classifier on CPU: dense vs SEBP (exact, torch path), and SEBP on the
-LayerNorms too.
+"""Backward time of the real MiniLM classifier on CPU: dense vs SEBP (exact, torch path), with SEBP norms.
+
+The third variant puts the SEBP backward on the LayerNorms too.
 
 Usage: python scripts/cpu_backward_speed.py [--batch 32] [--length 128] [--repeats 5] [--output FILE]
 Batches are real tweets from the bundled corpus, padded to a fixed length.

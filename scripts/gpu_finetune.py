@@ -185,7 +185,9 @@ def collect(out: Path) -> None:
                      "dense_backward_ms": d.get("mean_backward_ms"), "sebp_backward_ms": s.get("mean_backward_ms"),
                      "dense_step_ms": d.get("mean_step_ms"), "sebp_step_ms": s.get("mean_step_ms"),
                      "speedup_backward": c.get("speedup_backward"), "speedup_step": c.get("speedup_step"),
-                     "peak_mem_ratio": c.get("peak_mem_ratio"), "max_abs_loss_gap": c.get("max_abs_loss_gap"),
+                     "peak_mem_ratio": c.get("peak_mem_ratio"),
+                     "peak_mem_ratio_from_step3": c.get("peak_mem_ratio_from_step3"),
+                     "max_abs_loss_gap": c.get("max_abs_loss_gap"),
                      "sebp_layers": len((s.get("calibration") or {}).get("layers", {})),
                      "fallback_reason": (s.get("calibration") or {}).get("fallback_reason")})
     # SEBP at max_length against dense with dynamic padding (longest), same model and data. With padding

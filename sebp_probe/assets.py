@@ -166,12 +166,14 @@ def load_model(
     task: str | None = None,
     num_labels: int | None = None,
     dtype: torch.dtype | None = None,
+    label_names: list[str] | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer: a bundled short name, a local directory, or a hub id.
 
     ``task`` is ``classification`` (AutoModelForSequenceClassification) or ``causal-lm``
-    (AutoModelForCausalLM); by default it is guessed from the config. A tokenizer without a pad token
-    gets its EOS token as pad.
+    (AutoModelForCausalLM); by default it is guessed from the config. ``label_names`` (classification)
+    size the head and name its outputs in the config; a checkpoint that already has a classification head
+    for another number of labels is refused. A tokenizer without a pad token gets its EOS token as pad.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -190,11 +192,19 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if task == "classification":
+            if label_names:
+                num_labels = len(label_names)
+            _check_head(name_or_path, config, num_labels)
             if num_labels is not None:
                 config.num_labels = num_labels
+            if label_names:
+                config.id2label = {i: str(n) for i, n in enumerate(label_names)}
+                config.label2id = {str(n): i for i, n in enumerate(label_names)}
             model = AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    except AssetError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise AssetError(f"cannot load model {name_or_path!r} as {task}: {_one_line(e)}") from None
     finally:
@@ -207,6 +217,17 @@ def load_model(
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return LoadedModel(model=model, tokenizer=tokenizer, task=task, name=name_or_path, source=source)
+
+
+def _check_head(name: str, config, num_labels: int | None) -> None:
+    """A checkpoint saved with a classification head keeps it: another label count cannot load into it."""
+    archs = getattr(config, "architectures", None) or []
+    if num_labels is None or not any(a.endswith("ForSequenceClassification") for a in archs):
+        return
+    if config.num_labels != num_labels:
+        raise AssetError(f"model {name!r} has a {config.num_labels}-label classification head but the dataset "
+                         f"has {num_labels} labels; use a dataset with the same labels, or start from the base "
+                         "model")
 
 
 def model_identity(model: torch.nn.Module) -> dict:
@@ -303,19 +324,27 @@ def _local_rows(path: Path) -> list[dict]:
     return df.to_dict(orient="records")
 
 
+def hub_candidates(name: str) -> list[tuple[str, str | None]]:
+    """The (repository, configuration) pairs to try for a datasets hub name, in order: ``repo:config``;
+    ``owner/repo/config``; ``glue/sst2`` as repository glue with configuration sst2, then as the repository
+    ``glue/sst2``; any other name as a repository without configuration."""
+    if ":" in name:
+        return [tuple(name.split(":", 1))]
+    parts = name.split("/")
+    if len(parts) == 2:
+        return [(parts[0], parts[1]), (name, None)]
+    if len(parts) == 3:
+        return [("/".join(parts[:2]), parts[2])]
+    return [(name, None)]
+
+
 def _hub_rows(name: str, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
         raise AssetError("hub datasets need the 'datasets' package: pip install datasets") from None
-    if ":" in name:
-        candidates = [tuple(name.split(":", 1))]
-    else:
-        parts = name.split("/")
-        candidates = {1: [(name, None)], 2: [(parts[0], parts[1]), (name, None)],
-                      3: [("/".join(parts[:2]), parts[2])]}.get(len(parts), [(name, None)])
     errors = []
-    for repo, conf in candidates:
+    for repo, conf in hub_candidates(name):
         try:
             ds = datasets.load_dataset(repo, conf, split=split)
             return [dict(r) for r in ds]

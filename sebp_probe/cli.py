@@ -123,6 +123,8 @@ def _print_finetune_summary(summary: dict) -> None:
         parts = [f"backward x{cmp['speedup_backward']:.2f}" if "speedup_backward" in cmp else "",
                  f"step x{cmp['speedup_step']:.2f}" if "speedup_step" in cmp else "",
                  f"peak memory x{cmp['peak_mem_ratio']:.3f}" if "peak_mem_ratio" in cmp else "",
+                 f"x{cmp['peak_mem_ratio_from_step3']:.3f} from step 3 on" if "peak_mem_ratio_from_step3" in cmp
+                 else "",
                  f"max |loss gap| {cmp['max_abs_loss_gap']:.2e}" if cmp.get("max_abs_loss_gap") is not None else ""]
         console.print("SEBP vs dense: " + ", ".join(p for p in parts if p), highlight=False)
 
@@ -182,7 +184,7 @@ def finetune_cmd(
     lora: bool = typer.Option(False, "--lora", help="Train LoRA adapters (peft); SEBP on the frozen base layers "
                               "computes no dW."),
     lora_r: int = typer.Option(8, "--lora-r"),
-    eval_steps: int = typer.Option(None, "--eval-steps", help="Evaluate every N steps (default: 4 times)."),
+    eval_steps: int = typer.Option(None, "--eval-steps", help="Evaluate every N steps (default: steps // 4, at least 1) and at the last step."),
     save_steps: int = typer.Option(None, "--save-steps", help="Checkpoint every N steps (default: at the end, "
                                    "and on Ctrl-C/SIGTERM)."),
     output_dir: str = typer.Option("runs/finetune", "--output-dir", "-o"),
@@ -478,15 +480,22 @@ def _print_analysis(report: dict, per_layer: bool) -> None:
                   str(r["top_n"]), f"{_pct(r['saving_threshold'])} / {_pct(r['saving_topk'])}")
     console.print(t)
     if per_layer:
-        t = Table(title="Per layer", box=box.SIMPLE_HEAD)
-        for col in ("layer", "mode", "eps", "N", "zero rows %", "rows > eps %", "why"):
+        # The reasons are long: beside the numbers on a wide console, else listed under the table in full
+        # (a narrow table would cut them, and piped output is 80 columns wide).
+        wide = console.width >= 150
+        t = Table(title="Per layer", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for col in ("layer", "mode", "eps", "N", "zero\nrows %", "rows\n> eps %", *(("why",) if wide else ())):
             t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right",
-                         no_wrap=col != "why")
+                         no_wrap=col not in ("layer", "why"), overflow="fold")
         for name, e in report["layers"].items():
             s = e["stats"]
             t.add_row(name, e["mode"], f"{e['eps']:.3g}", str(e["top_n"]), _pct(s["zero_row_fraction"]["avg"]),
-                      _pct(s["active_row_fraction"]["avg"]), s["reason"])
+                      _pct(s["active_row_fraction"]["avg"]), *((s["reason"],) if wide else ()))
         console.print(t)
+        if not wide:
+            console.print("why, per layer:", highlight=False)
+            for name, e in report["layers"].items():
+                console.print(f"  {name}: {e['stats']['reason']}", highlight=False, soft_wrap=True)
     g, tot = report["global"], report["totals"]
     console.print(f"global setting: eps {g['eps']:.3g}, N {g['top_n']} ({g['reason']})", highlight=False)
     console.print(f"backward GEMM FLOPs (dX, dW) saved, all layers: threshold {_pct(tot['saving_threshold'])}%, "

@@ -32,7 +32,12 @@ def test_help_has_examples():
 
 
 @pytest.mark.slow
-def test_analyze_minilm_tweets_tables_report_and_json(tmp_path):
+def test_analyze_minilm_tweets_tables_report_and_json(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    import sebp_probe.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=80))  # piped output's width
     out = tmp_path / "report.json"
     r = _run("analyze", "minilm", "tweets", *SMALL, "-o", str(out), "--per-layer")
     assert r.exit_code == 0, r.output
@@ -45,6 +50,8 @@ def test_analyze_minilm_tweets_tables_report_and_json(tmp_path):
     assert report["padding"] == {"padding": "max_length", "max_length": 32, "padding_side": "right",
                                  "batch_size": 8}
     assert len(report["layers"]) == 36 and report["analysis"]["batches"] == 2
+    for name, e in report["layers"].items():  # at 80 columns the reasons come under the table, whole
+        assert f"  {name}: {e['stats']['reason']}" in r.output
     # right padding: every padded token row is exactly zero, in every layer
     pad = report["tokens"]["pad_fraction"]
     key = report["layers"]["bert.encoder.layer.0.attention.self.key"]["stats"]

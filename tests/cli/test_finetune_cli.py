@@ -227,3 +227,39 @@ def test_settings_added_later_do_not_block_resuming_older_runs():
     old = {"lr": 1e-4, "data": {"max_length": 32}}  # written before sebp_norms existed
     assert _config_changes(old, {**old, "sebp_norms": False}) == []
     assert _config_changes(old, {**old, "sebp_norms": True}) == ["sebp_norms"]
+
+
+def test_peak_from_step3_is_summarised_and_compared():
+    """On CUDA each train record carries its own step's peak beside the run's running maximum; the summary
+    and the comparison add the peak from step 3 on (DDP may or may not still hold its first buckets at step
+    2's peak, for dense and SEBP alike). Records without step peaks (CPU) give no such key."""
+    from sebp_probe.finetune import _compare, summarize_records
+
+    def recs(step_peaks):
+        out, run = [], 0.0
+        for i, p in enumerate(step_peaks, 1):
+            run = max(run, p)
+            out.append({"type": "train", "step": i, "loss": 1.0, "backward_ms": 1.0, "step_ms": 2.0,
+                        "peak_mem_mb": run, "step_peak_mem_mb": p})
+        return out
+
+    dense = summarize_records(recs([100.0, 150.0, 120.0, 121.0]))
+    sebp = summarize_records(recs([100.0, 180.0, 110.0, 111.0]))
+    assert dense["peak_mem_mb"] == 150.0 and dense["peak_mem_mb_from_step3"] == 121.0
+    assert sebp["peak_mem_mb"] == 180.0 and sebp["peak_mem_mb_from_step3"] == 111.0
+    cmp = _compare(dense, sebp)
+    assert cmp["peak_mem_ratio"] == pytest.approx(1.2)
+    assert cmp["peak_mem_ratio_from_step3"] == pytest.approx(111.0 / 121.0)
+    cpu = [{k: v for k, v in r.items() if k != "step_peak_mem_mb"} for r in recs([5.0, 6.0, 7.0])]
+    assert "peak_mem_mb_from_step3" not in summarize_records(cpu)
+    assert "peak_mem_ratio_from_step3" not in _compare(summarize_records(cpu), summarize_records(cpu))
+
+
+def test_processes_that_accelerate_does_not_join_are_refused(tiny, tmp_path, monkeypatch):
+    """torchrun on CPU without ACCELERATE_USE_CPU=1 starts processes that accelerate runs as separate
+    single-process trainings into one output directory: refused, nothing written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "run"
+    line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out)]))
+    assert "WORLD_SIZE=2" in line and "ACCELERATE_USE_CPU=1" in line
+    assert not out.exists()

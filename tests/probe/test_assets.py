@@ -172,3 +172,56 @@ def test_prompts_longer_than_max_length_are_refused_not_nan(tmp_path, minilm):
     fake = type(minilm)(model=None, tokenizer=WordTokenizer(), task="causal-lm", name="fake", source="test")
     with pytest.raises(AssetError, match="no target token"):
         make_loader(fake, data, DataConfig(dataset=str(f), max_length=4))
+
+
+def test_hub_dataset_names_reach_the_loader(monkeypatch):
+    """Hub names of one, two and three parts and repo:config are tried as (repository, configuration) pairs
+    (until 2026-11-22 one- and two-part names such as imdb and glue/sst2 raised IndexError before loading)."""
+    import sys
+    import types
+
+    from sebp_probe.assets import hub_candidates
+
+    assert hub_candidates("imdb") == [("imdb", None)]
+    assert hub_candidates("glue/sst2") == [("glue", "sst2"), ("glue/sst2", None)]
+    assert hub_candidates("owner/repo/cfg") == [("owner/repo", "cfg")]
+    assert hub_candidates("glue:sst2") == [("glue", "sst2")]
+    calls = []
+
+    def load_dataset(repo, conf, split):
+        calls.append((repo, conf, split))
+        if (repo, conf) in {("imdb", None), ("glue", "sst2")}:
+            return [{"sentence" if conf else "text": f"sample {i}", "label": i % 2} for i in range(6)]
+        raise FileNotFoundError(f"Dataset '{repo}' doesn't exist on the Hub\nsecond line")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    for name in ("imdb", "glue/sst2"):
+        data = load_text_data(DataConfig(dataset=name), "classification")
+        assert len(data) == 6 and data.examples[0]["text"] == "sample 0", name
+    assert ("imdb", None, "train") in calls and ("glue", "sst2", "train") in calls
+    with pytest.raises(AssetError, match=r"cannot load dataset 'nosuch/thing'.*doesn't exist") as e:
+        load_text_data(DataConfig(dataset="nosuch/thing"), "classification")
+    assert "\n" not in str(e.value)
+    assert calls[-2:] == [("nosuch", "thing", "train"), ("nosuch/thing", None, "train")]
+
+
+def test_classification_head_labels(tmp_path):
+    """Label names size the head and name its outputs; a checkpoint whose classification head has another
+    number of labels is refused in one line (transformers' own error pointed at a report it did not print)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+
+    from sebp_probe.assets import minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                     intermediate_size=40, max_position_embeddings=64, num_labels=3)
+    path = tmp_path / "cls3"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    m = load_model(str(path), "classification", label_names=["negative", "neutral", "positive"])
+    assert m.model.config.id2label == {0: "negative", 1: "neutral", 2: "positive"}
+    assert m.model.config.label2id["positive"] == 2
+    with pytest.raises(AssetError, match="has a 3-label classification head but the dataset has 2 labels"):
+        load_model(str(path), "classification", label_names=["no", "yes"])
+    base = load_model("minilm", "classification", label_names=["no", "yes"])  # a base model: a new head
+    assert base.model.config.num_labels == 2 and base.model.config.id2label[1] == "yes"
