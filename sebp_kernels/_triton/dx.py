@@ -2,10 +2,9 @@
 
 The grid covers the worst case (all M rows). Program tile ``pid_m`` covers positions
 ``[pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M)`` of the row permutation from the select pass. Tiles wholly past
-the device-side count ``k`` hold inactive rows: the computing programs store zeros into them, each a share,
-before their own GEMM (so the stores overlap other SMs' GEMMs; only with no active row at all do the programs
-after them write the zeros); a tile that straddles ``k`` loads its inactive rows as zeros, so they come out
-zero too. Every row of dX is written exactly once, so dX needs no memset.
+the device-side count ``k`` hold inactive rows: they store zeros into those rows of dX and do no GEMM work;
+a tile that straddles ``k`` loads its inactive rows as zeros, so they come out zero too. Every row of dX is
+written exactly once, so dX needs no memset.
 """
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ def _dx_program(
     pieces of at least MIN_K, at most MAX_SPLIT), chosen here from the device-side k: the spare EXTRA
     programs do the extra pieces, and the last piece to finish adds the fp32 partials in piece order
     (``part_ptr``: at least T * S tiles of BLOCK_M x BLOCK_N; ``ticket_ptr``: T counters, zero between
-    launches). The tiles wholly past k hold only zero rows: the computing programs write them, in turns,
-    before their own tile (the programs after them only when no row is active); the rest exit.
+    launches). The programs after those write the zero rows of the tiles wholly past k; the rest exit.
     """
     # M rows of dY/dX, N = in_features, K = out_features.
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -108,15 +106,7 @@ def _dx_program(
     t_act, n_split = _dx_work(count, N, K, FILL, EXTRA, BLOCK_M, BLOCK_N, MIN_K, MAX_SPLIT)
     offs_bm = tl.arange(0, BLOCK_M)
     offs_bn = tl.arange(0, BLOCK_N)
-    n_compute = t_act * n_split
-    n_zero = (tl.cdiv(M, BLOCK_M) - m_act) * n_tiles_n  # tiles wholly past k: zero rows
-    if g < n_compute:
-        # The computing programs also write the zero tiles, z = g, g + n_compute, ..., before their own
-        # tile: spread over the whole launch, the stores run beside other SMs' GEMMs instead of in a
-        # memory-bound phase of their own at its end.
-        for z in range(g, n_zero, n_compute):
-            _dx_zero_tile(dx_ptr, perm_ptr, z, m_act, n_tiles_n, M, N, stride_dxm, stride_dxn, offs_bm, offs_bn,
-                          BLOCK_M, BLOCK_N, BIG)
+    if g < t_act * n_split:
         t = g % t_act
         pid_s = g // t_act
         pid_m, pid_n = grouped_tile(t, count, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -133,24 +123,16 @@ def _dx_program(
         _store_split(dx_ptr, rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
                      part_ptr + t * (BLOCK_M * BLOCK_N), offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
                      t_act * (BLOCK_M * BLOCK_N), ticket_ptr, t, acc, in_m[:, None] & n_mask, pid_s, n_split)
-    elif n_compute == 0:  # no active row: the programs after the computing ones write the zero tiles
-        if g < n_zero:
-            _dx_zero_tile(dx_ptr, perm_ptr, g, m_act, n_tiles_n, M, N, stride_dxm, stride_dxn, offs_bm, offs_bn,
-                          BLOCK_M, BLOCK_N, BIG)
-
-
-@triton.jit
-def _dx_zero_tile(dx_ptr, perm_ptr, z, m_act, n_tiles_n, M, N, stride_dxm, stride_dxn, offs_bm, offs_bn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIG: tl.constexpr):
-    """Zero tile ``z`` of dX: row tiles m_act, m_act + 1, ... of the permutation (all past k), column tiles
-    fastest."""
-    pos = (m_act + z // n_tiles_n) * BLOCK_M + offs_bm
-    in_m = pos < M
-    rows = _perm_rows(perm_ptr, pos, in_m, BIG)
-    offs_n = (z % n_tiles_n) * BLOCK_N + offs_bn
-    tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
-             tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty),
-             mask=in_m[:, None] & (offs_n < N)[None, :])
+    else:
+        z = g - t_act * n_split  # zero tiles: row tiles m_act, m_act + 1, ... (all past k)
+        if z < (tl.cdiv(M, BLOCK_M) - m_act) * n_tiles_n:
+            pos = (m_act + z // n_tiles_n) * BLOCK_M + offs_bm
+            in_m = pos < M
+            rows = _perm_rows(perm_ptr, pos, in_m, BIG)
+            offs_n = (z % n_tiles_n) * BLOCK_N + offs_bn
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty),
+                     mask=in_m[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit

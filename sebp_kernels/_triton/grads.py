@@ -2,9 +2,8 @@
 
 The programs of one grid take the roles of the three separate kernels: the dW tiles (times their row
 splits) and the computing dX programs (its active tiles, split over K when few are active), whichever
-reduces over more (decided on the device from the active-row count) first (the computing dX programs also
-write the zero rows of dX, each a share); then the dX programs that write the zero rows only when no row is
-active (else they exit), then the db column blocks (times their row splits). Each role runs the same
+reduces over more (decided on the device from the active-row count) first; then the dX programs that write
+the zero rows (or exit), then the db column blocks (times their row splits). Each role runs the same
 device code as its own kernel (``_dw_tile``, ``_dx_program``, ``_db_cols``), on the permutation and device-side
 count of the select pass. One launch instead of three saves host time (each Triton launch costs about
 10-17 us on the device machine's host) and two kernel boundaries on the GPU.
