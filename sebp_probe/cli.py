@@ -108,7 +108,7 @@ def _print_finetune_summary(summary: dict) -> None:
 
     runs = summary.get("runs") or {summary.get("method", "run"): summary}
     table = Table(title=f"fine-tuning: {summary['output_dir']}")
-    for col in ("run", "status", "steps", "loss", "held-out", "bwd ms", "step ms", "MiB"):
+    for col in ("run", "status", "steps", "loss\n(last 10)", "held-out", "bwd ms", "step ms", "MiB"):
         table.add_column(col, justify="left" if col in ("run", "status", "held-out") else "right", no_wrap=True)
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     short = {"eval_accuracy": "acc", "eval_perplexity": "ppl", "eval_loss": "loss"}
