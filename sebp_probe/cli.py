@@ -246,24 +246,39 @@ _RUN_LABELS = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",
 
 
 def _bench_tables(result: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     if result.get("layers"):
-        table = Table(title=f"SEBP backward per layer ({result['dtype']}, {result['mode']}; "
-                            f"median ms, speedup vs dense cuBLAS)")
-        for col in ("layer", "density", "k", "dense", "ideal", "triton", "torch ref", "x ideal", "x triton",
-                    "x adaptive", "of ideal", "x torch ref", "peak MiB d/t"):
-            table.add_column(col, justify="left" if col == "layer" else "right")
-        for r in result["layers"]:
-            ms, sp = r["ms"], r["speedup_vs_dense"]
-            table.add_row(r["shape"]["name"], f"{r['density']:g}", str(r["k"]), f"{ms['dense']:.3f}",
-                          f"{ms['ideal']:.3f}", f"{ms['triton']:.3f}", f"{ms['torch_ref']:.3f}",
-                          f"{sp['ideal']:.2f}", f"{sp['triton']:.2f}",
-                          f"{sp['triton_adaptive']:.2f}" if "triton_adaptive" in sp else "-",
-                          f"{r['triton_fraction_of_ideal_speedup']:.2f}",
-                          f"{r['triton_vs_torch_ref']:.2f}",
-                          f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}")
-        console.print(table)
+        what = f"{result['dtype']}, {result['mode']}"
+        times = ("k", "dense", "ideal", "triton", "torch ref")
+        ratios = ("x ideal", "x triton", "x adaptive", "of ideal", "x torch ref", "peak MiB d/t")
+        # one table where the console is wide enough, else the times and the ratios apart (rich would cut
+        # every column of a 13-column table to a few characters at 80 columns, the width of piped output)
+        parts = [(f"SEBP backward per layer ({what}; median ms, speedup vs dense cuBLAS)", times + ratios)]
+        if console.width < 150:
+            parts = [(f"SEBP backward per layer ({what}; median ms)", times),
+                     (f"SEBP backward per layer ({what}): speedups vs dense cuBLAS, share of the ideal's, x the "
+                      "torch reference, peak extra MiB dense/triton", ratios)]
+        for title, cols in parts:
+            table = Table(title=title, box=box.SIMPLE_HEAD if len(parts) > 1 else box.HEAVY_HEAD, pad_edge=False,
+                          collapse_padding=True)
+            for col in ("layer", "density", *cols):
+                narrow = len(parts) > 1
+                table.add_column(col.replace(" ", "\n") if narrow and col != "layer" else col,
+                                 justify="left" if col == "layer" else "right", no_wrap=narrow and col != "layer",
+                                 overflow="fold")
+            for r in result["layers"]:
+                ms, sp = r["ms"], r["speedup_vs_dense"]
+                cells = {"k": str(r["k"]), "dense": f"{ms['dense']:.3f}", "ideal": f"{ms['ideal']:.3f}",
+                         "triton": f"{ms['triton']:.3f}", "torch ref": f"{ms['torch_ref']:.3f}",
+                         "x ideal": f"{sp['ideal']:.2f}", "x triton": f"{sp['triton']:.2f}",
+                         "x adaptive": f"{sp['triton_adaptive']:.2f}" if "triton_adaptive" in sp else "-",
+                         "of ideal": f"{r['triton_fraction_of_ideal_speedup']:.2f}",
+                         "x torch ref": f"{r['triton_vs_torch_ref']:.2f}",
+                         "peak MiB d/t": f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}"}
+                table.add_row(r["shape"]["name"], f"{r['density']:g}", *(cells[c] for c in cols))
+            console.print(table)
     for m in result.get("models", []):
         no_mask = ("" if m.get("pad_mask", True) else ", no padding mask") + (
             f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "")

@@ -158,3 +158,25 @@ def test_tables_render_committed_results(capsys, monkeypatch):
     assert "GPU kernel time of one backward by" in out and "no padding" in out
     assert "│ SEBP, padded │ 0.00 │ 1.00 │ 0.50 │ 1.50 │" in out  # columns by the dense run's largest first
     assert "as CUDA graphs" in out and "SEBP backward per layer" in out
+
+
+def test_layer_tables_fit_80_columns(capsys, monkeypatch):
+    """Piped output is 80 columns wide: the per-layer results come as two tables (times; ratios) with no cell
+    cut short, and every layer's share of the ideal is printed whole."""
+    from pathlib import Path
+
+    from sebp_probe import cli
+
+    root = Path(__file__).resolve().parents[2] / "results"
+    result = json.loads((root / "h100_layers_llama-3.2-3b.json").read_text())
+    result["models"] = []
+    monkeypatch.setattr(cli.console, "width", 80)
+    cli._bench_tables(result)
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
+    assert "median ms)" in out and "share of the" in out
+    shares = [f"{r['triton_fraction_of_ideal_speedup']:.2f}" for r in result["layers"]]
+    rows = [line for line in out.splitlines() if line.strip().startswith("llama-3.2-3b")]
+    assert len(rows) == 2 * len(result["layers"])
+    for row, share in zip(rows[len(shares):], shares):
+        assert row.split()[-3] == share, row
