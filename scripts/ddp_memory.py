@@ -2,10 +2,10 @@
 8% above dense, one GPU did not).
 
 Plain torch DDP (the defaults accelerate uses), fp32, one fixed right-padded batch of synthetic tokens, the
-models of ``scripts/gpu_finetune.py``. Each method gets a fresh model; after three steps the allocator's
-history is recorded for a fourth, and rank 0 prints the peak of that step and the blocks alive at its
-peak, summed by the Python frames that allocated them (the frames of the two methods differ where SEBP
-allocates differently).
+models of ``scripts/gpu_finetune.py``. Each method (a method may repeat: ``--order dense,dense``) gets a fresh
+model and DDP wrapper; the allocator's history is recorded over its first four steps, and rank 0 prints the
+peak after each step, how far the trace rose, and the blocks allocated before step 1 (the parameters, DDP's
+first buckets) that were freed by the peak. ``gpu_finetune.py`` (MEMORY_TRACE=1) uses the same recording.
 
     torchrun --nproc_per_node 2 scripts/ddp_memory.py --model llama [--norms] [--order sebp,dense]
 """
@@ -76,6 +76,19 @@ def live_at_peak(snapshot, dev: int):
     return best[0], groups, best[2], best[3]
 
 
+def start_recording() -> None:
+    """Record the CUDA allocator's history (Python stacks) from now on."""
+    torch.cuda.memory._record_memory_history(max_entries=1000000, stacks="python")
+
+
+def stop_recording(dev: int):
+    """Stop recording and return :func:`live_at_peak` of what was recorded on device ``dev``."""
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return live_at_peak(snap, dev)
+
+
 def step(model, opt, data):
     loss = model(**data).loss
     loss.backward()
@@ -83,7 +96,7 @@ def step(model, opt, data):
     opt.zero_grad(set_to_none=True)
 
 
-def measure(kind: str, method: str, norms: bool, bucket_view: bool, rank: int, dev):
+def measure(kind: str, method: str, norms: bool, bucket_view: bool, dev):
     from sebp_kernels import SEBPConfig
     from sebp_probe.patch import patch_model, patch_norms
 
@@ -102,16 +115,13 @@ def measure(kind: str, method: str, norms: bool, bucket_view: bool, rank: int, d
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    torch.cuda.memory._record_memory_history(max_entries=1000000, stacks="python")
+    start_recording()
     peaks = []
     for _ in range(4):  # DDP rebuilds its buckets at the start of the second step
         step(ddp, opt, data)
         peaks.append(torch.cuda.max_memory_allocated(dev) / 2**20)
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    rise, groups, pre_freed, pending = live_at_peak(snap, dev.index)
-    del ddp, opt, model, data, snap
+    rise, groups, pre_freed, pending = stop_recording(dev.index)
+    del ddp, opt, model, data
     gc.collect()
     torch.cuda.empty_cache()
     return {"start_mib": start / 2**20, "peaks_mib": peaks, "trace_rise_mib": rise / 2**20, "groups": groups,
@@ -129,7 +139,7 @@ def main():
     rank = dist.get_rank()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(dev)
-    res = [(m, measure(a.model, m, a.norms, a.bucket_view, rank, dev)) for m in a.order.split(",")]
+    res = [(m, measure(a.model, m, a.norms, a.bucket_view, dev)) for m in a.order.split(",")]
     if rank == 0:
         print(f"== {a.model} norms={a.norms} bucket_view={a.bucket_view} order={a.order}")
         for m, r in res:

@@ -143,17 +143,14 @@ def _memory_tracer(traces: dict):
     training steps of each run: which blocks are alive at the peak of those steps (``ddp_memory.py``)."""
     import torch
 
-    from ddp_memory import live_at_peak
+    from ddp_memory import start_recording, stop_recording
 
     def on_event(kind, payload):
         if kind == "start":
             traces[payload["run"]] = {"start_mib": torch.cuda.memory_allocated() / 2**20}
-            torch.cuda.memory._record_memory_history(max_entries=1000000, stacks="python")
+            start_recording()
         elif kind == "step" and payload["step"] == 3:
-            torch.cuda.synchronize()
-            snap = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            rise, groups, pre_freed, pending = live_at_peak(snap, torch.cuda.current_device())
+            rise, groups, pre_freed, pending = stop_recording(torch.cuda.current_device())
             traces[payload["run"]].update(rise_mib=rise / 2**20, groups=groups, pre_freed=pre_freed,
                                           pending_mib=pending / 2**20,
                                           peak_mib=torch.cuda.max_memory_allocated() / 2**20)

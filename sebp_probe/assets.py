@@ -189,12 +189,13 @@ def load_model(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized classifier" is expected when fine-tuning
     hf_logging.disable_progress_bar()
+    if task == "classification":
+        if label_names:
+            num_labels = len(label_names)
+        _check_head(name_or_path, config, num_labels)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if task == "classification":
-            if label_names:
-                num_labels = len(label_names)
-            _check_head(name_or_path, config, num_labels)
             if num_labels is not None:
                 config.num_labels = num_labels
             if label_names:
@@ -203,8 +204,6 @@ def load_model(
             model = AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-    except AssetError:
-        raise
     except Exception as e:  # noqa: BLE001
         raise AssetError(f"cannot load model {name_or_path!r} as {task}: {_one_line(e)}") from None
     finally:

@@ -16,6 +16,8 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 console = Console()
+# Tables with long cells (reasons, 13 benchmark columns) change layout below this width: piped output is 80.
+WIDE_CONSOLE = 150
 err_console = Console(stderr=True)
 
 # Exit codes: 0 ok, 1 bad input or a failed run (one line on stderr), 130 interrupted.
@@ -184,7 +186,8 @@ def finetune_cmd(
     lora: bool = typer.Option(False, "--lora", help="Train LoRA adapters (peft); SEBP on the frozen base layers "
                               "computes no dW."),
     lora_r: int = typer.Option(8, "--lora-r"),
-    eval_steps: int = typer.Option(None, "--eval-steps", help="Evaluate every N steps (default: steps // 4, at least 1) and at the last step."),
+    eval_steps: int = typer.Option(None, "--eval-steps", help="Evaluate every N steps (default: steps // 4, "
+                                   "at least 1) and at the last step."),
     save_steps: int = typer.Option(None, "--save-steps", help="Checkpoint every N steps (default: at the end, "
                                    "and on Ctrl-C/SIGTERM)."),
     output_dir: str = typer.Option("runs/finetune", "--output-dir", "-o"),
@@ -255,16 +258,16 @@ def _bench_tables(result: dict) -> None:
         ratios = ("x ideal", "x triton", "x adaptive", "of ideal", "x torch ref", "peak MiB d/t")
         # one table where the console is wide enough, else the times and the ratios apart (rich would cut
         # every column of a 13-column table to a few characters at 80 columns, the width of piped output)
+        narrow = console.width < WIDE_CONSOLE
         parts = [(f"SEBP backward per layer ({what}; median ms, speedup vs dense cuBLAS)", times + ratios)]
-        if console.width < 150:
+        if narrow:
             parts = [(f"SEBP backward per layer ({what}; median ms)", times),
                      (f"SEBP backward per layer ({what}): speedups vs dense cuBLAS, share of the ideal's, x the "
                       "torch reference, peak extra MiB dense/triton", ratios)]
         for title, cols in parts:
-            table = Table(title=title, box=box.SIMPLE_HEAD if len(parts) > 1 else box.HEAVY_HEAD, pad_edge=False,
+            table = Table(title=title, box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, pad_edge=False,
                           collapse_padding=True)
             for col in ("layer", "density", *cols):
-                narrow = len(parts) > 1
                 table.add_column(col.replace(" ", "\n") if narrow and col != "layer" else col,
                                  justify="left" if col == "layer" else "right", no_wrap=narrow and col != "layer",
                                  overflow="fold")
@@ -497,7 +500,7 @@ def _print_analysis(report: dict, per_layer: bool) -> None:
     if per_layer:
         # The reasons are long: beside the numbers on a wide console, else listed under the table in full
         # (a narrow table would cut them, and piped output is 80 columns wide).
-        wide = console.width >= 150
+        wide = console.width >= WIDE_CONSOLE
         t = Table(title="Per layer", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for col in ("layer", "mode", "eps", "N", "zero\nrows %", "rows\n> eps %", *(("why",) if wide else ())):
             t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right",
