@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag host colprof collector tests gap overlap dxonly normbench bench mprofile profile finetune"); every output is packed
+# One device call, several steps (STEPS="diag host colprof collector tests gap overlap dxonly normbench actbench bench mprofile profile finetune"); every output is packed
 # into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
@@ -33,6 +33,10 @@ for s in ${STEPS:-diag tests}; do
              ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs --breakdown \
                --norms -o $OUT/model_${m}_norms.json ) > $OUT/bench_model_${m}_norms.txt 2>&1
              tail -28 $OUT/bench_model_${m}_norms.txt; done
+           for m in ${ACT_SETS:-}; do
+             ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs --breakdown \
+               --norms --acts -o $OUT/model_${m}_norms_acts.json ) > $OUT/bench_model_${m}_norms_acts.txt 2>&1
+             tail -28 $OUT/bench_model_${m}_norms_acts.txt; done
            for m in ${CAUSAL_NORM_SETS:-}; do
              ( timeout ${MODEL_LIMIT:-200} python3 -m sebp_probe.cli bench $m --scope model --graphs --breakdown \
                --norms --no-pad-mask -o $OUT/model_${m}_causal_norms.json ) > $OUT/bench_model_${m}_causal_norms.txt 2>&1
@@ -47,6 +51,8 @@ for s in ${STEPS:-diag tests}; do
                grep -v Warn $OUT/norm_bench.txt | tail -14 ;;
     gap) ( timeout ${GAP_LIMIT:-240} python3 scripts/dense_gap.py $OUT/dense_gap.json ${GAP_DENSITIES:-1.0,0.5} ) \
            > $OUT/gap.txt 2>&1; tail -30 $OUT/gap.txt ;;
+    actbench) ( timeout 200 python3 scripts/act_bench.py $OUT/act_bench.json ) > $OUT/act_bench.txt 2>&1
+              tail -12 $OUT/act_bench.txt ;;
     overlap) ( timeout 240 python3 scripts/overlap_probe.py $OUT/overlap.json ) > $OUT/overlap.txt 2>&1
              tail -25 $OUT/overlap.txt ;;
     dxonly) ( timeout 200 python3 scripts/dx_only_splits.py $OUT/dx_only.json ) > $OUT/dx_only.txt 2>&1

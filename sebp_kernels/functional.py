@@ -51,9 +51,10 @@ def resolve_backend(config: SEBPConfig, device: torch.device):
 
 class SEBPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, config, state=None):
+    def forward(ctx, x, weight, bias, config, state=None, hint=None):
         ctx.config = config
         ctx.state = state
+        ctx.hint = hint
         ctx.x_shape = x.shape
         need_dw = ctx.needs_input_grad[1]
         ctx.save_for_backward(x if need_dw else None, weight)
@@ -65,17 +66,20 @@ class SEBPLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if not (need_dx or need_dw or need_db):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        impl = resolve_backend(ctx.config, dy.device)
+        # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
+        rows = (ctx.hint.take(dy) if ctx.hint is not None and ctx.config.mode == "exact"
+                and impl is not sebp_backward_torch else None)
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
-        impl = resolve_backend(ctx.config, dy.device)
-        if ctx.state is not None and impl is not sebp_backward_torch:
-            dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db, state=ctx.state)
+        if impl is not sebp_backward_torch and (ctx.state is not None or rows is not None):
+            dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db, state=ctx.state, rows=rows)
         else:
             dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def sebp_linear(
@@ -84,11 +88,15 @@ def sebp_linear(
     bias: torch.Tensor | None = None,
     config: SEBPConfig | None = None,
     state: RowDensity | None = None,
+    hint=None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
     ``state``: the layer's :class:`~sebp_kernels.density.RowDensity` (kept across steps), which lets the
     Triton backward in exact mode take the dense GEMMs while nearly all rows are active; None: always SEBP.
+    ``hint``: a :class:`~sebp_kernels.activations.RowHint` through which the backward that writes dL/dY (an
+    SEBP activation) names its rows that can be non-zero; the Triton backward in exact mode then skips its
+    selection pass.
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype.
@@ -100,5 +108,5 @@ def sebp_linear(
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return SEBPLinearFunction.apply(x, weight, bias, config, state)
-    return SEBPLinearFunction.apply(x, weight, bias, config, state)
+            return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)
+    return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)

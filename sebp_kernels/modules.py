@@ -34,6 +34,9 @@ def _take_over(new: nn.Module, old: nn.Module) -> None:
 class SEBPLinear(nn.Linear):
     """Drop-in nn.Linear with the SEBP backward. Build it with :meth:`from_linear` to share Parameters."""
 
+    # set by sebp_probe.patch.patch_activations on the linears that read an SEBP activation's gradient
+    _sebp_hint = None
+
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
@@ -61,7 +64,7 @@ class SEBPLinear(nn.Linear):
         return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density)
+        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, self._sebp_hint)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

@@ -420,6 +420,7 @@ def check_pad_mask(case: ModelCase, pad_mask: bool) -> None:
 
 # Kernel kinds of the backward breakdown, by substrings of the kernel's name (first match wins).
 _KERNEL_KINDS = (
+    ("sebp act", ("_act_fwd_kernel", "_act_bwd_kernel")),
     ("sebp", ("_grads_kernel", "_row_flags_kernel", "_compact_kernel", "_dx_kernel", "_dw_kernel", "_db_kernel")),
     ("attention", ("fmha", "flash", "sdpa", "attention", "attn")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "splitk")),
@@ -524,7 +525,8 @@ def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
 
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, batches: int = 3,
                 mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None,
-                pad_mask: bool = True, breakdown: bool = False, norms: bool = False) -> dict:
+                pad_mask: bool = True, breakdown: bool = False, norms: bool = False,
+                acts: bool = False) -> dict:
     """Whole-model forward+backward: dense vs SEBP on the padded batch, and dense on the trimmed batch.
 
     ``batches`` different padded batches (fresh lengths each); times are the median over them. With
@@ -532,11 +534,12 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     (the eager numbers of a small model are bound by the host's Python, not by the GPU). ``pad_mask=False``:
     decoders only, the padding mask left out (see the module docstring). ``breakdown``: the first batch's
     backward kernel time by kind, for each run. ``norms``: the SEBP run also swaps the LayerNorms/RMSNorms
-    for :class:`~sebp_kernels.SEBPNorm` (exact; the zero rows of their dL/dY skipped too).
+    for :class:`~sebp_kernels.SEBPNorm` (exact; the zero rows of their dL/dY skipped too). ``acts``: it also
+    runs the MLP activations as SEBP activations (:func:`~sebp_probe.patch.patch_activations`).
     """
     from sebp_kernels import SEBPConfig
 
-    from .patch import find_targets, patch_model, patch_norms, unpatch_model
+    from .patch import find_targets, patch_activations, patch_model, patch_norms, unpatch_model
 
     check_pad_mask(case, pad_mask)
     _require_cuda()
@@ -565,6 +568,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         measure("dense_padded", padded)
         patch_model(model, SEBPConfig(mode), target_modules=targets)
         n_norms = len(patch_norms(model)) if norms else 0
+        n_acts = len(patch_activations(model)) if acts else 0
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: SEBP, padded")
         measure("sebp_padded", padded)
@@ -583,7 +587,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     torch.cuda.empty_cache()
     result = {
         "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "pad_mask": pad_mask,
-        "sebp_layers": n_linear, "sebp_norms": n_norms,
+        "sebp_layers": n_linear, "sebp_norms": n_norms, "sebp_acts": n_acts,
         "lengths": all_lengths, "token_density": round(tokens / (batches * case.batch * case.seq), 4),
         "median": summary, "per_batch": runs,
         "backward_speedup": round(dense["backward_ms"] / sebp["backward_ms"], 3),

@@ -284,7 +284,8 @@ def _bench_tables(result: dict) -> None:
             console.print(table)
     for m in result.get("models", []):
         no_mask = ("" if m.get("pad_mask", True) else ", no padding mask") + (
-            f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "")
+            f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "") + (
+            f", SEBP on {m['sebp_acts']} MLP activations" if m.get("sebp_acts") else "")
         table = Table(title=f"{m['case']['name']} forward+backward, batch {m['case']['batch']} x {m['case']['seq']}"
                             f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
         for col in ("run", "forward", "backward", "step", "peak GiB"):
@@ -352,6 +353,9 @@ def bench_cmd(
                                    "time by kind (GEMMs, attention, SEBP, elementwise, ...)."),
     norms: bool = typer.Option(False, "--norms", help="Whole model: the SEBP run also swaps LayerNorm/RMSNorm "
                                "for the SEBP norm (exact: their zero rows of dL/dY skipped too)."),
+    acts: bool = typer.Option(False, "--acts", help="Whole model: the SEBP run also runs the MLP activations "
+                              "(SwiGLU, GELU) as SEBP activations (their zero rows skipped; the linears "
+                              "before them skip their row selection)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -366,6 +370,7 @@ def bench_cmd(
     - `sebp-probe bench llama-3.2-3b --scope model --no-pad-mask --breakdown` : causal attention without the
       padding mask, and where the backward's GPU time goes
     - `sebp-probe bench bert-base --scope model --graphs --norms` : SEBP on the LayerNorms too
+    - `sebp-probe bench llama-3.2-3b --scope model --norms --acts` : and on the MLP activations
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; triton = the
@@ -398,8 +403,9 @@ def bench_cmd(
             bench.check_pad_mask(bench.MODEL_CASES[models[0]], pad_mask)
         except ValueError as e:
             raise UserError(f"--no-pad-mask: {e}") from None
-    elif not pad_mask or breakdown or norms:
-        raise UserError("--no-pad-mask, --breakdown and --norms are for the whole-model run (--scope model or all)")
+    elif not pad_mask or breakdown or norms or acts:
+        raise UserError("--no-pad-mask, --breakdown, --norms and --acts are for the whole-model run "
+                        "(--scope model or all)")
     if dry_run:
         console.print_json(json.dumps(bench.run_plan(shapes, dens, models)))
         return
@@ -416,7 +422,7 @@ def bench_cmd(
             result["models"].append(bench.bench_model(bench.MODEL_CASES[name], bench.DTYPES[dtype],
                                                        model_repeats, mode=mode, graphs=graphs,
                                                        progress=progress, pad_mask=pad_mask,
-                                                       breakdown=breakdown, norms=norms))
+                                                       breakdown=breakdown, norms=norms, acts=acts))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 

@@ -8,11 +8,14 @@ pattern ``"all-linear"`` matches every nn.Linear except the output head. A peft 
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Callable, Iterable, Mapping
 
+import torch.nn.functional as F
 from torch import nn
 
 from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
+from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 
 # Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
 DEFAULT_TARGETS: tuple[str, ...] = (
@@ -179,13 +182,15 @@ def patch_model(
 
 
 def unpatch_model(model: nn.Module) -> list[str]:
-    """Put plain nn.Linear modules (same Parameters) back in place of every SEBPLinear, and the original norm
-    modules in place of every SEBPNorm (:func:`patch_norms`); return their names."""
+    """Put plain nn.Linear modules (same Parameters) back in place of every SEBPLinear, the original norm
+    modules in place of every SEBPNorm (:func:`patch_norms`), and the original activations into the MLPs
+    (:func:`patch_activations`); return their names."""
+    acts = unpatch_activations(model)
     names = [n for n, m in model.named_modules() if isinstance(m, (SEBPLinear, SEBPNorm))]
     for name in names:
         m = model.get_submodule(name)
         _set_submodule(model, name, m.to_linear() if isinstance(m, SEBPLinear) else m.original())
-    return names
+    return names + acts
 
 
 def patch_norms(model: nn.Module, config: SEBPConfig | None = None) -> list[str]:
@@ -201,3 +206,87 @@ def patch_norms(model: nn.Module, config: SEBPConfig | None = None) -> list[str]
 def patched_layers(model: nn.Module) -> dict[str, SEBPConfig]:
     """Module name -> SEBPConfig of every SEBPLinear in ``model``."""
     return {n: m.sebp_config for n, m in model.named_modules() if isinstance(m, SEBPLinear)}
+
+
+# Hugging Face gated MLPs whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers 5.x)
+GATED_MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+
+
+def _linear_of(m: nn.Module) -> nn.Module:
+    """The module that runs the GEMM: a peft LoRA layer's base layer, else ``m`` itself."""
+    return getattr(m, "base_layer", m)
+
+
+def activation_kind(module: nn.Module) -> str | None:
+    """``swiglu`` for a known gated MLP with SiLU, ``gelu`` for a BERT/RoBERTa-style ``...Intermediate`` (a
+    ``dense`` linear, then erf GELU), else None."""
+    name = type(module).__name__
+    if name in GATED_MLP_CLASSES:
+        act = getattr(module, "act_fn", None)
+        if (type(act).__name__ in ("SiLUActivation", "SiLU")
+                and all(isinstance(_linear_of(getattr(module, p, None) or nn.Identity()), nn.Linear)
+                        for p in ("gate_proj", "up_proj", "down_proj"))):
+            return "swiglu"
+    if name.endswith("Intermediate") and isinstance(_linear_of(getattr(module, "dense", None) or nn.Identity()),
+                                                    nn.Linear):
+        act = getattr(module, "intermediate_act_fn", None)
+        if type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu:
+            return "gelu"
+    return None
+
+
+def _swiglu_forward(self, x):
+    return self.down_proj(sebp_swiglu(self.gate_proj(x), self.up_proj(x), self._sebp_act_hint))
+
+
+def _gelu_forward(self, hidden_states):
+    return sebp_gelu(self.dense(hidden_states), self._sebp_act_hint)
+
+
+def _hinted(module: nn.Module, kind: str) -> list[nn.Module]:
+    names = ("gate_proj", "up_proj") if kind == "swiglu" else ("dense",)
+    return [_linear_of(getattr(module, n)) for n in names]
+
+
+def patch_activations(model: nn.Module) -> list[str]:
+    """Give every known MLP activation of ``model`` (:func:`activation_kind`) the SEBP activation: the same
+    forward values, a backward over the non-zero rows of dL/dH, and its SEBP linears before it (gate/up, or
+    the intermediate dense) take the rows it finds instead of selecting again (exact mode). Parameters and
+    state_dict keys do not change. Call it after :func:`patch_model` (it hands the rows to the SEBPLinears
+    present now); calling it again refreshes that. Returns the MLP modules' names."""
+    names = []
+    for name, module in model.named_modules():
+        kind = activation_kind(module)
+        if kind is None:
+            continue
+        hint = vars(module).get("_sebp_act_hint")
+        if hint is None:
+            hint = RowHint()
+            module._sebp_act_hint = hint
+            module.forward = types.MethodType(_swiglu_forward if kind == "swiglu" else _gelu_forward, module)
+        for lin in _hinted(module, kind):
+            if isinstance(lin, SEBPLinear):
+                lin._sebp_hint = hint
+        names.append(name)
+    return names
+
+
+def unpatch_activations(model: nn.Module) -> list[str]:
+    """Undo :func:`patch_activations`; return the MLP modules' names."""
+    names = []
+    for name, module in model.named_modules():
+        if "_sebp_act_hint" not in vars(module):
+            continue
+        kind = activation_kind(module)
+        del module._sebp_act_hint
+        vars(module).pop("forward", None)
+        for lin in _hinted(module, kind) if kind else []:
+            if isinstance(lin, SEBPLinear):
+                lin._sebp_hint = None
+        names.append(name)
+    return names
+
+
+def patched_activations(model: nn.Module) -> list[str]:
+    """Names of the MLP modules that run the SEBP activation."""
+    return [n for n, m in model.named_modules() if "_sebp_act_hint" in vars(m)]

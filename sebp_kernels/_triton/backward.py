@@ -47,13 +47,16 @@ def sebp_backward_triton(
     need_dw: bool = True,
     need_db: bool = True,
     state: RowDensity | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """(dX, dW, db) of ``Y = X Wᵀ + b`` over the active rows of 2-D ``dy`` (M, out); None where not needed.
 
     dX (M, in) is zero on inactive rows; dW and db sum over active rows only. The active-row count stays on
     the device, so the whole backward can be captured in a CUDA graph. With a ``state`` (one per layer) in
     exact mode, a layer whose rows were nearly all active last time takes the dense backward instead (the
-    same gradients: its skipped rows are zero; see :mod:`sebp_kernels.density`).
+    same gradients: its skipped rows are zero; see :mod:`sebp_kernels.density`). ``rows``: (permutation,
+    device-side count) of a superset of dY's non-zero rows, known from the backward that wrote dY (exact mode
+    only): the select pass is skipped.
     """
     if not (need_dx or need_dw or need_db):
         return None, None, None
@@ -62,16 +65,21 @@ def sebp_backward_triton(
     # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1.
     dy, weight = _unit_col_stride(dy), _unit_col_stride(weight)
     x = _unit_col_stride(x) if x is not None else None
-    if state is not None and config.mode != "exact":
+    if config.mode != "exact":
         state = None  # elsewhere the skipped rows are not zero: only the SEBP path gives the SEBP gradients
+        rows = None  # and the rows are chosen by their values
     if state is not None:
         capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
         path = state.choose(capturing)
         if path != "sebp":
             if path == "probe":
-                state.observe(select_rows_device(dy, "exact", interpret=INTERPRET)[1], dy.shape[0])
+                count = rows[1] if rows is not None else select_rows_device(dy, "exact", interpret=INTERPRET)[1]
+                state.observe(count, dy.shape[0])
             return dense_products(dy, x, weight, need_dx, need_dw, need_db)
-    perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
+    if rows is not None and rows[0].shape[0] == dy.shape[0]:
+        perm, count = rows
+    else:
+        perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
     dx, dw, db = grads_rows(dy, x, weight, perm, count, need_dx, need_dw, need_db, _ieee(dy.dtype),
                             _sm_count(dy.device), INTERPRET, 1 if INTERPRET else None)
     if state is not None:

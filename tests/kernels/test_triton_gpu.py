@@ -384,3 +384,91 @@ def test_norm_backward_no_sync_and_cuda_graph():
     _, want = _norm_grads(lambda x_, w_, b_: F.layer_norm(x_, (768,), w_, b_), [x, w, b], gy2)
     for name, g, w_ in zip(("dX", "dW", "db"), got, want):
         assert_close_report(g.float(), w_.float(), atol=0.1, rtol=2e-2, name=name)
+
+
+# ---------------------------------------------------------------------------------------- SEBP activations
+
+def _act_case(kind, m, n, dtype, density, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, n, device="cuda", generator=g) * 3).to(dtype)
+    b = torch.randn(m, n, device="cuda", generator=g).to(dtype) if kind == "swiglu" else None
+    a[3, 5] = float("nan")
+    a[m - 1, 0] = float("inf")  # a zero row of dL/dH below
+    a[m - 2, 1] = -float("inf")
+    if b is not None:
+        b[m - 3, 2] = float("inf")
+    dh = torch.randn(m, n, device="cuda", generator=g)
+    dh *= (torch.rand(m, 1, device="cuda", generator=g) < density)
+    dh[m - 3:] = 0
+    return a, b, dh.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("density", [0.06, 1.0])
+@pytest.mark.parametrize("kind,n", [("swiglu", 8192), ("gelu", 3072), ("swiglu", 1000)])
+def test_activation_equals_torch_bitwise(kind, n, density, dtype):
+    """The forward values are torch's, bit for bit (NaN where NaN), and so are SwiGLU's input gradients. GELU's
+    differ from torch's gelu_backward in the last bits of some elements (other erf/exp roundings)."""
+    import torch.nn.functional as F
+
+    from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
+
+    a, b, dh = _act_case(kind, 1024, n, dtype, density)
+    outs = []
+    for fn in ((lambda x, y: F.silu(x) * y) if kind == "swiglu" else (lambda x, y: F.gelu(x)),
+               (lambda x, y: sebp_swiglu(x, y, RowHint())) if kind == "swiglu" else (lambda x, y: sebp_gelu(x))):
+        leaves = [t.clone().requires_grad_() for t in (a, b) if t is not None]
+        h = fn(*leaves, *([None] if b is None else []))
+        h.backward(dh)
+        outs.append([h.detach()] + [t.grad for t in leaves])
+    for name, want, got in zip(("h", "da", "db"), *outs):
+        if kind == "gelu" and name == "da":
+            assert torch.equal(torch.isfinite(want), torch.isfinite(got))
+            rtol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-6}[dtype]
+            assert_close_report(got.float().nan_to_num(0.0, 0.0, 0.0), want.float().nan_to_num(0.0, 0.0, 0.0),
+                                atol=1e-5, rtol=rtol, name=name)
+            continue
+        same = (want == got) | (torch.isnan(want) & torch.isnan(got))
+        assert bool(same.all()), f"{name}: {int((~same).sum())} elements differ"
+
+
+def test_sebp_mlp_with_row_hints_in_a_cuda_graph():
+    """A SwiGLU MLP of SEBPLinears with the SEBP activation: gate/up take the activation's rows (no select
+    pass), the whole backward is capturable, and the gradients equal the dense ones."""
+    from sebp_kernels.activations import RowHint, sebp_swiglu
+
+    torch.manual_seed(0)
+    m, d, f = 512, 256, 768
+    lins = [torch.nn.Linear(d, f, bias=False), torch.nn.Linear(d, f, bias=False), torch.nn.Linear(f, d, bias=False)]
+    lins = [lin.cuda().to(torch.bfloat16) for lin in lins]
+    hint = RowHint()
+    sebp = [SEBPLinear.from_linear(lin) for lin in lins]
+    sebp[0]._sebp_hint = sebp[1]._sebp_hint = hint
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    gy[m // 3:] = 0
+
+    def step(gate, up, down, act):
+        for lin in (gate, up, down):
+            lin.weight.grad = None
+        xx = x.clone().requires_grad_()
+        down(act(gate(xx), up(xx))).backward(gy)
+        return [xx.grad] + [lin.weight.grad for lin in (gate, up, down)]
+
+    import torch.nn.functional as F
+    want = step(*lins, lambda g, u: F.silu(g) * u)
+    eager = step(*sebp, lambda g, u: sebp_swiglu(g, u, hint))
+    assert hint.taken == 2
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(*sebp, lambda g, u: sebp_swiglu(g, u, hint))
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step(*sebp, lambda g, u: sebp_swiglu(g, u, hint))
+    graph.replay()
+    torch.cuda.synchronize()
+    for w, e, g in zip(want, eager, static):
+        assert_close_report(e.float(), w.float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(e, g)

@@ -1,0 +1,212 @@
+"""The MLP activation between two SEBP linears (SwiGLU ``silu(g) * u``, or GELU), forward and backward.
+
+Forward: one pass computes the activation, with the formula and the roundings of torch's own kernels (the
+same values: checked bit for bit on an H100 for SwiGLU), and a flag per row: does the row of its inputs
+hold a NaN or Inf? GELU's forward stays torch's (a Triton GELU gave other values than torch's in 4% of bf16
+results on an H100); for it the pass only writes the flags. The backward's values are torch's bit for bit
+for SwiGLU; GELU's differ from torch's gelu_backward in the last bits of some elements.
+
+Backward: one pass reads dL/dH, and loads the saved inputs only where dL/dH is non-zero or the row is
+flagged (predicated loads move no memory elsewhere). Every other element of the input gradients is an exact
+zero: 0 times a finite number. A row whose inputs hold a NaN/Inf is computed in full, so a NaN reaches the
+gradients as it would in the dense backward. The pass also writes a 0/1 flag per row (non-zero dL/dH, or a
+flagged row) and each block's count, in the layout of the row-selection pass: the compaction kernel then
+gives the permutation and count of the rows that can be non-zero in the input gradients, which the SEBP
+linears below take instead of selecting again (:class:`~sebp_kernels.activations.RowHint`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .launch import FastLaunch, Plans, plan_ids
+from .select import _compact, _row_blocks
+from .tuning import cdiv
+
+SWIGLU, GELU = 0, 1
+_KINDS = {"swiglu": SWIGLU, "gelu": GELU}
+# The kernels spell torch's GELU constants as literals (a global a kernel reads costs host time per launch):
+# 0.7071067811865476 = 1/sqrt(2), 0.3989422804014327 = 2/sqrt(pi) * 1/sqrt(2) * 0.5 (computed in double).
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    # torch's kernels call expf; tl.exp is a faster approximation (the interpreter has no libdevice)
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _erf(x, LIBDEVICE: tl.constexpr):
+    # torch's kernels call erff; tl.math.erf computes other values (27% of fp32 results differed on an H100)
+    if LIBDEVICE:
+        return libdevice.erf(x)
+    else:
+        return tl.math.erf(x)
+
+
+@triton.jit
+def _nonfinite(x):
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
+def _act_fwd_kernel(
+    a_ptr, b_ptr, h_ptr, bad_ptr, M, N, stride_a, stride_b, stride_h,
+    KIND: tl.constexpr, FLAGS: tl.constexpr, STORE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    r64 = rows.to(tl.int64)
+    bad = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m2 = rmask[:, None] & (cols < N)[None, :]
+        a_in = tl.load(a_ptr + r64[:, None] * stride_a + cols[None, :], mask=m2, other=0.0)
+        a = a_in.to(tl.float32)
+        if KIND == 0:  # silu(a) rounded to the dtype (torch's silu kernel), times b (torch's mul)
+            b_in = tl.load(b_ptr + r64[:, None] * stride_b + cols[None, :], mask=m2, other=0.0)
+            s = tl.math.div_rn(a, 1.0 + _exp(-a, LIBDEVICE)).to(a_in.dtype)
+            h = s.to(tl.float32) * b_in.to(tl.float32)
+            if FLAGS:
+                bad = tl.maximum(bad, tl.max((_nonfinite(a) | _nonfinite(b_in.to(tl.float32))).to(tl.int32), 1))
+        else:  # erf GELU, torch's formula
+            if STORE_H:
+                h = a * 0.5 * (1.0 + _erf(a * 0.7071067811865476, LIBDEVICE))
+            if FLAGS:
+                bad = tl.maximum(bad, tl.max(_nonfinite(a).to(tl.int32), 1))
+        if STORE_H:
+            tl.store(h_ptr + r64[:, None] * stride_h + cols[None, :], h.to(a_in.dtype), mask=m2)
+    if FLAGS:
+        tl.store(bad_ptr + rows, bad.to(tl.int8), mask=rmask)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, bad_ptr, flags_ptr, block_count_ptr,
+    M, N, stride_dh, stride_a, stride_b, stride_da, stride_db,
+    KIND: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, FLAGS: tl.constexpr,
+    LIBDEVICE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < M
+    r64 = rows.to(tl.int64)
+    bad = tl.load(bad_ptr + rows, mask=rmask, other=0) != 0
+    active = bad.to(tl.int32)
+    for c0 in range(0, N, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m2 = rmask[:, None] & (cols < N)[None, :]
+        dh_in = tl.load(dh_ptr + r64[:, None] * stride_dh + cols[None, :], mask=m2, other=0.0)
+        dh = dh_in.to(tl.float32)
+        nz = dh != 0  # NaN too
+        active = tl.maximum(active, tl.max(nz.to(tl.int32), 1))
+        need = m2 & (nz | bad[:, None])  # elsewhere the gradient is 0 x (a finite number)
+        offs_a = r64[:, None] * stride_da + cols[None, :]
+        offs_b = r64[:, None] * stride_db + cols[None, :]
+        if tl.max(need.to(tl.int32)) > 0:
+            a = tl.load(a_ptr + r64[:, None] * stride_a + cols[None, :], mask=need, other=0.0).to(tl.float32)
+            if KIND == 0:
+                b_in = tl.load(b_ptr + r64[:, None] * stride_b + cols[None, :], mask=need, other=0.0)
+                e = _exp(-a, LIBDEVICE)
+                if NEED_B:  # torch: dL/db = dL/dh * silu(a), silu(a) as the forward stored it
+                    s_act = tl.math.div_rn(a, 1.0 + e).to(dh_in.dtype).to(tl.float32)
+                    tl.store(db_ptr + offs_b, (dh * s_act).to(dh_in.dtype), mask=m2)
+                if NEED_A:  # torch: g = dL/dh * b (rounded), then silu_backward(g, a)
+                    g = (dh * b_in.to(tl.float32)).to(dh_in.dtype).to(tl.float32)
+                    sig = tl.math.div_rn(1.0, 1.0 + e)
+                    da = g * sig * tl.fma(a, 1.0 - sig, 1.0)
+                    tl.store(da_ptr + offs_a, da.to(dh_in.dtype), mask=m2)
+            else:  # torch's gelu_backward: dy * (cdf + x * pdf)
+                cdf = 0.5 * (1.0 + _erf(a * 0.7071067811865476, LIBDEVICE))
+                pdf = _exp(-0.5 * a * a, LIBDEVICE) * 0.3989422804014327
+                da = dh * tl.fma(a, pdf, cdf)
+                tl.store(da_ptr + offs_a, da.to(dh_in.dtype), mask=m2)
+        else:  # a tile of zero rows (padding): zeros, and none of the math
+            zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=dh_in.dtype)
+            if NEED_A:
+                tl.store(da_ptr + offs_a, zero, mask=m2)
+            if NEED_B:
+                tl.store(db_ptr + offs_b, zero, mask=m2)
+    if FLAGS:
+        tl.store(flags_ptr + rows, active, mask=rmask)
+        tl.store(block_count_ptr + pid, tl.sum(tl.where(rmask, active, 0), axis=0))
+
+
+_fwd = FastLaunch(_act_fwd_kernel)
+_bwd = FastLaunch(_act_bwd_kernel)
+_PLANS = Plans(_fwd, _bwd, _compact)
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _plan(kind, m, n, interpret):
+    """(plan number, blocks, kernel keywords, compaction keywords)."""
+    block_r, block_c, warps = _row_blocks(n, interpret)
+    kw = dict(KIND=_KINDS[kind], LIBDEVICE=not interpret, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    compact_kw = {"BLOCK_R": block_r, "BLOCK_NB": 16 if interpret else 1024, "num_warps": 1 if interpret else 4}
+    return next(plan_ids), cdiv(m, block_r), kw, compact_kw
+
+
+def _get_plan(key, kind, m, n, interpret):
+    """The plan of one launch: ``key`` holds all that Triton specialises on (shape, strides, dtypes, flags)."""
+    plan = _PLANS.get(key)
+    return plan if plan is not None else _PLANS.add(key, _plan(kind, m, n, interpret))
+
+
+def act_forward_triton(kind: str, a: torch.Tensor, b: torch.Tensor | None, flags: bool, interpret: bool = False,
+                       store_h: bool = True):
+    """(h, bad): the activation of 2-D ``a`` (and ``b`` for SwiGLU; None without ``store_h``: flags only),
+    and int8 per-row NaN/Inf flags of the inputs (None unless ``flags``)."""
+    a = _unit(a)
+    b = _unit(b) if b is not None else a
+    m, n = a.shape
+    key = ("fwd", kind, m, n, flags, store_h, interpret, a.dtype, b.dtype, a.stride(0), b.stride(0))
+    idx, nb, kw, _ = _get_plan(key, kind, m, n, interpret)
+    h = torch.empty((m, n), dtype=a.dtype, device=a.device) if store_h else None
+    bad = torch.empty(m, dtype=torch.int8, device=a.device) if flags else None
+    hh = h if store_h else a
+    _fwd.launch_planned((nb,), idx, 4, (a, b, hh, bad if flags else hh, m, n, a.stride(0), b.stride(0),
+                                        hh.stride(0)), dict(kw, FLAGS=flags, STORE_H=store_h))
+    return h, bad
+
+
+def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, bad: torch.Tensor,
+                        need_a: bool, need_b: bool, want_rows: bool, interpret: bool = False):
+    """(dA or None, dB or None, rows): the input gradients of the activation for 2-D ``dh``, and with
+    ``want_rows`` the (permutation, device-side count) of the rows that can be non-zero in them (else None)."""
+    dh, a = _unit(dh), _unit(a)
+    b = _unit(b) if b is not None else a
+    m, n = dh.shape
+    key = ("bwd", kind, m, n, need_a, need_b, want_rows, interpret, dh.dtype, a.dtype, b.dtype, dh.stride(0),
+           a.stride(0), b.stride(0))
+    idx, nb, kw, compact_kw = _get_plan(key, kind, m, n, interpret)
+    dev = dh.device
+    da = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_a else None
+    db = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_b else None
+    if want_rows:
+        perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32, device=dev).split(
+            (m, m, nb, 1))
+    else:
+        perm = flags = block_count = count = None
+    some = da if da is not None else (db if db is not None else dh)
+    _bwd.launch_planned(
+        (nb,), idx, 8,
+        (dh, a, b, da if da is not None else some, db if db is not None else some, bad,
+         flags if want_rows else bad, block_count if want_rows else bad,
+         m, n, dh.stride(0), a.stride(0), b.stride(0), some.stride(0) if da is None else da.stride(0),
+         some.stride(0) if db is None else db.stride(0)),
+        dict(kw, NEED_A=need_a, NEED_B=need_b, FLAGS=want_rows))
+    rows = None
+    if want_rows:
+        _compact.launch_planned((nb,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
+        rows = (perm, count)
+    return da, db, rows

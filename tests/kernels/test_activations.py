@@ -1,0 +1,156 @@
+"""SEBP activations (SwiGLU, GELU): forward values equal to Hugging Face's formula, backward equal to dense
+autograd with zero rows and NaN/Inf inputs, the rows handed to the SEBP linears before them, and patched
+tiny models whose loss and gradients match the dense ones.
+
+Runs on the torch path (plain run) and on the Triton kernels under the interpreter (one pytest subprocess
+with TRITON_INTERPRET=1; fp32 and fp16 there). bf16 and real shapes: tests/kernels/test_triton_gpu.py.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sebp_kernels import SEBPConfig
+from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16]
+BACKEND = "triton" if INTERPRET else "torch"
+
+if not INTERPRET:
+    def test_interpreter_suite():
+        from tests.helpers import run_file_under_interpreter
+
+        run_file_under_interpreter(__file__)
+
+
+def _case(kind, shape, dtype, seed=0, bad_rows=()):
+    """Inputs with NaN/Inf in ``bad_rows`` (of the flattened rows), and a dL/dH whose padding rows are zero
+    (the second half of every sequence, and the last sequence), one of them a bad row."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    b = torch.randn(*shape, generator=g).to(dtype) if kind == "swiglu" else None
+    for i, r in enumerate(bad_rows):
+        flat = (b if (b is not None and i % 2) else a).view(-1, shape[-1])
+        flat[r, (3 * i) % shape[-1]] = (float("nan"), float("inf"), -float("inf"))[i % 3]
+    dh = torch.randn(*shape, generator=g)
+    dh[:, shape[1] // 2:] = 0
+    dh[-1] = 0
+    return a, b, dh.to(dtype)
+
+
+def _fn(kind, hint=None):
+    if kind == "swiglu":
+        return lambda a, b: sebp_swiglu(a, b, hint, BACKEND)
+    return lambda a, b: sebp_gelu(a, hint, BACKEND)
+
+
+def _hf(kind):
+    return (lambda a, b: F.silu(a) * b) if kind == "swiglu" else (lambda a, b: F.gelu(a))
+
+
+def _run(fn, a, b, dh):
+    leaves = [t.detach().clone().requires_grad_() for t in (a, b) if t is not None]
+    h = fn(*leaves, *([None] if b is None else []))
+    h.backward(dh)
+    return h.detach(), [t.grad for t in leaves]
+
+
+def _same(x, y, dtype):
+    """Equal, non-finite where non-finite (torch's CPU GELU of +Inf is NaN, its CUDA formula's is Inf); the
+    interpreter's exp/erf may differ from torch's in the last bit."""
+    assert torch.equal(torch.isfinite(x), torch.isfinite(y))
+    x, y = x.nan_to_num(0.0, 0.0, 0.0).float(), y.nan_to_num(0.0, 0.0, 0.0).float()
+    if not INTERPRET:
+        assert torch.equal(x, y)
+    else:
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]  # GELU: 1 + erf(x) cancels for x << 0
+        assert torch.allclose(x, y, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+@pytest.mark.parametrize("shape", [(3, 10, 37), (2, 6, 600)])
+def test_matches_dense_autograd_with_zero_and_nonfinite_rows(kind, shape, dtype):
+    a, b, dh = _case(kind, shape, dtype, bad_rows=(1, shape[1] - 1, 2 * shape[1] - 2))
+    want_h, want_g = _run(_hf(kind), a, b, dh)
+    hint = RowHint()
+    got_h, got_g = _run(_fn(kind, hint), a, b, dh)
+    _same(got_h, want_h, dtype)
+    for got, want in zip(got_g, want_g):
+        _same(got, want, dtype)
+    # a NaN/Inf input in a zero row of dL/dH still reaches the gradient, as in dense
+    assert torch.isnan(got_g[0].view(-1, shape[-1])[shape[1] - 1]).any()
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_rows_handed_on_cover_the_nonzero_rows(kind):
+    shape = (3, 10, 37)
+    a, b, dh = _case(kind, shape, torch.float32, bad_rows=(shape[1] - 1,))
+    hint = RowHint()
+    leaves = [t.clone().requires_grad_() for t in (a, b) if t is not None]
+    grads = []
+    for t in leaves:
+        t.register_hook(lambda g: grads.append(g) or None)
+    h = _fn(kind, hint)(*leaves, *([None] if b is None else []))
+    h.backward(dh)
+    if not INTERPRET:  # the torch path hands nothing on
+        assert hint.offered == 0 and all(hint.take(g) is None for g in grads)
+        return
+    assert hint.offered == len(leaves)
+    for g in grads:
+        perm, count = hint.take(g)
+        rows = set(perm[: int(count)].tolist())
+        nonzero = set(torch.nonzero(g.reshape(-1, shape[-1]).ne(0).any(1)).flatten().tolist())
+        assert nonzero <= rows  # NaN counts as non-zero
+        assert shape[1] - 1 in rows  # the flagged row, zero in dL/dH
+        assert sorted(perm.tolist()) == list(range(shape[0] * shape[1]))
+    # a modified tensor is not matched any more
+    grads[0].add_(0)
+    assert hint.take(grads[0]) is None
+
+
+def test_hint_refuses_other_tensors():
+    hint = RowHint()
+    t = torch.zeros(4, 3)
+    perm, count = torch.arange(4, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    hint.offer(t, perm, count)
+    assert hint.take(t)[1] is count
+    assert hint.take(t.view(3, 4)) is None  # same memory, other shape
+    assert hint.take(torch.zeros(4, 3)) is None
+    t.mul_(2)
+    assert hint.take(t) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "bert"])
+def test_patched_tiny_model_matches_dense(arch):
+    from sebp_probe.patch import patch_activations, patch_model, patched_activations, unpatch_model
+    from tests.tiny_models import padded_batch, tiny_model
+
+    dense = tiny_model(arch)
+    sebp = copy.deepcopy(dense)
+    patch_model(sebp, SEBPConfig(backend=BACKEND))
+    names = patch_activations(sebp)
+    assert names and patched_activations(sebp) == names
+    assert sebp.state_dict().keys() == dense.state_dict().keys()
+    batch = padded_batch(arch)
+    results = []
+    for m in (dense, sebp):
+        out = m(**batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+    hints = [m._sebp_act_hint for m in sebp.modules() if "_sebp_act_hint" in vars(m)]
+    per_mlp = 1 if arch == "bert" else 2  # gate and up, or the intermediate dense
+    want = per_mlp if INTERPRET else 0  # the torch linears select for themselves
+    assert all(h.taken == want for h in hints), [(h.offered, h.taken) for h in hints]
+    assert set(unpatch_model(sebp)) >= set(names)
+    assert not patched_activations(sebp)
+    assert all("forward" not in vars(m) for m in sebp.modules())
