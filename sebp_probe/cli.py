@@ -163,6 +163,8 @@ def finetune_cmd(
                                          "this share run dense."),
     always_sebp: bool = typer.Option(False, "--always-sebp", help="Keep SEBP even where calibration measures "
                                      "it slower than dense."),
+    sebp_acts: bool = typer.Option(False, "--sebp-acts", help="Also run the MLP activations (SwiGLU, GELU) as "
+                                   "SEBP activations (exact; the linears before them skip their row selection)."),
     sebp_norms: bool = typer.Option(False, "--sebp-norms", help="Also give the LayerNorms/RMSNorms the SEBP "
                                     "backward (exact; calibrated together with the linear layers)."),
     task: str = _TASK,
@@ -221,7 +223,7 @@ def finetune_cmd(
         model=model, data=data, output_dir=output_dir, task=task, method=method, compare=compare, mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
+        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
         eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)
     progress, on_event = _finetune_progress(err_console if as_json else console)

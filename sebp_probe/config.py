@@ -77,7 +77,8 @@ class FinetuneConfig:
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
     ``fallback_if_slower``: the whole model stays dense when SEBP's backward measures slower at calibration.
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the
-    linear layers in calibration).
+    linear layers in calibration). ``sebp_acts``: likewise the MLP activations (SwiGLU, GELU; see
+    :func:`~sebp_probe.patch.patch_activations`).
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
     """
@@ -98,6 +99,7 @@ class FinetuneConfig:
     dense_fallback: float = 0.9
     fallback_if_slower: bool = True
     sebp_norms: bool = False
+    sebp_acts: bool = False
     max_steps: int | None = None
     epochs: float | None = None
     lr: float = 5e-5

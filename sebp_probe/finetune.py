@@ -42,7 +42,7 @@ from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from .assets import AssetError, LoadedModel, PadCollator, load_model, load_text_data, model_task, padding_side, tokenize
 from .config import DEFAULT_MAX_STEPS, FinetuneConfig
-from .patch import find_targets, patch_model, patch_norms
+from .patch import find_targets, patch_activations, patch_model, patch_norms, patched_activations
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
@@ -55,7 +55,7 @@ OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "s
 # A resumed run must be the same run: every setting must match except these.
 RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit")
 # Settings added after runs were first written: a run config without one ran with this value.
-ADDED_SETTINGS = {"sebp_norms": False}
+ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False}
 
 Event = Callable[[str, dict], None]
 
@@ -226,12 +226,13 @@ class Calibration:
     fallback: list[str]
     reason: str | None = None
     norms: list[str] = field(default_factory=list)  # norms with the SEBP backward (``sebp_norms``)
+    acts: list[str] = field(default_factory=list)  # MLPs with the SEBP activation (``sebp_acts``)
 
     def to_dict(self) -> dict:
         return {"density": self.density, "dense_backward_ms": self.dense_backward_ms,
                 "sebp_backward_ms": self.sebp_backward_ms, "fallback_dense": self.fallback,
                 "fallback_reason": self.reason, "layers": {n: s.to_dict() for n, s in self.layers.items()},
-                "norms": self.norms}
+                "norms": self.norms, "activations": self.acts}
 
 
 def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device) -> list[dict[str, SEBPConfig]]:
@@ -246,12 +247,14 @@ def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device) -> li
     return [{n: replace(c, backend=b) for n, c in layers.items()} for b in backends]
 
 
-def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False) -> list[str]:
-    """Patch ``layers`` into ``model``, and with ``norms`` (and any layer at all) its norms too; return the
-    names of the model's SEBP norms (patched now or before)."""
+def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: bool = False) -> list[str]:
+    """Patch ``layers`` into ``model``, and with ``norms`` (and any layer at all) its norms too, with ``acts``
+    its MLP activations; return the names of the model's SEBP norms (patched now or before)."""
     if not layers:
         return []
     patch_model(model, layer_configs=layers)
+    if acts:
+        patch_activations(model)
     if not norms:
         return []
     patch_norms(model)
@@ -260,9 +263,9 @@ def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False) -> lis
 
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
               device: torch.device, autocast=contextlib.nullcontext, if_slower: bool = True,
-              reps: int = 2, norms: bool = False) -> Calibration:
-    """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too:
-    they are timed and kept or dropped together with the linear layers).
+              reps: int = 2, norms: bool = False, acts: bool = False) -> Calibration:
+    """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too,
+    with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
     1. One dense backward per batch measures each layer's share of active rows under its setting; layers
        above ``fallback`` stay dense (gathering nearly every row costs more than it saves).
@@ -281,7 +284,7 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
         if layers:
             best = None
             for cfgs in _backend_variants(layers, device):
-                apply_sebp(model, cfgs, norms)
+                apply_sebp(model, cfgs, norms, acts)
                 for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
                     _timed_backward(model, b, device, autocast)
                 d_ms, s_ms = [], []
@@ -289,12 +292,12 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
                     for b in batches:
                         unpatch_model(model)
                         d_ms.append(_timed_backward(model, b, device, autocast))
-                        apply_sebp(model, cfgs, norms)
+                        apply_sebp(model, cfgs, norms, acts)
                         s_ms.append(_timed_backward(model, b, device, autocast))
                 if best is None or statistics.median(s_ms) < statistics.median(best[2]):
                     best = (cfgs, d_ms, s_ms)
             layers, dense_ms, sebp_ms = best
-            norm_names = apply_sebp(model, layers, norms)  # the chosen backend in place of the last one timed
+            norm_names = apply_sebp(model, layers, norms, acts)  # the chosen backend in place of the last one timed
             if if_slower and statistics.median(sebp_ms) > statistics.median(dense_ms):
                 unpatch_model(model)
                 reason = "SEBP backward measured slower than dense on the calibration batches"
@@ -553,7 +556,7 @@ class Run:
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
                 layers = {n: SEBPConfig.from_dict(d) for n, d in state["layers"].items()}
-                apply_sebp(model, layers, self.cfg.sebp_norms)
+                apply_sebp(model, layers, self.cfg.sebp_norms, self.cfg.sebp_acts)
                 calib = state.get("calibration")
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
@@ -563,10 +566,12 @@ class Run:
     def _calibrate(self, model, cands: dict[str, SEBPConfig]) -> dict:
         batches = _first_batches(self.cfg, self.data, self.acc.device)
         if self.cfg.calib_batches == 0:  # no measurement: patch every candidate
-            c = Calibration({}, None, None, cands, [], norms=apply_sebp(model, cands, self.cfg.sebp_norms))
+            c = Calibration({}, None, None, cands, [], norms=apply_sebp(model, cands, self.cfg.sebp_norms,
+                                                                         self.cfg.sebp_acts))
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
-                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms)
+                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
+                          acts=self.cfg.sebp_acts)
         if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
             from accelerate.utils import broadcast_object_list
 
@@ -576,7 +581,8 @@ class Run:
             unpatch_model(model)
             c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen.items()}
             c.fallback = sorted(n for n in cands if n not in c.layers)
-            c.norms = apply_sebp(model, c.layers, self.cfg.sebp_norms)
+            c.norms = apply_sebp(model, c.layers, self.cfg.sebp_norms, self.cfg.sebp_acts)
+        c.acts = patched_activations(model)
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})
         return info

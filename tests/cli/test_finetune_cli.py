@@ -106,6 +106,19 @@ def test_sebp_norms_compare_matches_dense_and_saves_plain_norms(tiny, tmp_path):
     assert json.loads((out / "run_config.json").read_text())["config"]["sebp_norms"] is True
 
 
+def test_sebp_acts_compare_matches_dense(tiny, tmp_path):
+    out = tmp_path / "acts"
+    r = _run([tiny, "tweets", *FAST, "--max-steps", "4", "--compare", "--always-sebp", "--dense-fallback", "1",
+              "--sebp-acts", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    calib = summary["runs"]["sebp"]["calibration"]
+    assert calib["activations"] == ["bert.encoder.layer.0.intermediate", "bert.encoder.layer.1.intermediate"]
+    assert calib["norms"] == []
+    assert summary["comparison"]["max_abs_loss_gap"] < 1e-5  # exact: the dense losses
+    assert json.loads((out / "run_config.json").read_text())["config"]["sebp_acts"] is True
+
+
 def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     for extra in ([], ["--overwrite"]):
@@ -227,6 +240,7 @@ def test_settings_added_later_do_not_block_resuming_older_runs():
     old = {"lr": 1e-4, "data": {"max_length": 32}}  # written before sebp_norms existed
     assert _config_changes(old, {**old, "sebp_norms": False}) == []
     assert _config_changes(old, {**old, "sebp_norms": True}) == ["sebp_norms"]
+    assert _config_changes(old, {**old, "sebp_acts": False}) == []
 
 
 def test_peak_from_step3_is_summarised_and_compared():
