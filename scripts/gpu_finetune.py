@@ -38,6 +38,7 @@ EXPERIMENTS = {
     "llama3b_bf16_longest": ("llama3b", "longest", "bf16", 30, False),
 }
 NORMS = "_norms"
+ACTS = "_norms_acts"  # the SEBP norms and the SEBP activations (--sebp-norms --sebp-acts)
 SHAPES = {  # batch, max_length, median length, log-normal sigma
     "bert": (32, 128, 40, 0.6),
     "llama": (8, 512, 160, 0.7),
@@ -93,8 +94,9 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
     from sebp_probe.config import DataConfig, FinetuneConfig
     from sebp_probe.finetune import finetune, versions
 
-    norms = exp.endswith(NORMS)  # any experiment + "_norms": the SEBP norms too (--sebp-norms)
-    kind, padding, precision, steps, force = EXPERIMENTS[exp.removesuffix(NORMS)]
+    acts = exp.endswith(ACTS)
+    norms = acts or exp.endswith(NORMS)  # any experiment + "_norms": the SEBP norms too (--sebp-norms)
+    kind, padding, precision, steps, force = EXPERIMENTS[exp.removesuffix(ACTS) if acts else exp.removesuffix(NORMS)]
     batch, max_len, median, sigma = SHAPES[kind]
     if smoke:  # a CPU check of the script itself: tiny shapes, a few steps, fp32
         steps, batch, precision = 4, 4, "fp32"
@@ -108,7 +110,8 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         output_dir=str(run_dir), compare=True, max_steps=steps, lr=1e-4 if kind == "bert" else 3e-4,
         warmup_ratio=0.1, precision=precision, eval_steps=steps, eval_samples=None,
         targets=LLAMA_TARGETS if kind.startswith("llama") else None,
-        dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, sebp_norms=norms, seed=0)
+        dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, sebp_norms=norms, sebp_acts=acts,
+        seed=0)
     t0 = time.time()
     traces: dict = {}
     summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data,
@@ -210,7 +213,7 @@ def collect(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--exp", choices=sorted([*EXPERIMENTS, *(e + NORMS for e in EXPERIMENTS)]))
+    ap.add_argument("--exp", choices=sorted([*EXPERIMENTS, *(e + s for e in EXPERIMENTS for s in (NORMS, ACTS))]))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sebp-gpu"))
     ap.add_argument("--collect", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 4 steps: checks the script on a CPU")
