@@ -1,7 +1,9 @@
-"""SEBP kernels: a linear layer (and LayerNorm/RMSNorm) whose backward works on the active rows of dL/dY only.
+"""SEBP kernels: a linear layer (and LayerNorm/RMSNorm, MLP activations) whose backward works on the active rows
+of dL/dY only.
 
 Depends on torch (and triton for the GPU kernels) only; knows nothing of models or of sebp_probe.
 """
+from .activations import RowHint, sebp_gelu, sebp_swiglu
 from .config import SEBPConfig
 from .functional import SEBPLinearFunction, sebp_linear
 from .modules import SEBPLinear
@@ -9,6 +11,9 @@ from .norms import SEBPNorm, norm_kind, sebp_layer_norm, sebp_rms_norm
 from .reference import backward_over_rows, select_rows, sebp_backward_torch
 
 __all__ = [
+    "RowHint",
+    "sebp_gelu",
+    "sebp_swiglu",
     "SEBPConfig",
     "SEBPLinear",
     "SEBPNorm",

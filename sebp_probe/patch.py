@@ -236,11 +236,11 @@ def activation_kind(module: nn.Module) -> str | None:
 
 
 def _swiglu_forward(self, x):
-    return self.down_proj(sebp_swiglu(self.gate_proj(x), self.up_proj(x), self._sebp_act_hint))
+    return self.down_proj(sebp_swiglu(self.gate_proj(x), self.up_proj(x), self._sebp_act_rows))
 
 
 def _gelu_forward(self, hidden_states):
-    return sebp_gelu(self.dense(hidden_states), self._sebp_act_hint)
+    return sebp_gelu(self.dense(hidden_states), self._sebp_act_rows)
 
 
 def _hinted(module: nn.Module, kind: str) -> list[nn.Module]:
@@ -253,7 +253,8 @@ def patch_activations(model: nn.Module) -> list[str]:
     forward values, a backward over the non-zero rows of dL/dH, and its SEBP linears before it (gate/up, or
     the intermediate dense) take the rows it finds instead of selecting again (exact mode). Parameters and
     state_dict keys do not change. Call it after :func:`patch_model` (it hands the rows to the SEBPLinears
-    present now); calling it again refreshes that. Returns the MLP modules' names."""
+    present now; an MLP without any does not work them out); calling it again refreshes that. Returns the MLP
+    modules' names."""
     names = []
     for name, module in model.named_modules():
         kind = activation_kind(module)
@@ -264,9 +265,10 @@ def patch_activations(model: nn.Module) -> list[str]:
             hint = RowHint()
             module._sebp_act_hint = hint
             module.forward = types.MethodType(_swiglu_forward if kind == "swiglu" else _gelu_forward, module)
-        for lin in _hinted(module, kind):
-            if isinstance(lin, SEBPLinear):
-                lin._sebp_hint = hint
+        readers = [lin for lin in _hinted(module, kind) if isinstance(lin, SEBPLinear)]
+        for lin in readers:
+            lin._sebp_hint = hint
+        module._sebp_act_rows = hint if readers else None  # no SEBP linear to read them: rows not worked out
         names.append(name)
     return names
 
@@ -279,6 +281,7 @@ def unpatch_activations(model: nn.Module) -> list[str]:
             continue
         kind = activation_kind(module)
         del module._sebp_act_hint
+        vars(module).pop("_sebp_act_rows", None)
         vars(module).pop("forward", None)
         for lin in _hinted(module, kind) if kind else []:
             if isinstance(lin, SEBPLinear):

@@ -154,3 +154,76 @@ def test_patched_tiny_model_matches_dense(arch):
     assert set(unpatch_model(sebp)) >= set(names)
     assert not patched_activations(sebp)
     assert all("forward" not in vars(m) for m in sebp.modules())
+
+
+def _loss_and_grads(model, batch):
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_training(dense, sebp, batch):
+    (l0, g0), (l1, g1) = _loss_and_grads(dense, batch), _loss_and_grads(sebp, batch)
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_lora_on_the_mlp_and_gradient_checkpointing():
+    """LoRA wrappers on gate/up/down (the hint goes to their base layers; down's LoRA branch adds to dL/dH),
+    and transformers' gradient checkpointing (the forward runs again in the backward)."""
+    peft = pytest.importorskip("peft")
+    from sebp_probe.patch import patch_activations, patch_model
+    from tests.tiny_models import padded_batch, tiny_model
+
+    batch = padded_batch("llama")
+    dense = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(
+        r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False))
+    sebp = copy.deepcopy(dense)
+    patch_model(sebp, SEBPConfig(backend=BACKEND))
+    patch_activations(sebp)
+    # the last layer: the first one's gate/up need no gradient at all (frozen embeddings, no LoRA before them)
+    mlp = sebp.base_model.model.model.layers[-1].mlp
+    assert mlp.gate_proj.base_layer._sebp_hint is mlp._sebp_act_hint
+    _assert_same_training(dense, sebp, batch)
+    if INTERPRET:
+        assert mlp._sebp_act_hint.taken == 2
+
+    dense, sebp = tiny_model("llama"), tiny_model("llama")
+    patch_model(sebp, SEBPConfig(backend=BACKEND))
+    patch_activations(sebp)
+    for m in (dense, sebp):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_same_training(dense, sebp, batch)
+
+
+@pytest.mark.skipif(INTERPRET, reason="CPU autocast runs the torch path")
+def test_cpu_autocast_gives_hugging_faces_values():
+    from sebp_probe.patch import patch_activations, patch_model
+    from tests.tiny_models import padded_batch, tiny_model
+
+    dense, sebp = tiny_model("llama"), tiny_model("llama")
+    patch_model(sebp)
+    patch_activations(sebp)
+    batch = padded_batch("llama")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l0 = dense(**batch).loss
+        l1 = sebp(**batch).loss
+    assert torch.equal(l0, l1)
+
+
+def test_no_rows_worked_out_without_an_sebp_linear_to_read_them():
+    from sebp_probe.patch import patch_activations, patch_model
+    from tests.tiny_models import padded_batch, tiny_model
+
+    model = tiny_model("llama")
+    patch_model(model, SEBPConfig(backend=BACKEND), target_modules=["down_proj"])  # gate/up stay nn.Linear
+    patch_activations(model)
+    mlp = model.model.layers[0].mlp
+    assert mlp._sebp_act_rows is None
+    model(**padded_batch("llama")).loss.backward()
+    assert mlp._sebp_act_hint.offered == 0
+    patch_model(model, SEBPConfig(backend=BACKEND))  # now gate/up too: patching again hands them the rows
+    patch_activations(model)
+    assert mlp._sebp_act_rows is mlp._sebp_act_hint is mlp.gate_proj._sebp_hint
