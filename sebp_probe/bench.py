@@ -7,6 +7,8 @@ rows of each sequence are real), the backward of one linear is timed as:
 - ``torch_ref``: the pure-torch SEBP (``nonzero()`` selection, gather, GEMMs, scatter; it syncs the host);
 - ``torch_rows``: the same GEMMs with the active rows known in advance (no selection);
 - ``triton``: the fused Triton SEBP backward (selection included, no host sync);
+- ``triton_rows`` (exact mode): the same kernels with the active rows known in advance (no selection pass),
+  as the linears before an SEBP activation get them in a model (:mod:`sebp_kernels.activations`);
 - ``triton_adaptive``: the same with the layer's density estimate (what ``SEBPLinear`` runs): in exact mode,
   after a backward with at least 85% of rows active it takes the dense cuBLAS backward (timed at steady
   state, after the warm-up calls; every 16th eager backward also runs the row selection, not timed here);
@@ -265,6 +267,8 @@ class LayerResult:
         d["speedup_vs_dense"] = {m: round(self.speedup(m), 3) for m in self.ms}
         if "triton" in self.ms and "ideal" in self.ms:
             d["triton_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton"], 3)
+        if "triton_rows" in self.ms and "ideal" in self.ms:
+            d["triton_rows_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton_rows"], 3)
         if "triton" in self.ms and "torch_ref" in self.ms:
             d["triton_vs_torch_ref"] = round(self.ms["torch_ref"] / self.ms["triton"], 3)
         return d
@@ -277,6 +281,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
     from sebp_kernels import SEBPConfig
     from sebp_kernels._triton import sebp_backward_triton
     from sebp_kernels.density import RowDensity
+    from sebp_kernels._triton.select import select_rows_device
     from sebp_kernels.reference import backward_over_rows, sebp_backward_torch
 
     _require_cuda()
@@ -318,6 +323,10 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
             "torch_ref": (lambda: sebp_backward_torch(dy, x, w, cfg, True, True, bias), False),
             "torch_rows": (lambda: backward_over_rows(dy, x, w, rows, True, True, bias), True),
         }
+        if mode == "exact":
+            known = select_rows_device(dy, "exact")
+            methods["triton_rows"] = (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known),
+                                      True)
         res = LayerResult(shape, density, k)
         if progress:
             progress(f"{shape.name} d={density:g}")

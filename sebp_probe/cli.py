@@ -257,7 +257,8 @@ def _bench_tables(result: dict) -> None:
     if result.get("layers"):
         what = f"{result['dtype']}, {result['mode']}"
         times = ("k", "dense", "ideal", "triton", "torch ref")
-        ratios = ("x ideal", "x triton", "x adaptive", "of ideal", "x torch ref", "peak MiB d/t")
+        ratios = ("x ideal", "x triton", "x adaptive", "of ideal", "of ideal, rows known", "x torch ref",
+                  "peak MiB d/t")
         # one table where the console is wide enough, else the times and the ratios apart (rich would cut
         # every column of a 13-column table to a few characters at 80 columns, the width of piped output)
         narrow = console.width < WIDE_CONSOLE
@@ -280,6 +281,8 @@ def _bench_tables(result: dict) -> None:
                          "x ideal": f"{sp['ideal']:.2f}", "x triton": f"{sp['triton']:.2f}",
                          "x adaptive": f"{sp['triton_adaptive']:.2f}" if "triton_adaptive" in sp else "-",
                          "of ideal": f"{r['triton_fraction_of_ideal_speedup']:.2f}",
+                         "of ideal, rows known": (f"{r['triton_rows_fraction_of_ideal_speedup']:.2f}"
+                                                  if "triton_rows_fraction_of_ideal_speedup" in r else "-"),
                          "x torch ref": f"{r['triton_vs_torch_ref']:.2f}",
                          "peak MiB d/t": f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}"}
                 table.add_row(r["shape"]["name"], f"{r['density']:g}", *(cells[c] for c in cols))

@@ -178,5 +178,11 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     shares = [f"{r['triton_fraction_of_ideal_speedup']:.2f}" for r in result["layers"]]
     rows = [line for line in out.splitlines() if line.strip().startswith("llama-3.2-3b")]
     assert len(rows) == 2 * len(result["layers"])
-    for row, share in zip(rows[len(shares):], shares):
-        assert row.split()[-3] == share, row
+    known = [f"{r['triton_rows_fraction_of_ideal_speedup']:.2f}" for r in result["layers"]]
+    for row, share, rows_known in zip(rows[len(shares):], shares, known):
+        assert row.split()[-4] == share, row
+        assert row.split()[-3] == rows_known, row
+    result["layers"][0].pop("triton_rows_fraction_of_ideal_speedup")  # a file from before that timing
+    cli._bench_tables(result)
+    first = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llama-3.2-3b")]
+    assert first[len(shares)].split()[-3] == "-"
