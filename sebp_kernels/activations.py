@@ -74,11 +74,6 @@ def _triton_act():
     return tb.INTERPRET, act_forward_triton, act_backward_triton
 
 
-def _torch_act(kind: str, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """Hugging Face's formula, op for op."""
-    return F.silu(a) * b if kind == "swiglu" else F.gelu(a)
-
-
 def _use_triton(backend: str, *tensors) -> tuple | None:
     if backend == "torch":
         return None
@@ -99,9 +94,13 @@ class SEBPActFunction(torch.autograd.Function):
         ctx.kind, ctx.hint, ctx.backend = kind, hint, backend
         tri = _use_triton(backend, *(t for t in (a, b) if t is not None))
         ctx.triton = tri is not None
-        if tri is None:
-            ctx.save_for_backward(a, b)
-            return _torch_act(kind, a, b)
+        if tri is None:  # Hugging Face's ops; silu(a) kept for the backward, as autograd keeps it
+            if kind == "gelu":
+                ctx.save_for_backward(a, None, None)
+                return F.gelu(a)
+            act = F.silu(a)
+            ctx.save_for_backward(a, b, act)
+            return act * b
         n = a.shape[-1]
         a2 = a.reshape(-1, n)
         b2 = b.reshape(-1, n) if b is not None else None
@@ -135,15 +134,14 @@ class SEBPActFunction(torch.autograd.Function):
                             hint.offer(t, *rows)
                 return None, da, db, None, None
             a, b = a2.view(ctx.shape), (b2.view(ctx.shape) if b2 is not None else None)
+            act = F.silu(a) if b is not None else None
         else:
-            a, b = ctx.saved_tensors
-        with torch.enable_grad():  # the dense backward, as autograd runs it for Hugging Face's formula
-            leaves = [t.detach().requires_grad_(need) for t, need in ((a, need_a), (b, need_b)) if t is not None]
-            h = _torch_act(ctx.kind, *leaves, *([None] if b is None else []))
-            wanted = [t for t in leaves if t.requires_grad]
-            grads = iter(torch.autograd.grad(h, wanted, dh))
-        da = next(grads) if need_a else None
-        db = next(grads) if (need_b and b is not None) else None
+            a, b, act = ctx.saved_tensors
+        # the kernels autograd runs for Hugging Face's ops (mul, then silu; or gelu)
+        if ctx.kind == "gelu":
+            return None, torch.ops.aten.gelu_backward(dh, a) if need_a else None, None, None, None
+        da = torch.ops.aten.silu_backward(dh * b, a) if need_a else None
+        db = dh * act if need_b else None
         return None, da, db, None, None
 
 

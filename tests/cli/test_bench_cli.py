@@ -59,6 +59,7 @@ def test_dry_run_explicit_layer():
      (["bert-base", "--scope", "model", "--no-pad-mask", "--dry-run"], "attends in both directions"),
      (["llama-3.2-3b", "--no-pad-mask"], "are for the whole-model run"),
      (["llama-3.2-3b", "--norms"], "are for the whole-model run"),
+     (["llama-3.2-3b", "--acts", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--breakdown", "--dry-run"], "are for the whole-model run")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
