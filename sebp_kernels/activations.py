@@ -24,7 +24,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-KINDS = ("swiglu", "gelu")
+from .reference import refuse_missing_triton
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -59,9 +60,6 @@ class RowHint:
         self.taken += 1
         return perm, count
 
-    def clear(self) -> None:
-        self._items = {}
-
 
 @functools.lru_cache(maxsize=1)
 def _triton_act():
@@ -78,9 +76,8 @@ def _use_triton(backend: str, *tensors) -> tuple | None:
     if backend == "torch":
         return None
     tri = _triton_act()
+    refuse_missing_triton(backend, tri)
     if tri is None:
-        if backend == "triton":
-            raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable")
         return None
     t0 = tensors[0]
     ok = (t0.device.type == ("cpu" if tri[0] else "cuda") and t0.dtype in DTYPES and t0.numel() > 0

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .config import SEBPConfig
 from .density import RowDensity
-from .reference import sebp_backward_torch
+from .reference import refuse_missing_triton, sebp_backward_torch
 
 _DEFAULT = SEBPConfig()
 
@@ -43,8 +43,7 @@ def resolve_backend(config: SEBPConfig, device: torch.device):
         return sebp_backward_torch
     triton_fn = _triton_backward() if (device.type == "cuda" or config.backend == "triton") else None
     if config.backend == "triton":
-        if triton_fn is None:
-            raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable")
+        refuse_missing_triton(config.backend, triton_fn)
         return triton_fn
     return triton_fn if (triton_fn is not None and device.type == "cuda") else sebp_backward_torch
 
@@ -73,10 +72,10 @@ class SEBPLinearFunction(torch.autograd.Function):
                 and impl is not sebp_backward_torch else None)
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
-        if impl is not sebp_backward_torch and (ctx.state is not None or rows is not None):
-            dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db, state=ctx.state, rows=rows)
-        else:
+        if impl is sebp_backward_torch:
             dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db)
+        else:
+            dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db, state=ctx.state, rows=rows)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return dx, dw, db, None, None, None

@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import SEBPConfig
 from .modules import _take_over
-from .reference import norm_backward_torch
+from .reference import norm_backward_torch, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -41,15 +41,10 @@ def _triton_norm():
 
 def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n):
     """Gradients over rows of ``n`` elements (the normalized dimensions flattened)."""
-    dy2, x2 = dy.reshape(-1, n), x.reshape(-1, n)
-    if dy2.stride(1) != 1:
-        dy2 = dy2.contiguous()
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    dy2, x2 = unit_col_stride(dy.reshape(-1, n)), unit_col_stride(x.reshape(-1, n))
     mean2 = mean.reshape(-1) if mean is not None else None
     tri = None if config.backend == "torch" else _triton_norm()
-    if tri is None and config.backend == "triton":
-        raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable")
+    refuse_missing_triton(config.backend, tri)
     if tri is not None and dy.device.type == ("cpu" if tri[0] else "cuda") and n <= tri[1] and dy2.shape[0]:
         interpret, _, launch, sm_count = tri
         dx, dw, db = launch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db,

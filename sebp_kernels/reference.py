@@ -9,6 +9,18 @@ import torch
 from .config import SEBPConfig
 
 
+def unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+    """2-D ``t`` with unit column stride (the kernels index columns with 32-bit offsets times that stride):
+    ``t`` itself when it has it (or one column), else a contiguous copy."""
+    return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
+
+
+def refuse_missing_triton(backend: str, found) -> None:
+    """Raise when ``backend`` is ``"triton"`` and the Triton path was not found (``found`` None)."""
+    if backend == "triton" and found is None:
+        raise RuntimeError("SEBP backend 'triton' was asked for but triton is not importable")
+
+
 def row_activity(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
     """Boolean mask (M,) of active rows of a 2-D dL/dY for ``exact`` and ``threshold`` modes.
 

@@ -224,11 +224,10 @@ def activation_kind(module: nn.Module) -> str | None:
     if name in GATED_MLP_CLASSES:
         act = getattr(module, "act_fn", None)
         if (type(act).__name__ in ("SiLUActivation", "SiLU")
-                and all(isinstance(_linear_of(getattr(module, p, None) or nn.Identity()), nn.Linear)
+                and all(isinstance(_linear_of(getattr(module, p, None)), nn.Linear)
                         for p in ("gate_proj", "up_proj", "down_proj"))):
             return "swiglu"
-    if name.endswith("Intermediate") and isinstance(_linear_of(getattr(module, "dense", None) or nn.Identity()),
-                                                    nn.Linear):
+    if name.endswith("Intermediate") and isinstance(_linear_of(getattr(module, "dense", None)), nn.Linear):
         act = getattr(module, "intermediate_act_fn", None)
         if type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu:
             return "gelu"

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..reference import unit_col_stride
 from .launch import FastLaunch, Plans, plan_ids
 from .select import _compact
 from .tuning import cdiv
@@ -145,10 +146,6 @@ _bwd = FastLaunch(_act_bwd_kernel)
 _PLANS = Plans(_fwd, _bwd, _compact)
 
 
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _row_blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     """(rows per program, columns per tile, warps): 4 x up to 1024, 4 warps. From ``scripts/act_sweep.py`` on
     an H100 (``results/h100_acts/act_sweep.json``, 9 settings): at the Llama-3.2-3B SwiGLU shape the forward
@@ -177,8 +174,8 @@ def act_forward_triton(kind: str, a: torch.Tensor, b: torch.Tensor | None, flags
                        store_h: bool = True):
     """(h, bad): the activation of 2-D ``a`` (and ``b`` for SwiGLU; None without ``store_h``: flags only),
     and int8 per-row NaN/Inf flags of the inputs (None unless ``flags``)."""
-    a = _unit(a)
-    b = _unit(b) if b is not None else a
+    a = unit_col_stride(a)
+    b = unit_col_stride(b) if b is not None else a
     m, n = a.shape
     key = ("fwd", kind, m, n, flags, store_h, interpret, a.dtype, b.dtype, a.stride(0), b.stride(0))
     idx, nb, kw, _ = _get_plan(key, kind, m, n, interpret)
@@ -194,8 +191,8 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
                         need_a: bool, need_b: bool, want_rows: bool, interpret: bool = False):
     """(dA or None, dB or None, rows): the input gradients of the activation for 2-D ``dh``, and with
     ``want_rows`` the (permutation, device-side count) of the rows that can be non-zero in them (else None)."""
-    dh, a = _unit(dh), _unit(a)
-    b = _unit(b) if b is not None else a
+    dh, a = unit_col_stride(dh), unit_col_stride(a)
+    b = unit_col_stride(b) if b is not None else a
     m, n = dh.shape
     key = ("bwd", kind, m, n, need_a, need_b, want_rows, interpret, dh.dtype, a.dtype, b.dtype, dh.stride(0),
            a.stride(0), b.stride(0))
@@ -208,13 +205,13 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
             (m, m, nb, 1))
     else:
         perm = flags = block_count = count = None
-    some = da if da is not None else (db if db is not None else dh)
+    # outputs not asked for (or no flags) get another tensor as a pointer the kernel never touches; the
+    # outputs are new (m, n) tensors: row stride n
     _bwd.launch_planned(
         (nb,), idx, 8,
-        (dh, a, b, da if da is not None else some, db if db is not None else some, bad,
+        (dh, a, b, da if need_a else dh, db if need_b else dh, bad,
          flags if want_rows else bad, block_count if want_rows else bad,
-         m, n, dh.stride(0), a.stride(0), b.stride(0), some.stride(0) if da is None else da.stride(0),
-         some.stride(0) if db is None else db.stride(0)),
+         m, n, dh.stride(0), a.stride(0), b.stride(0), n, n),
         dict(kw, NEED_A=need_a, NEED_B=need_b, FLAGS=want_rows))
     rows = None
     if want_rows:

@@ -12,7 +12,7 @@ import torch
 
 from ..config import SEBPConfig
 from ..density import RowDensity
-from ..reference import dense_products, sebp_backward_torch
+from ..reference import dense_products, sebp_backward_torch, unit_col_stride
 from .grads import grads_rows
 from .select import _sm_count, select_rows_device
 
@@ -63,8 +63,8 @@ def sebp_backward_triton(
     if not supported(dy, x if need_dw else None, weight):
         return sebp_backward_torch(dy, x, weight, config, need_dx, need_dw, need_db)
     # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1.
-    dy, weight = _unit_col_stride(dy), _unit_col_stride(weight)
-    x = _unit_col_stride(x) if x is not None else None
+    dy, weight = unit_col_stride(dy), unit_col_stride(weight)
+    x = unit_col_stride(x) if x is not None else None
     if config.mode != "exact":
         state = None  # elsewhere the skipped rows are not zero: only the SEBP path gives the SEBP gradients
         rows = None  # and the rows are chosen by their values
@@ -86,6 +86,3 @@ def sebp_backward_triton(
         state.observe(count, dy.shape[0], capturing)
     return dx, dw, db
 
-
-def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
