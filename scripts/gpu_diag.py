@@ -118,7 +118,7 @@ def graph_bench(fn):
 
 
 from sebp_kernels._triton.dw import _tickets, db_rows  # noqa: E402
-from sebp_kernels._triton.select import _compact_kernel, _row_blocks, _row_flags_kernel  # noqa: E402
+from sebp_kernels._triton.select import _compact_kernel, _flag_blocks, _row_flags_kernel, compact_plan  # noqa: E402
 
 for (M, IN, OUT) in SHAPES:
     x = torch.randn(M, IN, device=dev, dtype=torch.bfloat16)
@@ -136,15 +136,17 @@ for (M, IN, OUT) in SHAPES:
         row["cublas_dw"] = graph_bench(lambda: dyk.t() @ xk)
         row["cublas_dense_bwd"] = graph_bench(lambda: (dy @ w, dy.t() @ x))
         row["select"] = graph_bench(lambda: select_rows_device(dy, "exact"))
-        br, bc, wp = _row_blocks(OUT, False)
+        br, bc, un, wp = _flag_blocks(OUT, False)
         nb = triton.cdiv(M, br)
+        n_compact, compact_kw = compact_plan(M, br, False)
         flags = torch.empty(M, dtype=torch.int32, device=dev)
         bcnt = torch.empty(nb, dtype=torch.int32, device=dev)
         row["select_flags"] = graph_bench(lambda: _row_flags_kernel[(nb,)](
-            dy, flags, bcnt, M, OUT, dy.stride(0), dy.stride(1), 0.0, MODE=0, BLOCK_R=br, BLOCK_C=bc, num_warps=wp))
+            dy, flags, bcnt, M, OUT, dy.stride(0), dy.stride(1), 0.0, MODE=0, BLOCK_R=br, BLOCK_C=bc, UNROLL=un,
+            num_warps=wp))
         p2, c2 = torch.empty(M, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev)
-        row["select_compact"] = graph_bench(lambda: _compact_kernel[(nb,)](
-            flags, bcnt, p2, c2, M, nb, BLOCK_R=br, BLOCK_NB=1024, num_warps=4))
+        row["select_compact"] = graph_bench(lambda: _compact_kernel[(n_compact,)](
+            flags, bcnt, p2, c2, M, nb, **compact_kw))
         row["read_dy_bound_ms"] = round((M - k) * OUT * 2 / 3.35e12 * 1e3, 5)
         dxo = torch.empty(M, IN, device=dev, dtype=torch.bfloat16)
         dxk = torch.empty(k, IN, device=dev, dtype=torch.bfloat16)

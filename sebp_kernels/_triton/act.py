@@ -24,7 +24,7 @@ from triton.language.extra import libdevice
 
 from ..reference import unit_col_stride
 from .launch import FastLaunch, Plans, plan_ids
-from .select import _compact
+from .select import _compact, compact_plan
 from .tuning import cdiv
 
 SWIGLU, GELU = 0, 1
@@ -160,8 +160,7 @@ def _plan(kind, m, n, interpret):
     """(plan number, blocks, kernel keywords, compaction keywords)."""
     block_r, block_c, warps = _row_blocks(n, interpret)
     kw = dict(KIND=_KINDS[kind], LIBDEVICE=not interpret, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    compact_kw = {"BLOCK_R": block_r, "BLOCK_NB": 16 if interpret else 1024, "num_warps": 1 if interpret else 4}
-    return next(plan_ids), cdiv(m, block_r), kw, compact_kw
+    return next(plan_ids), cdiv(m, block_r), kw, compact_plan(m, block_r, interpret)
 
 
 def _get_plan(key, kind, m, n, interpret):
@@ -196,7 +195,7 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
     m, n = dh.shape
     key = ("bwd", kind, m, n, need_a, need_b, want_rows, interpret, dh.dtype, a.dtype, b.dtype, dh.stride(0),
            a.stride(0), b.stride(0))
-    idx, nb, kw, compact_kw = _get_plan(key, kind, m, n, interpret)
+    idx, nb, kw, (n_compact, compact_kw) = _get_plan(key, kind, m, n, interpret)
     dev = dh.device
     da = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_a else None
     db = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_b else None
@@ -215,6 +214,6 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
         dict(kw, NEED_A=need_a, NEED_B=need_b, FLAGS=want_rows))
     rows = None
     if want_rows:
-        _compact.launch_planned((nb,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
+        _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
         rows = (perm, count)
     return da, db, rows

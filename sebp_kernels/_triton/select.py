@@ -2,16 +2,19 @@
 
 Two small kernels, no host sync:
 
-1. ``_row_flags_kernel``: one pass over dY. Each program owns ``BLOCK_R`` rows and walks their columns until
-   every one of its rows is known to be active (so a dense dY costs one column block per row, not a full
-   read). It writes a 0/1 flag per row and its block's active count.
-2. ``_compact_kernel``: each program adds up the counts of the blocks before it and scatters its rows into a
-   permutation of ``0..M-1``: active rows first in row order, then the inactive rows (in reverse order) at
-   the back. The number of active rows ``k`` goes to a one-element device tensor.
+1. ``_row_flags_kernel``: one pass over dY. Each program owns ``BLOCK_R`` rows: it reads their first column
+   block, then the remaining columns of only the rows still inactive (a dense dY costs one column block per
+   row, a zero row its full read), a few column blocks a step with no exit test so that their loads overlap.
+   It writes a 0/1 flag per row and its block's active count.
+2. ``_compact_kernel``: each program adds up the counts of the blocks before its ``ROWS`` rows and scatters
+   them into a permutation of ``0..M-1``: active rows first in row order, then the inactive rows (in reverse
+   order) at the back. The number of active rows ``k`` goes to a one-element device tensor.
 
-Measured on an H100 (2026-11-22), a one-launch variant (each block publishes its count and finds its offset
-by a decoupled look-back over earlier blocks, numbered by an atomic ticket) took 6-13 us more GPU time than
-these two launches at every BERT-base and Llama-3.2-3B shape, so selection stays two launches.
+Measured on an H100 (2026-11-22, ``results/h100_select_one_vs_two_launches.txt`` and
+``results/h100_select_probe.json``), two one-launch variants were slower than these two launches at every
+BERT-base and Llama-3.2-3B shape: each block finding its offset by a decoupled look-back over earlier blocks
+(6-13 us more), and the last block to finish compacting all rows alone (1-60 us more). The compact pass
+costs about 5 us alone and 2-3 us after the flags pass, whatever its ``ROWS`` (128-1024).
 
 The dX kernel reads the whole permutation: tiles below ``k`` compute rows, tiles above it write zeros, so
 dX needs no separate memset. ``topk`` mode (a static ``N``) ranks rows by a fused sum-of-squares pass and
@@ -32,58 +35,67 @@ EXACT, THRESHOLD = 0, 1
 
 
 @triton.jit
+def _hits(tile, eps, MODE: tl.constexpr):
+    """1 where an element makes its row active: exact, any non-zero (NaN and Inf compare unequal to 0);
+    threshold, |x| > eps or NaN."""
+    if MODE == 0:
+        return (tile != 0).to(tl.int32)
+    a = tl.abs(tile.to(tl.float32))
+    return ((a > eps) | (a != a)).to(tl.int32)
+
+
+@triton.jit
 def _row_flags_kernel(
     dy_ptr, flags_ptr, block_count_ptr,
     M, N,
     stride_m, stride_n,
     eps,
-    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < M
-    n_valid = tl.sum(rmask.to(tl.int32), axis=0)
     row_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_m
-    active = tl.zeros([BLOCK_R], dtype=tl.int32)
-    n_active = tl.sum(active, axis=0)
-    c0 = 0
-    # Stop as soon as every row of the block is active: a dense dY is then read one column block deep.
-    while (c0 < N) & (n_active < n_valid):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        tile = tl.load(row_ptrs + cols[None, :] * stride_n,
-                       mask=rmask[:, None] & (cols < N)[None, :], other=0.0)
-        if MODE == 0:  # exact: any non-zero (NaN and Inf compare unequal to 0)
-            hit = tile != 0
-        else:  # threshold: |x| > eps, NaN always
-            a = tl.abs(tile.to(tl.float32))
-            hit = (a > eps) | (a != a)
-        active = tl.maximum(active, tl.max(hit.to(tl.int32), axis=1))
-        n_active = tl.sum(active, axis=0)
-        c0 += BLOCK_C
+    cols = tl.arange(0, BLOCK_C)
+    # Phase 1: the first column block of every row (an active row nearly always shows it there).
+    tile = tl.load(row_ptrs + cols[None, :] * stride_n, mask=rmask[:, None] & (cols < N)[None, :], other=0.0)
+    active = tl.max(_hits(tile, eps, MODE), axis=1)
+    # Phase 2: the other column blocks of the rows still inactive, UNROLL blocks a step. No exit test in the
+    # loop: its loads do not depend on each other, so several are in flight.
+    todo = rmask & (active == 0)
+    if tl.sum(todo.to(tl.int32), axis=0) > 0:
+        for c0 in range(BLOCK_C, N, BLOCK_C * UNROLL):
+            for u in tl.static_range(UNROLL):
+                c = c0 + u * BLOCK_C + cols
+                t = tl.load(row_ptrs + c[None, :] * stride_n, mask=todo[:, None] & (c < N)[None, :], other=0.0)
+                active = tl.maximum(active, tl.max(_hits(t, eps, MODE), axis=1))
     tl.store(flags_ptr + rows, active, mask=rmask)
-    tl.store(block_count_ptr + pid, n_active)
+    tl.store(block_count_ptr + pid, tl.sum(active, axis=0))
 
 
 @triton.jit
 def _compact_kernel(
     flags_ptr, block_count_ptr, perm_ptr, count_ptr,
     M, NB,
-    BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr,
+    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):
+    # flags_ptr: a 0/1 flag per row; block_count_ptr: the active count of each of the NB blocks of BLOCK_R
+    # rows. Program pid places ROWS rows (a multiple of BLOCK_R).
     pid = tl.program_id(0)
+    first = pid * (ROWS // BLOCK_R)  # blocks before this program's rows
     before = tl.sum(tl.zeros([BLOCK_NB], dtype=tl.int32), axis=0)
-    for s in range(0, pid, BLOCK_NB):  # active rows in the blocks before this one
+    for s in range(0, first, BLOCK_NB):
         idx = s + tl.arange(0, BLOCK_NB)
-        before += tl.sum(tl.load(block_count_ptr + idx, mask=idx < pid, other=0), axis=0)
-    local = tl.arange(0, BLOCK_R)
-    rows = pid * BLOCK_R + local
+        before += tl.sum(tl.load(block_count_ptr + idx, mask=idx < first, other=0), axis=0)
+    local = tl.arange(0, ROWS)
+    rows = pid * ROWS + local
     rmask = rows < M
     f = tl.load(flags_ptr + rows, mask=rmask, other=0)
     excl = tl.cumsum(f, axis=0) - f
     pos_active = before + excl
-    pos_inactive = M - 1 - (pid * BLOCK_R - before + local - excl)
+    pos_inactive = M - 1 - (pid * ROWS - before + local - excl)
     tl.store(perm_ptr + tl.where(f > 0, pos_active, pos_inactive), rows, mask=rmask)
-    if pid == NB - 1:
+    if pid == tl.cdiv(M, ROWS) - 1:
         tl.store(count_ptr, before + tl.sum(f, axis=0))
 
 
@@ -111,14 +123,38 @@ def _row_sumsq_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _row_blocks(n: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) for the row passes: 8 rows x up to 512 columns, 8 warps. Chosen by
-    ``scripts/flags_sweep.py`` on an H100 (``results/h100_flags_sweep.json``): over BERT-base and
-    Llama-3.2-3B dY shapes at densities 0.01, 0.2 and 1.0 it was within 6% of each case's best on average
-    (26% at worst) and never slower than the previous rule (up to 32 rows x 16K elements, 4 warps), which it
-    beat by up to 37% (16384 x 3072 at d = 1.0: 15.0 -> 9.5 us)."""
+    """(BLOCK_R, BLOCK_C, num_warps) of the sum-of-squares pass (topk mode): 8 rows x up to 512 columns, 8
+    warps, the tiles the flags pass used until 2026-11-22 (chosen then for it by the earlier
+    ``scripts/flags_sweep.py``, ``results/h100_flags_sweep.json``); this pass reads every column anyway."""
     if interpret:
         return 8, 16, 1
     return 8, max(64, min(triton.next_power_of_2(n), 512)), 8
+
+
+@functools.lru_cache(maxsize=None)
+def _flag_blocks(n: int, interpret: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_C, UNROLL, num_warps) of the flags pass: 4 rows x up to 256 columns, 2 column blocks a
+    step, 4 warps. From ``scripts/flags_sweep.py`` on an H100 with the L2 cache flushed, as the bench times
+    (``results/h100_flags_sweep_flushed.json``, 2026-11-22, 36 settings): over BERT-base and Llama-3.2-3B dY
+    shapes at densities 0.1, 0.5 and 1.0 it was within 0.6% of each case's best on average, and 3-30% faster
+    than the early-exit kernel before it (8 rows x 512 columns, 8 warps; e.g. 16384 x 768 at d = 0.5: 14.9 ->
+    12.6 us; 16384 x 3072 at d = 1.0: 12.9 -> 9.0 us)."""
+    if interpret:
+        return 8, 16, 2, 1
+    return 4, max(16, min(triton.next_power_of_2(n), 256)), 2, 4
+
+
+COMPACT_ROWS = 256  # rows each program of the compaction pass places
+
+
+def compact_plan(m: int, block_r: int, interpret: bool) -> tuple[int, dict]:
+    """(programs, keywords) of the compaction pass after a flags pass over blocks of ``block_r`` rows (a power
+    of 2, as ``COMPACT_ROWS`` is)."""
+    nb = cdiv(m, block_r)
+    rows = max(block_r, 16 if interpret else COMPACT_ROWS)
+    block_nb = 16 if interpret else min(4096, max(16, triton.next_power_of_2(nb)))
+    return cdiv(m, rows), {"BLOCK_R": block_r, "ROWS": rows, "BLOCK_NB": block_nb,
+                           "num_warps": 1 if interpret else 4}
 
 
 _row_flags = FastLaunch(_row_flags_kernel)
@@ -156,12 +192,12 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     plan = _SELECT_PLANS.get(key)
     if plan is None:
         plan = _SELECT_PLANS.add(key, _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret))
-    idx, nb, sizes, flags_ints, flags_kw, compact_kw = plan
+    idx, nb, n_compact, sizes, flags_ints, flags_kw, compact_kw = plan
     # one allocation for the four int32 outputs (fewer host calls per layer)
     perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
                                                   device=dy.device).split(sizes)
     _row_flags.launch_planned((nb,), idx, 3, (dy, flags, block_count, *flags_ints), flags_kw)
-    _compact.launch_planned((nb,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
+    _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
     return perm, count
 
 
@@ -169,13 +205,15 @@ _SELECT_PLANS = Plans(_row_flags, _compact)  # (shape, dtype, strides, mode, eps
 
 
 def _select_plan(m, n, dtype, stride, mode, eps, interpret):
-    """(plan number, blocks, split sizes, the flags pass's scalar arguments, and both passes' keywords)."""
-    block_r, block_c, warps = _row_blocks(n, interpret)
+    """(plan number, flag blocks, compaction programs, split sizes, the flags pass's scalar arguments, and both
+    passes' keywords)."""
+    block_r, block_c, unroll, warps = _flag_blocks(n, interpret)
     nb = cdiv(m, block_r)
     mode_id = EXACT if mode == "exact" else THRESHOLD
-    flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
-    compact_kw = {"BLOCK_R": block_r, "BLOCK_NB": 16 if interpret else 1024, "num_warps": 1 if interpret else 4}
-    return (next(plan_ids), nb, (m, m, nb, 1), (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw)
+    flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "UNROLL": unroll, "num_warps": warps}
+    n_compact, compact_kw = compact_plan(m, block_r, interpret)
+    return (next(plan_ids), nb, n_compact, (m, m, nb, 1), (m, n, *stride, _eps_in(eps, dtype)), flags_kw,
+            compact_kw)
 
 
 def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:

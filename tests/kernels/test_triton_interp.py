@@ -171,6 +171,24 @@ else:
         dx, dw, db = sebp_backward_triton(dy, x, w, cfg)
         assert not torch.isfinite(dx[7]).all() and not torch.isfinite(dw).all()
 
+    @pytest.mark.parametrize("mode", ["exact", "threshold"])
+    def test_rows_active_only_past_the_first_column_block(mode):
+        """The flags pass reads one column block of every row first, then the rest of the rows still inactive
+        (16 columns a block under the interpreter): a value in a later block, a NaN there, and a row next to
+        active ones in the same block of rows must all count."""
+        dy = torch.zeros(70, 53)
+        dy[::3] = torch.randn(24, 53)  # active from the first columns
+        dy[1, 40] = 2.0  # the only non-zero of row 1, third column block, beside active row 0
+        dy[5, 52] = float("nan")  # last column
+        dy[8, 17] = 0.5  # second block; below eps in threshold mode
+        dy[31, 35] = -3.0
+        cfg = SEBPConfig("threshold", eps=1.0) if mode == "threshold" else CONFIGS["exact"]
+        perm, count = select_rows_device(dy, cfg.mode, cfg.eps, interpret=True)
+        want = select_rows(dy, cfg).tolist()
+        assert {1, 5, 31} <= set(want) and (8 in want) == (mode == "exact")
+        assert perm[: int(count.item())].tolist() == want
+        assert sorted(perm.tolist()) == list(range(70))
+
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_inf_row_active_when_eps_is_beyond_the_dtype_range(dtype):
         dy = torch.zeros(9, 5, dtype=dtype)
