@@ -1,10 +1,11 @@
 """sebp-probe: find and exploit gradient sparsity in Transformer fine-tuning."""
 from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
 
-from .patch import PatchError, find_targets, patch_model, patch_norms, patched_layers, unpatch_model
+from .patch import (PatchError, find_targets, patch_activations, patch_model, patch_norms, patched_activations,
+                    patched_layers, unpatch_activations, unpatch_model)
 
 __version__ = "0.1.0"
 __all__ = [
-    "SEBPConfig", "SEBPLinear", "SEBPNorm", "PatchError", "find_targets", "patch_model", "patch_norms",
-    "patched_layers", "unpatch_model",
+    "SEBPConfig", "SEBPLinear", "SEBPNorm", "PatchError", "find_targets", "patch_activations", "patch_model",
+    "patch_norms", "patched_activations", "patched_layers", "unpatch_activations", "unpatch_model",
 ]

@@ -472,3 +472,75 @@ def test_sebp_mlp_with_row_hints_in_a_cuda_graph():
     for w, e, g in zip(want, eager, static):
         assert_close_report(e.float(), w.float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(e, g)
+
+
+def test_lora_model_with_sebp_norms_and_acts_on_the_gpu():
+    """PEFT LoRA on attention and MLP projections of a tiny Llama on the GPU, with SEBP on every linear, norm
+    and MLP activation: loss and gradients equal the dense model's (fp32), the activation hands its rows to
+    gate/up's base layers, and the same holds with transformers' gradient checkpointing."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from sebp_probe.patch import patch_activations, patch_model, patch_norms
+    from tests.tiny_models import padded_batch, tiny_model
+
+    batch = {k: v.cuda() for k, v in padded_batch("llama").items()}
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                           init_lora_weights=False)
+
+    def loss_and_grads(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    for checkpointing in (False, True):
+        dense = peft.get_peft_model(tiny_model("llama").cuda(), lora)
+        if checkpointing:
+            dense.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        sebp = copy.deepcopy(dense)
+        patch_model(sebp, SEBPConfig("exact"))
+        patch_norms(sebp)
+        patch_activations(sebp)
+        mlp = sebp.base_model.model.model.layers[-1].mlp
+        assert mlp.gate_proj.base_layer._sebp_hint is mlp._sebp_act_hint
+        (l0, g0), (l1, g1) = loss_and_grads(dense), loss_and_grads(sebp)
+        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+        assert g0.keys() == g1.keys() and g0
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+        if not checkpointing:
+            assert mlp._sebp_act_hint.taken == 2
+
+
+def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients():
+    """torch.compile (Inductor) of a tiny Llama with SEBP linears, norms and activations on the GPU: the
+    gradients of eager SEBP, and the SEBP gradient kernels still run (Dynamo breaks the graph around them)."""
+    from sebp_probe.patch import patch_activations, patch_model, patch_norms
+    from tests.tiny_models import padded_batch, tiny_model
+
+    batch = {k: v.cuda() for k, v in padded_batch("llama").items()}
+    sebp = tiny_model("llama").cuda()
+    patch_model(sebp, SEBPConfig("exact"))
+    patch_norms(sebp)
+    patch_activations(sebp)
+
+    def grads(model):
+        sebp.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return {n: p.grad.clone() for n, p in sebp.named_parameters() if p.grad is not None}
+
+    want = grads(sebp)
+    torch._dynamo.reset()
+    compiled = torch.compile(sebp)
+    grads(compiled)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = grads(compiled)
+        torch.cuda.synchronize()
+    torch._dynamo.reset()
+    assert sum(e.count for e in prof.key_averages() if "_grads_kernel" in e.key) > 0
+    assert got.keys() == want.keys() and want
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -222,3 +222,31 @@ def test_norms_too_exact_gradients_equal_dense(arch, side):
     unpatch_model(sebp)
     assert all(sebp.get_submodule(n) is m for n, m in originals.items())
     assert not any(isinstance(m, (SEBPLinear, SEBPNorm)) for m in sebp.modules())
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_torch_compile_gives_the_eager_gradients(arch):
+    """torch.compile of a model with SEBP linears, norms and activations (Dynamo + AOTAutograd, the eager
+    backend: no C++ build): the loss and gradients of eager SEBP, twice (the second call from the cache).
+    Dynamo breaks the graph around the SEBP ops (here at the torch path's data-dependent row selection)."""
+    from sebp_probe import patch_activations, patch_norms
+
+    dense = tiny_model(arch).eval()  # no dropout: the runs must see the same masks
+    sebp = copy.deepcopy(dense)
+    patch_model(sebp, SEBPConfig("exact"))
+    patch_norms(sebp)
+    patch_activations(sebp)
+    batch = padded_batch(arch)
+    loss_e, g_e = _grads(sebp, batch)
+    torch._dynamo.reset()
+    compiled = torch.compile(sebp, backend="aot_eager")
+    for _ in range(2):
+        sebp.zero_grad(set_to_none=True)
+        loss = compiled(**batch).loss
+        loss.backward()
+        g_c = {n: p.grad for n, p in sebp.named_parameters() if p.grad is not None}
+        torch.testing.assert_close(loss.detach(), loss_e, atol=1e-6, rtol=1e-6)
+        assert g_c.keys() == g_e.keys() and len(g_e) > 10
+        for k in g_e:
+            torch.testing.assert_close(g_c[k], g_e[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    torch._dynamo.reset()
