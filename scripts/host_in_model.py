@@ -1,10 +1,11 @@
 """Host time of the eager whole-model backward, dense vs SEBP, and where the SEBP layers' share of it goes.
 
-    python scripts/host_in_model.py [bert-base] [--profile]
+    python scripts/host_in_model.py [bert-base] [--profile] [--all]
 
 Times ``loss.backward()`` on the host (the GPU is idle when it starts, so this is the time to issue the
 backward) on the padded batch of ``sebp-probe bench --scope model``; then the same with parts of the SEBP
-path swapped for no-ops, to price them; with ``--profile``, a cProfile of the SEBP backward.
+path swapped for no-ops, to price them; with ``--profile``, a cProfile of the SEBP backward; with ``--all``,
+the SEBP norms and activations too (host time, and they are in the profile).
 """
 import cProfile
 import gc
@@ -108,6 +109,12 @@ def main():
     print(f"   per call: is_current_stream_capturing {per_call_us(torch.cuda.is_current_stream_capturing):5.1f} us, "
           f"Event.query {per_call_us(ev.query):5.1f} us, torch.empty {per_call_us(lambda: torch.empty(64, device='cuda')):5.1f} us, "
           f"slice {per_call_us(lambda: a[:2]):5.1f} us, current_stream {per_call_us(torch.cuda.current_stream):5.1f} us")
+    if "--all" in sys.argv:
+        from sebp_probe.patch import patch_activations, patch_norms
+
+        n_norms, n_acts = len(patch_norms(model)), len(patch_activations(model))
+        print(f"   + SEBP norms and activations:        {host_ms(model, batch):7.2f} ms ({n_norms} norms, "
+              f"{n_acts} activations)")
     if "--profile" in sys.argv:
         prof = cProfile.Profile()
         for _ in range(3):
