@@ -6,6 +6,7 @@ shapes) go to the torch reference, so this function is always safe to call.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,11 +23,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supported(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    """Whether the Triton kernels handle these inputs (else the torch path runs)."""
+    """Whether the Triton kernels handle these inputs (else the torch path runs): bf16 needs a GPU whose tensor
+    cores take it (compute capability 8.0 or later)."""
     want = "cpu" if INTERPRET else "cuda"
     tensors = [t for t in (dy, x, weight) if t is not None]
     return (all(t.device.type == want and t.dtype == dy.dtype for t in tensors)
-            and dy.dtype in DTYPES and dy.dim() == 2 and min(dy.shape) > 0 and weight.shape[1] > 0)
+            and dy.dtype in DTYPES and dy.dim() == 2 and min(dy.shape) > 0 and weight.shape[1] > 0
+            and (dy.dtype != torch.bfloat16 or INTERPRET or _bf16_dots(dy.device.index)))
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_dots(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def _ieee(dtype: torch.dtype) -> bool:

@@ -10,16 +10,19 @@ count of the select pass. One launch instead of three saves host time (each Trit
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
 from .tiles import _split_rows
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
 from .launch import FastLaunch, Plans, plan_ids
-from .tuning import cdiv, gemm_config
+from .tuning import LEVELS, cdiv, gemm_config
 
 
 @triton.jit
@@ -83,8 +86,8 @@ _N_TENSORS = 12  # the kernel's leading tensor arguments
 
 
 def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
-          dy_stride, xs_stride, w_stride) -> _Plan:
-    cfg = dict(gemm_config("dw", dtype, interpret))
+          dy_stride, xs_stride, w_stride, level) -> _Plan:
+    cfg = dict(gemm_config("dw", dtype, interpret, level))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dw_tiles = cdiv(n_out, bm) * cdiv(n_in, bn)
@@ -115,26 +118,48 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         DO_DX=need_dx, DO_DW=need_dw, DO_DB=need_db, IEEE=ieee, BIG=big, EVEN_K=n_out % cfg["BLOCK_K"] == 0,
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
-        DX_STAGES=gemm_config("dx", dtype, interpret).get("num_stages", 1), DX_MIN_K=dx_min_k,
+        DX_STAGES=gemm_config("dx", dtype, interpret, level).get("num_stages", 1), DX_MIN_K=dx_min_k,
         DX_MAX_SPLIT=MAX_SPLIT, **cfg, **opts)
     plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
     return plan
+
+
+_LEVEL: dict = {}  # device index -> the tile setting (tuning.gemm_config level) whose launch fitted there
 
 
 def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
                count: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, ieee: bool, n_sm: int,
                interpret: bool = False, dw_split: int | None = None, db_split: int | None = None):
     """(dX or None, dW or None, db or None) over rows ``perm[:count]`` in one launch; the same results as
-    :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code)."""
+    :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code).
+
+    On a GPU whose shared memory does not hold the tiles (Triton's ``OutOfResources`` at the first launch),
+    it takes the next smaller setting of :data:`~.tuning.FALLBACK_CONFIGS`, keeps it for that device, and
+    says so once."""
+    level = _LEVEL.get(dy.device.index, 0)
+    while True:
+        try:
+            return _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret,
+                             dw_split, db_split)
+        except OutOfResources as err:
+            if level + 1 >= LEVELS:
+                raise
+            level = _LEVEL[dy.device.index] = level + 1
+            warnings.warn(f"sebp: smaller GEMM tiles on {dy.device} (setting {level} of {LEVELS - 1}), its shared "
+                          f"memory does not hold the H100 ones: {str(err).splitlines()[0]}", stacklevel=2)
+
+
+def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split,
+              db_split):
     m, n_out = dy.shape
     n_in = weight.shape[1]
     xs = x if need_dw else dy
     key = (m, n_out, n_in, dy.dtype, xs.dtype, weight.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-           dw_split, db_split, dy.stride(), xs.stride(), weight.stride())
+           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride()))
+                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level))
     dev = dy.device
     dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
     dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None

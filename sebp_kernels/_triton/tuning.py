@@ -29,10 +29,27 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def gemm_config(kind: str, dtype, interpret: bool) -> dict:
-    """Launch kwargs (tile sizes, warps, stages) for ``kind`` in ("dx", "dw")."""
+# Smaller settings, in order, for GPUs with less shared memory per block than the H100/H200 (227 KB; the tiles
+# above take about 196 KB): the fused gradient kernel moves to the next one when a launch fails for lack of
+# resources (``grads.grads_rows``). Each is (the dW tile, warps and stages; the dX pipeline depth), with
+# about the shared memory its pipelines take: 147 KB (A100: 164 KB), 48 KB (consumer and L4-class GPUs:
+# about 100 KB), 16 KB. Not timed: the lent GPUs only ever take the first setting.
+FALLBACK_CONFIGS = [
+    ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}, 2),
+]
+LEVELS = 1 + len(FALLBACK_CONFIGS)
+
+
+def gemm_config(kind: str, dtype, interpret: bool, level: int = 0) -> dict:
+    """Launch kwargs (tile sizes, warps, stages) for ``kind`` in ("dx", "dw"); ``level`` > 0: the
+    ``level``-th fallback setting (fp16/bf16 only: the fp32 and interpreter settings are small already)."""
     if interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float32:
         return FP32_CONFIG
-    return DX_CONFIG if kind == "dx" else DW_CONFIG
+    if level == 0:
+        return DX_CONFIG if kind == "dx" else DW_CONFIG
+    cfg, dx_stages = FALLBACK_CONFIGS[level - 1]
+    return cfg if kind == "dw" else dict(cfg, num_stages=dx_stages)

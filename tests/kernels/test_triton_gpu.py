@@ -544,3 +544,42 @@ def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients():
     assert got.keys() == want.keys() and want
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones(monkeypatch):
+    """Level-0 tiles that no GPU's shared memory holds (256 x 256 x 128, 4 stages: 512 KB) stand in for the
+    H100 tiles on a smaller GPU: the first launch fails for lack of resources, the backward takes the next
+    setting (the one sized for an A100) and gives the dense gradients."""
+    from sebp_kernels._triton import grads, tuning
+
+    big = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4}
+    for cfg in (tuning.DW_CONFIG, tuning.DX_CONFIG):
+        for k, v in big.items():
+            monkeypatch.setitem(cfg, k, v)
+    monkeypatch.setattr(grads, "_LEVEL", {})
+    dy, x, w = _inputs(2048, 1024, 768, torch.bfloat16, 0.3, seed=4)
+    try:
+        with pytest.warns(UserWarning, match="smaller GEMM tiles"):
+            got = _triton()(dy, x, w, SEBPConfig("exact"))
+        assert grads._LEVEL == {torch.cuda.current_device(): 1}
+    finally:
+        grads._PLANS._plans.clear()  # the plans made with the stand-in tiles
+    want = sebp_backward_torch(dy.double(), x.double(), w.double(), SEBPConfig("exact"))
+    same = sebp_backward_torch(dy, x, w, SEBPConfig("exact"))
+    for g, r, t, name in zip(got, want, same, ("dX", "dW")):
+        assert_within_torch_error(g, r, t, torch.bfloat16, name)
+
+
+def test_bf16_takes_the_torch_path_where_tensor_cores_lack_it(monkeypatch):
+    """A GPU before compute capability 8.0 has no bf16 tensor-core dots: supported() says no, and the SEBP
+    backward runs the torch reference (its results bit for bit) instead of failing to compile."""
+    from sebp_kernels._triton import backward
+
+    dy, x, w = _inputs(333, 768, 768, torch.bfloat16, 0.3, seed=6)
+    assert backward.supported(dy, x, w)
+    monkeypatch.setattr(backward, "_bf16_dots", lambda index: False)
+    assert not backward.supported(dy, x, w)
+    assert backward.supported(dy.half(), x.half(), w.half())
+    got = _triton()(dy, x, w, SEBPConfig("exact"))
+    want = sebp_backward_torch(dy, x, w, SEBPConfig("exact"))
+    assert all(torch.equal(g, t) for g, t in zip(got, want))

@@ -189,6 +189,37 @@ else:
         assert perm[: int(count.item())].tolist() == want
         assert sorted(perm.tolist()) == list(range(70))
 
+    def test_fused_kernel_moves_to_smaller_tiles_when_a_launch_lacks_resources(monkeypatch):
+        """A GPU with less shared memory than the tiles need fails the first launch with OutOfResources: the
+        backward retries with the next setting, keeps it for the device and warns once; past the last it
+        raises. (Under the interpreter every setting is the same small one, so the results are equal.)"""
+        from triton.runtime.errors import OutOfResources
+
+        from sebp_kernels._triton import grads
+
+        dy, x, w = _inputs(70, 33, 50, torch.float32, seed=5)
+        want = sebp_backward_triton(dy, x, w, CONFIGS["exact"])
+        real, calls = grads._grads.launch_planned, []
+
+        def flaky(grid, plan, n, args, kw, fail=(0,)):
+            calls.append(plan)
+            if len(calls) - 1 in fail:
+                raise OutOfResources(300000, 232448, "shared memory")
+            return real(grid, plan, n, args, kw)
+
+        monkeypatch.setattr(grads._grads, "launch_planned", flaky)
+        monkeypatch.setattr(grads, "_LEVEL", {})
+        with pytest.warns(UserWarning, match="smaller GEMM tiles"):
+            got = sebp_backward_triton(dy, x, w, CONFIGS["exact"])
+        assert grads._LEVEL == {None: 1} and len(calls) == 2 and calls[0] != calls[1]
+        assert all(torch.equal(g, t) for g, t in zip(got, want))
+        sebp_backward_triton(dy, x, w, CONFIGS["exact"])  # starts at the setting that fitted
+        assert len(calls) == 3 and calls[2] == calls[1]
+        monkeypatch.setattr(grads, "_LEVEL", {})
+        monkeypatch.setattr(flaky, "__defaults__", (range(100),))
+        with pytest.raises(OutOfResources), pytest.warns(UserWarning):
+            sebp_backward_triton(dy, x, w, CONFIGS["exact"])
+
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_inf_row_active_when_eps_is_beyond_the_dtype_range(dtype):
         dy = torch.zeros(9, 5, dtype=dtype)
