@@ -127,3 +127,21 @@ def run_file_under_interpreter(test_file: str) -> None:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(test_file)],
         cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+
+
+def fail_launches(monkeypatch, launcher, failing: set) -> list:
+    """Make ``launcher.launch_planned`` (a FastLaunch) raise Triton's OutOfResources on the calls whose numbers
+    (from 0) are in ``failing``, as a GPU with too little shared memory does at a kernel's first launch; the
+    set may grow later. Returns the list of (plan, keywords) of every call."""
+    from triton.runtime.errors import OutOfResources
+
+    real, calls = launcher.launch_planned, []
+
+    def launch(grid, plan, n_tensors, args, kw):
+        calls.append((plan, kw))
+        if len(calls) - 1 in failing:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return real(grid, plan, n_tensors, args, kw)
+
+    monkeypatch.setattr(launcher, "launch_planned", launch)
+    return calls

@@ -10,18 +10,15 @@ count of the select pass. One launch instead of three saves host time (each Trit
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
 from .tiles import _split_rows
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
-from .launch import FastLaunch, Plans, plan_ids
+from .launch import FastLaunch, Plans, fit_to_device, plan_ids
 from .tuning import LEVELS, cdiv, gemm_config
 
 
@@ -124,7 +121,7 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
     return plan
 
 
-_LEVEL: dict = {}  # device index -> the tile setting (tuning.gemm_config level) whose launch fitted there
+_LEVEL: dict = {}  # device index -> the tile setting (tuning.gemm_config level) that launches there
 
 
 def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
@@ -136,17 +133,9 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
     On a GPU whose shared memory does not hold the tiles (Triton's ``OutOfResources`` at the first launch),
     it takes the next smaller setting of :data:`~.tuning.FALLBACK_CONFIGS`, keeps it for that device, and
     says so once."""
-    level = _LEVEL.get(dy.device.index, 0)
-    while True:
-        try:
-            return _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-                             dw_split, db_split)
-        except OutOfResources as err:
-            if level + 1 >= LEVELS:
-                raise
-            level = _LEVEL[dy.device.index] = level + 1
-            warnings.warn(f"sebp: smaller GEMM tiles on {dy.device} (setting {level} of {LEVELS - 1}), its shared "
-                          f"memory does not hold the H100 ones: {str(err).splitlines()[0]}", stacklevel=2)
+    return fit_to_device(_LEVEL, dy.device, range(LEVELS), lambda level: _grads_at(
+        level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split),
+        "smaller GEMM tiles")
 
 
 def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split,

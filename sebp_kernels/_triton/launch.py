@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Numbers of launch plans (see FastLaunch.launch_planned): never reused, even across threads (the autograd
@@ -127,3 +129,20 @@ class Plans:
                 launcher.clear()
         self._plans[key] = plan
         return plan
+
+
+def fit_to_device(chosen: dict, device: torch.device, settings, run, what: str):
+    """``run(setting)`` with the first of ``settings`` whose kernels launch on ``device``, starting from the
+    one kept for it in ``chosen`` (device index -> position). A launch that fails for lack of resources
+    (Triton's ``OutOfResources``: a GPU with less shared memory than the H100's) moves to the next setting,
+    kept from then on, with a one-line warning; past the last the error stands."""
+    i = chosen.get(device.index, 0)
+    while True:
+        try:
+            return run(settings[i])
+        except OutOfResources as err:
+            if i + 1 >= len(settings):
+                raise
+            i = chosen[device.index] = i + 1
+            warnings.warn(f"sebp: {what} on {device} (setting {i} of {len(settings) - 1}): its shared memory does "
+                          f"not hold the H100 setting's: {str(err).splitlines()[0]}", stacklevel=3)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FastLaunch, Plans, plan_ids
+from .launch import FastLaunch, Plans, fit_to_device, plan_ids
 from .tuning import cdiv
 
 MAX_N = 16384  # wider rows go to the torch reference (one row must fit in a program's registers)
@@ -134,25 +134,38 @@ def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     return block_n, max(1, min(16, TILE // block_n)), 16 if block_n >= 8192 else WARPS
 
 
-def _plan(m, n, n_sm, interpret, has_mean, has_w, need_dx, do_dw, do_db, strides):
+def _plan(m, n, n_sm, interpret, has_mean, has_w, need_dx, do_dw, do_db, strides, stages):
     """(plan number, programs, the main kernel's integer arguments and keywords, the reduction's grid and
     keywords): what one shape launches with, worked out once."""
     block_n, block_r, warps = _blocks(n, interpret)
     rows = max(block_r, cdiv(cdiv(m, PROGRAMS_PER_SM * n_sm), block_r) * block_r)
     programs = cdiv(m, rows)
     kw = dict(HAS_MEAN=has_mean, HAS_W=has_w, DO_DX=need_dx, DO_DB=do_db, BLOCK_R=block_r, BLOCK_N=block_n,
-              STAGES=1 if interpret else STAGES, ACC2D=ACC2D, num_warps=warps)
+              STAGES=1 if interpret else stages, ACC2D=ACC2D, num_warps=warps)
     block = 16 if interpret else SUM_BLOCK
     sum_kw = dict(DO_DW=do_dw, DO_DB=do_db, BLOCK=block, BLOCK_P=4 if interpret else 32,
                   num_warps=1 if interpret else 4)
     return next(plan_ids), programs, (m, n, rows, *strides), kw, (cdiv(n, block),), sum_kw
 
 
+_STAGES: dict = {}  # device index -> position in (STAGES, 1) of the pipeline depth that launches there
+
+
 def norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
                          rstd: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, n_sm: int,
                          interpret: bool = False, bias_dtype: torch.dtype | None = None):
     """(dX or None, dW or None, db or None) of a LayerNorm (``mean`` given) or RMSNorm over the non-zero rows
-    of 2-D ``dy`` (see :func:`~sebp_kernels.reference.norm_backward_torch`, the same results)."""
+    of 2-D ``dy`` (see :func:`~sebp_kernels.reference.norm_backward_torch`, the same results).
+
+    On a GPU whose shared memory does not hold STAGES tiles in flight (Triton's ``OutOfResources`` at the
+    first launch; fp32 tiles take 64 KB a stage), it runs with one from then on for that device, and says so
+    once."""
+    return fit_to_device(_STAGES, dy.device, (STAGES, 1), lambda stages: _norm_at(
+        stages, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n_sm, interpret, bias_dtype),
+        "one norm tile in flight")
+
+
+def _norm_at(stages, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n_sm, interpret, bias_dtype):
     m, n = dy.shape
     do_dw = need_dw and weight is not None
     dev = dy.device
@@ -160,11 +173,11 @@ def norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     strides = (dy.stride(0), x.stride(0), dx.stride(0) if need_dx else 0)
     key = (m, n, n_sm, interpret, mean is not None, weight is not None, need_dx, do_dw, need_db, strides,
            dy.dtype, x.dtype, weight.dtype if weight is not None else None, rstd.dtype,
-           mean.dtype if mean is not None else None, bias_dtype)
+           mean.dtype if mean is not None else None, bias_dtype, stages)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n, n_sm, interpret, mean is not None, weight is not None, need_dx, do_dw,
-                                     need_db, strides))
+                                     need_db, strides, stages))
     idx, programs, ints, kw, sum_grid, sum_kw = plan
     part = torch.empty(programs * 2 * n, dtype=torch.float32, device=dev)
     _norm_bwd.launch_planned((programs,), idx, 7, (dy, x, weight if weight is not None else dy,

@@ -27,7 +27,7 @@ else:
     from sebp_kernels._triton.dw import dw_db_rows
     from sebp_kernels._triton.select import select_rows_device
     from sebp_kernels.reference import sebp_backward_torch, select_rows
-    from tests.helpers import assert_close_report, assert_within_torch_error
+    from tests.helpers import assert_close_report, assert_within_torch_error, fail_launches
 
     DTYPES = [torch.float32, torch.float16]
     # (M rows, out, in): none a multiple of the 16-wide interpreter tiles, plus tiny and one-row cases.
@@ -199,24 +199,17 @@ else:
 
         dy, x, w = _inputs(70, 33, 50, torch.float32, seed=5)
         want = sebp_backward_triton(dy, x, w, CONFIGS["exact"])
-        real, calls = grads._grads.launch_planned, []
-
-        def flaky(grid, plan, n, args, kw, fail=(0,)):
-            calls.append(plan)
-            if len(calls) - 1 in fail:
-                raise OutOfResources(300000, 232448, "shared memory")
-            return real(grid, plan, n, args, kw)
-
-        monkeypatch.setattr(grads._grads, "launch_planned", flaky)
+        failing = {0}
+        calls = fail_launches(monkeypatch, grads._grads, failing)
         monkeypatch.setattr(grads, "_LEVEL", {})
         with pytest.warns(UserWarning, match="smaller GEMM tiles"):
             got = sebp_backward_triton(dy, x, w, CONFIGS["exact"])
-        assert grads._LEVEL == {None: 1} and len(calls) == 2 and calls[0] != calls[1]
+        assert grads._LEVEL == {None: 1} and len(calls) == 2 and calls[0][0] != calls[1][0]
         assert all(torch.equal(g, t) for g, t in zip(got, want))
         sebp_backward_triton(dy, x, w, CONFIGS["exact"])  # starts at the setting that fitted
-        assert len(calls) == 3 and calls[2] == calls[1]
+        assert len(calls) == 3 and calls[2][0] == calls[1][0]
         monkeypatch.setattr(grads, "_LEVEL", {})
-        monkeypatch.setattr(flaky, "__defaults__", (range(100),))
+        failing.update(range(100))
         with pytest.raises(OutOfResources), pytest.warns(UserWarning):
             sebp_backward_triton(dy, x, w, CONFIGS["exact"])
 
