@@ -136,9 +136,10 @@ def _flag_blocks(n: int, interpret: bool) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_C, UNROLL, num_warps) of the flags pass: 4 rows x up to 256 columns, 2 column blocks a
     step, 4 warps. From ``scripts/flags_sweep.py`` on an H100 with the L2 cache flushed, as the bench times
     (``results/h100_flags_sweep_flushed.json``, 2026-11-22, 36 settings): over BERT-base and Llama-3.2-3B dY
-    shapes at densities 0.1, 0.5 and 1.0 it was within 0.6% of each case's best on average, and 3-30% faster
-    than the early-exit kernel before it (8 rows x 512 columns, 8 warps; e.g. 16384 x 768 at d = 0.5: 14.9 ->
-    12.6 us; 16384 x 3072 at d = 1.0: 12.9 -> 9.0 us)."""
+    shapes at densities 0.1, 0.5 and 1.0 it was within 0.6% of each case's best on average, and up to 30%
+    faster than the early-exit kernel before it (8 rows x 512 columns, 8 warps; e.g. 16384 x 768 at d = 0.5:
+    14.9 -> 12.6 us; 16384 x 3072 at d = 1.0: 12.9 -> 9.1 us), at one of the 15 points 0.5% slower (4096 x 1024
+    at d = 0.1)."""
     if interpret:
         return 8, 16, 2, 1
     return 4, max(16, min(triton.next_power_of_2(n), 256)), 2, 4
