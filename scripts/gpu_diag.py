@@ -146,7 +146,7 @@ for (M, IN, OUT) in SHAPES:
             num_warps=wp))
         p2, c2 = torch.empty(M, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev)
         row["select_compact"] = graph_bench(lambda: _compact_kernel[(n_compact,)](
-            flags, bcnt, p2, c2, M, nb, **compact_kw))
+            flags, bcnt, p2, c2, M, **compact_kw))
         row["read_dy_bound_ms"] = round((M - k) * OUT * 2 / 3.35e12 * 1e3, 5)
         dxo = torch.empty(M, IN, device=dev, dtype=torch.bfloat16)
         dxk = torch.empty(k, IN, device=dev, dtype=torch.bfloat16)

@@ -105,7 +105,7 @@ def parts(dy, compact_rows=(None,)):
             grid = cdiv(m, rows)
 
         def c():
-            select._compact_kernel[(grid,)](flags, counts, perm, count, m, nb, **kw)
+            select._compact_kernel[(grid,)](flags, counts, perm, count, m, **kw)
             return perm, count
         return c
     f()

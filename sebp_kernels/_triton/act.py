@@ -24,7 +24,7 @@ from triton.language.extra import libdevice
 
 from ..reference import unit_col_stride
 from .launch import FastLaunch, Plans, plan_ids
-from .select import _compact, compact_plan
+from .select import _compact, compact_plan, selection_buffers
 from .tuning import cdiv
 
 SWIGLU, GELU = 0, 1
@@ -200,8 +200,7 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
     da = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_a else None
     db = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_b else None
     if want_rows:
-        perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32, device=dev).split(
-            (m, m, nb, 1))
+        perm, flags, block_count, count = selection_buffers(m, nb, dev)
     else:
         perm = flags = block_count = count = None
     # outputs not asked for (or no flags) get another tensor as a pointer the kernel never touches; the
@@ -214,6 +213,6 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
         dict(kw, NEED_A=need_a, NEED_B=need_b, FLAGS=want_rows))
     rows = None
     if want_rows:
-        _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
+        _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m), compact_kw)
         rows = (perm, count)
     return da, db, rows

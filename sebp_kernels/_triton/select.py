@@ -76,11 +76,11 @@ def _row_flags_kernel(
 @triton.jit
 def _compact_kernel(
     flags_ptr, block_count_ptr, perm_ptr, count_ptr,
-    M, NB,
+    M,
     BLOCK_R: tl.constexpr, ROWS: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):
-    # flags_ptr: a 0/1 flag per row; block_count_ptr: the active count of each of the NB blocks of BLOCK_R
-    # rows. Program pid places ROWS rows (a multiple of BLOCK_R).
+    # flags_ptr: a 0/1 flag per row; block_count_ptr: the active count of each block of BLOCK_R rows.
+    # Program pid places ROWS rows (a multiple of BLOCK_R).
     pid = tl.program_id(0)
     first = pid * (ROWS // BLOCK_R)  # blocks before this program's rows
     before = tl.sum(tl.zeros([BLOCK_NB], dtype=tl.int32), axis=0)
@@ -148,6 +148,12 @@ def _flag_blocks(n: int, interpret: bool) -> tuple[int, int, int, int]:
 COMPACT_ROWS = 256  # rows each program of the compaction pass places
 
 
+def selection_buffers(m: int, nb: int, device: torch.device):
+    """(perm, flags, block_count, count): the int32 outputs of a flags pass over ``nb`` blocks of ``m`` rows
+    and of the compaction after it, in one allocation (fewer host calls per layer)."""
+    return torch.empty(2 * m + nb + 1, dtype=torch.int32, device=device).split((m, m, nb, 1))
+
+
 def compact_plan(m: int, block_r: int, interpret: bool) -> tuple[int, dict]:
     """(programs, keywords) of the compaction pass after a flags pass over blocks of ``block_r`` rows (a power
     of 2, as ``COMPACT_ROWS`` is)."""
@@ -193,12 +199,10 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     plan = _SELECT_PLANS.get(key)
     if plan is None:
         plan = _SELECT_PLANS.add(key, _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret))
-    idx, nb, n_compact, sizes, flags_ints, flags_kw, compact_kw = plan
-    # one allocation for the four int32 outputs (fewer host calls per layer)
-    perm, flags, block_count, count = torch.empty(2 * m + nb + 1, dtype=torch.int32,
-                                                  device=dy.device).split(sizes)
+    idx, nb, n_compact, flags_ints, flags_kw, compact_kw = plan
+    perm, flags, block_count, count = selection_buffers(m, nb, dy.device)
     _row_flags.launch_planned((nb,), idx, 3, (dy, flags, block_count, *flags_ints), flags_kw)
-    _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m, nb), compact_kw)
+    _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m), compact_kw)
     return perm, count
 
 
@@ -206,15 +210,14 @@ _SELECT_PLANS = Plans(_row_flags, _compact)  # (shape, dtype, strides, mode, eps
 
 
 def _select_plan(m, n, dtype, stride, mode, eps, interpret):
-    """(plan number, flag blocks, compaction programs, split sizes, the flags pass's scalar arguments, and both
-    passes' keywords)."""
+    """(plan number, flag blocks, compaction programs, the flags pass's scalar arguments, and both passes'
+    keywords)."""
     block_r, block_c, unroll, warps = _flag_blocks(n, interpret)
     nb = cdiv(m, block_r)
     mode_id = EXACT if mode == "exact" else THRESHOLD
     flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "UNROLL": unroll, "num_warps": warps}
     n_compact, compact_kw = compact_plan(m, block_r, interpret)
-    return (next(plan_ids), nb, n_compact, (m, m, nb, 1), (m, n, *stride, _eps_in(eps, dtype)), flags_kw,
-            compact_kw)
+    return next(plan_ids), nb, n_compact, (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw
 
 
 def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
