@@ -92,12 +92,17 @@ def test_compare_run_writes_outputs_and_guards_its_directory(tiny, tmp_path):
     assert not (out / "sebp").exists() and (out / "metrics.jsonl").exists()
 
 
+def _forced_sebp_compare(tiny, out, flag: str) -> dict:
+    """The summary of a 4-step --compare run with SEBP on every layer (forced) and ``flag``."""
+    r = _run([tiny, "tweets", *FAST, "--max-steps", "4", "--compare", "--always-sebp", "--dense-fallback", "1",
+              flag, "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
 def test_sebp_norms_compare_matches_dense_and_saves_plain_norms(tiny, tmp_path):
     out = tmp_path / "norms"
-    r = _run([tiny, "tweets", *FAST, "--max-steps", "4", "--compare", "--always-sebp", "--dense-fallback", "1",
-              "--sebp-norms", "-o", str(out), "--json"])
-    assert r.exit_code == 0, r.output
-    summary = json.loads(r.stdout)
+    summary = _forced_sebp_compare(tiny, out, "--sebp-norms")
     calib = summary["runs"]["sebp"]["calibration"]
     assert len(calib["layers"]) == 12 and len(calib["norms"]) == 5  # embeddings + 2 per layer
     assert summary["comparison"]["max_abs_loss_gap"] < 1e-5  # exact: the dense losses
@@ -108,10 +113,7 @@ def test_sebp_norms_compare_matches_dense_and_saves_plain_norms(tiny, tmp_path):
 
 def test_sebp_acts_compare_matches_dense(tiny, tmp_path):
     out = tmp_path / "acts"
-    r = _run([tiny, "tweets", *FAST, "--max-steps", "4", "--compare", "--always-sebp", "--dense-fallback", "1",
-              "--sebp-acts", "-o", str(out), "--json"])
-    assert r.exit_code == 0, r.output
-    summary = json.loads(r.stdout)
+    summary = _forced_sebp_compare(tiny, out, "--sebp-acts")
     calib = summary["runs"]["sebp"]["calibration"]
     assert calib["activations"] == ["bert.encoder.layer.0.intermediate", "bert.encoder.layer.1.intermediate"]
     assert calib["norms"] == []
