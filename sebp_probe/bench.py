@@ -498,27 +498,17 @@ def _time_step(model, batch: dict, repeats: int) -> dict:
 
 def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
     """Median forward and backward milliseconds as CUDA-graph replays (no host launch overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-    torch.cuda.current_stream().wait_stream(side)
-    model.zero_grad(set_to_none=True)
-    g_fwd, g_bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    from .graphs import StepGraphs
+
+    step = StepGraphs(model, batch, accumulate=False)
     try:
-        with torch.cuda.graph(g_fwd):
-            loss = model(**batch).loss
-        with torch.cuda.graph(g_bwd, pool=g_fwd.pool()):
-            loss.backward()
         fwd, bwd = [], []
         for _ in range(repeats + 2):
             e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             e0.record()
-            g_fwd.replay()
+            step.forward()
             e1.record()
-            g_bwd.replay()
+            step.backward()
             e2.record()
             e2.synchronize()
             fwd.append(e0.elapsed_time(e1))
@@ -526,7 +516,7 @@ def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
         f, b = statistics.median(fwd[2:]), statistics.median(bwd[2:])
         return {"forward_ms": round(f, 3), "backward_ms": round(b, 3), "step_ms": round(f + b, 3)}
     finally:
-        del g_fwd, g_bwd
+        step.close()
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -55,7 +55,7 @@ OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "s
 # A resumed run must be the same run: every setting must match except these.
 RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit")
 # Settings added after runs were first written: a run config without one ran with this value.
-ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False}
+ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False}
 
 Event = Callable[[str, dict], None]
 
@@ -175,6 +175,28 @@ def _timed_backward(model, batch, device, autocast) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _graphed_backward_ms(model, batch, autocast, repeats: int = 3) -> float:
+    """Median milliseconds of the backward replayed as a CUDA graph (``--cuda-graphs``); the gradients it
+    wrote are dropped."""
+    from .graphs import StepGraphs
+
+    step = StepGraphs(model, batch, autocast, accumulate=False)
+    try:
+        times = []
+        for _ in range(repeats):
+            step.forward()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            step.backward()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+        return statistics.median(times)
+    finally:
+        step.close()
+        model.zero_grad(set_to_none=True)
+
+
 def _rng_devices(device: torch.device) -> list[int]:
     return [device.index or 0] if device.type == "cuda" else []
 
@@ -235,14 +257,18 @@ class Calibration:
                 "norms": self.norms, "activations": self.acts}
 
 
-def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device) -> list[dict[str, SEBPConfig]]:
+def _backend_variants(layers: dict[str, SEBPConfig], device: torch.device,
+                      graphs: bool = False) -> list[dict[str, SEBPConfig]]:
     """The SEBP implementations worth timing: on CUDA with backend ``auto``, both the Triton kernels and the
     torch path (gather + cuBLAS + scatter, one host sync per layer), since which one wins depends on the GPU,
-    the dtype and the shapes; elsewhere just the configured one."""
+    the dtype and the shapes; elsewhere just the configured one. With ``graphs`` only the Triton kernels: the
+    torch path's host sync cannot be captured."""
     from sebp_kernels.functional import _triton_backward
 
     if device.type != "cuda" or any(c.backend != "auto" for c in layers.values()):
         return [layers]
+    if graphs:
+        return [{n: replace(c, backend="triton") for n, c in layers.items()}]
     backends = ("triton", "torch") if _triton_backward() is not None else ("torch",)
     return [{n: replace(c, backend=b) for n, c in layers.items()} for b in backends]
 
@@ -263,7 +289,7 @@ def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: 
 
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
               device: torch.device, autocast=contextlib.nullcontext, if_slower: bool = True,
-              reps: int = 2, norms: bool = False, acts: bool = False) -> Calibration:
+              reps: int = 2, norms: bool = False, acts: bool = False, graphs: bool = False) -> Calibration:
     """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too,
     with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
@@ -272,18 +298,23 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     2. Dense and SEBP backward are timed interleaved on the same batches (median of ``reps`` rounds); on CUDA
        with backend ``auto`` the Triton and the torch implementations are both timed and the faster kept.
        With ``if_slower``, SEBP slower than dense leaves the whole model dense: SEBP never costs time.
+       With ``graphs`` both backward passes are timed as CUDA-graph replays, as ``--cuda-graphs`` trains.
 
     Leaves no gradients and no trace in the RNG.
     """
     from .patch import unpatch_model
 
     dense_ms, sebp_ms, reason, norm_names = [], [], None, []
+    if graphs:
+        timed = lambda b: _graphed_backward_ms(model, b, autocast)  # noqa: E731
+    else:
+        timed = lambda b: _timed_backward(model, b, device, autocast)  # noqa: E731
     with torch.random.fork_rng(devices=_rng_devices(device)):
         density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
         if layers:
             best = None
-            for cfgs in _backend_variants(layers, device):
+            for cfgs in _backend_variants(layers, device, graphs):
                 apply_sebp(model, cfgs, norms, acts)
                 for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
                     _timed_backward(model, b, device, autocast)
@@ -291,9 +322,9 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
                 for _ in range(reps):
                     for b in batches:
                         unpatch_model(model)
-                        d_ms.append(_timed_backward(model, b, device, autocast))
+                        d_ms.append(timed(b))
                         apply_sebp(model, cfgs, norms, acts)
-                        s_ms.append(_timed_backward(model, b, device, autocast))
+                        s_ms.append(timed(b))
                 if best is None or statistics.median(s_ms) < statistics.median(best[2]):
                     best = (cfgs, d_ms, s_ms)
             layers, dense_ms, sebp_ms = best
@@ -303,7 +334,7 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
                 reason = "SEBP backward measured slower than dense on the calibration batches"
                 layers, norm_names = {}, []
         else:
-            dense_ms = [_timed_backward(model, b, device, autocast) for b in batches]
+            dense_ms = [timed(b) for b in batches]
         model.zero_grad(set_to_none=True)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return Calibration(density, med(dense_ms), med(sebp_ms), layers,
@@ -458,6 +489,16 @@ def _lr_at(step: int, total: int, cfg: FinetuneConfig) -> float:
     return cfg.lr * max(0.0, (total - step) / max(1, total - warm))
 
 
+def _warm_cublas(device: torch.device) -> None:
+    """Make torch allocate the current stream's cuBLAS workspace now: it lives as long as the process, so the
+    first run of a --compare would count it in its peak and the second not. An eager run's first step
+    allocated it anyway; with --cuda-graphs the dense run's first matmul on this stream came with its final
+    evaluation, and the SEBP run's steps then carried 65 MiB the dense run's had not."""
+    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS and cuBLASLt (addmm with a bias) workspaces
+        a = torch.ones(8, 8, device=device, dtype=dtype)
+        torch.nn.functional.linear(a @ a, a, a[0]).sum().item()
+
+
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -571,7 +612,7 @@ class Run:
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
                           if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
-                          acts=self.cfg.sebp_acts)
+                          acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs)
         if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
             from accelerate.utils import broadcast_object_list
 
@@ -648,6 +689,7 @@ class Run:
         self.acc.wait_for_everyone()
         loaded, model, calib = self._setup_model(state)
         if self.acc.device.type == "cuda":
+            _warm_cublas(self.acc.device)
             torch.cuda.reset_peak_memory_stats(self.acc.device)
         try:
             return self._train(loaded, model, calib, state)
@@ -696,6 +738,7 @@ class Run:
 
         batches = stream(step * A)
         use_events = dev.type == "cuda"
+        graphs = None  # --cuda-graphs: the micro-step's StepGraphs, captured on the first batch
         status, error, last_ckpt = "completed", None, state["path"] if state else None
         live_bwd: list[float] = []
         run_peak = 0.0
@@ -704,12 +747,27 @@ class Run:
                 _sync(dev)
                 t_step = time.perf_counter()
                 bwd_ms, loss_sum, tokens, rows, epoch = 0.0, torch.zeros((), device=dev), 0, 0, 0
+                replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
                 for i in range(A):
                     epoch, batch = next(batches)
                     tokens += int(batch["attention_mask"].sum())
                     rows += batch["attention_mask"].numel()
+                    if cfg.cuda_graphs and (graphs is None or graphs.fits(batch)):
+                        if graphs is None:
+                            from .graphs import StepGraphs
+
+                            graphs = StepGraphs(model, batch, scale=1.0 / A)  # adds into the .grad tensors
+                        loss_sum += graphs.forward(batch).detach().float()
+                        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        ev0.record()
+                        graphs.backward()
+                        ev1.record()
+                        ev1.synchronize()
+                        bwd_ms += ev0.elapsed_time(ev1)
+                        replayed += 1
+                        continue
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
-                    with ctx:
+                    with ctx:  # eager (with --cuda-graphs: a batch of another shape, adding into the same .grad)
                         loss = model(**batch).loss
                         loss_sum += loss.detach().float()
                         if use_events:
@@ -737,12 +795,14 @@ class Run:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not cfg.cuda_graphs)  # the graphs keep adding into these
                 step += 1
                 _sync(dev)
                 rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                        "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
                        "peak_mem_mb": _peak_memory_mb(dev), "tokens": tokens, "rows": rows}
+                if cfg.cuda_graphs:
+                    rec["graph_replays"] = replayed  # of the step's grad_accum micro-batches; others ran eagerly
                 if dev.type == "cuda":  # this step's own peak too (the run's peak is the running maximum)
                     rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
                     run_peak = rec["peak_mem_mb"] = max(run_peak, rec["peak_mem_mb"])
@@ -765,6 +825,8 @@ class Run:
                     break
                 if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
                     last_ckpt = str(self._save_checkpoint(step, calib))
+        if graphs is not None:
+            graphs.close()  # its memory pool, before the model is saved
         if status == "completed":
             last_ckpt = str(self._save_checkpoint(step, calib))
             self._save_model(model, loaded)
@@ -922,6 +984,8 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         raise FinetuneError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate runs each as its "
                             "own training, which would overwrite each other's output; on CPU set "
                             "ACCELERATE_USE_CPU=1 (or use accelerate launch --cpu)")
+    if cfg.cuda_graphs:
+        _check_graphs_possible(cfg, acc)
     out = Path(cfg.output_dir)
     resuming, stale = check_output_dir(cfg, resume, overwrite)
     from accelerate.utils import set_seed
@@ -1009,6 +1073,21 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     if err:
         raise FinetuneError(err)
     return summary
+
+
+def _check_graphs_possible(cfg: FinetuneConfig, acc) -> None:
+    """``--cuda-graphs`` needs one process on a CUDA GPU, and the Triton kernels where SEBP runs."""
+    if acc.device.type != "cuda":
+        raise FinetuneError(f"--cuda-graphs needs a CUDA GPU; this run is on {acc.device.type}")
+    if acc.num_processes > 1:
+        raise FinetuneError(f"--cuda-graphs trains in one process; this run has {acc.num_processes} (DDP's "
+                            "gradient hooks are not captured)")
+    if "sebp" in cfg.methods():
+        from sebp_kernels.functional import _triton_backward
+
+        if cfg.backend == "torch" or _triton_backward() is None:
+            raise FinetuneError("--cuda-graphs needs the Triton SEBP kernels (triton is not importable or the "
+                                "torch backend was chosen): the torch path syncs with the host")
 
 
 def _plot(records: dict[str, list[dict]], out: Path) -> list[str]:

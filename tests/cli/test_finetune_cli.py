@@ -150,11 +150,21 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--report", "r.json", "--eps", "0.001", "--mode", "threshold"], "drop --eps"),
     (["--auto-eps", "--targets", "query"], "drop --targets"),
     (["--eps", "1e9"], "no row of any layer is active"),
+    (["--cuda-graphs", "--padding", "longest"], "--cuda-graphs needs --padding max_length"),
+    (["--cuda-graphs", "--fp16"], "--cuda-graphs does not take --fp16"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"
     line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out), *args]))
     assert needle in line
+    assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_cuda_graphs_without_a_gpu_is_refused(tiny, tmp_path):
+    out = tmp_path / "run"
+    line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out), "--cuda-graphs"]))
+    assert "--cuda-graphs needs a CUDA GPU" in line
     assert not out.exists()
 
 
@@ -243,6 +253,7 @@ def test_settings_added_later_do_not_block_resuming_older_runs():
     assert _config_changes(old, {**old, "sebp_norms": False}) == []
     assert _config_changes(old, {**old, "sebp_norms": True}) == ["sebp_norms"]
     assert _config_changes(old, {**old, "sebp_acts": False}) == []
+    assert _config_changes(old, {**old, "cuda_graphs": False}) == []
 
 
 def test_peak_from_step3_is_summarised_and_compared():

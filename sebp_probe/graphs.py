@@ -1,0 +1,118 @@
+"""One training micro-step (forward to the loss, then its backward) as two CUDA graphs.
+
+Replaying graphs removes the host's share of a step: every kernel launch, allocation and line of Python
+between them. Where the GPU finishes a layer's backward faster than the host can issue it (BERT-base in
+bf16 on an H100: about 12 ms of SEBP kernels against about 34 ms of host time to issue them), the eager
+SEBP backward is slower than the dense one and only replays show what the kernels gain. The SEBP backward
+makes no host sync, so it can be captured; the torch SEBP path (it gathers with a host-side row count)
+cannot.
+
+``accumulate=True`` is how a training loop uses it: every trainable parameter holds a ``.grad`` before the
+capture, so the captured backward adds into those tensors in place, exactly as an eager backward into
+existing gradients does. Gradient accumulation, clipping and the optimizer then run eagerly on the same
+tensors, which must never be set to None (``zero_grad(set_to_none=False)``). ``accumulate=False`` (timing)
+lets the capture allocate the gradients in the graphs' memory pool, as a first eager backward would.
+
+Capture needs static shapes: the batch is copied into tensors the graphs own (:meth:`StepGraphs.fits` says
+whether another batch can use them), and a step the graphs do not fit runs eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+WARMUP = 3  # eager iterations on a side stream before capture (compilation, allocator, cuBLAS workspaces)
+_SIDE: dict = {}  # device index -> the one warm-up stream
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for every capture: torch keeps a cuBLAS workspace for each stream a
+    matmul ever ran on, for as long as the process lives (65 MiB a stream on an H100, measured with
+    ``scripts/graph_leak_probe.py``), so a fresh stream per capture leaked that much each time."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(idx)
+    return _SIDE[idx]
+
+
+class CaptureError(RuntimeError):
+    """The step could not be captured as it is; the message says why, in one line."""
+
+
+class StepGraphs:
+    """Captured ``loss = model(**batch).loss`` (under ``autocast``) and ``(loss * scale).backward()``.
+
+    :meth:`forward` copies a batch into the static inputs and replays the forward graph, returning the static
+    loss tensor (overwritten by the next replay); :meth:`backward` replays the backward graph. The RNG the
+    warm-up and capture draw (dropout) is forked, so building the graphs leaves the training's RNG as it was;
+    each replay then draws from the generator like an eager step."""
+
+    def __init__(self, model: torch.nn.Module, batch: dict, autocast: Callable = contextlib.nullcontext,
+                 scale: float = 1.0, accumulate: bool = True, warmup: int = WARMUP):
+        if not torch.cuda.is_available():
+            raise CaptureError("CUDA graphs need a CUDA GPU")
+        self.model, self.autocast, self.scale = model, autocast, scale
+        self.static = {k: v.detach().clone() for k, v in batch.items()}
+        dev = next(iter(self.static.values())).device
+        params = [p for p in model.parameters() if p.requires_grad]
+        with torch.random.fork_rng(devices=[dev.index or 0]):
+            side = _side_stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self._eager_step()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if accumulate:
+                for p in params:  # the gradients the captured backward adds into (zero after the warm-up)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    else:
+                        p.grad.zero_()
+                before = [p.grad.data_ptr() for p in params]
+            else:
+                model.zero_grad(set_to_none=True)
+            self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(self.fwd), self.autocast():
+                    self.loss = model(**self.static).loss
+                with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+                    (self.loss * scale).backward()
+            except RuntimeError as err:
+                raise CaptureError(f"the training step could not be captured as a CUDA graph: "
+                                   f"{str(err).splitlines()[0]}") from err
+            if accumulate and [p.grad.data_ptr() for p in params] != before:
+                raise CaptureError("the captured backward replaced parameter gradients instead of adding into them")
+            # The replays need no autograd graph: without this the static loss would keep the captured one
+            # alive, with its gradient-accumulation nodes bound to the capture stream, and an eager backward
+            # (a batch of another shape) would then run those nodes across streams.
+            self.loss = self.loss.detach()
+        if accumulate:
+            for p in params:
+                p.grad.zero_()  # the capture ran no kernel, but say so explicitly: the graphs start from zero
+
+    def _eager_step(self) -> None:
+        with self.autocast():
+            loss = self.model(**self.static).loss
+        (loss * self.scale).backward()
+
+    def fits(self, batch: dict) -> bool:
+        """Whether ``batch`` has the static inputs' keys, shapes and dtypes (else run that step eagerly)."""
+        return batch.keys() == self.static.keys() and all(
+            v.shape == self.static[k].shape and v.dtype == self.static[k].dtype for k, v in batch.items())
+
+    def forward(self, batch: dict | None = None) -> torch.Tensor:
+        if batch is not None:
+            for k, v in batch.items():
+                self.static[k].copy_(v, non_blocking=True)
+        self.fwd.replay()
+        return self.loss
+
+    def backward(self) -> None:
+        self.bwd.replay()
+
+    def close(self) -> None:
+        """Drop the graphs and their memory pool (the gradients stay where they are)."""
+        self.fwd = self.bwd = self.loss = None
+        self.static = {}
