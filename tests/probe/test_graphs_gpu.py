@@ -108,3 +108,64 @@ def test_repeated_captures_leave_no_memory_behind():
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
     assert after[1] == after[2], after
+
+
+def _bert_loader(dropout: float = 0.0):
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny_models import tiny_config
+
+    def load():
+        torch.manual_seed(0)
+        cfg = tiny_config("bert")
+        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = dropout
+        return LoadedModel(AutoModelForSequenceClassification.from_config(cfg), None, "classification", "tiny",
+                           "config")
+    return load
+
+
+def _graphs_cfg(out, **kw):
+    base = dict(model="tiny", data=DataConfig(max_length=24, batch_size=8), output_dir=str(out), max_steps=8,
+                grad_accum=2, eval_steps=4, lr=2e-3, warmup_ratio=0.0, dense_fallback=1.0,
+                fallback_if_slower=False, cuda_graphs=True, seed=0)
+    base.update(kw)
+    return FinetuneConfig(**base)
+
+
+def test_interrupted_graphed_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """Capture forks the RNG, so a resumed run's replays draw dropout masks from the restored generator as the
+    uninterrupted run's did (up to the GPU's own run-to-run differences)."""
+    import os
+    import signal
+
+    data = synthetic_data("classification", n=40)
+    load = _bert_loader(dropout=0.1)
+    full = ft.finetune(_graphs_cfg(tmp_path / "a"), load_fn=load, data=data)
+
+    def kill_at_3(kind, p):
+        if kind == "step" and p["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = _graphs_cfg(tmp_path / "b")
+    assert ft.finetune(cfg, load_fn=load, data=data, on_event=kill_at_3)["status"] == "interrupted"
+    resumed = ft.finetune(cfg, resume=True, load_fn=load, data=data)
+    assert resumed["status"] == full["status"] == "completed"
+    rec = lambda p: [json.loads(x) for x in open(p / "metrics.jsonl")]  # noqa: E731
+    a, b = rec(tmp_path / "a"), rec(tmp_path / "b")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert all(r["graph_replays"] == 2 for r in a + b if r["type"] == "train")
+    for ra, rb in zip(a, b):
+        for k in ("loss", "eval_loss"):
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), (ra, rb)
+    assert resumed["final_eval"]["eval_loss"] == pytest.approx(full["final_eval"]["eval_loss"], rel=1e-5)
+
+
+def test_lora_trains_with_cuda_graphs(tmp_path):
+    pytest.importorskip("peft")
+    data = synthetic_data("classification", n=40)
+    s = ft.finetune(_graphs_cfg(tmp_path / "run", lora=True, compare=True, max_steps=4), load_fn=_bert_loader(),
+                    data=data)
+    assert s["runs"]["sebp"]["status"] == "completed" and s["comparison"]["max_abs_loss_gap"] < 1e-5
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "sebp" / "metrics.jsonl")]
+    assert [r["graph_replays"] for r in recs if r["type"] == "train"] == [2, 2, 2, 2]
