@@ -332,6 +332,8 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
             if if_slower and statistics.median(sebp_ms) > statistics.median(dense_ms):
                 unpatch_model(model)
                 reason = "SEBP backward measured slower than dense on the calibration batches"
+                if device.type == "cuda" and not graphs:  # eager on a GPU: often the host's launch overhead
+                    reason += " (eager: where the host is the bound, --cuda-graphs may reverse it)"
                 layers, norm_names = {}, []
         else:
             dense_ms = [timed(b) for b in batches]

@@ -169,3 +169,14 @@ def test_lora_trains_with_cuda_graphs(tmp_path):
     assert s["runs"]["sebp"]["status"] == "completed" and s["comparison"]["max_abs_loss_gap"] < 1e-5
     recs = [json.loads(x) for x in open(tmp_path / "run" / "sebp" / "metrics.jsonl")]
     assert [r["graph_replays"] for r in recs if r["type"] == "train"] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("setting", [{"eps": 1e-4}, {"top_n": 96}])
+def test_threshold_and_topk_train_with_cuda_graphs(tmp_path, setting):
+    """The lossy modes select on the device too, so their steps are captured like exact mode's."""
+    data = synthetic_data("classification", n=40)
+    s = ft.finetune(_graphs_cfg(tmp_path / "run", max_steps=4, **setting), load_fn=_bert_loader(), data=data)
+    assert s["status"] == "completed"
+    assert {c["mode"] for c in s["calibration"]["layers"].values()} == {"threshold" if "eps" in setting else "topk"}
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["graph_replays"] for r in recs if r["type"] == "train"] == [2, 2, 2, 2]
