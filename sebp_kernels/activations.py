@@ -24,7 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .reference import refuse_missing_triton
+from .reference import records_grad, refuse_missing_triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -146,10 +146,18 @@ def sebp_swiglu(gate: torch.Tensor, up: torch.Tensor, hint: RowHint | None = Non
                 backend: str = "auto") -> torch.Tensor:
     """``F.silu(gate) * up`` (the same values), whose backward skips the zero rows of dL/dH and hands the rows
     that can be non-zero in dL/dgate and dL/dup to ``hint``."""
+    if not records_grad(gate, up):  # no backward to come: the forward pass alone, without the NaN/Inf flags
+        tri = _use_triton(backend, gate, up)
+        if tri is None:
+            return F.silu(gate) * up
+        n = gate.shape[-1]
+        return tri[1]("swiglu", gate.reshape(-1, n), up.reshape(-1, n), False, tri[0])[0].view(gate.shape)
     return SEBPActFunction.apply("swiglu", gate, up, hint, backend)
 
 
 def sebp_gelu(x: torch.Tensor, hint: RowHint | None = None, backend: str = "auto") -> torch.Tensor:
     """``F.gelu(x)`` (erf form; the same values), whose backward skips the zero rows of dL/dH and hands the
     rows that can be non-zero in dL/dx to ``hint``."""
+    if not records_grad(x):  # no backward to come: torch's GELU alone (the forward's values are torch's anyway)
+        return F.gelu(x)
     return SEBPActFunction.apply("gelu", x, None, hint, backend)

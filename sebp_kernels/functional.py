@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .config import SEBPConfig
 from .density import RowDensity
-from .reference import refuse_missing_triton, sebp_backward_torch
+from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
 _DEFAULT = SEBPConfig()
 
@@ -98,8 +98,11 @@ def sebp_linear(
     selection pass.
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
-    autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype.
+    autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
+    autograd records nothing (``torch.no_grad()``, nothing requiring grad) it is ``F.linear`` itself.
     """
+    if not records_grad(x, weight, bias):
+        return F.linear(x, weight, bias)
     config = config or _DEFAULT
     dev = x.device.type
     if torch.is_autocast_enabled(dev) and x.dtype != torch.float64:  # autocast leaves fp64 alone too

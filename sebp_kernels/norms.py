@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import SEBPConfig
 from .modules import _take_over
-from .reference import norm_backward_torch, refuse_missing_triton, unit_col_stride
+from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -120,7 +120,13 @@ def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | No
         weight = weight.float() if weight is not None else None
         bias = bias.float() if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
+            return _layer_norm(x, weight, bias, shape, eps, config)
+    return _layer_norm(x, weight, bias, shape, eps, config)
+
+
+def _layer_norm(x, weight, bias, shape, eps, config):
+    if not records_grad(x, weight, bias):  # no backward to come: the Function's own op without the Function
+        return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
     return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
 
 
@@ -128,7 +134,11 @@ def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                   config: SEBPConfig | None = None) -> torch.Tensor:
     """The Llama/Qwen RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in fp32),
     whose backward skips the zero rows of dL/dY."""
-    return SEBPRMSNormFunction.apply(x, weight, eps, _check(config))
+    config = _check(config)
+    if not records_grad(x, weight):  # no backward to come: the formula alone
+        xf = x.to(torch.float32)
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 
 def norm_kind(module: nn.Module) -> str | None:

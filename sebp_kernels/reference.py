@@ -15,6 +15,13 @@ def unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an op on ``tensors`` (grad mode on and one of them requires grad). When it
+    will not, the SEBP ops run their plain forward alone: no autograd Function (host time on every call, in
+    evaluation and generation too), nothing saved for a backward that never comes, no NaN/Inf flags pass."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def refuse_missing_triton(backend: str, found) -> None:
     """Raise when ``backend`` is ``"triton"`` and the Triton path was not found (``found`` None)."""
     if backend == "triton" and found is None:
