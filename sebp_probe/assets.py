@@ -499,13 +499,18 @@ def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]
 
 
 class PadCollator:
-    """Pads token lists into a batch: to ``max_length`` or the batch's longest, on the left or right."""
+    """Pads token lists into a batch: to ``max_length`` or the batch's longest, on the left or right; with
+    ``multiple``, the longest rounded up to a multiple of it (at most ``max_length``): fewer batch shapes."""
 
-    def __init__(self, pad_id: int, task: str, padding: str, max_length: int, side: str):
+    def __init__(self, pad_id: int, task: str, padding: str, max_length: int, side: str, multiple: int = 1):
         self.pad_id, self.task, self.padding, self.max_length, self.side = pad_id, task, padding, max_length, side
+        self.multiple = multiple
 
     def __call__(self, items: list[dict]) -> dict:
-        L = self.max_length if self.padding == "max_length" else max(len(i["input_ids"]) for i in items)
+        L = self.max_length
+        if self.padding != "max_length":
+            longest = max(len(i["input_ids"]) for i in items)
+            L = max(longest, min(self.max_length, -(-longest // self.multiple) * self.multiple))
         ids = torch.full((len(items), L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(items), L), dtype=torch.long)
         labels = torch.full((len(items), L), -100, dtype=torch.long) if self.task == "causal-lm" else None

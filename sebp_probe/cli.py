@@ -168,8 +168,10 @@ def finetune_cmd(
     sebp_norms: bool = typer.Option(False, "--sebp-norms", help="Also give the LayerNorms/RMSNorms the SEBP "
                                     "backward (exact; calibrated together with the linear layers)."),
     cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="Replay each micro-step's forward and backward "
-                                     "as CUDA graphs (one GPU, --padding max_length): no host launch overhead, "
+                                     "as CUDA graphs, one pair per batch shape (one GPU): no host launch overhead, "
                                      "in calibration too."),
+    graph_bucket: int = typer.Option(32, "--graph-bucket", help="With --cuda-graphs and --padding longest: pad "
+                                     "each batch to a multiple of this many tokens (fewer shapes to capture)."),
     task: str = _TASK,
     split: str = typer.Option(None, "--split", help="Training split (default train)."),
     eval_split: str = typer.Option(None, "--eval-split", help="Held-out split (default: test for tweets, "
@@ -226,7 +228,7 @@ def finetune_cmd(
         model=model, data=data, output_dir=output_dir, task=task, method=method, compare=compare, mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, cuda_graphs=cuda_graphs,
+        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
         eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)

@@ -79,7 +79,8 @@ class FinetuneConfig:
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the
     linear layers in calibration). ``sebp_acts``: likewise the MLP activations (SwiGLU, GELU; see
     :func:`~sebp_probe.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward
-    are replayed as CUDA graphs (:mod:`sebp_probe.graphs`), in calibration too (one GPU, static shapes).
+    are replayed as CUDA graphs (:mod:`sebp_probe.graphs`), one pair per batch shape, in calibration too
+    (one GPU); with padding ``longest`` the batches are padded to a multiple of ``graph_bucket`` tokens.
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
     """
@@ -102,6 +103,7 @@ class FinetuneConfig:
     sebp_norms: bool = False
     sebp_acts: bool = False
     cuda_graphs: bool = False
+    graph_bucket: int = 32
     max_steps: int | None = None
     epochs: float | None = None
     lr: float = 5e-5
@@ -161,8 +163,7 @@ class FinetuneConfig:
         if self.targets is not None and (isinstance(self.targets, str) or not all(
                 isinstance(t, str) and t for t in self.targets)):
             raise ValueError("targets must be a tuple of module names or patterns")
-        if self.cuda_graphs and self.data.padding != "max_length":
-            raise ValueError("--cuda-graphs needs --padding max_length: a CUDA graph replays one batch shape")
+        _pos_int(self.graph_bucket, "graph bucket")
         if self.cuda_graphs and self.precision == "fp16":
             raise ValueError("--cuda-graphs does not take --fp16 (its loss scaler is updated on the host); "
                              "use --bf16")

@@ -55,7 +55,7 @@ OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "s
 # A resumed run must be the same run: every setting must match except these.
 RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit")
 # Settings added after runs were first written: a run config without one ran with this value.
-ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False}
+ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32}
 
 Event = Callable[[str, dict], None]
 
@@ -117,7 +117,8 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 def _loaders(cfg: FinetuneConfig, data: TrainData):
-    collate = PadCollator(data.pad_id, data.task, cfg.data.padding, cfg.data.max_length, data.padding_side)
+    collate = PadCollator(data.pad_id, data.task, cfg.data.padding, cfg.data.max_length, data.padding_side,
+                          cfg.graph_bucket if cfg.cuda_graphs else 1)  # graphs: few batch shapes
     # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
     gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
     sampler = EpochSampler(len(data.train), cfg.seed)
@@ -740,7 +741,8 @@ class Run:
 
         batches = stream(step * A)
         use_events = dev.type == "cuda"
-        graphs = None  # --cuda-graphs: the micro-step's StepGraphs, captured on the first batch
+        graphs: dict = {}  # --cuda-graphs: batch shape -> its StepGraphs, captured at its first batch
+        pool = torch.cuda.graph_pool_handle() if cfg.cuda_graphs else None  # one memory pool for all of them
         status, error, last_ckpt = "completed", None, state["path"] if state else None
         live_bwd: list[float] = []
         run_peak = 0.0
@@ -754,22 +756,24 @@ class Run:
                     epoch, batch = next(batches)
                     tokens += int(batch["attention_mask"].sum())
                     rows += batch["attention_mask"].numel()
-                    if cfg.cuda_graphs and (graphs is None or graphs.fits(batch)):
-                        if graphs is None:
-                            from .graphs import StepGraphs
+                    if cfg.cuda_graphs:
+                        from .graphs import StepGraphs, shape_key
 
-                            graphs = StepGraphs(model, batch, scale=1.0 / A)  # adds into the .grad tensors
-                        loss_sum += graphs.forward(batch).detach().float()
+                        step_graphs = graphs.get(shape_key(batch))
+                        if step_graphs is None:  # adds into the .grad tensors, keeping what they hold
+                            step_graphs = graphs[shape_key(batch)] = StepGraphs(model, batch, scale=1.0 / A,
+                                                                                pool=pool)
+                        loss_sum += step_graphs.forward(batch).detach().float()
                         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         ev0.record()
-                        graphs.backward()
+                        step_graphs.backward()
                         ev1.record()
                         ev1.synchronize()
                         bwd_ms += ev0.elapsed_time(ev1)
                         replayed += 1
                         continue
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
-                    with ctx:  # eager (with --cuda-graphs: a batch of another shape, adding into the same .grad)
+                    with ctx:
                         loss = model(**batch).loss
                         loss_sum += loss.detach().float()
                         if use_events:
@@ -804,7 +808,8 @@ class Run:
                        "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
                        "peak_mem_mb": _peak_memory_mb(dev), "tokens": tokens, "rows": rows}
                 if cfg.cuda_graphs:
-                    rec["graph_replays"] = replayed  # of the step's grad_accum micro-batches; others ran eagerly
+                    rec["graph_replays"] = replayed  # of the step's grad_accum micro-batches
+                    rec["graphs"] = len(graphs)  # captured so far (one per batch shape)
                 if dev.type == "cuda":  # this step's own peak too (the run's peak is the running maximum)
                     rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
                     run_peak = rec["peak_mem_mb"] = max(run_peak, rec["peak_mem_mb"])
@@ -827,8 +832,9 @@ class Run:
                     break
                 if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
                     last_ckpt = str(self._save_checkpoint(step, calib))
-        if graphs is not None:
-            graphs.close()  # its memory pool, before the model is saved
+        for step_graphs in graphs.values():
+            step_graphs.close()  # and with the last of them their memory pool, before the model is saved
+        graphs.clear()
         if status == "completed":
             last_ckpt = str(self._save_checkpoint(step, calib))
             self._save_model(model, loaded)

@@ -10,11 +10,14 @@ cannot.
 ``accumulate=True`` is how a training loop uses it: every trainable parameter holds a ``.grad`` before the
 capture, so the captured backward adds into those tensors in place, exactly as an eager backward into
 existing gradients does. Gradient accumulation, clipping and the optimizer then run eagerly on the same
-tensors, which must never be set to None (``zero_grad(set_to_none=False)``). ``accumulate=False`` (timing)
-lets the capture allocate the gradients in the graphs' memory pool, as a first eager backward would.
+tensors, which must never be set to None (``zero_grad(set_to_none=False)``). The warm-up passes run with the
+gradients set aside, so graphs can be built in the middle of an accumulation too. ``accumulate=False``
+(timing) lets the capture allocate the gradients in the graphs' memory pool, as a first eager backward would.
 
-Capture needs static shapes: the batch is copied into tensors the graphs own (:meth:`StepGraphs.fits` says
-whether another batch can use them), and a step the graphs do not fit runs eagerly.
+Capture needs static shapes: the batch is copied into tensors the graphs own, so a loop keeps one
+:class:`StepGraphs` per batch shape (:func:`shape_key`). They can share one memory pool (``pool``, from
+``torch.cuda.graph_pool_handle()``) as long as each replays its forward and then its backward before another
+replays: a step's activations only live between those two.
 """
 from __future__ import annotations
 
@@ -37,6 +40,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[idx]
 
 
+def shape_key(batch: dict) -> tuple:
+    """What a batch must share with the one a :class:`StepGraphs` was captured on to replay it."""
+    return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
+
+
 class CaptureError(RuntimeError):
     """The step could not be captured as it is; the message says why, in one line."""
 
@@ -50,13 +58,16 @@ class StepGraphs:
     each replay then draws from the generator like an eager step."""
 
     def __init__(self, model: torch.nn.Module, batch: dict, autocast: Callable = contextlib.nullcontext,
-                 scale: float = 1.0, accumulate: bool = True, warmup: int = WARMUP):
+                 scale: float = 1.0, accumulate: bool = True, warmup: int = WARMUP, pool=None):
         if not torch.cuda.is_available():
             raise CaptureError("CUDA graphs need a CUDA GPU")
         self.model, self.autocast, self.scale = model, autocast, scale
         self.static = {k: v.detach().clone() for k, v in batch.items()}
         dev = next(iter(self.static.values())).device
         params = [p for p in model.parameters() if p.requires_grad]
+        kept = [p.grad for p in params]  # what an accumulation holds so far: set aside during the warm-up
+        for p in params:
+            p.grad = None
         with torch.random.fork_rng(devices=[dev.index or 0]):
             side = _side_stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
@@ -64,18 +75,15 @@ class StepGraphs:
                 for _ in range(warmup):
                     self._eager_step()
             torch.cuda.current_stream(dev).wait_stream(side)
-            if accumulate:
-                for p in params:  # the gradients the captured backward adds into (zero after the warm-up)
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    else:
-                        p.grad.zero_()
+            if accumulate:  # the gradients the captured backward adds into: the ones set aside, else zeros
+                for p, g in zip(params, kept):
+                    p.grad = g if g is not None else torch.zeros_like(p)
                 before = [p.grad.data_ptr() for p in params]
             else:
                 model.zero_grad(set_to_none=True)
             self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(self.fwd), self.autocast():
+                with torch.cuda.graph(self.fwd, pool=pool), self.autocast():
                     self.loss = model(**self.static).loss
                 with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
                     (self.loss * scale).backward()
@@ -88,9 +96,6 @@ class StepGraphs:
             # alive, with its gradient-accumulation nodes bound to the capture stream, and an eager backward
             # (a batch of another shape) would then run those nodes across streams.
             self.loss = self.loss.detach()
-        if accumulate:
-            for p in params:
-                p.grad.zero_()  # the capture ran no kernel, but say so explicitly: the graphs start from zero
 
     def _eager_step(self) -> None:
         with self.autocast():
@@ -98,9 +103,8 @@ class StepGraphs:
         (loss * self.scale).backward()
 
     def fits(self, batch: dict) -> bool:
-        """Whether ``batch`` has the static inputs' keys, shapes and dtypes (else run that step eagerly)."""
-        return batch.keys() == self.static.keys() and all(
-            v.shape == self.static[k].shape and v.dtype == self.static[k].dtype for k, v in batch.items())
+        """Whether ``batch`` has the static inputs' keys, shapes and dtypes."""
+        return shape_key(batch) == shape_key(self.static)
 
     def forward(self, batch: dict | None = None) -> torch.Tensor:
         if batch is not None:

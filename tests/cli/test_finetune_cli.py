@@ -150,7 +150,7 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--report", "r.json", "--eps", "0.001", "--mode", "threshold"], "drop --eps"),
     (["--auto-eps", "--targets", "query"], "drop --targets"),
     (["--eps", "1e9"], "no row of any layer is active"),
-    (["--cuda-graphs", "--padding", "longest"], "--cuda-graphs needs --padding max_length"),
+    (["--cuda-graphs", "--graph-bucket", "0"], "graph bucket must be an integer >= 1"),
     (["--cuda-graphs", "--fp16"], "--cuda-graphs does not take --fp16"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):

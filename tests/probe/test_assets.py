@@ -89,6 +89,16 @@ def test_pad_collator_left_right():
     assert left["labels"].tolist() == [[-100, -100, 6, 7], [-100, -100, -100, -100]]
 
 
+def test_pad_collator_rounds_the_longest_up_to_a_multiple():
+    items = [{"input_ids": [5, 6, 7], "label": 1}, {"input_ids": [8], "label": 0}]
+    four = PadCollator(0, "classification", "longest", 16, "right", multiple=4)(items)
+    assert four["input_ids"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]] and four["labels"].tolist() == [1, 0]
+    assert PadCollator(0, "classification", "longest", 5, "left", multiple=4)(items * 2)["input_ids"].shape == (4, 4)
+    capped = PadCollator(0, "classification", "longest", 3, "right", multiple=8)(items)  # never past max_length
+    assert capped["input_ids"].shape == (2, 3)
+    assert PadCollator(0, "classification", "max_length", 6, "right", multiple=4)(items)["input_ids"].shape == (2, 6)
+
+
 def test_left_padded_decoder_pads_carry_no_gradient():
     from tests.tiny_models import tiny_model
 

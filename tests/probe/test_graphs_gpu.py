@@ -70,17 +70,18 @@ def test_timing_graphs_leave_no_gradients():
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.filterwarnings("error:The AccumulateGrad node's stream")  # the eager micro-batch: one stream
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_finetune_with_cuda_graphs_matches_dense(tmp_path, precision):
-    """--compare --cuda-graphs: both runs replay graphs (a batch of another size, the last of each epoch,
-    runs eagerly into the same gradients), calibration times graphs, and exact SEBP follows dense."""
+@pytest.mark.filterwarnings("error:The AccumulateGrad node's stream")  # captures and warm-ups on one stream
+@pytest.mark.parametrize("precision,padding", [("fp32", "max_length"), ("bf16", "max_length"), ("fp32", "longest")])
+def test_finetune_with_cuda_graphs_matches_dense(tmp_path, precision, padding):
+    """--compare --cuda-graphs: both runs replay graphs, one pair per batch shape (the last batch of an epoch
+    is smaller; with padding longest the lengths are rounded up to multiples of --graph-bucket), calibration
+    times graphs, and exact SEBP follows dense."""
     data = synthetic_data("classification", n=60, n_eval=16)  # 60 = 7 batches of 8 and one of 4 per epoch
     load = lambda: LoadedModel(tiny_model("bert"), None, "classification", "tiny-bert", "config")  # noqa: E731
-    cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8),
+    cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding=padding),
                          output_dir=str(tmp_path / "run"), compare=True, max_steps=6, grad_accum=2, lr=2e-3,
                          warmup_ratio=0.0, dense_fallback=1.0, fallback_if_slower=False, sebp_norms=True,
-                         sebp_acts=True, precision=precision, cuda_graphs=True, seed=0)
+                         sebp_acts=True, precision=precision, cuda_graphs=True, graph_bucket=8, seed=0)
     s = ft.finetune(cfg, load_fn=load, data=data)
     dense, sebp = s["runs"]["dense"], s["runs"]["sebp"]
     assert dense["status"] == sebp["status"] == "completed"
@@ -88,9 +89,32 @@ def test_finetune_with_cuda_graphs_matches_dense(tmp_path, precision):
     for m in ("dense", "sebp"):
         lines = (tmp_path / "run" / m / "metrics.jsonl").read_text().splitlines()
         recs = [r for r in map(json.loads, lines) if r["type"] == "train"]
-        replays = [r["graph_replays"] for r in recs]
-        assert len(recs) == 6 and sum(replays) == 11 and replays[3] == 1, replays  # micro-batch 8 is the short one
+        assert len(recs) == 6 and all(r["graph_replays"] == 2 for r in recs)
+        graphs = [r["graphs"] for r in recs]
+        assert graphs == sorted(graphs) and graphs[3] >= 2, graphs  # micro-batch 8 (step 4) is the short one
+        if padding == "longest":  # the longest of each batch rounded up to 8, 16 or 24 tokens
+            assert {r["rows"] % 8 for r in recs} == {0}, [r["rows"] for r in recs]
     assert s["comparison"]["max_abs_loss_gap"] < (1e-5 if precision == "fp32" else 2e-2)
+
+
+def test_graphs_built_mid_accumulation_keep_the_gradients_so_far():
+    """A second shape's graphs, captured while .grad holds the first micro-batch's share, in the same memory
+    pool: the warm-up runs with the gradients set aside, and the first graphs still replay right after."""
+    model = _model("bert", True)
+    ref = copy.deepcopy(model)
+    pool = torch.cuda.graph_pool_handle()
+    b1, b2 = _batch("bert", 1), _batch("bert", 2, lengths=(5, 9, 3, 6))
+    g1 = StepGraphs(model, b1, scale=0.5, pool=pool)
+    g1.forward(b1)
+    g1.backward()
+    g2 = StepGraphs(model, b2, scale=0.5, pool=pool)
+    for g, b in ((g2, b2), (g1, b1)):
+        g.forward(b)
+        g.backward()
+    for b in (b1, b2, b1):
+        (ref(**b).loss * 0.5).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_repeated_captures_leave_no_memory_behind():
