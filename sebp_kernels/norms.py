@@ -78,12 +78,17 @@ class SEBPLayerNormFunction(torch.autograd.Function):
                 db.view(weight.shape) if db is not None else None, None, None, None)
 
 
+def _rms_norm(x, weight, eps):
+    """(output, fp32 rstd) of Hugging Face's RMSNorm formula."""
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd
+
+
 class SEBPRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, config):
-        xf = x.to(torch.float32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        out = weight * (xf * rstd).to(x.dtype)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.config = config
         ctx.save_for_backward(x, weight, rstd)
         return out
@@ -136,8 +141,7 @@ def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     whose backward skips the zero rows of dL/dY."""
     config = _check(config)
     if not records_grad(x, weight):  # no backward to come: the formula alone
-        xf = x.to(torch.float32)
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return _rms_norm(x, weight, eps)[0]
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 

@@ -498,26 +498,12 @@ def _time_step(model, batch: dict, repeats: int) -> dict:
 
 def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
     """Median forward and backward milliseconds as CUDA-graph replays (no host launch overhead)."""
-    from .graphs import StepGraphs
+    from .graphs import replay_ms
 
-    step = StepGraphs(model, batch, accumulate=False)
     try:
-        fwd, bwd = [], []
-        for _ in range(repeats + 2):
-            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            e0.record()
-            step.forward()
-            e1.record()
-            step.backward()
-            e2.record()
-            e2.synchronize()
-            fwd.append(e0.elapsed_time(e1))
-            bwd.append(e1.elapsed_time(e2))
-        f, b = statistics.median(fwd[2:]), statistics.median(bwd[2:])
+        f, b = replay_ms(model, batch, repeats, skip=2)
         return {"forward_ms": round(f, 3), "backward_ms": round(b, 3), "step_ms": round(f + b, 3)}
     finally:
-        step.close()
-        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 

@@ -42,6 +42,7 @@ from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from .assets import AssetError, LoadedModel, PadCollator, load_model, load_text_data, model_task, padding_side, tokenize
 from .config import DEFAULT_MAX_STEPS, FinetuneConfig
+from .graphs import StepGraphs, replay_ms, shape_key
 from .patch import find_targets, patch_activations, patch_model, patch_norms, patched_activations
 
 RUN_CONFIG = "run_config.json"
@@ -179,23 +180,7 @@ def _timed_backward(model, batch, device, autocast) -> float:
 def _graphed_backward_ms(model, batch, autocast, repeats: int = 3) -> float:
     """Median milliseconds of the backward replayed as a CUDA graph (``--cuda-graphs``); the gradients it
     wrote are dropped."""
-    from .graphs import StepGraphs
-
-    step = StepGraphs(model, batch, autocast, accumulate=False)
-    try:
-        times = []
-        for _ in range(repeats):
-            step.forward()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            step.backward()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-        return statistics.median(times)
-    finally:
-        step.close()
-        model.zero_grad(set_to_none=True)
+    return replay_ms(model, batch, repeats, autocast)[1]
 
 
 def _rng_devices(device: torch.device) -> list[int]:
@@ -757,12 +742,10 @@ class Run:
                     tokens += int(batch["attention_mask"].sum())
                     rows += batch["attention_mask"].numel()
                     if cfg.cuda_graphs:
-                        from .graphs import StepGraphs, shape_key
-
-                        step_graphs = graphs.get(shape_key(batch))
+                        key = shape_key(batch)
+                        step_graphs = graphs.get(key)
                         if step_graphs is None:  # adds into the .grad tensors, keeping what they hold
-                            step_graphs = graphs[shape_key(batch)] = StepGraphs(model, batch, scale=1.0 / A,
-                                                                                pool=pool)
+                            step_graphs = graphs[key] = StepGraphs(model, batch, scale=1.0 / A, pool=pool)
                         loss_sum += step_graphs.forward(batch).detach().float()
                         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         ev0.record()

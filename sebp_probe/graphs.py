@@ -22,6 +22,7 @@ replays: a step's activations only live between those two.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -120,3 +121,26 @@ class StepGraphs:
         """Drop the graphs and their memory pool (the gradients stay where they are)."""
         self.fwd = self.bwd = self.loss = None
         self.static = {}
+
+
+def replay_ms(model: torch.nn.Module, batch: dict, repeats: int, autocast: Callable = contextlib.nullcontext,
+              skip: int = 0) -> tuple[float, float]:
+    """Median forward and backward milliseconds (CUDA events) of ``repeats`` replays of the step on ``batch``,
+    after ``skip`` untimed ones; the graphs are dropped and the gradients they wrote set to None."""
+    step = StepGraphs(model, batch, autocast, accumulate=False)
+    try:
+        fwd, bwd = [], []
+        for _ in range(skip + repeats):
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            step.forward()
+            e1.record()
+            step.backward()
+            e2.record()
+            e2.synchronize()
+            fwd.append(e0.elapsed_time(e1))
+            bwd.append(e1.elapsed_time(e2))
+        return statistics.median(fwd[skip:]), statistics.median(bwd[skip:])
+    finally:
+        step.close()
+        model.zero_grad(set_to_none=True)
