@@ -24,6 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .ops import register
 from .reference import records_grad, refuse_missing_triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,6 +42,14 @@ class RowHint:
         self._items: dict = {}
         self.offered = 0
         self.taken = 0
+        self.key = register(self)  # names it inside compiled graphs (see .ops)
+
+    def __getstate__(self):  # a copy starts with no hints and a key of its own
+        return {"offered": self.offered, "taken": self.taken}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.offered, self.taken = state["offered"], state["taken"]
 
     def offer(self, t: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> None:
         self._items = {k: v for k, v in self._items.items() if v[0]() is not None}
@@ -48,8 +57,10 @@ class RowHint:
         self.offered += 1
 
     def take(self, t: torch.Tensor):
-        """(perm, count) for ``t``, or None."""
-        item = self._items.get(t.data_ptr())
+        """(perm, count) for ``t``, or None. The entry goes (each gradient is read once): nothing outlives the
+        backward, which a CUDA-graph pool that checks for untracked allocations (``torch.compile``'s
+        ``reduce-overhead``) requires."""
+        item = self._items.pop(t.data_ptr(), None)
         if item is None:
             return None
         ref, version, shape, stride, device, perm, count = item
@@ -85,6 +96,58 @@ def _use_triton(backend: str, *tensors) -> tuple | None:
     return tri if ok else None
 
 
+def act_forward(kind: str, a: torch.Tensor, b: torch.Tensor | None, backend: str):
+    """(output, per-row NaN/Inf flags) on the Triton path; (output, None) on the torch path."""
+    tri = _use_triton(backend, *(t for t in (a, b) if t is not None))
+    if tri is None:
+        return (F.gelu(a) if kind == "gelu" else F.silu(a) * b), None
+    n = a.shape[-1]
+    a2 = a.reshape(-1, n)
+    if kind == "gelu":  # torch's values; the pass reads the input for its flags only
+        h = F.gelu(a2)
+        bad = tri[1](kind, a2, None, True, tri[0], store_h=False)[1]
+    else:
+        h, bad = tri[1](kind, a2, b.reshape(-1, n), True, tri[0])
+    return h.view(a.shape), bad
+
+
+def _triton_grads(kind, dh, a, b, bad, need_a, need_b, backend, hint):
+    """(dA, dB) by the Triton pass over the non-zero rows of ``dh``, handing their rows to ``hint``; None where
+    the Triton path does not take these tensors."""
+    tri = _use_triton(backend, dh, a)
+    if tri is None:
+        return None
+    n = a.shape[-1]
+    da, db, rows = tri[2](kind, dh.reshape(-1, n), a.reshape(-1, n), b.reshape(-1, n) if b is not None else None,
+                          bad, need_a, need_b and b is not None, hint is not None, tri[0])
+    da = da.view(a.shape) if da is not None else None
+    db = db.view(a.shape) if db is not None else None
+    if rows is not None:
+        for t in (da, db):
+            if t is not None:
+                hint.offer(t, *rows)
+    return da, db
+
+
+def _torch_grads(kind, dh, a, b, act, need_a, need_b):
+    """The kernels autograd runs for Hugging Face's ops (mul, then silu; or gelu); ``act``: silu(a)."""
+    if kind == "gelu":
+        return (torch.ops.aten.gelu_backward(dh, a) if need_a else None), None
+    da = torch.ops.aten.silu_backward(dh * b, a) if need_a else None
+    db = dh * act if need_b else None
+    return da, db
+
+
+def act_grads(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, bad: torch.Tensor | None,
+              need_a: bool, need_b: bool, backend: str, hint: RowHint | None):
+    """(dA, dB) (None where not asked for) of an activation whose forward gave ``bad`` (None: the torch path)."""
+    if bad is not None:
+        out = _triton_grads(kind, dh, a, b, bad, need_a, need_b, backend, hint)
+        if out is not None:
+            return out
+    return _torch_grads(kind, dh, a, b, F.silu(a) if b is not None else None, need_a, need_b)
+
+
 class SEBPActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kind, a, b, hint, backend):
@@ -98,17 +161,9 @@ class SEBPActFunction(torch.autograd.Function):
             act = F.silu(a)
             ctx.save_for_backward(a, b, act)
             return act * b
-        n = a.shape[-1]
-        a2 = a.reshape(-1, n)
-        b2 = b.reshape(-1, n) if b is not None else None
-        if kind == "gelu":  # torch's values; the pass reads the input for its flags only
-            h = F.gelu(a2)
-            bad = tri[1](kind, a2, None, True, tri[0], store_h=False)[1]
-        else:
-            h, bad = tri[1](kind, a2, b2, True, tri[0])
-        ctx.save_for_backward(a2, b2, bad)
-        ctx.shape = a.shape
-        return h.view(a.shape)
+        h, bad = act_forward(kind, a, b, backend)
+        ctx.save_for_backward(a, b, bad)
+        return h
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -117,41 +172,34 @@ class SEBPActFunction(torch.autograd.Function):
         if not (need_a or need_b):
             return None, None, None, None, None
         if ctx.triton:
-            a2, b2, bad = ctx.saved_tensors
-            tri = _use_triton(ctx.backend, dh, a2.view(ctx.shape))
-            if tri is not None:
-                hint = ctx.hint
-                da, db, rows = tri[2](ctx.kind, dh.reshape(-1, dh.shape[-1]), a2, b2, bad, need_a,
-                                      need_b and b2 is not None, hint is not None, tri[0])
-                da = da.view(ctx.shape) if da is not None else None
-                db = db.view(ctx.shape) if db is not None else None
-                if rows is not None:
-                    for t in (da, db):
-                        if t is not None:
-                            hint.offer(t, *rows)
-                return None, da, db, None, None
-            a, b = a2.view(ctx.shape), (b2.view(ctx.shape) if b2 is not None else None)
+            a, b, bad = ctx.saved_tensors
+            out = _triton_grads(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, ctx.hint)
+            if out is not None:
+                return None, *out, None, None
             act = F.silu(a) if b is not None else None
         else:
             a, b, act = ctx.saved_tensors
-        # the kernels autograd runs for Hugging Face's ops (mul, then silu; or gelu)
-        if ctx.kind == "gelu":
-            return None, torch.ops.aten.gelu_backward(dh, a) if need_a else None, None, None, None
-        da = torch.ops.aten.silu_backward(dh * b, a) if need_a else None
-        db = dh * act if need_b else None
-        return None, da, db, None, None
+        return None, *_torch_grads(ctx.kind, dh, a, b, act, need_a, need_b), None, None
+
+
+def _compiled_act(kind, a, b, hint, backend):
+    """Inside ``torch.compile``: the custom op (:mod:`.ops`), which Dynamo keeps in one graph."""
+    return torch.ops.sebp.act(kind, a, b, backend, hint.key if hint is not None else 0)[0]
 
 
 def sebp_swiglu(gate: torch.Tensor, up: torch.Tensor, hint: RowHint | None = None,
                 backend: str = "auto") -> torch.Tensor:
     """``F.silu(gate) * up`` (the same values), whose backward skips the zero rows of dL/dH and hands the rows
     that can be non-zero in dL/dgate and dL/dup to ``hint``."""
+    compiling = torch.compiler.is_compiling()
     if not records_grad(gate, up):  # no backward to come: the forward pass alone, without the NaN/Inf flags
-        tri = _use_triton(backend, gate, up)
+        tri = None if compiling else _use_triton(backend, gate, up)  # compiled: Inductor fuses the formula
         if tri is None:
             return F.silu(gate) * up
         n = gate.shape[-1]
         return tri[1]("swiglu", gate.reshape(-1, n), up.reshape(-1, n), False, tri[0])[0].view(gate.shape)
+    if compiling:
+        return _compiled_act("swiglu", gate, up, hint, backend)
     return SEBPActFunction.apply("swiglu", gate, up, hint, backend)
 
 
@@ -160,4 +208,6 @@ def sebp_gelu(x: torch.Tensor, hint: RowHint | None = None, backend: str = "auto
     rows that can be non-zero in dL/dx to ``hint``."""
     if not records_grad(x):  # no backward to come: torch's GELU alone (the forward's values are torch's anyway)
         return F.gelu(x)
+    if torch.compiler.is_compiling():
+        return _compiled_act("gelu", x, None, hint, backend)
     return SEBPActFunction.apply("gelu", x, None, hint, backend)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SEBPConfig
+from . import ops  # noqa: F401 (registers the sebp:: custom ops)
 from .density import RowDensity
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
@@ -66,19 +67,24 @@ class SEBPLinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if not (need_dx or need_dw or need_db):
             return None, None, None, None, None, None
-        impl = resolve_backend(ctx.config, dy.device)
-        # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
-        rows = (ctx.hint.take(dy) if ctx.hint is not None and ctx.config.mode == "exact"
-                and impl is not sebp_backward_torch else None)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
-        if impl is sebp_backward_torch:
-            dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db)
-        else:
-            dx, dw, db = impl(dy2, x2, weight, ctx.config, need_dx, need_dw, need_db, state=ctx.state, rows=rows)
+        dx, dw, db = linear_grads(dy, x, weight, ctx.config, need_dx, need_dw, need_db, ctx.state, ctx.hint)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return dx, dw, db, None, None, None
+
+
+def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, hint=None):
+    """(dX as 2-D rows, dW, db) of the SEBP linear, None where not asked for (shared by the autograd Function
+    and the compiled op of :mod:`.ops`)."""
+    impl = resolve_backend(config, dy.device)
+    # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
+    rows = (hint.take(dy) if hint is not None and config.mode == "exact" and impl is not sebp_backward_torch
+            else None)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
+    if impl is sebp_backward_torch:
+        return impl(dy2, x2, weight, config, need_dx, need_dw, need_db)
+    return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows)
 
 
 def sebp_linear(
@@ -88,6 +94,7 @@ def sebp_linear(
     config: SEBPConfig | None = None,
     state: RowDensity | None = None,
     hint=None,
+    _key: int = 0,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
@@ -96,6 +103,10 @@ def sebp_linear(
     ``hint``: a :class:`~sebp_kernels.activations.RowHint` through which the backward that writes dL/dY (an
     SEBP activation) names its rows that can be non-zero; the Triton backward in exact mode then skips its
     selection pass.
+
+    ``_key``: the :func:`.ops.register` key of the SEBPLinear calling this; inside ``torch.compile`` the layer
+    then runs as the custom op ``sebp::linear`` (one graph, no break), its backward reading that layer's
+    settings, state and hint.
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
@@ -110,5 +121,11 @@ def sebp_linear(
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)
+            return _apply(x, weight, bias, config, state, hint, _key)
+    return _apply(x, weight, bias, config, state, hint, _key)
+
+
+def _apply(x, weight, bias, config, state, hint, key):
+    if key and torch.compiler.is_compiling():
+        return torch.ops.sebp.linear(x, weight, bias, key)
     return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)

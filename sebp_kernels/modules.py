@@ -7,6 +7,7 @@ from torch import nn
 from .config import SEBPConfig
 from .density import RowDensity
 from .functional import sebp_linear
+from .ops import register
 
 
 # Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
@@ -41,6 +42,11 @@ class SEBPLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
         self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
+        self._sebp_key = register(self)  # names this layer inside compiled graphs (see sebp_kernels.ops)
+
+    def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
+        super().__setstate__(state)
+        self._sebp_key = register(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None) -> "SEBPLinear":
@@ -64,7 +70,8 @@ class SEBPLinear(nn.Linear):
         return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, self._sebp_hint)
+        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, self._sebp_hint,
+                           _key=self._sebp_key)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

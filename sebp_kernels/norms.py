@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import SEBPConfig
 from .modules import _take_over
+from .ops import register
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
@@ -114,9 +115,10 @@ def _check(config: SEBPConfig | None) -> SEBPConfig:
 
 def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, eps: float = 1e-5,
-                    config: SEBPConfig | None = None) -> torch.Tensor:
+                    config: SEBPConfig | None = None, _key: int = 0) -> torch.Tensor:
     """``F.layer_norm`` whose backward skips the zero rows of dL/dY. Under CUDA autocast it runs in fp32, as
-    autocast runs ``layer_norm`` there (CPU autocast leaves it in the input's dtype, and so does this)."""
+    autocast runs ``layer_norm`` there (CPU autocast leaves it in the input's dtype, and so does this).
+    ``_key``: the calling SEBPNorm's :func:`.ops.register` key (inside ``torch.compile``: the custom op)."""
     config = _check(config)
     shape = tuple(normalized_shape) if not isinstance(normalized_shape, int) else (normalized_shape,)
     dev = x.device.type
@@ -125,23 +127,27 @@ def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | No
         weight = weight.float() if weight is not None else None
         bias = bias.float() if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return _layer_norm(x, weight, bias, shape, eps, config)
-    return _layer_norm(x, weight, bias, shape, eps, config)
+            return _layer_norm(x, weight, bias, shape, eps, config, _key)
+    return _layer_norm(x, weight, bias, shape, eps, config, _key)
 
 
-def _layer_norm(x, weight, bias, shape, eps, config):
+def _layer_norm(x, weight, bias, shape, eps, config, key):
     if not records_grad(x, weight, bias):  # no backward to come: the Function's own op without the Function
         return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
+    if key and torch.compiler.is_compiling():
+        return torch.ops.sebp.layer_norm(x, weight, bias, list(shape), eps, key)[0]
     return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
 
 
 def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                  config: SEBPConfig | None = None) -> torch.Tensor:
+                  config: SEBPConfig | None = None, _key: int = 0) -> torch.Tensor:
     """The Llama/Qwen RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in fp32),
     whose backward skips the zero rows of dL/dY."""
     config = _check(config)
     if not records_grad(x, weight):  # no backward to come: the formula alone
         return _rms_norm(x, weight, eps)[0]
+    if _key and torch.compiler.is_compiling():
+        return torch.ops.sebp.rms_norm(x, weight, eps, _key)[0]
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 
@@ -178,6 +184,11 @@ class SEBPNorm(nn.Module):
         else:
             self.eps = original.variance_epsilon
         _take_over(self, original)
+        self._sebp_key = register(self)  # names this norm inside compiled graphs (see .ops)
+
+    def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
+        super().__setstate__(state)
+        self._sebp_key = register(self)
 
     def original(self) -> nn.Module:
         """The module this one replaced, holding this one's current Parameters (a wrapper such as FSDP may have
@@ -191,8 +202,9 @@ class SEBPNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
-            return sebp_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.sebp_config)
-        return sebp_rms_norm(x, self.weight, self.eps, self.sebp_config)
+            return sebp_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.sebp_config,
+                                   self._sebp_key)
+        return sebp_rms_norm(x, self.weight, self.eps, self.sebp_config, self._sebp_key)
 
     def extra_repr(self) -> str:
         n = self.weight.shape[0] if self.weight is not None else math.prod(self.normalized_shape)

@@ -513,17 +513,23 @@ def test_lora_model_with_sebp_norms_and_acts_on_the_gpu():
             assert mlp._sebp_act_hint.taken == 2
 
 
-def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients():
-    """torch.compile (Inductor) of a tiny Llama with SEBP linears, norms and activations on the GPU: the
-    gradients of eager SEBP, and the SEBP gradient kernels still run (Dynamo breaks the graph around them)."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients(mode):
+    """torch.compile (Inductor) of a tiny Llama with SEBP linears, norms and activations on the GPU: one graph
+    (the SEBP layers are sebp:: custom ops), the gradients of eager SEBP, the SEBP gradient kernels run, and the
+    activations hand their rows to the linears before them as in eager runs. ``reduce-overhead`` replays the
+    compiled graphs as CUDA graphs (which needs every allocation of the SEBP ops to end with the backward)."""
+    import torch._dynamo as dynamo
+
     from sebp_probe.patch import patch_activations, patch_model, patch_norms
     from tests.tiny_models import padded_batch, tiny_model
 
     batch = {k: v.cuda() for k, v in padded_batch("llama").items()}
-    sebp = tiny_model("llama").cuda()
+    sebp = tiny_model("llama").cuda().eval()
     patch_model(sebp, SEBPConfig("exact"))
     patch_norms(sebp)
     patch_activations(sebp)
+    hints = [m._sebp_act_hint for m in sebp.modules() if "_sebp_act_hint" in vars(m)]
 
     def grads(model):
         sebp.zero_grad(set_to_none=True)
@@ -531,15 +537,24 @@ def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients():
         return {n: p.grad.clone() for n, p in sebp.named_parameters() if p.grad is not None}
 
     want = grads(sebp)
-    torch._dynamo.reset()
-    compiled = torch.compile(sebp)
-    grads(compiled)
+    eager_taken = sum(h.taken for h in hints)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    compiled = torch.compile(sebp, mode=mode)
+    for _ in range(3):
+        grads(compiled)
+    taken = sum(h.taken for h in hints)
+    assert taken > eager_taken  # the compiled backward's ops took the activations' rows (recorded, if graphed)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = grads(compiled)
         torch.cuda.synchronize()
-    torch._dynamo.reset()
+    breaks = sum(dynamo.utils.counters["graph_break"].values())
+    dynamo.reset()
+    assert breaks == 0
+    if mode == "default":  # a CUDA-graph replay runs no Python: the rows recorded are used, not taken again
+        assert sum(h.taken for h in hints) - taken == 2 * len(hints)  # gate and up of every MLP
     assert sum(e.count for e in prof.key_averages() if "_grads_kernel" in e.key) > 0
     assert got.keys() == want.keys() and want
     for n in want:

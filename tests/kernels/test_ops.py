@@ -1,0 +1,136 @@
+"""The sebp:: custom ops that torch.compile traces (sebp_kernels.ops): one graph, the eager gradients, and
+each compiled layer reading its own module's settings when the backward runs."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import nn
+
+from sebp_kernels import SEBPConfig, SEBPLinear, functional, ops
+from sebp_probe import patch_activations, patch_model, patch_norms
+from tests.tiny_models import padded_batch, tiny_model
+
+
+def _grads(model, owner, batch):
+    owner.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in owner.named_parameters() if p.grad is not None}
+
+
+def _patched(arch):
+    model = tiny_model(arch).eval()  # no dropout: eager and compiled runs must see the same masks
+    patch_model(model, SEBPConfig("exact"))
+    patch_norms(model)
+    patch_activations(model)
+    return model
+
+
+@pytest.mark.parametrize("arch,backend", [("bert", "aot_eager"), ("llama", "aot_eager"), ("qwen3", "aot_eager"),
+                                          ("llama", "inductor")])
+def test_compiled_model_is_one_graph_with_the_eager_gradients(arch, backend, monkeypatch):
+    """No graph break: every SEBP linear, norm and activation is one op in Dynamo's graph, and each linear's
+    backward ran the SEBP backward (counted) with its module's settings."""
+    model = _patched(arch)
+    batch = padded_batch(arch)
+    loss_e, g_e = _grads(model, model, batch)
+    calls = []
+    real = functional.linear_grads
+    monkeypatch.setattr(functional, "linear_grads", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    try:
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(2):  # the second call runs the cached graphs
+            calls.clear()
+            loss_c, g_c = _grads(compiled, model, batch)
+            torch.testing.assert_close(loss_c, loss_e, atol=1e-6, rtol=1e-6)
+            assert g_c.keys() == g_e.keys() and len(g_e) > 10
+            for k in g_e:
+                torch.testing.assert_close(g_c[k], g_e[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+            n_linear = sum(isinstance(m, SEBPLinear) for m in model.modules())
+            assert len(calls) == n_linear and all(c.mode == "exact" for c in calls)
+        assert sum(dynamo.utils.counters["graph_break"].values()) == 0
+    finally:
+        dynamo.reset()
+
+
+def test_compiled_layers_read_their_current_settings_and_copies_their_own():
+    """The op carries a key, not the config: a config changed after compiling applies at the next backward
+    (no recompile needed), and a deep copy's layers have keys of their own."""
+    torch.manual_seed(0)
+    lin = SEBPLinear(8, 6, config=SEBPConfig("exact"))
+    twin = copy.deepcopy(lin)
+    assert twin._sebp_key != lin._sebp_key and ops.lookup(twin._sebp_key) is twin
+    x = torch.randn(5, 8)
+    x[1] *= 1e-4  # a small row: active in exact mode, dropped at threshold 1e-2
+    dy = torch.randn(5, 6)
+    dy[1] *= 1e-4
+    dynamo.reset()
+    try:
+        fn = torch.compile(lambda m, x: m(x), backend="aot_eager")
+
+        def dw(module):
+            module.zero_grad(set_to_none=True)
+            fn(module, x).backward(dy)
+            return module.weight.grad.clone()
+
+        exact = dw(lin)
+        torch.testing.assert_close(exact, dy.t() @ x)
+        twin.sebp_config = SEBPConfig("threshold", eps=1e-2)
+        keep = torch.tensor([0, 2, 3, 4])
+        torch.testing.assert_close(dw(twin), dy[keep].t() @ x[keep])
+        torch.testing.assert_close(dw(lin), exact)  # the original kept its own setting
+    finally:
+        dynamo.reset()
+
+
+def test_a_key_whose_layer_is_gone_fails_with_one_line():
+    lin = nn.Linear(4, 4)
+    key = ops.register(lin)
+    assert ops.lookup(key) is lin and ops.lookup(0) is None
+    del lin
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        ops.lookup(key)
+
+
+def test_ops_fake_shapes_match_the_real_outputs():
+    """Each op's fake (shape-only) result has the real result's shapes and dtypes (torch's own checker)."""
+    torch.manual_seed(0)
+    lin = SEBPLinear(8, 6)
+    x, w, b = torch.randn(2, 3, 8), torch.randn(6, 8), torch.randn(6)
+    dy = torch.randn(2, 3, 6)
+    torch.library.opcheck(torch.ops.sebp.linear, (x, w, b, lin._sebp_key), test_utils=("test_schema",
+                                                                                     "test_faketensor"))
+    torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, x.reshape(-1, 8), w, True, True, True,
+                                                           lin._sebp_key), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, None, w, True, False, False, lin._sebp_key),
+                          test_utils=("test_faketensor",))
+    from sebp_kernels.norms import SEBPNorm
+
+    ln = SEBPNorm(nn.LayerNorm(8))
+    torch.library.opcheck(torch.ops.sebp.layer_norm, (x, ln.weight.detach(), ln.bias.detach(), [8], 1e-5,
+                                                      ln._sebp_key), test_utils=("test_faketensor",))
+    for kind, b2 in (("gelu", None), ("swiglu", x.flip(-1))):
+        torch.library.opcheck(torch.ops.sebp.act, (kind, x, b2, "auto", 0), test_utils=("test_faketensor",))
+
+
+def test_a_hint_is_taken_once_and_copies_start_empty():
+    """A gradient's rows are read once (the entry goes then: nothing outlives the backward, as a CUDA-graph
+    pool requires); a copied hint has its own key and no entries."""
+    from sebp_kernels.activations import RowHint
+
+    hint = RowHint()
+    t = torch.zeros(4, 3)
+    perm, count = torch.arange(4, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    hint.offer(t, perm, count)
+    twin = copy.deepcopy(hint)
+    assert twin.key != hint.key and ops.lookup(twin.key) is twin and twin.take(t) is None
+    got = hint.take(t)
+    assert got is not None and got[0] is perm and got[1] is count
+    assert hint.take(t) is None and (hint.offered, hint.taken) == (1, 1)
