@@ -41,7 +41,21 @@ def _ieee(dtype: torch.dtype) -> bool:
     """The fp32 correctness path (full-precision dots, two-level sums) for fp32 inputs, unless torch itself
     allows TF32 for matmuls. fp16/bf16 take the fast tensor-core loops: their dots accumulate in fp32 anyway.
     (Until 2026-11-22 this returned True for fp16/bf16 too, which put them on the slow loop.)"""
-    return dtype == torch.float32 and (INTERPRET or not torch.backends.cuda.matmul.allow_tf32)
+    return dtype == torch.float32 and (INTERPRET or not tf32_matmul_allowed())
+
+
+def tf32_matmul_allowed() -> bool:
+    """Whether torch lets fp32 matmuls use TF32. torch >= 2.9 refuses to read the legacy flag
+    (``torch.backends.cuda.matmul.allow_tf32``) once the new API (``fp32_precision``) has set it too, as
+    ``Trainer`` / Inductor runs may do: then the new setting decides ("none" defers to the global one)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        precision = matmul.fp32_precision
+        if precision == "none":
+            precision = getattr(torch.backends, "fp32_precision", "ieee")
+        return precision == "tf32"
 
 
 

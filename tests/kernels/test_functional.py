@@ -200,3 +200,28 @@ def test_only_fp32_takes_the_full_precision_kernel_loops():
         assert _ieee(torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def test_tf32_setting_is_read_when_both_apis_set_it():
+    """torch >= 2.9 raises on reading the legacy TF32 flag once the new API (fp32_precision) set it too (an HF
+    Trainer run on a GPU did this). The SEBP backward then follows the new setting instead of failing. In a
+    subprocess: the mix cannot be undone within a process."""
+    pytest.importorskip("triton")
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    code = (
+        "import torch\n"
+        "from sebp_kernels._triton.backward import _ieee, tf32_matmul_allowed\n"
+        "torch.backends.cuda.matmul.allow_tf32 = False\n"
+        "for p, want in (('tf32', True), ('ieee', False)):\n"
+        "    torch.backends.cuda.matmul.fp32_precision = p\n"
+        "    assert tf32_matmul_allowed() is want, p\n"
+        "    assert _ieee(torch.float32) is (not want)\n"
+        "print('ok')\n")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter always says fp32
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
