@@ -91,17 +91,20 @@ def main():
     ap.add_argument("--skip", type=int, default=10)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--runs", default="", help="comma-separated run names (default: all four)")
     args = ap.parse_args()
     data = Batches(args.steps * args.batch, args.seq, MODEL_CASES["bert-base"].config["vocab_size"])
     runs = {}
     for name, sebp, compiled in (("dense_eager", False, False), ("dense_compiled_ro", False, True),
                                  ("sebp_eager", True, False), ("sebp_compiled_ro", True, True)):
+        if args.runs and name not in args.runs.split(","):
+            continue
         try:
             runs[name] = run(data, sebp, compiled, args.steps, args.skip, args.batch)
         except Exception as err:  # noqa: BLE001 (what a user would see is the result)
             runs[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
         print(name, runs[name], flush=True)
-    base = runs["dense_eager"].get("step_ms_median")
+    base = runs.get("dense_eager", {}).get("step_ms_median")
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "transformers": transformers.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -46,6 +46,15 @@ def lookup(key: int):
     return obj
 
 
+def _reserve_counters(device: torch.device) -> None:
+    """The Triton kernels' counters, made outside a CUDA-graph pool (see ``_triton.dw.reserve_tickets``)."""
+    try:
+        from ._triton.dw import reserve_tickets
+    except ImportError:  # no triton: the torch path needs none
+        return
+    reserve_tickets(device)
+
+
 def _none_if_empty(t: Tensor, wanted: bool):
     return t if wanted else None
 
@@ -76,6 +85,8 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
     from .functional import linear_grads
 
     module = lookup(key)
+    if dy.is_cuda and not torch.cuda.is_current_stream_capturing():
+        _reserve_counters(dy.device)
     dx, dw, db = linear_grads(dy, x, weight, module.sebp_config, need_dx, need_dw, need_db,
                               module._sebp_density, module._sebp_hint)
     return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else _placeholder(dy),

@@ -16,6 +16,7 @@ off the asynchronous copy path: on an H200 those programs ran about 3x slower an
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import triton
@@ -162,6 +163,39 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = _TICKETS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
+
+
+def reserve_tickets(device: torch.device, n: int = 4096) -> None:
+    """Make the counters of ``device`` now, on a helper thread, if they are not there yet (the compiled ops of
+    ``sebp_kernels.ops`` call this). A CUDA-graph memory pool takes the allocations of the thread that warms up
+    or records into it, and torch.compile's ``reduce-overhead`` mode refuses to record when an allocation made
+    there outlives the graph: counters first made during a compiled model's warm-up run would be one. Not to
+    be called while this thread captures a CUDA graph."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < n:
+        _TICKETS[device] = _on_helper_thread(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device),
+                                             device)
+
+
+def _on_helper_thread(make, device: torch.device) -> torch.Tensor:
+    """``make()`` on another thread (outside this thread's CUDA-graph pool), finished on the GPU on return."""
+    out = []
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                t = make()
+                torch.cuda.current_stream().synchronize()
+                out.append(t)
+        except BaseException as err:  # noqa: BLE001 (raised again on the calling thread)
+            out.append(err)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 @functools.lru_cache(maxsize=1024)
