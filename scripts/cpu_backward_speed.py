@@ -2,8 +2,9 @@
 
 The third variant puts the SEBP backward on the LayerNorms too.
 
-Usage: python scripts/cpu_backward_speed.py [--batch 32] [--length 128] [--repeats 5] [--output FILE]
-Batches are real tweets from the bundled corpus, padded to a fixed length.
+Usage: python scripts/cpu_backward_speed.py [--batch 32] [--length 128] [--repeats 5] [--output FILE] [--compile]
+Batches are real tweets from the bundled corpus, padded to a fixed length. ``--compile``: every variant runs
+as ``torch.compile(model)`` (Inductor; the SEBP layers as sebp:: custom ops), timed after two warm-up steps.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output")
+    ap.add_argument("--compile", action="store_true", help="time torch.compile(model) of each variant")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     lm = load_model("minilm", num_labels=3)
@@ -59,6 +61,20 @@ def main(argv=None):
     norms = copy.deepcopy(sebp)
     patch_norms(norms, SEBPConfig("exact", backend="torch"))
     models = (("dense", dense), ("sebp_exact", sebp), ("sebp_exact_norms", norms))
+    compile_s = {}
+    if a.compile:
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        compiled = []
+        for name, m in models:
+            c = torch.compile(m)
+            t0 = time.perf_counter()
+            for _ in range(2):
+                c(**batches[0]).loss.backward()
+            compile_s[name] = round(time.perf_counter() - t0, 1)
+            compiled.append((name, c))
+        models = tuple(compiled)
     for _, m in models:  # warm-up
         m(**batches[0]).loss.backward()
     res = {}
@@ -69,7 +85,7 @@ def main(argv=None):
         "what": "MiniLM (all-MiniLM-L6-v2) classifier backward on CPU, dense vs SEBP exact (torch path), "
                 "without and with the SEBP norms",
         "batch": a.batch, "length": a.length, "token_density": density,
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "compiled": a.compile, "warmup_s": compile_s or None, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join(sys.argv),
         **res,
