@@ -55,7 +55,7 @@ def _reserve_counters(device: torch.device) -> None:
     reserve_tickets(device)
 
 
-def _none_if_empty(t: Tensor, wanted: bool):
+def _if_wanted(t: Tensor, wanted: bool):
     return t if wanted else None
 
 
@@ -114,7 +114,7 @@ def _linear_grad(ctx, dy):
     if not (nx or nw or nb):
         return None, None, None, None
     dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, ctx.key)
-    return _none_if_empty(dx, nx), _none_if_empty(dw, nw), _none_if_empty(db, nb), None
+    return _if_wanted(dx, nx), _if_wanted(dw, nw), _if_wanted(db, nb), None
 
 
 linear.register_autograd(_linear_grad, setup_context=_linear_setup)
@@ -188,7 +188,7 @@ def _layer_norm_grad(ctx, dy, _dmean, _drstd):
     nx, nw, nb = ctx.needs_input_grad[:3]
     nb = nb and ctx.has_bias
     dx, dw, db = norm_backward(dy, x, weight, mean, rstd, nx, nw, nb, ctx.n, ctx.key)
-    return (_none_if_empty(dx, nx), dw.view(weight.shape) if nw else None,
+    return (_if_wanted(dx, nx), dw.view(weight.shape) if nw else None,
             db.view(weight.shape) if nb else None, None, None, None)
 
 
@@ -207,7 +207,7 @@ def _rms_norm_grad(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     nx, nw = ctx.needs_input_grad[:2]
     dx, dw, _ = norm_backward(dy, x, weight, None, rstd, nx, nw, False, x.shape[-1], ctx.key)
-    return _none_if_empty(dx, nx), (dw.view(weight.shape) if nw else None), None, None
+    return _if_wanted(dx, nx), (dw.view(weight.shape) if nw else None), None, None
 
 
 rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
@@ -265,7 +265,7 @@ def _act_grad(ctx, dh, _dbad):
     if not (need_a or need_b):
         return None, None, None, None
     da, db = act_backward(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, ctx.hint_key)
-    return None, _none_if_empty(da, need_a), _none_if_empty(db, need_b), None, None
+    return None, _if_wanted(da, need_a), _if_wanted(db, need_b), None, None
 
 
 act.register_autograd(_act_grad, setup_context=_act_setup)
