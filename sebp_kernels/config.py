@@ -46,6 +46,16 @@ class SEBPConfig:
                 raise ValueError(f"top_n (N) must be > 0, got {self.top_n}")
         if self.mode == "topk" and self.top_n is None:
             raise ValueError("topk mode needs top_n (N > 0)")
+        object.__setattr__(self, "_op_key", _op_key(self))
+
+    def __reduce__(self):  # copies and pickles are built afresh: the op key is this process's own
+        return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend))
+
+    @property
+    def op_key(self) -> int:
+        """A negative integer that names these settings inside compiled graphs (``sebp_kernels.ops``); equal
+        settings share it."""
+        return self._op_key
 
     @classmethod
     def from_dict(cls, d: dict) -> "SEBPConfig":
@@ -58,3 +68,16 @@ class SEBPConfig:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "eps": float(self.eps), "top_n": self.top_n, "backend": self.backend}
+
+
+_KEY_OF_VALUES: dict[tuple, int] = {}
+CONFIG_OF_KEY: dict[int, SEBPConfig] = {}  # -key -> the first config made with those settings (kept alive)
+
+
+def _op_key(config: SEBPConfig) -> int:
+    values = (config.mode, float(config.eps), config.top_n, config.backend)
+    key = _KEY_OF_VALUES.get(values)
+    if key is None:
+        key = _KEY_OF_VALUES[values] = -(len(_KEY_OF_VALUES) + 1)
+        CONFIG_OF_KEY[key] = config
+    return key

@@ -126,6 +126,9 @@ def sebp_linear(
 
 
 def _apply(x, weight, bias, config, state, hint, key):
-    if key and torch.compiler.is_compiling():
-        return torch.ops.sebp.linear(x, weight, bias, key)
+    if torch.compiler.is_compiling():
+        if key:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
+            return torch.ops.sebp.linear(x, weight, bias, key)
+        if state is None and hint is None:  # a functional call: its settings alone
+            return torch.ops.sebp.linear(x, weight, bias, config.op_key)
     return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)

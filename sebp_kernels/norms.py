@@ -134,8 +134,8 @@ def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | No
 def _layer_norm(x, weight, bias, shape, eps, config, key):
     if not records_grad(x, weight, bias):  # no backward to come: the Function's own op without the Function
         return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
-    if key and torch.compiler.is_compiling():
-        return torch.ops.sebp.layer_norm(x, weight, bias, list(shape), eps, key)[0]
+    if torch.compiler.is_compiling():
+        return torch.ops.sebp.layer_norm(x, weight, bias, list(shape), eps, key or config.op_key)[0]
     return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
 
 
@@ -146,8 +146,8 @@ def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     config = _check(config)
     if not records_grad(x, weight):  # no backward to come: the formula alone
         return _rms_norm(x, weight, eps)[0]
-    if _key and torch.compiler.is_compiling():
-        return torch.ops.sebp.rms_norm(x, weight, eps, _key)[0]
+    if torch.compiler.is_compiling():
+        return torch.ops.sebp.rms_norm(x, weight, eps, _key or config.op_key)[0]
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 

@@ -36,9 +36,14 @@ def register(obj) -> int:
 
 
 def lookup(key: int):
-    """The object registered under ``key`` (None for 0)."""
+    """The object registered under ``key`` (None for 0; a negative key is an :class:`~.config.SEBPConfig`'s
+    ``op_key``)."""
     if key == 0:
         return None
+    if key < 0:
+        from .config import CONFIG_OF_KEY
+
+        return CONFIG_OF_KEY[key]
     ref = _OBJECTS.get(key)
     obj = ref() if ref is not None else None
     if obj is None:
@@ -53,6 +58,15 @@ def _reserve_counters(device: torch.device) -> None:
     except ImportError:  # no triton: the torch path needs none
         return
     reserve_tickets(device)
+
+
+def _settings(obj):
+    """(config, density state, row hint) of a registered module, or of a bare config (functional calls)."""
+    from .config import SEBPConfig
+
+    if isinstance(obj, SEBPConfig):
+        return obj, None, None
+    return obj.sebp_config, getattr(obj, "_sebp_density", None), getattr(obj, "_sebp_hint", None)
 
 
 def _if_wanted(t: Tensor, wanted: bool):
@@ -84,11 +98,10 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
     """(dX, dW, db) of the SEBP linear registered under ``key`` (empty tensors where not asked for)."""
     from .functional import linear_grads
 
-    module = lookup(key)
+    config, state, hint = _settings(lookup(key))
     if dy.is_cuda and not torch.cuda.is_current_stream_capturing():
         _reserve_counters(dy.device)
-    dx, dw, db = linear_grads(dy, x, weight, module.sebp_config, need_dx, need_dw, need_db,
-                              module._sebp_density, module._sebp_hint)
+    dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else _placeholder(dy),
             dw.to(weight.dtype) if need_dw else _placeholder(dy), db.to(dy.dtype) if need_db else _placeholder(dy))
 
@@ -158,10 +171,10 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optiona
     """(dX, dW, db) of the SEBP norm registered under ``key`` over rows of ``n`` elements; dW and db flat."""
     from .norms import _backward
 
-    module = lookup(key)
+    config = _settings(lookup(key))[0]
     bias_dtype = weight.dtype if (need_db and weight is not None) else (dy.dtype if need_db else None)
     w = weight.reshape(-1) if weight is not None else None
-    dx, dw, db = _backward(module.sebp_config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n)
+    dx, dw, db = _backward(config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n)
     wdt = weight.dtype if weight is not None else dy.dtype
     return (dx.to(x.dtype) if need_dx else _placeholder(dy), dw.to(wdt) if need_dw else _placeholder(dy),
             db.to(wdt) if need_db else _placeholder(dy))

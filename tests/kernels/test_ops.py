@@ -134,3 +134,47 @@ def test_a_hint_is_taken_once_and_copies_start_empty():
     got = hint.take(t)
     assert got is not None and got[0] is perm and got[1] is count
     assert hint.take(t) is None and (hint.offered, hint.taken) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_functional_calls_compile_in_one_graph_with_their_settings(backend):
+    """sebp_linear / sebp_layer_norm / sebp_rms_norm called as functions (no module) compile without a graph
+    break too: the op carries the config's own key, so threshold mode drops the small rows as in eager."""
+    from sebp_kernels import sebp_linear
+    from sebp_kernels.norms import sebp_layer_norm, sebp_rms_norm
+
+    torch.manual_seed(0)
+    w1, b1 = torch.randn(12, 8, requires_grad=True), torch.randn(12, requires_grad=True)
+    lw, lb = torch.randn(12, requires_grad=True), torch.randn(12, requires_grad=True)
+    rw = torch.randn(12, requires_grad=True)
+    w2 = torch.randn(5, 12, requires_grad=True)
+    cfg = SEBPConfig("threshold", eps=1e-2)
+
+    def f(x, last=cfg):
+        h = sebp_layer_norm(sebp_linear(x, w1, b1, SEBPConfig("exact")), (12,), lw, lb)
+        return sebp_linear(sebp_rms_norm(h, rw), w2, None, last)
+
+    x = torch.randn(2, 7, 8)
+    x[:, 5:] = 0  # padding rows: exactly zero gradients below
+    dy = torch.randn(2, 7, 5)
+    dy[:, 5:] = 0
+    dy[0, 1] *= 1e-3  # a small row of the last linear's dL/dY: dropped at eps 1e-2, kept in exact mode
+
+    def grads(fn):
+        for p in (w1, b1, lw, lb, rw, w2):
+            p.grad = None
+        fn(x).backward(dy)
+        return [p.grad.clone() for p in (w1, b1, lw, lb, rw, w2)]
+
+    want = grads(f)
+    exact = grads(lambda x: f(x, SEBPConfig("exact")))
+    assert (want[-1] - exact[-1]).abs().max() > 1e-4  # the setting matters here
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    try:
+        got = grads(torch.compile(f, backend=backend))
+        assert sum(dynamo.utils.counters["graph_break"].values()) == 0
+    finally:
+        dynamo.reset()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
