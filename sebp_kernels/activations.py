@@ -96,10 +96,11 @@ def _use_triton(backend: str, *tensors) -> tuple | None:
     return tri if ok else None
 
 
-def act_forward(kind: str, a: torch.Tensor, b: torch.Tensor | None, backend: str):
-    """(output, per-row NaN/Inf flags) on the Triton path; (output, None) on the torch path."""
+def act_forward(kind: str, a: torch.Tensor, b: torch.Tensor | None, backend: str, flags: bool = True):
+    """(output, per-row NaN/Inf flags) on the Triton path; (output, None) on the torch path or without
+    ``flags`` (a forward with no backward to come)."""
     tri = _use_triton(backend, *(t for t in (a, b) if t is not None))
-    if tri is None:
+    if tri is None or (kind == "gelu" and not flags):
         return (F.gelu(a) if kind == "gelu" else F.silu(a) * b), None
     n = a.shape[-1]
     a2 = a.reshape(-1, n)
@@ -107,7 +108,7 @@ def act_forward(kind: str, a: torch.Tensor, b: torch.Tensor | None, backend: str
         h = F.gelu(a2)
         bad = tri[1](kind, a2, None, True, tri[0], store_h=False)[1]
     else:
-        h, bad = tri[1](kind, a2, b.reshape(-1, n), True, tri[0])
+        h, bad = tri[1](kind, a2, b.reshape(-1, n), flags, tri[0])
     return h.view(a.shape), bad
 
 
@@ -193,11 +194,9 @@ def sebp_swiglu(gate: torch.Tensor, up: torch.Tensor, hint: RowHint | None = Non
     that can be non-zero in dL/dgate and dL/dup to ``hint``."""
     compiling = torch.compiler.is_compiling()
     if not records_grad(gate, up):  # no backward to come: the forward pass alone, without the NaN/Inf flags
-        tri = None if compiling else _use_triton(backend, gate, up)  # compiled: Inductor fuses the formula
-        if tri is None:
+        if compiling:  # Inductor fuses the formula
             return F.silu(gate) * up
-        n = gate.shape[-1]
-        return tri[1]("swiglu", gate.reshape(-1, n), up.reshape(-1, n), False, tri[0])[0].view(gate.shape)
+        return act_forward("swiglu", gate, up, backend, flags=False)[0]
     if compiling:
         return _compiled_act("swiglu", gate, up, hint, backend)
     return SEBPActFunction.apply("swiglu", gate, up, hint, backend)

@@ -15,6 +15,7 @@ compiled graph always uses the module's current config, density estimate and hin
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -51,13 +52,15 @@ def lookup(key: int):
     return obj
 
 
-def _reserve_counters(device: torch.device) -> None:
-    """The Triton kernels' counters, made outside a CUDA-graph pool (see ``_triton.dw.reserve_tickets``)."""
+@functools.lru_cache(maxsize=1)
+def _reserve_counters():
+    """``_triton.dw.reserve_tickets`` (the Triton kernels' counters, made outside a CUDA-graph pool), or a no-op
+    without triton (the torch path needs none). Looked up once: it is called on every compiled backward."""
     try:
         from ._triton.dw import reserve_tickets
-    except ImportError:  # no triton: the torch path needs none
-        return
-    reserve_tickets(device)
+    except ImportError:
+        return lambda device: None
+    return reserve_tickets
 
 
 def _settings(obj):
@@ -100,7 +103,7 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
 
     config, state, hint = _settings(lookup(key))
     if dy.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _reserve_counters(dy.device)
+        _reserve_counters()(dy.device)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else _placeholder(dy),
             dw.to(weight.dtype) if need_dw else _placeholder(dy), db.to(dy.dtype) if need_db else _placeholder(dy))
@@ -108,9 +111,9 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
 
 @linear_backward.register_fake
 def _(dy, x, weight, need_dx, need_dw, need_db, key):
-    return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else dy.new_empty(0),
-            weight.new_empty(weight.shape) if need_dw else dy.new_empty(0),
-            dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0))
+    return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else _placeholder(dy),
+            weight.new_empty(weight.shape) if need_dw else _placeholder(dy),
+            dy.new_empty(weight.shape[0]) if need_db else _placeholder(dy))
 
 
 def _linear_setup(ctx, inputs, output):
@@ -140,13 +143,12 @@ linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], normalized_shape: list[int],
                eps: float, key: int) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.native_layer_norm`` (output, mean, rstd)."""
-    out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-    return out, mean, rstd
+    return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
 
 
 @layer_norm.register_fake
 def _(x, weight, bias, normalized_shape, eps, key):
-    return tuple(t.clone() for t in torch.native_layer_norm(x, normalized_shape, weight, bias, eps))
+    return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
 
 
 @torch.library.custom_op("sebp::rms_norm", mutates_args=())
@@ -154,8 +156,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, key: int) -> tuple[Tensor, T
     """The Llama/Qwen RMSNorm formula: (output, fp32 rstd)."""
     from .norms import _rms_norm
 
-    out, rstd = _rms_norm(x, weight, eps)
-    return out, rstd
+    return _rms_norm(x, weight, eps)
 
 
 @rms_norm.register_fake
@@ -172,10 +173,9 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optiona
     from .norms import _backward
 
     config = _settings(lookup(key))[0]
-    bias_dtype = weight.dtype if (need_db and weight is not None) else (dy.dtype if need_db else None)
+    wdt = weight.dtype if weight is not None else dy.dtype  # of dW, and of db (the bias has the weight's)
     w = weight.reshape(-1) if weight is not None else None
-    dx, dw, db = _backward(config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n)
-    wdt = weight.dtype if weight is not None else dy.dtype
+    dx, dw, db = _backward(config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, wdt if need_db else None, n)
     return (dx.to(x.dtype) if need_dx else _placeholder(dy), dw.to(wdt) if need_dw else _placeholder(dy),
             db.to(wdt) if need_db else _placeholder(dy))
 
@@ -183,9 +183,9 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optiona
 @norm_backward.register_fake
 def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key):
     wdt = weight.dtype if weight is not None else dy.dtype
-    return (x.new_empty(x.shape) if need_dx else dy.new_empty(0),
-            dy.new_empty(n, dtype=wdt) if need_dw else dy.new_empty(0),
-            dy.new_empty(n, dtype=wdt) if need_db else dy.new_empty(0))
+    return (x.new_empty(x.shape) if need_dx else _placeholder(dy),
+            dy.new_empty(n, dtype=wdt) if need_dw else _placeholder(dy),
+            dy.new_empty(n, dtype=wdt) if need_db else _placeholder(dy))
 
 
 def _layer_norm_setup(ctx, inputs, output):
@@ -242,7 +242,7 @@ def act(kind: str, a: Tensor, b: Optional[Tensor], backend: str, hint_key: int) 
 def _(kind, a, b, backend, hint_key):
     from .activations import _use_triton
 
-    flags = a.new_empty(0)
+    flags = _placeholder(a)
     if _use_triton(backend, *(t for t in (a, b) if t is not None)) is not None:
         flags = a.new_empty(math.prod(a.shape[:-1]), dtype=torch.int8)
     return a.new_empty(a.shape), flags
@@ -260,8 +260,8 @@ def act_backward(kind: str, dh: Tensor, a: Tensor, b: Optional[Tensor], bad: Ten
 
 @act_backward.register_fake
 def _(kind, dh, a, b, bad, need_a, need_b, backend, hint_key):
-    return (a.new_empty(a.shape) if need_a else dh.new_empty(0),
-            a.new_empty(a.shape) if need_b else dh.new_empty(0))
+    return (a.new_empty(a.shape) if need_a else _placeholder(dh),
+            a.new_empty(a.shape) if need_b else _placeholder(dh))
 
 
 def _act_setup(ctx, inputs, output):
