@@ -40,6 +40,7 @@ EXPERIMENTS = {
 NORMS = "_norms"
 ACTS = "_norms_acts"  # the SEBP norms and the SEBP activations (--sebp-norms --sebp-acts)
 GRAPHS = "_graphs"  # --cuda-graphs
+COMPILED = "_compiled"  # --compile reduce-overhead (instead of --cuda-graphs)
 SHAPES = {  # batch, max_length, median length, log-normal sigma
     "bert": (32, 128, 40, 0.6),
     "llama": (8, 512, 160, 0.7),
@@ -96,7 +97,8 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
     from sebp_probe.finetune import finetune, versions
 
     graphs = exp.endswith(GRAPHS)  # any experiment + "_graphs": --cuda-graphs (after "_norms"/"_norms_acts")
-    base = exp.removesuffix(GRAPHS)
+    compiled = exp.endswith(COMPILED)  # or + "_compiled": --compile reduce-overhead
+    base = exp.removesuffix(GRAPHS).removesuffix(COMPILED)
     acts = base.endswith(ACTS)
     norms = acts or base.endswith(NORMS)  # any experiment + "_norms": the SEBP norms too (--sebp-norms)
     kind, padding, precision, steps, force = EXPERIMENTS[base.removesuffix(ACTS) if acts else base.removesuffix(NORMS)]
@@ -114,7 +116,7 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         warmup_ratio=0.1, precision=precision, eval_steps=steps, eval_samples=None,
         targets=LLAMA_TARGETS if kind.startswith("llama") else None,
         dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, sebp_norms=norms, sebp_acts=acts,
-        cuda_graphs=graphs, seed=0)
+        cuda_graphs=graphs, compile="reduce-overhead" if compiled else None, seed=0)
     t0 = time.time()
     traces: dict = {}
     summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data,
@@ -217,7 +219,7 @@ def collect(out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [e + s for e in EXPERIMENTS for s in ("", NORMS, ACTS)]
-    ap.add_argument("--exp", choices=sorted([*names, *(e + GRAPHS for e in names)]))
+    ap.add_argument("--exp", choices=sorted([*names, *(e + s for e in names for s in (GRAPHS, COMPILED))]))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sebp-gpu"))
     ap.add_argument("--collect", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 4 steps: checks the script on a CPU")

@@ -105,8 +105,8 @@ def sebp_linear(
     selection pass.
 
     ``_key``: the :func:`.ops.register` key of the SEBPLinear calling this; inside ``torch.compile`` the layer
-    then runs as the custom op ``sebp::linear`` (one graph, no break), its backward reading that layer's
-    settings, state and hint.
+    then runs :func:`.ops.traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
+    custom op ``sebp::linear_backward``, which reads that layer's settings, state and hint.
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
@@ -127,8 +127,10 @@ def sebp_linear(
 
 def _apply(x, weight, bias, config, state, hint, key):
     if torch.compiler.is_compiling():
+        from .ops import traced_linear
+
         if key:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
-            return torch.ops.sebp.linear(x, weight, bias, key)
+            return traced_linear(x, weight, bias, key)
         if state is None and hint is None:  # a functional call: its settings alone
-            return torch.ops.sebp.linear(x, weight, bias, config.op_key)
+            return traced_linear(x, weight, bias, config.op_key)
     return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)

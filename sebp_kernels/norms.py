@@ -135,7 +135,9 @@ def _layer_norm(x, weight, bias, shape, eps, config, key):
     if not records_grad(x, weight, bias):  # no backward to come: the Function's own op without the Function
         return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
     if torch.compiler.is_compiling():
-        return torch.ops.sebp.layer_norm(x, weight, bias, list(shape), eps, key or config.op_key)[0]
+        from .ops import traced_layer_norm
+
+        return traced_layer_norm(x, weight, bias, list(shape), eps, key or config.op_key)
     return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
 
 
@@ -147,7 +149,9 @@ def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if not records_grad(x, weight):  # no backward to come: the formula alone
         return _rms_norm(x, weight, eps)[0]
     if torch.compiler.is_compiling():
-        return torch.ops.sebp.rms_norm(x, weight, eps, _key or config.op_key)[0]
+        from .ops import traced_rms_norm
+
+        return traced_rms_norm(x, weight, eps, _key or config.op_key)
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 

@@ -5,17 +5,19 @@ cannot trace those Functions' backwards (Triton launches, per-layer Python state
 broke the graph around every SEBP op: on an H100, BERT-base with SEBP linears, norms and activations compiled
 into 38 graphs and stepped 1.8x slower than eager SEBP (``results/h100_compile_speed_before_ops.json``).
 
-Here each SEBP layer is one opaque op with a fake (shape-only) implementation and an autograd formula whose
-backward is another opaque op, so Dynamo and AOTAutograd put them into one graph and Inductor compiles the
-code between them. The ops carry an integer ``key`` instead of Python objects: :func:`register` maps it to
-the module (or :class:`~.activations.RowHint`) whose settings and state the backward reads when it runs, so a
-compiled graph always uses the module's current config, density estimate and hints. The modules
-(``SEBPLinear``, ``SEBPNorm``) and ``patch_activations`` take this path only while Dynamo traces
+Here the backward of each SEBP layer is one opaque op with a fake (shape-only) implementation, so Dynamo and
+AOTAutograd put everything into one graph and Inductor compiles the code between them. The linears and norms
+are autograd Functions whose forward is plain torch code that Dynamo traces (Inductor fuses it with its
+neighbours) and whose backward calls the op (:func:`linear_backward`, :func:`norm_backward`). The
+activations are an op both ways (:func:`act`, whose forward also flags non-finite rows in the same pass).
+The ops carry an integer ``key`` instead of Python objects: :func:`register` maps it to the module (or
+:class:`~.activations.RowHint`) whose settings and state the backward reads when it runs, so a compiled graph
+always uses the module's current config, density estimate and hints. The modules (``SEBPLinear``,
+``SEBPNorm``) and ``patch_activations`` take this path only while Dynamo traces
 (``torch.compiler.is_compiling()``); eager runs are unchanged.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import weakref
@@ -52,17 +54,6 @@ def lookup(key: int):
     return obj
 
 
-@functools.lru_cache(maxsize=1)
-def _reserve_counters():
-    """``_triton.dw.reserve_tickets`` (the Triton kernels' counters, made outside a CUDA-graph pool), or a no-op
-    without triton (the torch path needs none). Looked up once: it is called on every compiled backward."""
-    try:
-        from ._triton.dw import reserve_tickets
-    except ImportError:
-        return lambda device: None
-    return reserve_tickets
-
-
 def _settings(obj):
     """(config, density state, row hint) of a registered module, or of a bare config (functional calls)."""
     from .config import SEBPConfig
@@ -84,17 +75,6 @@ def _placeholder(like: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------- linear
 
 
-@torch.library.custom_op("sebp::linear", mutates_args=())
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int) -> Tensor:
-    """``F.linear``; its backward is :func:`linear_backward` with the settings of the module under ``key``."""
-    return F.linear(x, weight, bias)
-
-
-@linear.register_fake
-def _(x, weight, bias, key):
-    return F.linear(x, weight, bias)
-
-
 @torch.library.custom_op("sebp::linear_backward", mutates_args=())
 def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
                     need_db: bool, key: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,8 +82,6 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
     from .functional import linear_grads
 
     config, state, hint = _settings(lookup(key))
-    if dy.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _reserve_counters()(dy.device)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else _placeholder(dy),
             dw.to(weight.dtype) if need_dw else _placeholder(dy), db.to(dy.dtype) if need_db else _placeholder(dy))
@@ -116,54 +94,36 @@ def _(dy, x, weight, need_dx, need_dw, need_db, key):
             dy.new_empty(weight.shape[0]) if need_db else _placeholder(dy))
 
 
-def _linear_setup(ctx, inputs, output):
-    x, weight, bias, key = inputs
-    ctx.key = key
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+class _Linear(torch.autograd.Function):
+    """``F.linear`` traced into the graph; its backward is the opaque :func:`linear_backward`."""
+
+    @staticmethod
+    def forward(x, weight, bias, key):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, key = inputs
+        ctx.key, ctx.has_bias = key, bias is not None
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        nb = nb and ctx.has_bias
+        if not (nx or nw or nb):
+            return None, None, None, None
+        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, ctx.key)
+        return _if_wanted(dx, nx), _if_wanted(dw, nw), _if_wanted(db, nb), None
 
 
-def _linear_grad(ctx, dy):
-    x, weight = ctx.saved_tensors
-    nx, nw, nb = ctx.needs_input_grad[:3]
-    nb = nb and ctx.has_bias
-    if not (nx or nw or nb):
-        return None, None, None, None
-    dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, ctx.key)
-    return _if_wanted(dx, nx), _if_wanted(dw, nw), _if_wanted(db, nb), None
-
-
-linear.register_autograd(_linear_grad, setup_context=_linear_setup)
+def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int) -> Tensor:
+    """What a compiled SEBP linear runs (the module under ``key``, or a config's ``op_key``)."""
+    return _Linear.apply(x, weight, bias, key)
 
 
 # ---------------------------------------------------------------------------------------------- norms
-
-
-@torch.library.custom_op("sebp::layer_norm", mutates_args=())
-def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], normalized_shape: list[int],
-               eps: float, key: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``torch.native_layer_norm`` (output, mean, rstd)."""
-    return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-
-
-@layer_norm.register_fake
-def _(x, weight, bias, normalized_shape, eps, key):
-    return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-
-
-@torch.library.custom_op("sebp::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float, key: int) -> tuple[Tensor, Tensor]:
-    """The Llama/Qwen RMSNorm formula: (output, fp32 rstd)."""
-    from .norms import _rms_norm
-
-    return _rms_norm(x, weight, eps)
-
-
-@rms_norm.register_fake
-def _(x, weight, eps, key):
-    from .norms import _rms_norm
-
-    return _rms_norm(x, weight, eps)
 
 
 @torch.library.custom_op("sebp::norm_backward", mutates_args=())
@@ -188,42 +148,62 @@ def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key):
             dy.new_empty(n, dtype=wdt) if need_db else _placeholder(dy))
 
 
-def _layer_norm_setup(ctx, inputs, output):
-    x, weight, bias, normalized_shape, eps, key = inputs
-    _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.key, ctx.n, ctx.has_bias = key, math.prod(normalized_shape), bias is not None
-    ctx.save_for_backward(x, weight, mean, rstd)
+class _LayerNorm(torch.autograd.Function):
+    """``torch.native_layer_norm`` traced into the graph; its backward is the opaque :func:`norm_backward`."""
+
+    @staticmethod
+    def forward(x, weight, bias, normalized_shape, eps, key):
+        return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, normalized_shape, eps, key = inputs
+        _, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.key, ctx.n, ctx.has_bias = key, math.prod(normalized_shape), bias is not None
+        ctx.save_for_backward(x, weight, mean, rstd)
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        nb = nb and ctx.has_bias
+        dx, dw, db = norm_backward(dy, x, weight, mean, rstd, nx, nw, nb, ctx.n, ctx.key)
+        return (_if_wanted(dx, nx), dw.view(weight.shape) if nw else None,
+                db.view(weight.shape) if nb else None, None, None, None)
 
 
-def _layer_norm_grad(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    nx, nw, nb = ctx.needs_input_grad[:3]
-    nb = nb and ctx.has_bias
-    dx, dw, db = norm_backward(dy, x, weight, mean, rstd, nx, nw, nb, ctx.n, ctx.key)
-    return (_if_wanted(dx, nx), dw.view(weight.shape) if nw else None,
-            db.view(weight.shape) if nb else None, None, None, None)
+class _RMSNorm(torch.autograd.Function):
+    """The RMSNorm formula traced into the graph; its backward is the opaque :func:`norm_backward`."""
+
+    @staticmethod
+    def forward(x, weight, eps, key):
+        from .norms import _rms_norm
+
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, eps, key = inputs
+        _, rstd = output
+        ctx.mark_non_differentiable(rstd)
+        ctx.key = key
+        ctx.save_for_backward(x, weight, rstd)
+
+    @staticmethod
+    def backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        nx, nw = ctx.needs_input_grad[:2]
+        dx, dw, _ = norm_backward(dy, x, weight, None, rstd, nx, nw, False, x.shape[-1], ctx.key)
+        return _if_wanted(dx, nx), (dw.view(weight.shape) if nw else None), None, None
 
 
-layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+def traced_layer_norm(x, weight, bias, normalized_shape: list[int], eps: float, key: int) -> Tensor:
+    return _LayerNorm.apply(x, weight, bias, normalized_shape, eps, key)[0]
 
 
-def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, key = inputs
-    _, rstd = output
-    ctx.mark_non_differentiable(rstd)
-    ctx.key = key
-    ctx.save_for_backward(x, weight, rstd)
-
-
-def _rms_norm_grad(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    nx, nw = ctx.needs_input_grad[:2]
-    dx, dw, _ = norm_backward(dy, x, weight, None, rstd, nx, nw, False, x.shape[-1], ctx.key)
-    return _if_wanted(dx, nx), (dw.view(weight.shape) if nw else None), None, None
-
-
-rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+def traced_rms_norm(x, weight, eps: float, key: int) -> Tensor:
+    return _RMSNorm.apply(x, weight, eps, key)[0]
 
 
 # ---------------------------------------------------------------------------------------------- activations

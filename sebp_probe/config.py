@@ -60,6 +60,8 @@ class DataConfig:
 
 METHODS = ("dense", "sebp")
 PRECISIONS = ("fp32", "bf16", "fp16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # Inductor records CUDA graphs in these
 DEFAULT_MAX_STEPS = 200
 
 
@@ -81,6 +83,9 @@ class FinetuneConfig:
     :func:`~sebp_probe.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward
     are replayed as CUDA graphs (:mod:`sebp_probe.graphs`), one pair per batch shape, in calibration too
     (one GPU); with padding ``longest`` the batches are padded to a multiple of ``graph_bucket`` tokens.
+    ``compile``: a ``torch.compile`` mode for the training model (one of ``COMPILE_MODES``); the SEBP layers
+    compile as ``sebp::`` custom ops (:mod:`sebp_kernels.ops`); on a GPU, the modes that record CUDA graphs
+    (``reduce-overhead``, ``max-autotune``) also time calibration as graph replays.
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
     """
@@ -104,6 +109,7 @@ class FinetuneConfig:
     sebp_acts: bool = False
     cuda_graphs: bool = False
     graph_bucket: int = 32
+    compile: str | None = None
     max_steps: int | None = None
     epochs: float | None = None
     lr: float = 5e-5
@@ -167,6 +173,12 @@ class FinetuneConfig:
         if self.cuda_graphs and self.precision == "fp16":
             raise ValueError("--cuda-graphs does not take --fp16 (its loss scaler is updated on the host); "
                              "use --bf16")
+        if self.compile is not None:
+            if self.compile not in COMPILE_MODES:
+                raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {', '.join(COMPILE_MODES)}")
+            if self.cuda_graphs:
+                raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
+                                 "CUDA graphs itself)")
         self._check_sebp_settings()
 
     def _check_sebp_settings(self) -> None:

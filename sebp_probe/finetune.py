@@ -41,7 +41,7 @@ import torch
 from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from .assets import AssetError, LoadedModel, PadCollator, load_model, load_text_data, model_task, padding_side, tokenize
-from .config import DEFAULT_MAX_STEPS, FinetuneConfig
+from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig
 from .graphs import StepGraphs, replay_ms, shape_key
 from .patch import find_targets, patch_activations, patch_model, patch_norms, patched_activations
 
@@ -54,9 +54,10 @@ MODEL_DIR = "model"
 OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "report.json",
                "loss.png", "eval.png")
 # A resumed run must be the same run: every setting must match except these.
-RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit")
+RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit", "compile")  # same math
 # Settings added after runs were first written: a run config without one ran with this value.
-ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32}
+ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32,
+                  "compile": None}
 
 Event = Callable[[str, dict], None]
 
@@ -600,7 +601,8 @@ class Run:
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
                           if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
-                          acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs)
+                          acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or _graphed_compile(self.cfg,
+                                                                                                   self.acc))
         if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
             from accelerate.utils import broadcast_object_list
 
@@ -696,6 +698,14 @@ class Run:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         model, optimizer, train_loader, eval_loader = acc.prepare(model, optimizer, train_loader, eval_loader)
+        # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
+        # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
+        keep_grads = cfg.cuda_graphs or (_graphed_compile(cfg, acc) and cfg.grad_accum > 1)
+        if cfg.compile:  # in place: the module, its parameter names and checkpoints stay as they are
+            model.compile(mode=cfg.compile)
+            if keep_grads:
+                for p in params:
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         n_batches = len(train_loader)
         A = cfg.grad_accum
         if cfg.max_steps is not None:
@@ -784,7 +794,7 @@ class Run:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=not cfg.cuda_graphs)  # the graphs keep adding into these
+                optimizer.zero_grad(set_to_none=not keep_grads)  # the graphs keep adding into these
                 step += 1
                 _sync(dev)
                 rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
@@ -967,7 +977,19 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     emit = on_event or (lambda kind, payload: None)
     if cfg.precision == "fp16" and not torch.cuda.is_available():
         raise FinetuneError("fp16 training needs a CUDA GPU; use --bf16 on CPU")
-    acc = Accelerator(mixed_precision={"fp32": "no"}.get(cfg.precision, cfg.precision))
+    dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if dynamo.lower() not in ("", "no"):
+        raise FinetuneError(f"ACCELERATE_DYNAMO_BACKEND={dynamo} is set (accelerate's config, or TrainingArguments("
+                            "torch_compile=True) earlier in this process); finetune compiles only with --compile "
+                            "MODE, which knows the SEBP layers: unset it")
+    # dynamo_backend="no": accelerate's own compile (from the environment) would bypass --compile's checks
+    acc = Accelerator(mixed_precision={"fp32": "no"}.get(cfg.precision, cfg.precision), dynamo_backend="no")
+    backend = acc.state.dynamo_plugin.backend  # the process's state: the first Accelerator's settings hold
+    if str(getattr(backend, "value", backend)).lower() != "no":
+        raise FinetuneError(f"accelerate in this process already compiles every model it prepares (dynamo backend "
+                            f"{getattr(backend, 'value', backend)}, from an earlier Accelerator or TrainingArguments("
+                            "torch_compile=True)); finetune compiles only with --compile MODE: run it in a fresh "
+                            "process")
     world = os.environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1 and acc.num_processes == 1:
         # torchrun on CPU without ACCELERATE_USE_CPU: accelerate runs every process as its own single-process
@@ -977,6 +999,8 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                             "ACCELERATE_USE_CPU=1 (or use accelerate launch --cpu)")
     if cfg.cuda_graphs:
         _check_graphs_possible(cfg, acc)
+    if _graphed_compile(cfg, acc):
+        _check_graphs_possible(cfg, acc, f"--compile {cfg.compile}")
     out = Path(cfg.output_dir)
     resuming, stale = check_output_dir(cfg, resume, overwrite)
     from accelerate.utils import set_seed
@@ -1066,18 +1090,24 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     return summary
 
 
-def _check_graphs_possible(cfg: FinetuneConfig, acc) -> None:
-    """``--cuda-graphs`` needs one process on a CUDA GPU, and the Triton kernels where SEBP runs."""
+def _graphed_compile(cfg: FinetuneConfig, acc) -> bool:
+    """Does ``--compile`` record CUDA graphs here (its mode does, on a CUDA device)?"""
+    return cfg.compile in GRAPHED_COMPILE_MODES and acc.device.type == "cuda"
+
+
+def _check_graphs_possible(cfg: FinetuneConfig, acc, what: str = "--cuda-graphs") -> None:
+    """``--cuda-graphs`` (or a ``--compile`` mode that records CUDA graphs) needs one process on a CUDA GPU,
+    and the Triton kernels where SEBP runs."""
     if acc.device.type != "cuda":
-        raise FinetuneError(f"--cuda-graphs needs a CUDA GPU; this run is on {acc.device.type}")
+        raise FinetuneError(f"{what} needs a CUDA GPU; this run is on {acc.device.type}")
     if acc.num_processes > 1:
-        raise FinetuneError(f"--cuda-graphs trains in one process; this run has {acc.num_processes} (DDP's "
+        raise FinetuneError(f"{what} trains in one process; this run has {acc.num_processes} (DDP's "
                             "gradient hooks are not captured)")
     if "sebp" in cfg.methods():
         from sebp_kernels.functional import _triton_backward
 
         if cfg.backend == "torch" or _triton_backward() is None:
-            raise FinetuneError("--cuda-graphs needs the Triton SEBP kernels (triton is not importable or the "
+            raise FinetuneError(f"{what} needs the Triton SEBP kernels (triton is not importable or the "
                                 "torch backend was chosen): the torch path syncs with the host")
 
 

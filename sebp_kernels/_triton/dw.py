@@ -157,24 +157,20 @@ _TICKETS: dict = {}  # device -> int32 counters, zero between launches
 
 
 def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Counters for the last-arriver reductions. Allocated once per device (warm up before capturing a CUDA
-    graph); kernels on one stream run one after the other, so they can share them."""
+    """Counters for the last-arriver reductions. Allocated once per device; kernels on one stream run one
+    after the other, so they can share them. They are made on a helper thread, outside any CUDA-graph memory
+    pool this thread may be warming up or recording into: such a pool takes this thread's allocations, and
+    torch.compile's ``reduce-overhead`` mode refuses to record when one outlives the graph (counters first made
+    during a compiled model's warm-up run would). While this thread captures a graph the helper thread may not
+    allocate, so they are made here; warm up before capturing."""
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < n:
-        buf = _TICKETS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        def make():
+            return torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+
+        direct = device.type != "cuda" or torch.cuda.is_current_stream_capturing()  # CPU: the interpreter
+        buf = _TICKETS[device] = make() if direct else _on_helper_thread(make, device)
     return buf
-
-
-def reserve_tickets(device: torch.device, n: int = 4096) -> None:
-    """Make the counters of ``device`` now, on a helper thread, if they are not there yet (the compiled ops of
-    ``sebp_kernels.ops`` call this). A CUDA-graph memory pool takes the allocations of the thread that warms up
-    or records into it, and torch.compile's ``reduce-overhead`` mode refuses to record when an allocation made
-    there outlives the graph: counters first made during a compiled model's warm-up run would be one. Not to
-    be called while this thread captures a CUDA graph."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < n:
-        _TICKETS[device] = _on_helper_thread(lambda: torch.zeros(max(n, 4096), dtype=torch.int32, device=device),
-                                             device)
 
 
 def _on_helper_thread(make, device: torch.device) -> torch.Tensor:

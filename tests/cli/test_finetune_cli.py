@@ -152,6 +152,8 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--eps", "1e9"], "no row of any layer is active"),
     (["--cuda-graphs", "--graph-bucket", "0"], "graph bucket must be an integer >= 1"),
     (["--cuda-graphs", "--fp16"], "--cuda-graphs does not take --fp16"),
+    (["--compile", "fast"], "unknown compile mode 'fast'"),
+    (["--compile", "reduce-overhead", "--cuda-graphs"], "--cuda-graphs and --compile exclude each other"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"

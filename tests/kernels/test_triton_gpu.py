@@ -541,7 +541,7 @@ def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients(mode):
     if mode == "reduce-overhead":  # as in a fresh process: the kernels' counters are first made in the warm-up
         from sebp_kernels._triton import dw
 
-        dw._TICKETS.clear()
+        dw._TICKETS.clear()  # made again by the first compiled run
     dynamo.reset()
     dynamo.utils.counters.clear()
     compiled = torch.compile(sebp, mode=mode)
@@ -562,7 +562,7 @@ def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients(mode):
     assert sum(e.count for e in prof.key_averages() if "_grads_kernel" in e.key) > 0
     assert got.keys() == want.keys() and want
     for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones(monkeypatch):

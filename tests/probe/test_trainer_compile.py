@@ -8,7 +8,8 @@ import torch._dynamo as dynamo
 
 from sebp_kernels import SEBPConfig
 from sebp_probe import patch_activations, patch_model, patch_norms
-from tests.tiny_models import padded_batch, tiny_model
+from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401 (the Trainer's accelerate state
+from tests.tiny_models import padded_batch, tiny_model  # would otherwise compile later tests' models)
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -27,8 +28,28 @@ class _Rows(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _train(arch, tmp_path, compiled, device):
+@pytest.fixture(autouse=True)
+def _tf32_as_before():
+    """TrainingArguments(torch_compile=True) on a GPU turns TF32 on for the whole process (transformers'
+    enable_tf32); later tests compare fp32 results, so it is put back. (A compiled-vs-eager comparison run
+    after this test once failed on an H100 by 8e-6 for that reason.)"""
+    new_api = hasattr(torch.backends, "fp32_precision")  # torch >= 2.9; the legacy flags may not be read then
+    saved = torch.backends.fp32_precision if new_api else (torch.backends.cuda.matmul.allow_tf32,
+                                                              torch.backends.cudnn.allow_tf32)
+    yield
+    if new_api:
+        torch.backends.fp32_precision = saved
+    else:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _train(arch, tmp_path, compiled, device, monkeypatch):
     from transformers import Trainer, TrainingArguments
+
+    # TrainingArguments(torch_compile=True) sets these for the whole process, and accelerate reads them; set
+    # to their defaults here, monkeypatch puts back what was there before at the test's end.
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
 
     model = tiny_model(arch)
     patch_model(model, SEBPConfig("exact"))
@@ -54,10 +75,10 @@ def _train(arch, tmp_path, compiled, device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("arch", ["bert", "llama"])
-def test_trainer_torch_compile_gives_the_uncompiled_losses_in_one_graph(arch, device, tmp_path):
+def test_trainer_torch_compile_gives_the_uncompiled_losses_in_one_graph(arch, device, tmp_path, monkeypatch):
     """CPU: the aot_eager backend (no C++ build); GPU: Inductor with mode="reduce-overhead" (CUDA graphs)."""
-    eager, _ = _train(arch, tmp_path, False, device)
-    got, ((stats, breaks)) = _train(arch, tmp_path, True, device)
+    eager, _ = _train(arch, tmp_path, False, device, monkeypatch)
+    got, ((stats, breaks)) = _train(arch, tmp_path, True, device, monkeypatch)
     assert len(got) == len(eager) == 4
     assert stats.get("unique_graphs", 0) >= 1 and breaks == 0
     tol = 1e-6 if device == "cpu" else 1e-4

@@ -1,0 +1,111 @@
+"""``finetune --compile``: the training model runs under torch.compile (the SEBP layers as ``sebp::`` custom
+ops), trains as the eager run does, and the settings that cannot go together are refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from sebp_kernels import ops
+from sebp_probe import finetune as ft
+from sebp_probe.assets import LoadedModel
+from sebp_probe.config import DataConfig, FinetuneConfig
+from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
+from tests.tiny_models import tiny_model
+
+
+def _run(tmp_path, name, **kw):
+    data = synthetic_data("classification", n=40, n_eval=8)
+    load = lambda: LoadedModel(tiny_model("bert"), None, "classification", "tiny-bert", "config")  # noqa: E731
+    settings = dict(model="tiny", data=DataConfig(max_length=24, batch_size=8), output_dir=str(tmp_path / name),
+                    max_steps=3, lr=2e-3, warmup_ratio=0.0, dense_fallback=1.0, fallback_if_slower=False,
+                    sebp_norms=True, sebp_acts=True, seed=0, eval_samples=8)
+    settings.update(kw)
+    return ft.finetune(FinetuneConfig(**settings), load_fn=load, data=data)
+
+
+def _losses(path):
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "train"]
+
+
+def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
+    eager = _run(tmp_path, "eager", **kw)
+    calls = []  # the compiled sebp:: ops look their layer up (eager calibration does not)
+    real = ops.lookup
+    monkeypatch.setattr(ops, "lookup", lambda key: calls.append(key) or real(key))
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    try:
+        compiled = _run(tmp_path, "compiled", compile=mode, **kw)
+        breaks = sum(dynamo.utils.counters["graph_break"].values())
+        graphs = dynamo.utils.counters["stats"]["unique_graphs"]
+    finally:
+        dynamo.reset()
+    assert eager["status"] == compiled["status"] == "completed"
+    assert len(compiled["calibration"]["layers"]) == 12
+    assert breaks == 0 and graphs >= 2  # compiled for training and for evaluation
+    assert len(set(calls)) == 12 + 5 + 2  # compiled ops ran for every SEBP linear, norm and activation
+    got, want = _losses(tmp_path / "compiled" / "metrics.jsonl"), _losses(tmp_path / "eager" / "metrics.jsonl")
+    assert len(got) == 3 and got == pytest.approx(want, rel=tol, abs=tol)
+    saved = (tmp_path / "compiled" / ft.MODEL_DIR)
+    assert saved.is_dir()  # the model is saved as uncompiled (same parameter names)
+    assert json.loads((tmp_path / "compiled" / ft.RUN_CONFIG).read_text())["config"]["compile"] == mode
+
+
+def test_compiled_finetune_trains_as_the_eager_one_on_the_cpu(tmp_path, monkeypatch):
+    _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_finetune_with_cuda_graphs_trains_as_the_eager_one(tmp_path, monkeypatch, precision):
+    """reduce-overhead on a GPU: the Triton kernels recorded into Inductor's CUDA graphs, calibration timed as
+    graph replays, and the losses of the eager run (bf16: up to rounding)."""
+    _compiled_run_matches_eager(tmp_path, monkeypatch, "reduce-overhead", 1e-4 if precision == "fp32" else 2e-2,
+                                precision=precision, grad_accum=2)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(compile="fast"), "unknown compile mode 'fast'"),
+    (dict(compile="reduce-overhead", cuda_graphs=True), "--cuda-graphs and --compile exclude each other"),
+])
+def test_bad_compile_settings_are_refused(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        FinetuneConfig(**kw)
+
+
+def test_compile_may_change_on_resume():
+    old = FinetuneConfig().to_dict()
+    assert ft._config_changes(old, {**old, "compile": "reduce-overhead"}) == []
+    del old["compile"]  # a run written before the setting existed
+    assert ft._config_changes(old, FinetuneConfig().to_dict()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_graphed_compile_runs_on_the_cpu_without_graphs():
+    """Inductor records CUDA graphs only on CUDA devices: on the CPU reduce-overhead is not refused."""
+    from accelerate import Accelerator
+
+    assert not ft._graphed_compile(FinetuneConfig(compile="reduce-overhead"), Accelerator(cpu=True))
+
+
+def test_accelerates_own_compile_setting_is_refused(tmp_path, monkeypatch):
+    """accelerate would compile the model itself from this variable (TrainingArguments(torch_compile=True) sets
+    it for the whole process), around --compile's checks: one line, nothing written."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "inductor")
+    with pytest.raises(ft.FinetuneError, match="ACCELERATE_DYNAMO_BACKEND=inductor is set.*--compile"):
+        _run(tmp_path, "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_accelerate_state_that_compiles_is_refused(tmp_path):
+    """An Accelerator made earlier in the process (a Trainer's, say) fixes the process's accelerate state, whose
+    compile setting would wrap the model whatever finetune asks for: refused, nothing written."""
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True, dynamo_backend="aot_eager")  # the fixture resets accelerate's state afterwards
+    with pytest.raises(ft.FinetuneError, match="already compiles every model.*AOT_EAGER.*fresh process"):
+        _run(tmp_path, "run")
+    assert not (tmp_path / "run").exists()
