@@ -701,6 +701,7 @@ class Run:
         # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
         # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
         keep_grads = cfg.cuda_graphs or (_graphed_compile(cfg, acc) and cfg.grad_accum > 1)
+        dynamo_before = _dynamo_counts()
         if cfg.compile:  # in place: the module, its parameter names and checkpoints stay as they are
             model.compile(mode=cfg.compile)
             if keep_grads:
@@ -837,6 +838,9 @@ class Run:
                    "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes,
                    "peak_mem_kind": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
                    "process max RSS (CPU: grows over the runs of one process)"}
+        if cfg.compile:  # what Dynamo made of this run's model (this process)
+            graphs, breaks = (a - b for a, b in zip(_dynamo_counts(), dynamo_before))
+            summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks}
         if error:
             summary["error"] = error
         if self.main:
@@ -1088,6 +1092,13 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     if err:
         raise FinetuneError(err)
     return summary
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) by Dynamo in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def _graphed_compile(cfg: FinetuneConfig, acc) -> bool:

@@ -46,6 +46,20 @@ def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
         "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
 
 
+def test_two_process_compiled_exact_sebp_equals_dense(tiny, tmp_path):
+    """--compile default under DDP (Dynamo's DDP optimizer): the SEBP model compiles without a graph break and
+    exact SEBP still gives dense's losses."""
+    p = _torchrun(tiny, *ARGS, "--max-steps", "4", "--compare", "--compile", "default", "--json",
+                  "-o", str(tmp_path / "run"))
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    sebp = summary["runs"]["sebp"]
+    assert sebp["num_processes"] == 2 and len(sebp["calibration"]["layers"]) == 12
+    assert sebp["compile"]["graphs"] >= 1 and sebp["compile"]["graph_breaks"] == 0
+    assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
+
+
 def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
     base = [tiny, *ARGS, "--max-steps", "16", "--eval-steps", "8"]
     p = _torchrun(*base, "-o", str(tmp_path / "a"))

@@ -44,6 +44,8 @@ def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
     finally:
         dynamo.reset()
     assert eager["status"] == compiled["status"] == "completed"
+    assert compiled["compile"]["mode"] == mode and compiled["compile"]["graph_breaks"] == 0
+    assert compiled["compile"]["graphs"] >= 2 and "compile" not in eager
     assert len(compiled["calibration"]["layers"]) == 12
     assert breaks == 0 and graphs >= 2  # compiled for training and for evaluation
     # compiled ops ran for every SEBP linear, norm and activation that gets a gradient: with LoRA not the
