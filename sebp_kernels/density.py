@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import register
+
 # Take the dense backward when at least this share of rows was active last time. H100, bf16, the seven
 # BERT-base / Llama-3.2-3B shapes (results/h100_dense_gap.json): the SEBP kernels are 1-13% faster than
 # cuBLAS at 0.75 (one shape 1.5% slower), 5% faster to 10% slower at 0.9, and 2-16% slower at 1.0.
@@ -27,9 +29,10 @@ OBSERVE_EVERY = 8  # while sparse, read the count back every OBSERVE_EVERY-th ba
 class RowDensity:
     """Host-side estimate of one layer's active-row share (see the module docstring)."""
 
-    __slots__ = ("density", "_host", "_event", "_rows", "_calls", "_dense_calls")
+    __slots__ = ("density", "_host", "_event", "_rows", "_calls", "_dense_calls", "key", "__weakref__")
 
     def __init__(self) -> None:
+        self.key = register(self)  # names it inside compiled graphs (see .ops); a copy gets its own
         self.density: float | None = None  # the last share read back; None before the first
         self._host = None  # pinned int32 buffer of the count in flight
         self._event = None

@@ -131,6 +131,7 @@ def _apply(x, weight, bias, config, state, hint, key):
 
         if key:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
             return traced_linear(x, weight, bias, key)
-        if state is None and hint is None:  # a functional call: its settings alone
-            return traced_linear(x, weight, bias, config.op_key)
+        state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
+        if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
+            return traced_linear(x, weight, bias, config.op_key, state_key, hint_key)
     return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)

@@ -77,18 +77,22 @@ def _placeholder(like: Tensor) -> Tensor:
 
 @torch.library.custom_op("sebp::linear_backward", mutates_args=())
 def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
-                    need_db: bool, key: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX, dW, db) of the SEBP linear registered under ``key`` (empty tensors where not asked for)."""
+                    need_db: bool, key: int, state_key: int, hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX, dW, db) of the SEBP linear registered under ``key`` (empty tensors where not asked for). A
+    functional call's key is its config's; then ``state_key`` / ``hint_key`` name its RowDensity / RowHint (0:
+    none). A module's key brings the module's own."""
     from .functional import linear_grads
 
     config, state, hint = _settings(lookup(key))
+    if key < 0:
+        state, hint = lookup(state_key), lookup(hint_key)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else _placeholder(dy),
             dw.to(weight.dtype) if need_dw else _placeholder(dy), db.to(dy.dtype) if need_db else _placeholder(dy))
 
 
 @linear_backward.register_fake
-def _(dy, x, weight, need_dx, need_dw, need_db, key):
+def _(dy, x, weight, need_dx, need_dw, need_db, key, state_key, hint_key):
     return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else _placeholder(dy),
             weight.new_empty(weight.shape) if need_dw else _placeholder(dy),
             dy.new_empty(weight.shape[0]) if need_db else _placeholder(dy))
@@ -98,13 +102,13 @@ class _Linear(torch.autograd.Function):
     """``F.linear`` traced into the graph; its backward is the opaque :func:`linear_backward`."""
 
     @staticmethod
-    def forward(x, weight, bias, key):
+    def forward(x, weight, bias, key, state_key, hint_key):
         return F.linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, key = inputs
-        ctx.key, ctx.has_bias = key, bias is not None
+        x, weight, bias, key, state_key, hint_key = inputs
+        ctx.keys, ctx.has_bias = (key, state_key, hint_key), bias is not None
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
 
     @staticmethod
@@ -113,14 +117,16 @@ class _Linear(torch.autograd.Function):
         nx, nw, nb = ctx.needs_input_grad[:3]
         nb = nb and ctx.has_bias
         if not (nx or nw or nb):
-            return None, None, None, None
-        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, ctx.key)
-        return _if_wanted(dx, nx), _if_wanted(dw, nw), _if_wanted(db, nb), None
+            return None, None, None, None, None, None
+        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, *ctx.keys)
+        return _if_wanted(dx, nx), _if_wanted(dw, nw), _if_wanted(db, nb), None, None, None
 
 
-def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int) -> Tensor:
-    """What a compiled SEBP linear runs (the module under ``key``, or a config's ``op_key``)."""
-    return _Linear.apply(x, weight, bias, key)
+def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, state_key: int = 0,
+                  hint_key: int = 0) -> Tensor:
+    """What a compiled SEBP linear runs: the module under ``key``, or a functional call (``key`` its config's
+    ``op_key``, with the keys of its RowDensity and RowHint, 0 for none)."""
+    return _Linear.apply(x, weight, bias, key, state_key, hint_key)
 
 
 # ---------------------------------------------------------------------------------------------- norms

@@ -106,9 +106,9 @@ def test_ops_fake_shapes_match_the_real_outputs():
     x, w = torch.randn(2, 3, 8), torch.randn(6, 8)
     dy = torch.randn(2, 3, 6)
     torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, x.reshape(-1, 8), w, True, True, True,
-                                                           lin._sebp_key), test_utils=("test_faketensor",))
-    torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, None, w, True, False, False, lin._sebp_key),
-                          test_utils=("test_faketensor",))
+                                                           lin._sebp_key, 0, 0), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, None, w, True, False, False, lin._sebp_key, 0,
+                                                           0), test_utils=("test_faketensor",))
     from sebp_kernels.norms import SEBPNorm
 
     ln = SEBPNorm(nn.LayerNorm(8))
@@ -207,3 +207,41 @@ def test_compiled_forward_is_traced_and_only_the_backward_is_opaque(arch):
 
     assert ops_in(record.fw_graphs) == {"act"}
     assert ops_in(record.bw_graphs) == {"linear_backward", "norm_backward", "act_backward"}
+
+
+def test_a_functional_call_with_its_own_state_and_hint_compiles_and_uses_them(monkeypatch):
+    """sebp_linear given a RowDensity and a RowHint of the caller's compiles without a graph break too: the op
+    carries their keys, and the backward gets those very objects, as in eager runs."""
+    from sebp_kernels import sebp_linear
+    from sebp_kernels.activations import RowHint
+    from sebp_kernels.density import RowDensity
+
+    torch.manual_seed(0)
+    state, hint = RowDensity(), RowHint()
+    w = torch.randn(5, 8, requires_grad=True)
+    x = torch.randn(2, 3, 8)
+    x[:, 2:] = 0
+    seen = []
+    real = functional.linear_grads
+    monkeypatch.setattr(functional, "linear_grads", lambda *a, **k: seen.append(a[7:9]) or real(*a, **k))
+
+    def f(x):
+        return sebp_linear(x, w, None, SEBPConfig("exact"), state, hint)
+
+    def grad(fn):
+        w.grad = None
+        fn(x).square().sum().backward()
+        return w.grad.clone()
+
+    want = grad(f)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    try:
+        got = grad(torch.compile(f, backend="aot_eager"))
+        assert sum(dynamo.utils.counters["graph_break"].values()) == 0
+    finally:
+        dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert len(seen) == 2 and all(s is state and h is hint for s, h in seen)
+    twin = copy.deepcopy(state)
+    assert twin.key != state.key and ops.lookup(twin.key) is twin
