@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, several steps (STEPS="diag host colprof collector tests gap overlap dxonly normbench actbench bench mprofile profile finetune"); every output is packed
+# One device call, several steps (STEPS="diag host colprof collector tests gpu1 gpu2 gap overlap dxonly normbench actbench bench mprofile profile finetune"); every output is packed
 # into $OUT/results.tgz, the only file left there (the device returns few files). Carry .whl/ (kneed) along: the image lacks it.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="$PWD/.triton_cache"
@@ -23,6 +23,11 @@ for s in ${STEPS:-diag tests}; do
     colprof) ( timeout 150 python3 scripts/collector_profile.py ) > $OUT/colprof.txt 2>&1; head -40 $OUT/colprof.txt ;;
     tests) ( timeout ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gpu.py \
              ${EXTRA_TESTS:-} ) > $OUT/tests.txt 2>&1; tail -15 $OUT/tests.txt ;;
+    # every GPU-marked test, in two halves that each fit one device call (the whole suite took over 380 s):
+    # gpu1 = tests/kernels, gpu2 = the rest
+    gpu1|gpu2) [ $s = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
+          ( timeout ${TEST_LIMIT:-480} python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore \
+            -m gpu $dirs ) > $OUT/$s.txt 2>&1; grep -A8 "^E   " $OUT/$s.txt | head -40; tail -3 $OUT/$s.txt ;;
     bench) for m in ${LAYER_SETS:-bert-base llama-3.2-3b}; do
              ( timeout ${LAYERS_LIMIT:-200} python3 -m sebp_probe.cli bench $m --repeats ${REPEATS:-20} \
                -o $OUT/layers_$m.json ) > $OUT/bench_layers_$m.txt 2>&1; tail -30 $OUT/bench_layers_$m.txt; done
