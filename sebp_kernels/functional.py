@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SEBPConfig
-from . import ops  # noqa: F401 (registers the sebp:: custom ops)
+from .ops import traced_linear  # (importing .ops registers the sebp:: custom ops)
 from .density import RowDensity
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
@@ -127,8 +127,6 @@ def sebp_linear(
 
 def _apply(x, weight, bias, config, state, hint, key):
     if torch.compiler.is_compiling():
-        from .ops import traced_linear
-
         if key:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
             return traced_linear(x, weight, bias, key)
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import SEBPConfig
 from .modules import _take_over
-from .ops import register
+from .ops import register, traced_layer_norm, traced_rms_norm
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
@@ -135,8 +135,6 @@ def _layer_norm(x, weight, bias, shape, eps, config, key):
     if not records_grad(x, weight, bias):  # no backward to come: the Function's own op without the Function
         return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
     if torch.compiler.is_compiling():
-        from .ops import traced_layer_norm
-
         return traced_layer_norm(x, weight, bias, list(shape), eps, key or config.op_key)
     return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
 
@@ -149,8 +147,6 @@ def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if not records_grad(x, weight):  # no backward to come: the formula alone
         return _rms_norm(x, weight, eps)[0]
     if torch.compiler.is_compiling():
-        from .ops import traced_rms_norm
-
         return traced_rms_norm(x, weight, eps, _key or config.op_key)
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 

@@ -1,4 +1,4 @@
-"""The SEBP layers as ``torch.library`` custom ops, for ``torch.compile``.
+"""The SEBP layers' backward as ``torch.library`` custom ops, for ``torch.compile``.
 
 Eager code runs the autograd Functions of :mod:`.functional`, :mod:`.norms` and :mod:`.activations`. Dynamo
 cannot trace those Functions' backwards (Triton launches, per-layer Python state), so before this module it
@@ -10,10 +10,10 @@ AOTAutograd put everything into one graph and Inductor compiles the code between
 are autograd Functions whose forward is plain torch code that Dynamo traces (Inductor fuses it with its
 neighbours) and whose backward calls the op (:func:`linear_backward`, :func:`norm_backward`). The
 activations are an op both ways (:func:`act`, whose forward also flags non-finite rows in the same pass).
-The ops carry an integer ``key`` instead of Python objects: :func:`register` maps it to the module (or
-:class:`~.activations.RowHint`) whose settings and state the backward reads when it runs, so a compiled graph
-always uses the module's current config, density estimate and hints. The modules (``SEBPLinear``,
-``SEBPNorm``) and ``patch_activations`` take this path only while Dynamo traces
+The ops carry integer keys instead of Python objects: :func:`register` maps a key to the module (or
+:class:`~.activations.RowHint`, :class:`~.density.RowDensity`) whose settings and state the backward reads
+when it runs, so a compiled graph always uses the module's current config, density estimate and hints. The
+modules (``SEBPLinear``, ``SEBPNorm``) and ``patch_activations`` take this path only while Dynamo traces
 (``torch.compiler.is_compiling()``); eager runs are unchanged.
 """
 from __future__ import annotations

@@ -83,8 +83,8 @@ class FinetuneConfig:
     :func:`~sebp_probe.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward
     are replayed as CUDA graphs (:mod:`sebp_probe.graphs`), one pair per batch shape, in calibration too
     (one GPU); with padding ``longest`` the batches are padded to a multiple of ``graph_bucket`` tokens.
-    ``compile``: a ``torch.compile`` mode for the training model (one of ``COMPILE_MODES``); the SEBP layers
-    compile as ``sebp::`` custom ops (:mod:`sebp_kernels.ops`); on a GPU, the modes that record CUDA graphs
+    ``compile``: a ``torch.compile`` mode for the training model (one of ``COMPILE_MODES``); the SEBP layers'
+    backward compiles as ``sebp::`` custom ops (:mod:`sebp_kernels.ops`); on a GPU, the modes that record CUDA graphs
     (``reduce-overhead``, ``max-autotune``) also time calibration as graph replays.
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.

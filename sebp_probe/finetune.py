@@ -989,9 +989,10 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     # dynamo_backend="no": accelerate's own compile (from the environment) would bypass --compile's checks
     acc = Accelerator(mixed_precision={"fp32": "no"}.get(cfg.precision, cfg.precision), dynamo_backend="no")
     backend = acc.state.dynamo_plugin.backend  # the process's state: the first Accelerator's settings hold
-    if str(getattr(backend, "value", backend)).lower() != "no":
+    backend = str(getattr(backend, "value", backend))
+    if backend.lower() != "no":
         raise FinetuneError(f"accelerate in this process already compiles every model it prepares (dynamo backend "
-                            f"{getattr(backend, 'value', backend)}, from an earlier Accelerator or TrainingArguments("
+                            f"{backend}, from an earlier Accelerator or TrainingArguments("
                             "torch_compile=True)); finetune compiles only with --compile MODE: run it in a fresh "
                             "process")
     world = os.environ.get("WORLD_SIZE", "1")
