@@ -7,6 +7,7 @@ fine-tuning sets), so nothing is downloaded and neither `datasets` nor `kneed` i
     python scripts/gpu_finetune.py --exp bert_bf16_max --out $OUT          # one GPU
     accelerate launch --multi_gpu --num_processes 2 scripts/gpu_finetune.py --exp bert_exact_fp32 --out $OUT
     python scripts/gpu_finetune.py --collect --out $OUT                    # $OUT/finetune_gpu.json
+    PROFILE_STEPS=40:50 python scripts/gpu_finetune.py --exp ...           # + torch.profiler, steps 41-50
 
 Each experiment writes $OUT/<exp>.json (the finetune summary, its settings, versions, the command) and
 copies its metrics.jsonl and curves; the run directories themselves (checkpoints, saved models) stay in
@@ -119,8 +120,10 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         cuda_graphs=graphs, compile="reduce-overhead" if compiled else None, seed=0)
     t0 = time.time()
     traces: dict = {}
-    summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data,
-                       on_event=_memory_tracer(traces) if os.environ.get("MEMORY_TRACE") else None)
+    on_event = _memory_tracer(traces) if os.environ.get("MEMORY_TRACE") else None
+    if os.environ.get("PROFILE_STEPS"):  # e.g. "20:30": where a step's wall time goes, steps 21-30 of each run
+        on_event = _step_profiler(*map(int, os.environ["PROFILE_STEPS"].split(":")), out / f"{exp}-profile.txt")
+    summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data, on_event=on_event)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if traces and rank0:
         _print_traces(traces)
@@ -162,6 +165,47 @@ def _memory_tracer(traces: dict):
             traces[payload["run"]].update(rise_mib=rise / 2**20, groups=groups, pre_freed=pre_freed,
                                           pending_mib=pending / 2**20,
                                           peak_mib=torch.cuda.max_memory_allocated() / 2**20)
+    return on_event
+
+
+def _step_profiler(first: int, last: int, path: Path):
+    """An on_event callback (PROFILE_STEPS=first:last) that runs torch.profiler over training steps first+1 to
+    last of each run and appends to ``path``: the wall time per step, the GPU's busy time per step (kernels,
+    memcpy and memset, overlaps counted once), and the ops that took the most host time (self CPU: the waits
+    for the GPU show as cudaEventSynchronize / cudaStreamSynchronize / cudaDeviceSynchronize)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    state: dict = {}
+
+    def on_event(kind, payload):
+        if kind != "step":
+            return
+        if payload["step"] == first:
+            gpu = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # (--smoke runs on a CPU)
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, *gpu])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        elif payload["step"] == last and "prof" in state:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - state.pop("t0")) * 1e3 / (last - first)
+            prof = state.pop("prof")
+            prof.__exit__(None, None, None)
+            spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA)
+            busy, end = 0.0, None  # union of the device intervals, us
+            for a, b in spans:
+                if end is None or a > end:
+                    busy, end = busy + (b - a), b
+                elif b > end:
+                    busy, end = busy + (b - end), b
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+            with open(path, "a") as fh:
+                fh.write(f"=== {payload['run']}: steps {first + 1}-{last}, wall {wall:.2f} ms/step (with the "
+                         f"profiler on), GPU busy {busy / 1e3 / (last - first):.2f} ms/step\n{table}\n")
+            print(f"{payload['run']}: profiled wall {wall:.2f} ms/step, GPU busy "
+                  f"{busy / 1e3 / (last - first):.2f} ms/step ({path.name})")
     return on_event
 
 
