@@ -118,16 +118,18 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.n
 
 
-def _loaders(cfg: FinetuneConfig, data: TrainData):
+def _loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
+    """(train loader, eval loader, sampler). ``pin``: batches in page-locked memory (on a GPU), so that their
+    copy to the device does not wait for the work already queued there (a copy from pageable memory does)."""
     collate = PadCollator(data.pad_id, data.task, cfg.data.padding, cfg.data.max_length, data.padding_side,
                           cfg.graph_bucket if cfg.cuda_graphs else 1)  # graphs: few batch shapes
     # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
     gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
     sampler = EpochSampler(len(data.train), cfg.seed)
     train = torch.utils.data.DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
-                                        collate_fn=collate, generator=gen())
+                                        collate_fn=collate, generator=gen(), pin_memory=pin)
     ev = torch.utils.data.DataLoader(data.eval, batch_size=cfg.data.batch_size, shuffle=False,
-                                     collate_fn=collate, generator=gen())
+                                     collate_fn=collate, generator=gen(), pin_memory=pin)
     return train, ev, sampler
 
 
@@ -166,6 +168,20 @@ def candidate_layers(model: torch.nn.Module, cfg: FinetuneConfig,
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
+    """AdamW; on a GPU its fused implementation (one kernel per parameter group and dtype, as Hugging Face's
+    ``Trainer`` uses by default): the multi-tensor one took 6-7 ms of host time a step for BERT-base on the
+    device machine, longer than the GPU needed for it (``scripts/gpu_finetune.py`` with PROFILE_STEPS). Same
+    update rule; the CPU keeps the default implementation."""
+    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+    if fused:
+        try:
+            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        except (RuntimeError, ValueError):  # a parameter kind the fused kernel does not take
+            pass
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _timed_backward(model, batch, device, autocast) -> float:
@@ -694,9 +710,9 @@ class Run:
 
     def _train(self, loaded, model, calib, state) -> dict:
         cfg, acc, dev = self.cfg, self.acc, self.acc.device
-        train_loader, eval_loader, sampler = _loaders(cfg, self.data)
+        train_loader, eval_loader, sampler = _loaders(cfg, self.data, pin=dev.type == "cuda")
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = make_optimizer(params, cfg)
         model, optimizer, train_loader, eval_loader = acc.prepare(model, optimizer, train_loader, eval_loader)
         # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
         # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
@@ -742,15 +758,22 @@ class Run:
         status, error, last_ckpt = "completed", None, state["path"] if state else None
         live_bwd: list[float] = []
         run_peak = 0.0
+        # One host wait per step, for the loss (a non-finite loss stops the run before its update): the
+        # optimizer's work and the next batch's copy run on the GPU while the host goes on. A step's time is
+        # the host's, from the end of the step before (the first: from a synchronized GPU); at a step after which
+        # something else runs (evaluation, checkpoint, the end) the GPU is waited for, so that no GPU work is
+        # left out of the steps' times or counted in them twice.
+        _sync(dev)
         with StopRequest() as stop:
             while step < total:
-                _sync(dev)
                 t_step = time.perf_counter()
-                bwd_ms, loss_sum, tokens, rows, epoch = 0.0, torch.zeros((), device=dev), 0, 0, 0
+                loss_sum, tokens_dev, rows, epoch = torch.zeros((), device=dev), torch.zeros((), device=dev), 0, 0
+                timers: list = []  # the backward's CUDA events, read after the wait for the loss
+                bwd_ms = 0.0
                 replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
                 for i in range(A):
                     epoch, batch = next(batches)
-                    tokens += int(batch["attention_mask"].sum())
+                    tokens_dev += batch["attention_mask"].sum()
                     rows += batch["attention_mask"].numel()
                     if cfg.cuda_graphs:
                         key = shape_key(batch)
@@ -762,8 +785,7 @@ class Run:
                         ev0.record()
                         step_graphs.backward()
                         ev1.record()
-                        ev1.synchronize()
-                        bwd_ms += ev0.elapsed_time(ev1)
+                        timers.append((ev0, ev1))
                         replayed += 1
                         continue
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
@@ -775,13 +797,23 @@ class Run:
                             ev0.record()
                             acc.backward(loss / A)
                             ev1.record()
-                            ev1.synchronize()
-                            bwd_ms += ev0.elapsed_time(ev1)
+                            timers.append((ev0, ev1))
                         else:
                             t0 = time.perf_counter()
                             acc.backward(loss / A)
                             bwd_ms += (time.perf_counter() - t0) * 1e3
-                mean_loss = acc.reduce(loss_sum / A, "mean").item()
+                mean_loss = acc.reduce(loss_sum / A, "mean").item()  # the step's one wait for the GPU
+                tokens = int(tokens_dev)
+                for ev0, ev1 in timers:
+                    ev1.synchronize()  # (done by now)
+                    bwd_ms += ev0.elapsed_time(ev1)
+                # Ctrl-C / SIGTERM: every process stops after the same step. Across processes that takes a
+                # reduction (accelerate's trigger), made here, where the host waits anyway: a request that comes
+                # later is seen in the next step, which then finishes. One process reads its flag at the step's end.
+                many = acc.num_processes > 1
+                if many and stop.requested:
+                    acc.set_trigger()
+                stopping = many and acc.check_trigger()
                 if not math.isfinite(mean_loss):
                     status = "diverged"
                     where = f"last good checkpoint: {last_ckpt}" if last_ckpt else \
@@ -797,7 +829,10 @@ class Run:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=not keep_grads)  # the graphs keep adding into these
                 step += 1
-                _sync(dev)
+                evaluating = step % eval_every == 0 or step == total
+                saving = bool(cfg.save_steps) and step % cfg.save_steps == 0 and step < total
+                if evaluating or saving or stopping:
+                    _sync(dev)
                 rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                        "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
                        "peak_mem_mb": _peak_memory_mb(dev), "tokens": tokens, "rows": rows}
@@ -814,17 +849,15 @@ class Run:
                     rec["speedup_backward"] = ref_ms / statistics.fmean(recent)
                 self._log(rec)
                 self.emit("step", {"run": self.method, **rec, "total": total})
-                if step % eval_every == 0 or step == total:
+                if evaluating:
                     ev = {"type": "eval", "step": step, **evaluate(model, eval_loader, acc, self.data.task)}
                     self._log(ev)
                     self.emit("eval", {"run": self.method, **ev})
-                if stop.requested:
-                    acc.set_trigger()
-                if acc.check_trigger():
+                if stopping or (not many and stop.requested):
                     status = "interrupted"
                     last_ckpt = str(self._save_checkpoint(step, calib))
                     break
-                if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
+                if saving:
                     last_ckpt = str(self._save_checkpoint(step, calib))
         for step_graphs in graphs.values():
             step_graphs.close()  # and with the last of them their memory pool, before the model is saved
@@ -977,6 +1010,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
     configs and synthetic batches). Raises FinetuneError for bad input, a diverged run included."""
     from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
 
     emit = on_event or (lambda kind, payload: None)
     if cfg.precision == "fp16" and not torch.cuda.is_available():
@@ -987,7 +1021,9 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                             "torch_compile=True) earlier in this process); finetune compiles only with --compile "
                             "MODE, which knows the SEBP layers: unset it")
     # dynamo_backend="no": accelerate's own compile (from the environment) would bypass --compile's checks
-    acc = Accelerator(mixed_precision={"fp32": "no"}.get(cfg.precision, cfg.precision), dynamo_backend="no")
+    # non_blocking: batches (page-locked on a GPU, see _loaders) go to the device without waiting for it
+    acc = Accelerator(mixed_precision={"fp32": "no"}.get(cfg.precision, cfg.precision), dynamo_backend="no",
+                      dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()))
     backend = acc.state.dynamo_plugin.backend  # the process's state: the first Accelerator's settings hold
     backend = str(getattr(backend, "value", backend))
     if backend.lower() != "no":

@@ -244,3 +244,37 @@ def test_compare_frees_the_first_run_before_the_second(tmp_path, precision):
     ft.finetune(_cfg(tmp_path, compare=True, max_steps=2, precision=precision), load_fn=_loader("bert"),
                 data=synthetic_data("classification"), on_event=on_event)
     assert alive["n"] == 1
+
+
+def test_training_loop_waits_for_the_device_only_at_boundaries(tmp_path, monkeypatch):
+    """The loop's one wait per step is the loss; it synchronizes the device besides only before the first step
+    and after steps that something else follows (evaluation, checkpoint): the optimizer's work and the next
+    batch's copy overlap the host's next step. Each step's time is still logged."""
+    syncs, steps = [], []
+    real = ft._sync
+    monkeypatch.setattr(ft, "_sync", lambda dev: syncs.append(len(steps)) or real(dev))
+
+    def on_event(kind, p):
+        if kind == "start":
+            syncs.clear()  # calibration's timing synchronizes as it must
+        elif kind == "step":
+            steps.append(p["step"])
+
+    cfg = _cfg(tmp_path, max_steps=9, eval_steps=4, save_steps=3)
+    s = ft.finetune(cfg, load_fn=_loader("bert"), data=synthetic_data("classification"), on_event=on_event)
+    assert s["status"] == "completed" and steps == list(range(1, 10))
+    # before step 1; after steps 3 and 6 (checkpoints), 4 and 8 (evaluations) and 9 (evaluation, the end)
+    assert syncs == [0, 2, 3, 5, 7, 8]
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"train"' in x]
+    assert len(recs) == 9 and all(r["step_ms"] > 0 and r["tokens"] > 0 for r in recs)
+    assert all(r["tokens"] <= r["rows"] for r in recs)
+
+
+def test_optimizer_is_fused_on_gpu_only(tmp_path):
+    cfg = _cfg(tmp_path)
+    cpu = ft.make_optimizer([torch.nn.Parameter(torch.ones(3))], cfg)
+    assert isinstance(cpu, torch.optim.AdamW) and not cpu.defaults.get("fused")
+    assert cpu.defaults["lr"] == cfg.lr and cpu.defaults["weight_decay"] == cfg.weight_decay
+    if torch.cuda.is_available():
+        gpu = ft.make_optimizer([torch.nn.Parameter(torch.ones(3, device="cuda"))], cfg)
+        assert gpu.defaults["fused"] is True
