@@ -8,6 +8,7 @@ fine-tuning sets), so nothing is downloaded and neither `datasets` nor `kneed` i
     accelerate launch --multi_gpu --num_processes 2 scripts/gpu_finetune.py --exp bert_exact_fp32 --out $OUT
     python scripts/gpu_finetune.py --collect --out $OUT                    # $OUT/finetune_gpu.json
     PROFILE_STEPS=40:50 python scripts/gpu_finetune.py --exp ...           # + torch.profiler, steps 41-50
+    GC_TRACE=1 python scripts/gpu_finetune.py --exp ...                    # + every garbage collection timed
 
 Each experiment writes $OUT/<exp>.json (the finetune summary, its settings, versions, the command) and
 copies its metrics.jsonl and curves; the run directories themselves (checkpoints, saved models) stay in
@@ -121,6 +122,8 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
     t0 = time.time()
     traces: dict = {}
     on_event = _memory_tracer(traces) if os.environ.get("MEMORY_TRACE") else None
+    if os.environ.get("GC_TRACE"):  # Python's garbage collections: when, which generation, how long
+        on_event = _gc_tracer(out / f"{exp}-gc.txt")
     if os.environ.get("PROFILE_STEPS"):  # e.g. "20:30": where a step's wall time goes, steps 21-30 of each run
         on_event = _step_profiler(*map(int, os.environ["PROFILE_STEPS"].split(":")), out / f"{exp}-profile.txt")
     summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data, on_event=on_event)
@@ -206,6 +209,52 @@ def _step_profiler(first: int, last: int, path: Path):
                          f"profiler on), GPU busy {busy / 1e3 / (last - first):.2f} ms/step\n{table}\n")
             print(f"{payload['run']}: profiled wall {wall:.2f} ms/step, GPU busy "
                   f"{busy / 1e3 / (last - first):.2f} ms/step ({path.name})")
+    return on_event
+
+
+def _gc_tracer(path: Path):
+    """An on_event callback (GC_TRACE=1) that times every garbage collection of the training steps (gc.callbacks)
+    and appends to ``path``, per run: collections per generation with total and longest ms, and the steps
+    that took over 1.2x the run's median step time with the collection ms they held."""
+    import gc
+    import statistics
+
+    state = {"step": 0, "t0": None, "runs": {}}
+
+    def cb(phase, info):
+        if phase == "start":
+            state["t0"] = time.perf_counter()
+        elif state["t0"] is not None:
+            ms = (time.perf_counter() - state["t0"]) * 1e3
+            state["cur"].append((state["step"] + 1, info["generation"], ms))
+            state["t0"] = None
+
+    def on_event(kind, payload):
+        if kind == "start":
+            state["cur"], state["steps"], state["step"] = [], {}, payload.get("step", 0)
+            gc.callbacks.append(cb)
+        elif kind == "step":
+            state["step"] = payload["step"]
+            state["steps"][payload["step"]] = payload["step_ms"]
+        elif kind == "end" and cb in gc.callbacks:
+            gc.callbacks.remove(cb)
+            cols, steps = state["cur"], state["steps"]
+            med = statistics.median(steps.values()) if steps else 0.0
+            lines = [f"=== {payload['run']}: {len(steps)} steps, median {med:.2f} ms"]
+            for g in (0, 1, 2):
+                ms = [c[2] for c in cols if c[1] == g]
+                lines.append(f"gen{g}: {len(ms)} collections, {sum(ms):.1f} ms in all, longest {max(ms, default=0):.2f} ms")
+            by_step: dict = {}
+            for st, g, ms in cols:
+                by_step[st] = by_step.get(st, 0.0) + ms
+            slow = [(st, t) for st, t in steps.items() if st > 5 and t > 1.2 * med]
+            lines.append("slow steps (step, ms, gc ms in it): " + ", ".join(
+                f"({st}, {t:.1f}, {by_step.get(st, 0.0):.1f})" for st, t in slow))
+            gen2 = sorted({st for st, g, _ in cols if g == 2})
+            lines.append(f"steps holding a gen2 collection: {gen2}")
+            with open(path, "a") as fh:
+                fh.write("\n".join(lines) + "\n")
+            print("\n".join(lines))
     return on_event
 
 
