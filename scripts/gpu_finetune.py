@@ -42,7 +42,7 @@ EXPERIMENTS = {
 NORMS = "_norms"
 ACTS = "_norms_acts"  # the SEBP norms and the SEBP activations (--sebp-norms --sebp-acts)
 GRAPHS = "_graphs"  # --cuda-graphs
-COMPILED = "_compiled"  # --compile reduce-overhead (instead of --cuda-graphs)
+COMPILED = "_compiled"  # --compile reduce-overhead, or $COMPILE_MODE (instead of --cuda-graphs)
 SHAPES = {  # batch, max_length, median length, log-normal sigma
     "bert": (32, 128, 40, 0.6),
     "llama": (8, 512, 160, 0.7),
@@ -118,7 +118,7 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         warmup_ratio=0.1, precision=precision, eval_steps=steps, eval_samples=None,
         targets=LLAMA_TARGETS if kind.startswith("llama") else None,
         dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, sebp_norms=norms, sebp_acts=acts,
-        cuda_graphs=graphs, compile="reduce-overhead" if compiled else None, seed=0)
+        cuda_graphs=graphs, compile=os.environ.get("COMPILE_MODE", "reduce-overhead") if compiled else None, seed=0)
     t0 = time.time()
     traces: dict = {}
     on_event = _memory_tracer(traces) if os.environ.get("MEMORY_TRACE") else None
