@@ -300,8 +300,10 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
        above ``fallback`` stay dense (gathering nearly every row costs more than it saves).
     2. Dense and SEBP backward are timed interleaved on the same batches (median of ``reps`` rounds); on CUDA
        with backend ``auto`` the Triton and the torch implementations are both timed and the faster kept.
-       With ``if_slower``, SEBP slower than dense leaves the whole model dense: SEBP never costs time.
-       With ``graphs`` both backward passes are timed as CUDA-graph replays, as ``--cuda-graphs`` trains.
+       With ``if_slower``, SEBP slower than dense leaves the whole model dense: SEBP never costs backward
+       time as timed here. With ``graphs`` both backward passes are timed as CUDA-graph replays, as
+       ``--cuda-graphs`` (and the graph-recording ``--compile`` modes) train; otherwise eagerly, also under
+       ``--compile default``, whose compiled backward can rank differently.
 
     Leaves no gradients and no trace in the RNG.
     """
