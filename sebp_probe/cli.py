@@ -157,6 +157,8 @@ def finetune_cmd(
     mode: str = typer.Option(None, "--mode", help="exact | threshold | topk (default: from the other options)."),
     method: str = typer.Option("sebp", "--method", help="dense | sebp."),
     compare: bool = typer.Option(False, "--compare", help="Train dense, then SEBP, same seed and data order."),
+    sebp_first: bool = typer.Option(False, "--sebp-first", help="With --compare: train SEBP first, then "
+                                    "dense (run both orders to see how much the host's speed drifts)."),
     targets: str = typer.Option(None, "--targets", help="Comma-separated layers/patterns to patch (default: "
                                 "attention + MLP projections); 'all-linear' works."),
     dense_fallback: float = typer.Option(0.9, "--dense-fallback", help="Layers with more active rows than "
@@ -228,7 +230,8 @@ def finetune_cmd(
                       label_column=label_column, padding=padding, max_length=max_length, batch_size=batch_size,
                       max_samples=max_samples, seed=seed)
     cfg = FinetuneConfig(
-        model=model, data=data, output_dir=output_dir, task=task, method=method, compare=compare, mode=mode,
+        model=model, data=data, output_dir=output_dir, task=task, method=method, compare=compare, sebp_first=sebp_first,
+        mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,

@@ -96,6 +96,7 @@ class FinetuneConfig:
     task: str | None = None
     method: str = "sebp"
     compare: bool = False
+    sebp_first: bool = False
     mode: str | None = None
     eps: float | None = None
     top_n: int | None = None
@@ -203,6 +204,8 @@ class FinetuneConfig:
                                  "(or drop " + src + " and give the settings directly)")
         sebp_given = [n for n, v in (("eps", self.eps is not None), ("top-n", self.top_n is not None),
                                      ("auto-eps", self.auto_eps), ("report", bool(self.report))) if v]
+        if self.sebp_first and not self.compare:
+            raise ValueError("--sebp-first orders the two runs of --compare: add --compare")
         if self.method == "dense" and not self.compare and (sebp_given or self.mode):
             raise ValueError(f"method dense uses no SEBP settings, but got {', '.join(sebp_given or ['mode'])}")
         if self.eps is not None and self.top_n is not None and self.mode is None:
@@ -236,7 +239,11 @@ class FinetuneConfig:
         return SEBPConfig(mode=self.sebp_mode, eps=float(self.eps or 0.0), top_n=self.top_n, backend=self.backend)
 
     def methods(self) -> tuple[str, ...]:
-        return METHODS if self.compare else (self.method,)
+        """The runs in the order they train: with --compare dense then SEBP (--sebp-first: the other way round;
+        where the host's speed drifts during a session, the two orders together show how much)."""
+        if not self.compare:
+            return (self.method,)
+        return METHODS[::-1] if self.sebp_first else METHODS
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -54,10 +54,11 @@ MODEL_DIR = "model"
 OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "report.json",
                "loss.png", "eval.png")
 # A resumed run must be the same run: every setting must match except these.
-RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit", "compile")  # same math
+RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit", "compile",
+                     "sebp_first")  # the same math
 # Settings added after runs were first written: a run config without one ran with this value.
 ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32,
-                  "compile": None}
+                  "compile": None, "sebp_first": False}
 
 Event = Callable[[str, dict], None]
 
@@ -1114,7 +1115,10 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                 out.rmdir()
         raise
 
-    summary = dict(summaries[cfg.methods()[0]]) if not cfg.compare else {"runs": summaries}
+    summaries = {m: summaries[m] for m in ("dense", "sebp") if m in summaries}  # dense first, whatever the order
+    records = {m: records[m] for m in summaries if m in records}
+    summary = dict(summaries[cfg.methods()[0]]) if not cfg.compare else {"runs": summaries,
+                                                                          "order": list(cfg.methods())}
     if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", "sebp")):
         summary["comparison"] = _compare(summaries["dense"], summaries["sebp"])
         summary["comparison"]["max_abs_loss_gap"] = _loss_gap(records["dense"], records["sebp"])

@@ -154,6 +154,7 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--cuda-graphs", "--fp16"], "--cuda-graphs does not take --fp16"),
     (["--compile", "fast"], "unknown compile mode 'fast'"),
     (["--compile", "reduce-overhead", "--cuda-graphs"], "--cuda-graphs and --compile exclude each other"),
+    (["--sebp-first"], "--sebp-first orders the two runs of --compare: add --compare"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"

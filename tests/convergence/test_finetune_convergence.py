@@ -278,3 +278,24 @@ def test_optimizer_is_fused_on_gpu_only(tmp_path):
     if torch.cuda.is_available():
         gpu = ft.make_optimizer([torch.nn.Parameter(torch.ones(3, device="cuda"))], cfg)
         assert gpu.defaults["fused"] is True
+
+
+def test_sebp_first_trains_the_same_two_runs_in_the_other_order(tmp_path):
+    """--sebp-first only swaps the order: each run (dropout on) gives the losses it gives in the usual order,
+    bit for bit on the CPU, and the summary lists dense first and says the order."""
+    data = synthetic_data("classification")
+    load = _loader("bert", dropout=0.1)
+    starts = []
+    on_event = lambda kind, p: starts.append(p["run"]) if kind == "start" else None  # noqa: E731
+    usual = ft.finetune(_cfg(tmp_path / "a", compare=True, max_steps=6), load_fn=load, data=data)
+    swapped = ft.finetune(_cfg(tmp_path / "b", compare=True, max_steps=6, sebp_first=True), load_fn=load, data=data,
+                          on_event=on_event)
+    assert starts == ["sebp", "dense"]
+    assert usual["order"] == ["dense", "sebp"] and swapped["order"] == ["sebp", "dense"]
+    assert list(swapped["runs"]) == ["dense", "sebp"] and swapped["status"] == "completed"
+    for m in ("dense", "sebp"):
+        got = _train_losses(tmp_path / "b" / "run" / m / "metrics.jsonl")
+        assert len(got) == 6 and got == _train_losses(tmp_path / "a" / "run" / m / "metrics.jsonl")
+    assert swapped["comparison"]["max_abs_loss_gap"] == usual["comparison"]["max_abs_loss_gap"]
+    with pytest.raises(ValueError, match="add --compare"):
+        _cfg(tmp_path / "c", sebp_first=True)
