@@ -121,11 +121,14 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         cuda_graphs=graphs, compile=os.environ.get("COMPILE_MODE", "reduce-overhead") if compiled else None, seed=0)
     t0 = time.time()
     traces: dict = {}
-    on_event = _memory_tracer(traces) if os.environ.get("MEMORY_TRACE") else None
+    tracers = []  # every one asked for sees every event
+    if os.environ.get("MEMORY_TRACE"):
+        tracers.append(_memory_tracer(traces))
     if os.environ.get("GC_TRACE"):  # Python's garbage collections: when, which generation, how long
-        on_event = _gc_tracer(out / f"{exp}-gc.txt")
+        tracers.append(_gc_tracer(out / f"{exp}-gc.txt"))
     if os.environ.get("PROFILE_STEPS"):  # e.g. "20:30": where a step's wall time goes, steps 21-30 of each run
-        on_event = _step_profiler(*map(int, os.environ["PROFILE_STEPS"].split(":")), out / f"{exp}-profile.txt")
+        tracers.append(_step_profiler(*map(int, os.environ["PROFILE_STEPS"].split(":")), out / f"{exp}-profile.txt"))
+    on_event = (lambda kind, payload: [t(kind, payload) for t in tracers]) if tracers else None
     summary = finetune(cfg, overwrite=True, load_fn=load_fn, data=data, on_event=on_event)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if traces and rank0:
@@ -219,7 +222,7 @@ def _gc_tracer(path: Path):
     import gc
     import statistics
 
-    state = {"step": 0, "t0": None, "runs": {}}
+    state = {"step": 0, "t0": None}
 
     def cb(phase, info):
         if phase == "start":
@@ -243,7 +246,8 @@ def _gc_tracer(path: Path):
             lines = [f"=== {payload['run']}: {len(steps)} steps, median {med:.2f} ms"]
             for g in (0, 1, 2):
                 ms = [c[2] for c in cols if c[1] == g]
-                lines.append(f"gen{g}: {len(ms)} collections, {sum(ms):.1f} ms in all, longest {max(ms, default=0):.2f} ms")
+                lines.append(f"gen{g}: {len(ms)} collections, {sum(ms):.1f} ms in all, "
+                             f"longest {max(ms, default=0):.2f} ms")
             by_step: dict = {}
             for st, g, ms in cols:
                 by_step[st] = by_step.get(st, 0.0) + ms

@@ -180,6 +180,8 @@ class FinetuneConfig:
             if self.cuda_graphs:
                 raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
                                  "CUDA graphs itself)")
+        if self.sebp_first and not self.compare:
+            raise ValueError("--sebp-first orders the two runs of --compare: add --compare")
         self._check_sebp_settings()
 
     def _check_sebp_settings(self) -> None:
@@ -204,8 +206,6 @@ class FinetuneConfig:
                                  "(or drop " + src + " and give the settings directly)")
         sebp_given = [n for n, v in (("eps", self.eps is not None), ("top-n", self.top_n is not None),
                                      ("auto-eps", self.auto_eps), ("report", bool(self.report))) if v]
-        if self.sebp_first and not self.compare:
-            raise ValueError("--sebp-first orders the two runs of --compare: add --compare")
         if self.method == "dense" and not self.compare and (sebp_given or self.mode):
             raise ValueError(f"method dense uses no SEBP settings, but got {', '.join(sebp_given or ['mode'])}")
         if self.eps is not None and self.top_n is not None and self.mode is None:
