@@ -9,6 +9,7 @@ fine-tuning sets), so nothing is downloaded and neither `datasets` nor `kneed` i
     python scripts/gpu_finetune.py --collect --out $OUT                    # $OUT/finetune_gpu.json
     PROFILE_STEPS=40:50 python scripts/gpu_finetune.py --exp ...           # + torch.profiler, steps 41-50
     GC_TRACE=1 python scripts/gpu_finetune.py --exp ...                    # + every garbage collection timed
+    SEBP_FIRST=1 python scripts/gpu_finetune.py --exp ...                  # SEBP's run first (--sebp-first)
 
 Each experiment writes $OUT/<exp>.json (the finetune summary, its settings, versions, the command) and
 copies its metrics.jsonl and curves; the run directories themselves (checkpoints, saved models) stay in
@@ -48,6 +49,8 @@ SHAPES = {  # batch, max_length, median length, log-normal sigma
     "llama": (8, 512, 160, 0.7),
     "llama3b": (1, 4096, 200, 0.6),
 }
+# environment variables that change what an experiment runs or records: written into its "command"
+SETTING_VARS = ("SEBP_FIRST", "COMPILE_MODE", "PROFILE_STEPS", "GC_TRACE", "MEMORY_TRACE")
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
@@ -118,7 +121,8 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         warmup_ratio=0.1, precision=precision, eval_steps=steps, eval_samples=None,
         targets=LLAMA_TARGETS if kind.startswith("llama") else None,
         dense_fallback=1.0 if force else 0.9, fallback_if_slower=not force, sebp_norms=norms, sebp_acts=acts,
-        cuda_graphs=graphs, compile=os.environ.get("COMPILE_MODE", "reduce-overhead") if compiled else None, seed=0)
+        cuda_graphs=graphs, compile=os.environ.get("COMPILE_MODE", "reduce-overhead") if compiled else None, seed=0,
+        sebp_first=os.environ.get("SEBP_FIRST") == "1")
     t0 = time.time()
     traces: dict = {}
     tracers = []  # every one asked for sees every event
@@ -137,7 +141,8 @@ def run(exp: str, out: Path, smoke: bool = False) -> None:
         return
     res = {
         "experiment": exp, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "world_size": world, "wall_s": time.time() - t0,
+        "command": " ".join([*(f"{k}={os.environ[k]}" for k in SETTING_VARS if os.environ.get(k)), *sys.argv]),
+        "world_size": world, "wall_s": time.time() - t0,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "versions": versions(), "settings": cfg.to_dict(), "data": data.identity,
         "mean_length": sum(len(x["input_ids"]) for x in data.train) / len(data.train),

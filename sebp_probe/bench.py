@@ -14,6 +14,11 @@ rows of each sequence are real), the backward of one linear is timed as:
   state, after the warm-up calls; every 16th eager backward also runs the row selection, not timed here);
 - ``ideal``: dense GEMMs on the k active rows already laid out contiguously (selection, gather and the zero
   rows of dX for free): the floor SEBP can approach.
+- ``ideal_io`` (computed, not timed): ``ideal`` plus the bytes that SEBP's interface makes unavoidable at the
+  GPU's fill bandwidth, measured in the same run (a 256 MiB ``zero_``): the dY rows that have to be read in
+  full to find the active ones (the inactive rows; every row in topk mode) and the zero rows of dX (autograd
+  takes all of dX). It is the floor when that traffic cannot run beside the GEMMs; on an H100 it did not,
+  whatever wrote the zeros (``results/h100_zero_fill/``).
 
 Times are medians over repeats with CUDA events, with the L2 cache flushed before each repeat; within a
 repeat the methods take turns, so clock drift over the run falls on all of them alike. Methods that
@@ -227,6 +232,13 @@ def time_methods(methods: dict, repeats: int, flush: _Flush) -> dict:
 _WARM: list = []  # non-empty once a timing has been thrown away in this process
 
 
+def fill_bandwidth(flush: _Flush, repeats: int) -> float:
+    """TB/s of ``zero_`` on the flush buffer (256 MiB), median over ``repeats`` graph replays: the rate at which
+    the GPU writes memory, for the unavoidable bytes of ``ideal_io``."""
+    ms = time_fn(flush.buf.zero_, repeats, flush, True)
+    return flush.buf.numel() * flush.buf.element_size() / (ms * 1e9)
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> float:
     """Peak memory (MiB) that one call of ``fn`` allocates on top of what was allocated before it."""
     torch.cuda.synchronize()
@@ -257,6 +269,8 @@ class LayerResult:
     k: int
     ms: dict = field(default_factory=dict)
     peak_mib: dict = field(default_factory=dict)
+    io_bytes: int | None = None  # read and written by SEBP beyond the ideal's traffic (see ideal_io)
+    fill_tb_s: float | None = None  # the fill bandwidth that prices them
 
     def speedup(self, method: str) -> float:
         return self.ms["dense"] / self.ms[method]
@@ -264,9 +278,13 @@ class LayerResult:
     def to_dict(self) -> dict:
         d = {"shape": asdict(self.shape), "density": self.density, "k": self.k, "ms": self.ms,
              "peak_extra_mib": self.peak_mib}
+        if self.io_bytes is not None:
+            d["io_bytes"], d["fill_tb_s"] = self.io_bytes, self.fill_tb_s
         d["speedup_vs_dense"] = {m: round(self.speedup(m), 3) for m in self.ms}
         if "triton" in self.ms and "ideal" in self.ms:
             d["triton_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton"], 3)
+        if "triton" in self.ms and "ideal_io" in self.ms:
+            d["triton_fraction_of_ideal_io_speedup"] = round(self.ms["ideal_io"] / self.ms["triton"], 3)
         if "triton_rows" in self.ms and "ideal" in self.ms:
             d["triton_rows_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton_rows"], 3)
         if "triton" in self.ms and "torch_ref" in self.ms:
@@ -297,6 +315,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
         # first dense timing of several layers 5-25% slower instead, so there is none.
         time_fn(lambda: (dy_full @ w, dy_full.t() @ x, dy_full.sum(0) if shape.bias else None), 5, flush, True)
         _WARM.append(True)
+    fill_tb_s = fill_bandwidth(flush, repeats)
     results = []
     for density in densities:
         mask = padded_rows(m, shape.seq, density, dev)
@@ -315,6 +334,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
         def ideal():
             return dy_k @ w, dy_k.t() @ x_k, (dy_k.sum(0) if bias else None)
 
+
         methods = {
             "dense": (dense, True),
             "ideal": (ideal, True),
@@ -331,6 +351,10 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
         if progress:
             progress(f"{shape.name} d={density:g}")
         res.ms = {name: round(ms, 5) for name, ms in time_methods(methods, repeats, flush).items()}
+        n_read = m if mode == "topk" else m - k  # dY rows read in full to find the active ones
+        res.io_bytes = (n_read * n_out + (m - k) * n_in) * dy.element_size()
+        res.fill_tb_s = round(fill_tb_s, 3)
+        res.ms["ideal_io"] = round(res.ms["ideal"] + res.io_bytes / (fill_tb_s * 1e9), 5)
         for name, (fn, _) in methods.items():
             res.peak_mib[name] = round(peak_extra_mib(fn), 2)
         results.append(res)

@@ -269,17 +269,20 @@ def _bench_tables(result: dict) -> None:
 
     if result.get("layers"):
         what = f"{result['dtype']}, {result['mode']}"
-        times = ("k", "dense", "ideal", "triton", "torch ref")
-        ratios = ("x ideal", "x triton", "x adaptive", "of ideal", "of ideal, rows known", "x torch ref",
-                  "peak MiB d/t")
-        # one table where the console is wide enough, else the times and the ratios apart (rich would cut
-        # every column of a 13-column table to a few characters at 80 columns, the width of piped output)
+        times = ("k", "dense", "ideal", "ideal +io", "triton", "torch ref")
+        speedups = ("x ideal", "x triton", "x adaptive", "x torch ref", "peak MiB d/t")
+        shares = ("of ideal", "of ideal, rows known", "of ideal +io")
+        # one table where the console is wide enough, else the times, the speedups and the shares apart (rich
+        # would cut every column of a 15-column table to a few characters at 80 columns, the width of piped
+        # output)
         narrow = console.width < WIDE_CONSOLE
-        parts = [(f"SEBP backward per layer ({what}; median ms, speedup vs dense cuBLAS)", times + ratios)]
+        parts = [(f"SEBP backward per layer ({what}; median ms, speedup vs dense cuBLAS)", times + speedups + shares)]
         if narrow:
             parts = [(f"SEBP backward per layer ({what}; median ms)", times),
-                     (f"SEBP backward per layer ({what}): speedups vs dense cuBLAS, share of the ideal's, x the "
-                      "torch reference, peak extra MiB dense/triton", ratios)]
+                     (f"SEBP backward per layer ({what}): speedups vs dense cuBLAS, x the torch reference, peak "
+                      "extra MiB dense/triton", speedups),
+                     (f"SEBP backward per layer ({what}): share of the ideal's speedup (of the ideal plus the "
+                      "unavoidable memory traffic: ideal +io)", shares)]
         for title, cols in parts:
             table = Table(title=title, box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, pad_edge=False,
                           collapse_padding=True)
@@ -290,12 +293,15 @@ def _bench_tables(result: dict) -> None:
             for r in result["layers"]:
                 ms, sp = r["ms"], r["speedup_vs_dense"]
                 cells = {"k": str(r["k"]), "dense": f"{ms['dense']:.3f}", "ideal": f"{ms['ideal']:.3f}",
+                         "ideal +io": f"{ms['ideal_io']:.3f}" if "ideal_io" in ms else "-",
                          "triton": f"{ms['triton']:.3f}", "torch ref": f"{ms['torch_ref']:.3f}",
                          "x ideal": f"{sp['ideal']:.2f}", "x triton": f"{sp['triton']:.2f}",
                          "x adaptive": f"{sp['triton_adaptive']:.2f}" if "triton_adaptive" in sp else "-",
                          "of ideal": f"{r['triton_fraction_of_ideal_speedup']:.2f}",
                          "of ideal, rows known": (f"{r['triton_rows_fraction_of_ideal_speedup']:.2f}"
                                                   if "triton_rows_fraction_of_ideal_speedup" in r else "-"),
+                         "of ideal +io": (f"{r['triton_fraction_of_ideal_io_speedup']:.2f}"
+                                         if "triton_fraction_of_ideal_io_speedup" in r else "-"),
                          "x torch ref": f"{r['triton_vs_torch_ref']:.2f}",
                          "peak MiB d/t": f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}"}
                 table.add_row(r["shape"]["name"], f"{r['density']:g}", *(cells[c] for c in cols))

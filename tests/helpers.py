@@ -1,6 +1,8 @@
 """Shared test utilities: a dense reference backward and a mismatch report."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -145,3 +147,42 @@ def fail_launches(monkeypatch, launcher, failing: set) -> list:
 
     monkeypatch.setattr(launcher, "launch_planned", launch)
     return calls
+
+
+@contextlib.contextmanager
+def roundoff_first_queries(model: torch.nn.Module, suffix: str = "q_proj", scale: float = 1e-11):
+    """Round-off in the query gradient of each sample's first real token, where the CPU's attention gives none.
+
+    In a left-padded decoder the first real token attends only to itself: its softmax is constant and dL/dq
+    is zero in exact arithmetic. Some CPUs' attention kernels leave round-off of about 1e-11 there (the
+    noise rows the knee detector must separate); others (an AMD EPYC with AVX2, 2026-11-23) give exactly 0.
+    This puts ``scale``-sized values into exactly-zero first-token rows of every ``suffix`` module's output
+    gradient, so such tests see the noise on either kind of CPU; rows that already have round-off are left
+    as they are. Its forward hook goes first (``prepend``), so its gradient hook runs before the collector's
+    and every other hook on the same output, and they all see the noise."""
+    state: dict = {}
+    handles = [model.register_forward_pre_hook(
+        lambda m, args, kw: state.__setitem__("mask", kw.get("attention_mask")), with_kwargs=True)]
+
+    def add(grad):
+        mask = state["mask"]
+        first = ((mask.cumsum(1) == 1) & (mask == 1)).reshape(-1)  # the first real token of each sample
+        g = grad.reshape(-1, grad.shape[-1])
+        quiet = first & (g == 0).all(dim=1)
+        if not quiet.any():
+            return grad
+        ramp = torch.linspace(1.0, 2.0, g.shape[1], dtype=g.dtype, device=g.device) * scale
+        return g.masked_fill(quiet[:, None], 0.0).add(quiet[:, None].to(g.dtype) * ramp).view_as(grad)
+
+    def on_forward(module, args, out):
+        if out.requires_grad:
+            out.register_hook(add)
+
+    for name, module in model.named_modules():
+        if name.endswith(suffix):
+            handles.append(module.register_forward_hook(on_forward, prepend=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

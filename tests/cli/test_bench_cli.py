@@ -162,8 +162,9 @@ def test_tables_render_committed_results(capsys, monkeypatch):
 
 
 def test_layer_tables_fit_80_columns(capsys, monkeypatch):
-    """Piped output is 80 columns wide: the per-layer results come as two tables (times; ratios) with no cell
-    cut short, and every layer's share of the ideal is printed whole."""
+    """Piped output is 80 columns wide: the per-layer results come as three tables (times; speedups; shares of
+    the ideal's speedup) with no cell cut short, and every layer's shares are printed whole; a file from before
+    a timing shows "-" in its column."""
     from pathlib import Path
 
     from sebp_probe import cli
@@ -171,19 +172,25 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     root = Path(__file__).resolve().parents[2] / "results"
     result = json.loads((root / "h100_layers_llama-3.2-3b.json").read_text())
     result["models"] = []
+    result["layers"][1]["ms"]["ideal_io"] = 0.0512
+    result["layers"][1]["triton_fraction_of_ideal_io_speedup"] = 0.876
     monkeypatch.setattr(cli.console, "width", 80)
     cli._bench_tables(result)
     out = capsys.readouterr().out
     assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
     assert "median ms)" in out and "share of the" in out
-    shares = [f"{r['triton_fraction_of_ideal_speedup']:.2f}" for r in result["layers"]]
+    n = len(result["layers"])
     rows = [line for line in out.splitlines() if line.strip().startswith("llama-3.2-3b")]
-    assert len(rows) == 2 * len(result["layers"])
-    known = [f"{r['triton_rows_fraction_of_ideal_speedup']:.2f}" for r in result["layers"]]
-    for row, share, rows_known in zip(rows[len(shares):], shares, known):
-        assert row.split()[-4] == share, row
-        assert row.split()[-3] == rows_known, row
+    assert len(rows) == 3 * n
+    for layer, row in zip(result["layers"], rows[2 * n:]):
+        cells = row.split()
+        assert cells[-3] == f"{layer['triton_fraction_of_ideal_speedup']:.2f}", row
+        assert cells[-2] == f"{layer['triton_rows_fraction_of_ideal_speedup']:.2f}", row
+        io = layer.get("triton_fraction_of_ideal_io_speedup")
+        assert cells[-1] == (f"{io:.2f}" if io is not None else "-"), row
+    assert rows[1].split()[-3] == "0.051" and rows[2 * n + 1].split()[-1] == "0.88"
+    assert rows[0].split()[-3] == "-"  # no ideal +io time in this file's first layer
     result["layers"][0].pop("triton_rows_fraction_of_ideal_speedup")  # a file from before that timing
     cli._bench_tables(result)
     first = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llama-3.2-3b")]
-    assert first[len(shares)].split()[-3] == "-"
+    assert first[2 * n].split()[-2] == "-"

@@ -144,7 +144,7 @@ def test_patched_tiny_model_matches_dense(arch):
         out.loss.backward()
         results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
     (l0, g0), (l1, g1) = results
-    assert torch.equal(l0, l1)
+    assert_same_loss(l0, l1)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
     hints = [m._sebp_act_hint for m in sebp.modules() if "_sebp_act_hint" in vars(m)]
@@ -162,9 +162,20 @@ def _loss_and_grads(model, batch):
     return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_loss(l0, l1):
+    """The same loss, bit for bit on a GPU (SwiGLU's kernel computes silu with expf, as torch's does). Under the
+    interpreter the kernel's exp is numpy's, which differs from torch's CPU one in the last bit on some CPUs
+    (an AMD EPYC with AVX2: 511 of 3072 SwiGLU outputs of a 64 x 48 test, 2.4e-7 at most), so there the loss
+    only agrees to 1e-6."""
+    if INTERPRET:
+        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(l0, l1)
+
+
 def _assert_same_training(dense, sebp, batch):
     (l0, g0), (l1, g1) = _loss_and_grads(dense, batch), _loss_and_grads(sebp, batch)
-    assert torch.equal(l0, l1)
+    assert_same_loss(l0, l1)
     assert g0.keys() == g1.keys() and g0
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
