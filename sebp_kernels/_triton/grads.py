@@ -16,9 +16,9 @@ import triton.language as tl
 
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
-from .tiles import _split_rows, gdc_enter
+from .tiles import _split_rows
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
-from .launch import FastLaunch, Plans, fit_to_device, pdl, pdl_kw, plan_ids
+from .launch import FastLaunch, Plans, fit_to_device, plan_ids
 from .tuning import LEVELS, cdiv, gemm_config
 
 
@@ -32,9 +32,8 @@ def _grads_kernel(
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, DB_ALIGN: tl.constexpr, DB_MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr, DX_MIN_K: tl.constexpr,
-    DX_MAX_SPLIT: tl.constexpr, GDC: tl.constexpr = False,
+    DX_MAX_SPLIT: tl.constexpr,
 ):
-    gdc_enter(GDC)
     # ticket_ptr: the dW tiles' split counters, then the db column blocks', then the dX tiles'.
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
@@ -84,7 +83,7 @@ _N_TENSORS = 12  # the kernel's leading tensor arguments
 
 
 def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
-          dy_stride, xs_stride, w_stride, level, gdc=False) -> _Plan:
+          dy_stride, xs_stride, w_stride, level) -> _Plan:
     cfg = dict(gemm_config("dw", dtype, interpret, level))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -117,7 +116,7 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
         DX_STAGES=gemm_config("dx", dtype, interpret, level).get("num_stages", 1), DX_MIN_K=dx_min_k,
-        DX_MAX_SPLIT=MAX_SPLIT, **pdl_kw(gdc), **cfg, **opts)
+        DX_MAX_SPLIT=MAX_SPLIT, **cfg, **opts)
     plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
     return plan
 
@@ -144,13 +143,12 @@ def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee
     m, n_out = dy.shape
     n_in = weight.shape[1]
     xs = x if need_dw else dy
-    gdc = pdl(dy.device)
     key = (m, n_out, n_in, dy.dtype, xs.dtype, weight.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, gdc)
+           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, gdc))
+                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level))
     dev = dy.device
     dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
     dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None

@@ -16,7 +16,6 @@ JIT path.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import warnings
@@ -29,28 +28,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # engine runs each device's backward on its own thread; next() on a count is atomic under the GIL).
 plan_ids = itertools.count()
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether the selection and gradient kernels launch on ``device`` with programmatic dependent launch
-    (Hopper and later: a kernel's programs may start while the kernel before it on the stream finishes; each
-    waits for it with ``griddepcontrol.wait`` before reading anything, see :func:`.tiles.gdc_enter`).
-    ``SEBP_PDL=0`` in the environment turns it off."""
-    if INTERPRET or device.type != "cuda" or os.environ.get("SEBP_PDL", "1") == "0":
-        return False
-    return _pdl_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def pdl_kw(gdc: bool) -> dict:
-    """The keywords of a launch with (``gdc``) or without programmatic dependent launch: the kernel's ``GDC``
-    constexpr (passed either way: :class:`FastLaunch` looks every constexpr up by name) and Triton's
-    ``launch_pdl`` option (left out without it, so such launches are as before)."""
-    return {"GDC": True, "launch_pdl": True} if gdc else {"GDC": False}
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_of(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def _spec(v):

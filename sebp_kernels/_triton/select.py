@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FastLaunch, Plans, pdl, pdl_kw, plan_ids
-from .tiles import gdc_enter
+from .launch import FastLaunch, Plans, plan_ids
 from .tuning import cdiv
 
 EXACT, THRESHOLD = 0, 1
@@ -52,9 +51,7 @@ def _row_flags_kernel(
     stride_m, stride_n,
     eps,
     MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
-    GDC: tl.constexpr = False,
 ):
-    gdc_enter(GDC)
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < M
@@ -80,9 +77,8 @@ def _row_flags_kernel(
 def _compact_kernel(
     flags_ptr, block_count_ptr, perm_ptr, count_ptr,
     M,
-    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, BLOCK_NB: tl.constexpr, GDC: tl.constexpr = False,
+    BLOCK_R: tl.constexpr, ROWS: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):
-    gdc_enter(GDC)
     # flags_ptr: a 0/1 flag per row; block_count_ptr: the active count of each block of BLOCK_R rows.
     # Program pid places ROWS rows (a multiple of BLOCK_R).
     pid = tl.program_id(0)
@@ -158,14 +154,14 @@ def selection_buffers(m: int, nb: int, device: torch.device):
     return torch.empty(2 * m + nb + 1, dtype=torch.int32, device=device).split((m, m, nb, 1))
 
 
-def compact_plan(m: int, block_r: int, interpret: bool, gdc: bool = False) -> tuple[int, dict]:
+def compact_plan(m: int, block_r: int, interpret: bool) -> tuple[int, dict]:
     """(programs, keywords) of the compaction pass after a flags pass over blocks of ``block_r`` rows (a power
-    of 2, as ``COMPACT_ROWS`` is); ``gdc``: launched with programmatic dependent launch."""
+    of 2, as ``COMPACT_ROWS`` is)."""
     nb = cdiv(m, block_r)
     rows = max(block_r, 16 if interpret else COMPACT_ROWS)
     block_nb = 16 if interpret else min(4096, max(16, triton.next_power_of_2(nb)))
     return cdiv(m, rows), {"BLOCK_R": block_r, "ROWS": rows, "BLOCK_NB": block_nb,
-                           "num_warps": 1 if interpret else 4, **pdl_kw(gdc)}
+                           "num_warps": 1 if interpret else 4}
 
 
 _row_flags = FastLaunch(_row_flags_kernel)
@@ -199,11 +195,10 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
     m, n = dy.shape
     if mode == "topk":
         return _topk_perm(dy, top_n, interpret)
-    gdc = pdl(dy.device)
-    key = (m, n, dy.dtype, dy.stride(), mode, eps, interpret, gdc)
+    key = (m, n, dy.dtype, dy.stride(), mode, eps, interpret)
     plan = _SELECT_PLANS.get(key)
     if plan is None:
-        plan = _SELECT_PLANS.add(key, _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret, gdc))
+        plan = _SELECT_PLANS.add(key, _select_plan(m, n, dy.dtype, dy.stride(), mode, eps, interpret))
     idx, nb, n_compact, flags_ints, flags_kw, compact_kw = plan
     perm, flags, block_count, count = selection_buffers(m, nb, dy.device)
     _row_flags.launch_planned((nb,), idx, 3, (dy, flags, block_count, *flags_ints), flags_kw)
@@ -214,15 +209,14 @@ def select_rows_device(dy: torch.Tensor, mode: str, eps: float = 0.0, top_n: int
 _SELECT_PLANS = Plans(_row_flags, _compact)  # (shape, dtype, strides, mode, eps, interpreter) -> both passes
 
 
-def _select_plan(m, n, dtype, stride, mode, eps, interpret, gdc=False):
+def _select_plan(m, n, dtype, stride, mode, eps, interpret):
     """(plan number, flag blocks, compaction programs, the flags pass's scalar arguments, and both passes'
-    keywords); ``gdc``: both launched with programmatic dependent launch."""
+    keywords)."""
     block_r, block_c, unroll, warps = _flag_blocks(n, interpret)
     nb = cdiv(m, block_r)
     mode_id = EXACT if mode == "exact" else THRESHOLD
-    flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "UNROLL": unroll, "num_warps": warps,
-                **pdl_kw(gdc)}
-    n_compact, compact_kw = compact_plan(m, block_r, interpret, gdc)
+    flags_kw = {"MODE": mode_id, "BLOCK_R": block_r, "BLOCK_C": block_c, "UNROLL": unroll, "num_warps": warps}
+    n_compact, compact_kw = compact_plan(m, block_r, interpret)
     return next(plan_ids), nb, n_compact, (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw
 
 

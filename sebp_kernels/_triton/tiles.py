@@ -6,17 +6,6 @@ import triton.language as tl
 
 
 @triton.jit
-def gdc_enter(GDC: tl.constexpr):
-    """First statement of a kernel launched with programmatic dependent launch (``GDC``; see
-    :func:`.launch.pdl`): wait until the kernel before it on the stream has finished and its writes are
-    visible, then let the kernel after it start its programs (they wait in turn). Nothing is read before the
-    wait, so the order of results is as without it."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def grouped_tile(pid, ROWS, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of program ``pid`` over a ROWS x COLS output in grouped order: GROUP_M row tiles are
     walked together, so neighbouring programs share operand tiles in L2."""
