@@ -397,8 +397,10 @@ def bench_cmd(
     - `sebp-probe bench llama-3.2-3b --scope model --norms --acts` : and on the MLP activations
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
-    Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; triton = the
-    fused SEBP backward (selection included); torch ref = the pure-torch SEBP. Exit code 1 without a GPU.
+    Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; ideal +io =
+    the ideal plus the bytes SEBP cannot skip (dY's inactive rows read, dX's zero rows written) at the fill
+    bandwidth measured in the run; triton = the fused SEBP backward (selection included); torch ref = the
+    pure-torch SEBP. Exit code 1 without a GPU.
     """
     import json
     import shlex
