@@ -52,6 +52,20 @@ def _train_records(path: Path) -> list[dict]:
     return [{k: r[k] for k in keep if k in r} for r in map(json.loads, path.read_text().splitlines())]
 
 
+def assert_same_records(got: list[dict], want: list[dict]) -> None:
+    """The same training records from two processes: steps, learning rates, tokens and accuracies equal, losses
+    equal to 1e-6. On some CPUs (an AMD EPYC, 2026-11-23) the same run in another process now and then gave a
+    loss 1e-7 apart (a step's loss in its last bits, one run in three or four), whatever the thread count;
+    a resume that went wrong (other batches, other dropout masks, a lost optimizer state) moves them by far
+    more."""
+    assert [{k: v for k, v in r.items() if "loss" not in k} for r in got] == \
+        [{k: v for k, v in r.items() if "loss" not in k} for r in want]
+    for g, w in zip(got, want):
+        for k in ("loss", "eval_loss"):
+            if k in w:
+                assert g[k] == pytest.approx(w[k], rel=1e-6, abs=0), (g, w)
+
+
 def test_help_has_examples():
     r = _run(["--help"])
     assert r.exit_code == 0
@@ -209,13 +223,14 @@ def test_non_finite_loss_stops_with_a_clear_message(tiny, tmp_path):
 def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     """Real MiniLM (dropout on) on tweets: SIGTERM from outside, then --resume == an uninterrupted run."""
     base = ["minilm", "tweets", *FAST, "--max-steps", "8", "--eval-steps", "4", "--save-steps", "100"]
-    r = _run([*base, "-o", str(tmp_path / "a")])
-    assert r.exit_code == 0, r.output
+    # Every run is a process of its own with one thread, as the one interrupted must be.
+    cmd = [sys.executable, "-m", "sebp_probe", "finetune", *base, "-o"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([*cmd, str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=480)
+    assert r.returncode == 0, r.stderr
 
     out = tmp_path / "b"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "sebp_probe", "finetune", *base, "-o", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([*cmd, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     metrics, deadline = out / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and metrics.read_text().count('"train"') >= 2:
@@ -228,9 +243,9 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 8
 
-    r = _run([*base, "-o", str(out), "--resume"])
-    assert r.exit_code == 0, r.output
-    assert _train_records(out / "metrics.jsonl") == _train_records(tmp_path / "a" / "metrics.jsonl")
+    r = subprocess.run([*cmd, str(out), "--resume"], capture_output=True, text=True, env=env, timeout=480)
+    assert r.returncode == 0, r.stderr
+    assert_same_records(_train_records(out / "metrics.jsonl"), _train_records(tmp_path / "a" / "metrics.jsonl"))
 
 
 def test_topk_report_from_other_batch_shapes_is_refused(tiny, tmp_path):

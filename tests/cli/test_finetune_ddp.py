@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.cli.test_finetune_cli import _tiny_bert, _train_records
+from tests.cli.test_finetune_cli import _tiny_bert, _train_records, assert_same_records
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,8 @@ def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
     p = _torchrun(*base, "-o", str(tmp_path / "b"), "--resume")
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-2000:]
-    assert _train_records(tmp_path / "b" / "metrics.jsonl") == _train_records(tmp_path / "a" / "metrics.jsonl")
+    assert_same_records(_train_records(tmp_path / "b" / "metrics.jsonl"),
+                        _train_records(tmp_path / "a" / "metrics.jsonl"))
 
 
 def test_two_process_auto_eps_shares_the_main_report(tiny, tmp_path):
