@@ -334,7 +334,6 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
         def ideal():
             return dy_k @ w, dy_k.t() @ x_k, (dy_k.sum(0) if bias else None)
 
-
         methods = {
             "dense": (dense, True),
             "ideal": (ideal, True),

@@ -172,7 +172,7 @@ def roundoff_first_queries(model: torch.nn.Module, suffix: str = "q_proj", scale
         if not quiet.any():
             return grad
         ramp = torch.linspace(1.0, 2.0, g.shape[1], dtype=g.dtype, device=g.device) * scale
-        return g.masked_fill(quiet[:, None], 0.0).add(quiet[:, None].to(g.dtype) * ramp).view_as(grad)
+        return (g + quiet[:, None].to(g.dtype) * ramp).view_as(grad)  # quiet rows are all zero
 
     def on_forward(module, args, out):
         if out.requires_grad:
