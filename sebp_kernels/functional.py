@@ -19,6 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import zero_rows
 from .config import SEBPConfig
 from .ops import traced_linear  # (importing .ops registers the sebp:: custom ops)
 from .density import RowDensity
@@ -67,15 +68,17 @@ class SEBPLinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if not (need_dx or need_dw or need_db):
             return None, None, None, None, None, None
-        dx, dw, db = linear_grads(dy, x, weight, ctx.config, need_dx, need_dw, need_db, ctx.state, ctx.hint)
+        dx, dw, db = linear_grads(dy, x, weight, ctx.config, need_dx, need_dw, need_db, ctx.state, ctx.hint,
+                                  pool=True)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
         return dx, dw, db, None, None, None
 
 
-def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, hint=None):
+def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, hint=None, pool=False):
     """(dX as 2-D rows, dW, db) of the SEBP linear, None where not asked for (shared by the autograd Function
-    and the compiled op of :mod:`.ops`)."""
+    and the compiled op of :mod:`.ops`). ``pool``: dX may come from :mod:`.zero_rows` (when it is enabled;
+    never for the compiled op, whose output memory the compiled code may reuse)."""
     impl = resolve_backend(config, dy.device)
     # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
     rows = (hint.take(dy) if hint is not None and config.mode == "exact" and impl is not sebp_backward_torch
@@ -84,6 +87,10 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
     x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
     if impl is sebp_backward_torch:
         return impl(dy2, x2, weight, config, need_dx, need_dw, need_db)
+    buf = (zero_rows.pooled(dy2.shape[0], weight.shape[1], dy.dtype, dy.device)
+           if pool and need_dx and zero_rows.enabled() else None)
+    if buf is not None:
+        return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows, dx_buffer=buf)
     return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows)
 
 

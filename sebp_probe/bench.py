@@ -12,6 +12,11 @@ rows of each sequence are real), the backward of one linear is timed as:
 - ``triton_adaptive``: the same with the layer's density estimate (what ``SEBPLinear`` runs): in exact mode,
   after a backward with at least 85% of rows active it takes the dense cuBLAS backward (timed at steady
   state, after the warm-up calls; every 16th eager backward also runs the row selection, not timed here);
+- ``triton_reuse`` and ``triton_rows_reuse`` (``triton_rows_reuse`` in exact mode only): the same two with dX
+  in a :class:`~sebp_kernels.zero_rows.ZeroRowBuffer` (dX's zero rows kept between backwards, only the rows
+  active the time before zeroed), taking turns with a second dY of the same density whose active rows are
+  the last ones of each sequence instead of the first (left padding, no row in common below density 0.5):
+  each backward zeroes the other's k rows, the most it can have to. Median over both layouts' calls;
 - ``ideal``: dense GEMMs on the k active rows already laid out contiguously (selection, gather and the zero
   rows of dX for free): the floor SEBP can approach.
 - ``ideal_io`` (computed, not timed): ``ideal`` plus the bytes that SEBP's interface makes unavoidable at the
@@ -217,15 +222,18 @@ def time_fn(fn: Callable[[], object], repeats: int, flush: _Flush, graph: bool) 
     return statistics.median(_time_once(run, flush) for _ in range(repeats))
 
 
-def time_methods(methods: dict, repeats: int, flush: _Flush) -> dict:
-    """Median milliseconds of each ``name: (fn, graph)``, the methods taking turns within every repeat: the
-    GPU's clocks drift over a run (its power limit), and timing one method's repeats back to back let the
-    drift land on whichever came later (H100, 2026-11-22: the same cuBLAS calls measured 1-9% apart)."""
+def time_methods(methods: dict, repeats: int, flush: _Flush, pooled: dict | None = None) -> dict:
+    """Median milliseconds of each ``name: (fn, graph)``, the methods taking turns within every repeat (in
+    dict order): the GPU's clocks drift over a run (its power limit), and timing one method's repeats back to
+    back let the drift land on whichever came later (H100, 2026-11-22: the same cuBLAS calls measured 1-9%
+    apart). ``pooled``: ``{name: into}``, the times of ``name`` join those of ``into`` (one median of both)."""
     runs = {name: _prepared(fn, graph) for name, (fn, graph) in methods.items()}
     times: dict = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             times[name].append(_time_once(run, flush))
+    for name, into in (pooled or {}).items():
+        times[into] += times.pop(name)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -285,8 +293,9 @@ class LayerResult:
             d["triton_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton"], 3)
         if "triton" in self.ms and "ideal_io" in self.ms:
             d["triton_fraction_of_ideal_io_speedup"] = round(self.ms["ideal_io"] / self.ms["triton"], 3)
-        if "triton_rows" in self.ms and "ideal" in self.ms:
-            d["triton_rows_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms["triton_rows"], 3)
+        for name in ("triton_rows", "triton_reuse", "triton_rows_reuse"):
+            if name in self.ms and "ideal" in self.ms:
+                d[f"{name}_fraction_of_ideal_speedup"] = round(self.ms["ideal"] / self.ms[name], 3)
         if "triton" in self.ms and "torch_ref" in self.ms:
             d["triton_vs_torch_ref"] = round(self.ms["torch_ref"] / self.ms["triton"], 3)
         return d
@@ -301,6 +310,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
     from sebp_kernels.density import RowDensity
     from sebp_kernels._triton.select import select_rows_device
     from sebp_kernels.reference import backward_over_rows, sebp_backward_torch
+    from sebp_kernels.zero_rows import ZeroRowBuffer
 
     _require_cuda()
     dev = torch.device("cuda")
@@ -346,16 +356,32 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
             known = select_rows_device(dy, "exact")
             methods["triton_rows"] = (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known),
                                       True)
+        # dX kept between backwards, taking turns with the left-padded layout (see the module docstring)
+        dy_b = dy_full * mask.flip(0).unsqueeze(1).to(dtype)
+        buf = ZeroRowBuffer(m, n_in, dtype, dev)
+        methods["triton_reuse"] = (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, dx_buffer=buf),
+                                   True)
+        methods["triton_reuse_b"] = (
+            lambda: sebp_backward_triton(dy_b, x, w, cfg, True, True, bias, dx_buffer=buf), True)
+        pooled = {"triton_reuse_b": "triton_reuse"}
+        if mode == "exact":
+            known_b = select_rows_device(dy_b, "exact")
+            methods["triton_rows_reuse"] = (
+                lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known, dx_buffer=buf), True)
+            methods["triton_rows_reuse_b"] = (
+                lambda: sebp_backward_triton(dy_b, x, w, cfg, True, True, bias, rows=known_b, dx_buffer=buf), True)
+            pooled["triton_rows_reuse_b"] = "triton_rows_reuse"
         res = LayerResult(shape, density, k)
         if progress:
             progress(f"{shape.name} d={density:g}")
-        res.ms = {name: round(ms, 5) for name, ms in time_methods(methods, repeats, flush).items()}
+        res.ms = {name: round(ms, 5) for name, ms in time_methods(methods, repeats, flush, pooled).items()}
         n_read = m if mode == "topk" else m - k  # dY rows read in full to find the active ones
         res.io_bytes = (n_read * n_out + (m - k) * n_in) * dy.element_size()
         res.fill_tb_s = round(fill_tb_s, 3)
         res.ms["ideal_io"] = round(res.ms["ideal"] + res.io_bytes / (fill_tb_s * 1e9), 5)
         for name, (fn, _) in methods.items():
-            res.peak_mib[name] = round(peak_extra_mib(fn), 2)
+            if name not in pooled:
+                res.peak_mib[name] = round(peak_extra_mib(fn), 2)
         results.append(res)
     return results
 
@@ -534,7 +560,7 @@ def _time_step_graphed(model, batch: dict, repeats: int) -> dict:
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, batches: int = 3,
                 mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None,
                 pad_mask: bool = True, breakdown: bool = False, norms: bool = False,
-                acts: bool = False) -> dict:
+                acts: bool = False, keep_dx: bool = False) -> dict:
     """Whole-model forward+backward: dense vs SEBP on the padded batch, and dense on the trimmed batch.
 
     ``batches`` different padded batches (fresh lengths each); times are the median over them. With
@@ -543,8 +569,12 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     decoders only, the padding mask left out (see the module docstring). ``breakdown``: the first batch's
     backward kernel time by kind, for each run. ``norms``: the SEBP run also swaps the LayerNorms/RMSNorms
     for :class:`~sebp_kernels.SEBPNorm` (exact; the zero rows of their dL/dY skipped too). ``acts``: it also
-    runs the MLP activations as SEBP activations (:func:`~sebp_probe.patch.patch_activations`).
+    runs the MLP activations as SEBP activations (:func:`~sebp_probe.patch.patch_activations`). ``keep_dx``:
+    the SEBP run takes its linears' dX from :mod:`sebp_kernels.zero_rows` (zero rows kept between backwards;
+    CUDA graphs take the buffers of the eager warm-up steps), whose buffers count in its peak memory; the pool
+    is emptied after each SEBP run.
     """
+    from sebp_kernels import zero_rows
     from sebp_kernels import SEBPConfig
 
     from .patch import find_targets, patch_activations, patch_model, patch_norms, unpatch_model
@@ -579,7 +609,12 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         n_acts = len(patch_activations(model)) if acts else 0
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: SEBP, padded")
-        measure("sebp_padded", padded)
+        zero_rows.enable(keep_dx)
+        try:
+            measure("sebp_padded", padded)
+        finally:  # the graphs of the run are gone: their buffers too, before the next run's peak memory
+            zero_rows.enable(False)
+            zero_rows.forget_captured()
         unpatch_model(model)
         if progress:
             progress(f"{case.name} batch {bi + 1}/{batches}: dense, padding trimmed")
@@ -595,7 +630,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     torch.cuda.empty_cache()
     result = {
         "case": asdict(case), "dtype": str(dtype).replace("torch.", ""), "mode": mode, "pad_mask": pad_mask,
-        "sebp_layers": n_linear, "sebp_norms": n_norms, "sebp_acts": n_acts,
+        "sebp_layers": n_linear, "sebp_norms": n_norms, "sebp_acts": n_acts, "sebp_keep_dx": keep_dx,
         "lengths": all_lengths, "token_density": round(tokens / (batches * case.batch * case.seq), 4),
         "median": summary, "per_batch": runs,
         "backward_speedup": round(dense["backward_ms"] / sebp["backward_ms"], 3),

@@ -271,7 +271,8 @@ def _bench_tables(result: dict) -> None:
         what = f"{result['dtype']}, {result['mode']}"
         times = ("k", "dense", "ideal", "ideal +io", "triton", "torch ref")
         speedups = ("x ideal", "x triton", "x adaptive", "x torch ref", "peak MiB d/t")
-        shares = ("of ideal", "of ideal, rows known", "of ideal +io")
+        shares = ("of ideal", "of ideal, rows known", "of ideal +io", "of ideal, dX kept",
+                  "of ideal, rows known, dX kept")
         # one table where the console is wide enough, else the times, the speedups and the shares apart (rich
         # would cut every column of a 15-column table to a few characters at 80 columns, the width of piped
         # output)
@@ -302,6 +303,11 @@ def _bench_tables(result: dict) -> None:
                                                   if "triton_rows_fraction_of_ideal_speedup" in r else "-"),
                          "of ideal +io": (f"{r['triton_fraction_of_ideal_io_speedup']:.2f}"
                                          if "triton_fraction_of_ideal_io_speedup" in r else "-"),
+                         "of ideal, dX kept": (f"{r['triton_reuse_fraction_of_ideal_speedup']:.2f}"
+                                               if "triton_reuse_fraction_of_ideal_speedup" in r else "-"),
+                         "of ideal, rows known, dX kept": (
+                             f"{r['triton_rows_reuse_fraction_of_ideal_speedup']:.2f}"
+                             if "triton_rows_reuse_fraction_of_ideal_speedup" in r else "-"),
                          "x torch ref": f"{r['triton_vs_torch_ref']:.2f}",
                          "peak MiB d/t": f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}"}
                 table.add_row(r["shape"]["name"], f"{r['density']:g}", *(cells[c] for c in cols))
@@ -309,7 +315,8 @@ def _bench_tables(result: dict) -> None:
     for m in result.get("models", []):
         no_mask = ("" if m.get("pad_mask", True) else ", no padding mask") + (
             f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "") + (
-            f", SEBP on {m['sebp_acts']} MLP activations" if m.get("sebp_acts") else "")
+            f", SEBP on {m['sebp_acts']} MLP activations" if m.get("sebp_acts") else "") + (
+            ", dX zero rows kept" if m.get("sebp_keep_dx") else "")
         table = Table(title=f"{m['case']['name']} forward+backward, batch {m['case']['batch']} x {m['case']['seq']}"
                             f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
         for col in ("run", "forward", "backward", "step", "peak GiB"):
@@ -380,6 +387,8 @@ def bench_cmd(
     acts: bool = typer.Option(False, "--acts", help="Whole model: the SEBP run also runs the MLP activations "
                               "(SwiGLU, GELU) as SEBP activations (their zero rows skipped; the linears "
                               "before them skip their row selection)."),
+    keep_dx: bool = typer.Option(False, "--keep-dx", help="Whole model: the SEBP run keeps each dX's zero rows "
+                                 "between backwards (sebp_kernels.zero_rows)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -429,8 +438,8 @@ def bench_cmd(
             bench.check_pad_mask(bench.MODEL_CASES[models[0]], pad_mask)
         except ValueError as e:
             raise UserError(f"--no-pad-mask: {e}") from None
-    elif not pad_mask or breakdown or norms or acts:
-        raise UserError("--no-pad-mask, --breakdown, --norms and --acts are for the whole-model run "
+    elif not pad_mask or breakdown or norms or acts or keep_dx:
+        raise UserError("--no-pad-mask, --breakdown, --norms, --acts and --keep-dx are for the whole-model run "
                         "(--scope model or all)")
     if dry_run:
         console.print_json(json.dumps(bench.run_plan(shapes, dens, models)))
@@ -448,7 +457,8 @@ def bench_cmd(
             result["models"].append(bench.bench_model(bench.MODEL_CASES[name], bench.DTYPES[dtype],
                                                        model_repeats, mode=mode, graphs=graphs,
                                                        progress=progress, pad_mask=pad_mask,
-                                                       breakdown=breakdown, norms=norms, acts=acts))
+                                                       breakdown=breakdown, norms=norms, acts=acts,
+                                                       keep_dx=keep_dx))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 

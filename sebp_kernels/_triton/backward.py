@@ -70,6 +70,7 @@ def sebp_backward_triton(
     need_db: bool = True,
     state: RowDensity | None = None,
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dx_buffer=None,
 ):
     """(dX, dW, db) of ``Y = X Wᵀ + b`` over the active rows of 2-D ``dy`` (M, out); None where not needed.
 
@@ -78,7 +79,9 @@ def sebp_backward_triton(
     exact mode, a layer whose rows were nearly all active last time takes the dense backward instead (the
     same gradients: its skipped rows are zero; see :mod:`sebp_kernels.density`). ``rows``: (permutation,
     device-side count) of a superset of dY's non-zero rows, known from the backward that wrote dY (exact mode
-    only): the select pass is skipped.
+    only): the select pass is skipped. ``dx_buffer``: a :class:`~sebp_kernels.zero_rows.ZeroRowBuffer` of
+    dX's shape and dtype: dX is written into it, zeroing only the rows it marks dirty (the dense path and the
+    torch path leave it alone and return a new dX).
     """
     if not (need_dx or need_dw or need_db):
         return None, None, None
@@ -103,7 +106,7 @@ def sebp_backward_triton(
     else:
         perm, count = select_rows_device(dy, config.mode, config.eps, config.top_n, interpret=INTERPRET)
     dx, dw, db = grads_rows(dy, x, weight, perm, count, need_dx, need_dw, need_db, _ieee(dy.dtype),
-                            _sm_count(dy.device), INTERPRET, 1 if INTERPRET else None)
+                            _sm_count(dy.device), INTERPRET, 1 if INTERPRET else None, dx_buffer=dx_buffer)
     if state is not None:
         state.observe(count, dy.shape[0], capturing)
     return dx, dw, db

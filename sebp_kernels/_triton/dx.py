@@ -5,6 +5,14 @@ The grid covers the worst case (all M rows). Program tile ``pid_m`` covers posit
 the device-side count ``k`` hold inactive rows: they store zeros into those rows of dX and do no GEMM work;
 a tile that straddles ``k`` loads its inactive rows as zeros, so they come out zero too. Every row of dX is
 written exactly once, so dX needs no memset.
+
+With ``REUSE`` (a :class:`~sebp_kernels.zero_rows.ZeroRowBuffer` as dX), dX is a buffer whose rows stay
+zero between backwards, and ``dirty`` (int8 per row) says which rows may hold non-zeros. The computing tiles
+mark their rows; the zero tiles past ``k`` write only the dirty rows, each program a run of one row tile's
+column tiles, and the last program of a row tile to finish clears the marks (a ticket per row tile puts that
+after every program's read). A backward then writes its active rows and the rows active the time before,
+not all M. On an H100 (2026-11-23) one program per row tile was too few for M = 4096 (slower there than
+writing every zero row) and one per tile too many for M = 16384; ``ZERO_PROGRAMS_PER_SM`` sets how many.
 """
 from __future__ import annotations
 
@@ -83,12 +91,12 @@ def _dx_work(count, N, K, FILL, EXTRA, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _dx_program(
-    dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, count, g, FILL, EXTRA,
+    dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, dirty_ptr, zt_ticket_ptr, count, g, FILL, EXTRA,
     M, N, K,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
-    MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr, REUSE: tl.constexpr, ZERO_PROGRAMS: tl.constexpr,
 ):
     """Program ``g`` of the dX grid (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) + EXTRA`` programs; also called by
     the fused gradient kernel). STAGES: software-pipeline depth of the main loop.
@@ -98,7 +106,8 @@ def _dx_program(
     pieces of at least MIN_K, at most MAX_SPLIT), chosen here from the device-side k: the spare EXTRA
     programs do the extra pieces, and the last piece to finish adds the fp32 partials in piece order
     (``part_ptr``: at least T * S tiles of BLOCK_M x BLOCK_N; ``ticket_ptr``: T counters, zero between
-    launches). The programs after those write the zero rows of the tiles wholly past k; the rest exit.
+    launches). The programs after those write the zero rows of the tiles wholly past k (with ``REUSE``: only
+    the dirty ones; ``zt_ticket_ptr``: a counter per row tile, zero between launches); the rest exit.
     """
     # M rows of dY/dX, N = in_features, K = out_features.
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -123,6 +132,35 @@ def _dx_program(
         _store_split(dx_ptr, rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
                      part_ptr + t * (BLOCK_M * BLOCK_N), offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
                      t_act * (BLOCK_M * BLOCK_N), ticket_ptr, t, acc, in_m[:, None] & n_mask, pid_s, n_split)
+        if REUSE:
+            if (pid_n == 0) & (pid_s == 0):  # every row of the tile is written: the active ones may be non-zero
+                tl.store(dirty_ptr + rows, (pos < count).to(tl.int8), mask=in_m)
+    elif REUSE:
+        # The zero tiles as below, but only their dirty rows, and a program takes a run of a row tile's
+        # column tiles: enough programs to spread over the GPU (ZERO_PROGRAMS) whether the row tiles past k
+        # are few (Llama, M = 4096) or many (BERT, M = 16384), not a program per tile. The last program of a
+        # row tile to finish (a ticket per row tile) clears the marks, after every program has read them.
+        z = g - t_act * n_split
+        n_zt = tl.cdiv(M, BLOCK_M) - m_act
+        per = tl.cdiv(n_tiles_n, tl.minimum(tl.maximum(tl.cdiv(ZERO_PROGRAMS, tl.maximum(n_zt, 1)), 1),
+                                            n_tiles_n))  # column tiles a program
+        n_runs = tl.cdiv(n_tiles_n, per)
+        if z < n_zt * n_runs:
+            zt = m_act + z // n_runs
+            pos = zt * BLOCK_M + offs_bm
+            in_m = pos < M
+            rows = _perm_rows(perm_ptr, pos, in_m, BIG)
+            dirty = tl.load(dirty_ptr + rows, mask=in_m, other=0) != 0
+            if tl.max(dirty.to(tl.int32), axis=0) > 0:
+                zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty)
+                n0 = (z % n_runs) * per * BLOCK_N
+                for n1 in range(n0, tl.minimum(n0 + per * BLOCK_N, N), BLOCK_N):
+                    offs_n = n1 + offs_bn
+                    tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn, zeros,
+                             mask=dirty[:, None] & (offs_n < N)[None, :])
+                if tl.atomic_add(zt_ticket_ptr + zt, 1, sem="acq_rel") == n_runs - 1:
+                    tl.store(dirty_ptr + rows, tl.zeros([BLOCK_M], dtype=tl.int8), mask=dirty)
+                    tl.atomic_xchg(zt_ticket_ptr + zt, 0)
     else:
         z = g - t_act * n_split  # zero tiles: row tiles m_act, m_act + 1, ... (all past k)
         if z < (tl.cdiv(M, BLOCK_M) - m_act) * n_tiles_n:
@@ -144,9 +182,10 @@ def _dx_kernel(
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
     MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
 ):
-    _dx_program(dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, tl.load(count_ptr), tl.program_id(0),
-                FILL, EXTRA, M, N, K, stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES, MIN_K, MAX_SPLIT)
+    _dx_program(dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, perm_ptr, perm_ptr, tl.load(count_ptr),
+                tl.program_id(0), FILL, EXTRA, M, N, K, stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm,
+                stride_dxn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES, MIN_K, MAX_SPLIT, False,
+                1)
 
 
 _dx = FastLaunch(_dx_kernel)
@@ -160,6 +199,7 @@ MIN_K = 512  # K per dX split at least (8 steps of BLOCK_K = 64), beside the dW 
 # results/h100_dx_only_splits.json (this value itself not re-run there).
 MIN_K_ALONE = 1600
 MAX_SPLIT = 16
+ZERO_PROGRAMS_PER_SM = 1  # programs that zero a kept dX's dirty rows: 1-8 a SM, 1 best (results/h100_zero_rows)
 
 
 def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: bool, busy: int = 0):

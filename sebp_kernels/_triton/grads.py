@@ -17,6 +17,7 @@ import triton.language as tl
 from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
     _tickets, dw_splits
 from .tiles import _split_rows
+from . import dx as _dx_module
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
 from .launch import FastLaunch, Plans, fit_to_device, plan_ids
 from .tuning import LEVELS, cdiv, gemm_config
@@ -25,14 +26,15 @@ from .tuning import LEVELS, cdiv, gemm_config
 @triton.jit
 def _grads_kernel(
     dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, dx_part_ptr, perm_ptr, count_ptr,
-    ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS, DX_FILL, DX_EXTRA,
+    ticket_ptr, dirty_ptr, zt_ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS,
+    DX_FILL, DX_EXTRA,
     stride_dym, stride_dyo, stride_xm, stride_xi, stride_wo, stride_wi, stride_dxm, stride_dxi,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr, DO_DB: tl.constexpr,
     IEEE: tl.constexpr, BIG: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, DB_ALIGN: tl.constexpr, DB_MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr, DX_MIN_K: tl.constexpr,
-    DX_MAX_SPLIT: tl.constexpr,
+    DX_MAX_SPLIT: tl.constexpr, DX_REUSE: tl.constexpr, DX_ZERO_PROGRAMS: tl.constexpr,
 ):
     # ticket_ptr: the dW tiles' split counters, then the db column blocks', then the dX tiles'.
     pid = tl.program_id(0)
@@ -56,10 +58,11 @@ def _grads_kernel(
                      IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     elif (dx_pid >= 0) & (dx_pid < N_DX):
         if DO_DX:
-            _dx_program(dy_ptr, w_ptr, dx_ptr, dx_part_ptr, perm_ptr, ticket_ptr + DW_TILES + DB_COLS, count,
-                        dx_pid, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
+            _dx_program(dy_ptr, w_ptr, dx_ptr, dx_part_ptr, perm_ptr, ticket_ptr + DW_TILES + DB_COLS, dirty_ptr,
+                        zt_ticket_ptr, count, dx_pid, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
                         stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES, DX_MIN_K, DX_MAX_SPLIT)
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES, DX_MIN_K, DX_MAX_SPLIT,
+                        DX_REUSE, DX_ZERO_PROGRAMS)
     else:
         if DO_DB:
             g = pid - N_DW - N_DX
@@ -79,11 +82,12 @@ class _Plan:
     __slots__ = ("idx", "grid", "part_n", "ints", "kw", "n_tickets")
 
 
-_N_TENSORS = 12  # the kernel's leading tensor arguments
+_N_TENSORS = 14  # the kernel's leading tensor arguments
 
 
 def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
-          dy_stride, xs_stride, w_stride, level) -> _Plan:
+          dy_stride, xs_stride, w_stride, level, zero_programs=0) -> _Plan:
+    reuse = zero_programs > 0  # dX kept between backwards: ZERO_PROGRAMS programs zero its dirty rows
     cfg = dict(gemm_config("dw", dtype, interpret, level))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -116,7 +120,7 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
         DX_STAGES=gemm_config("dx", dtype, interpret, level).get("num_stages", 1), DX_MIN_K=dx_min_k,
-        DX_MAX_SPLIT=MAX_SPLIT, **cfg, **opts)
+        DX_MAX_SPLIT=MAX_SPLIT, DX_REUSE=reuse, DX_ZERO_PROGRAMS=max(zero_programs, 1), **cfg, **opts)
     plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
     return plan
 
@@ -126,31 +130,41 @@ _LEVEL: dict = {}  # device index -> the tile setting (tuning.gemm_config level)
 
 def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
                count: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, ieee: bool, n_sm: int,
-               interpret: bool = False, dw_split: int | None = None, db_split: int | None = None):
+               interpret: bool = False, dw_split: int | None = None, db_split: int | None = None,
+               dx_buffer=None):
     """(dX or None, dW or None, db or None) over rows ``perm[:count]`` in one launch; the same results as
     :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code).
+
+    ``dx_buffer``: a :class:`~.zero_rows.ZeroRowBuffer` of dX's shape and dtype; dX is then its tensor, and
+    only the rows active now or marked dirty are written.
 
     On a GPU whose shared memory does not hold the tiles (Triton's ``OutOfResources`` at the first launch),
     it takes the next smaller setting of :data:`~.tuning.FALLBACK_CONFIGS`, keeps it for that device, and
     says so once."""
     return fit_to_device(_LEVEL, dy.device, range(LEVELS), lambda level: _grads_at(
-        level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split),
-        "smaller GEMM tiles")
+        level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
+        dx_buffer), "smaller GEMM tiles")
 
 
 def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split,
-              db_split):
+              db_split, dx_buffer=None):
     m, n_out = dy.shape
     n_in = weight.shape[1]
     xs = x if need_dw else dy
+    zero_programs = _dx_module.ZERO_PROGRAMS_PER_SM * n_sm if dx_buffer is not None and need_dx else 0
     key = (m, n_out, n_in, dy.dtype, xs.dtype, weight.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level)
+           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, zero_programs)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level))
+                                     dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level,
+                                     zero_programs))
     dev = dy.device
-    dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
+    if zero_programs:
+        dx, dirty, zt_tickets = dx_buffer.take(m, n_in, dy.dtype)
+    else:
+        dx = torch.empty((m, n_in), dtype=dy.dtype, device=dev) if need_dx else None
+        dirty = zt_tickets = perm
     dw = torch.empty((n_out, n_in), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if need_db else None
     dw_part_n, db_part_n, dx_part_n = plan.part_n
@@ -162,5 +176,5 @@ def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee
     _grads.launch_planned(
         plan.grid, plan.idx, _N_TENSORS,
         (dy, xs, weight, dx if need_dx else dy, dw if need_dw else dy, db if need_db else dy, dw_part, db_part,
-         dx_part, perm, count, _tickets(dev, plan.n_tickets), *plan.ints), plan.kw)
+         dx_part, perm, count, _tickets(dev, plan.n_tickets), dirty, zt_tickets, *plan.ints), plan.kw)
     return dx, dw, db

@@ -60,7 +60,8 @@ def test_dry_run_explicit_layer():
      (["llama-3.2-3b", "--no-pad-mask"], "are for the whole-model run"),
      (["llama-3.2-3b", "--norms"], "are for the whole-model run"),
      (["llama-3.2-3b", "--acts", "--dry-run"], "are for the whole-model run"),
-     (["bert-base", "--breakdown", "--dry-run"], "are for the whole-model run")],
+     (["bert-base", "--breakdown", "--dry-run"], "are for the whole-model run"),
+     (["bert-base", "--keep-dx", "--dry-run"], "are for the whole-model run")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
     res = _run(*args)
@@ -174,6 +175,8 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     result["models"] = []
     result["layers"][1]["ms"]["ideal_io"] = 0.0512
     result["layers"][1]["triton_fraction_of_ideal_io_speedup"] = 0.876
+    result["layers"][1]["triton_reuse_fraction_of_ideal_speedup"] = 0.912
+    result["layers"][1]["triton_rows_reuse_fraction_of_ideal_speedup"] = 0.954
     monkeypatch.setattr(cli.console, "width", 80)
     cli._bench_tables(result)
     out = capsys.readouterr().out
@@ -184,13 +187,15 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     assert len(rows) == 3 * n
     for layer, row in zip(result["layers"], rows[2 * n:]):
         cells = row.split()
-        assert cells[-3] == f"{layer['triton_fraction_of_ideal_speedup']:.2f}", row
-        assert cells[-2] == f"{layer['triton_rows_fraction_of_ideal_speedup']:.2f}", row
-        io = layer.get("triton_fraction_of_ideal_io_speedup")
-        assert cells[-1] == (f"{io:.2f}" if io is not None else "-"), row
-    assert rows[1].split()[-3] == "0.051" and rows[2 * n + 1].split()[-1] == "0.88"
+        assert cells[-5] == f"{layer['triton_fraction_of_ideal_speedup']:.2f}", row
+        assert cells[-4] == f"{layer['triton_rows_fraction_of_ideal_speedup']:.2f}", row
+        for cell, key in zip(cells[-3:], ("triton_fraction_of_ideal_io_speedup",
+                                          "triton_reuse_fraction_of_ideal_speedup",
+                                          "triton_rows_reuse_fraction_of_ideal_speedup")):
+            assert cell == (f"{layer[key]:.2f}" if key in layer else "-"), row
+    assert rows[1].split()[-3] == "0.051" and rows[2 * n + 1].split()[-3:] == ["0.88", "0.91", "0.95"]
     assert rows[0].split()[-3] == "-"  # no ideal +io time in this file's first layer
     result["layers"][0].pop("triton_rows_fraction_of_ideal_speedup")  # a file from before that timing
     cli._bench_tables(result)
     first = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llama-3.2-3b")]
-    assert first[2 * n].split()[-2] == "-"
+    assert first[2 * n].split()[-4] == "-"
