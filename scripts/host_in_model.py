@@ -103,6 +103,11 @@ def main():
     syncs = [str(w.message).splitlines()[0] for w in caught if "sync" in str(w.message).lower()]
     print(f"   synchronizing calls in one SEBP backward: {len(syncs)}", syncs[:3])
     print(f"   SEBP again:                          {host_ms(model, batch):7.2f} ms")
+    from sebp_kernels import zero_rows
+
+    zero_rows.enable(True)
+    print(f"   with dX kept (zero_rows.enable()):   {host_ms(model, batch):7.2f} ms")
+    zero_rows.enable(False)
     ev = torch.cuda.Event()
     ev.record()
     a = torch.zeros(4, device="cuda")

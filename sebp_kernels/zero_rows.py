@@ -95,12 +95,21 @@ def _usable(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# torch's own C functions behind torch.cuda.is_current_stream_capturing() and current_stream(): the Python
+# wrappers cost 1-10 us a call on the device machine's host (current_stream builds a Stream object),
+# per SEBP linear of every backward. Absent from CPU-only builds, which never get here with a CUDA device.
+_IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and _IS_CAPTURING()
 
 
 def _stream_id(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    return _RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pooled(rows: int, features: int, dtype: torch.dtype, device: torch.device) -> ZeroRowBuffer | None:
