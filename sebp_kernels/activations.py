@@ -24,6 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import zero_rows
 from .ops import register
 from .reference import records_grad, refuse_missing_triton
 
@@ -112,15 +113,24 @@ def act_forward(kind: str, a: torch.Tensor, b: torch.Tensor | None, backend: str
     return h.view(a.shape), bad
 
 
-def _triton_grads(kind, dh, a, b, bad, need_a, need_b, backend, hint):
+def _triton_grads(kind, dh, a, b, bad, need_a, need_b, backend, hint, pool=False):
     """(dA, dB) by the Triton pass over the non-zero rows of ``dh``, handing their rows to ``hint``; None where
-    the Triton path does not take these tensors."""
+    the Triton path does not take these tensors. ``pool``: dA / dB may come from :mod:`.zero_rows` (when it is
+    enabled; not for the compiled op, whose output memory the compiled code may reuse)."""
     tri = _use_triton(backend, dh, a)
     if tri is None:
         return None
     n = a.shape[-1]
+    need_b = need_b and b is not None
+    keep = {}
+    if pool and zero_rows.enabled():
+        m = dh.numel() // n
+        keep_a = zero_rows.pooled(m, n, dh.dtype, dh.device) if need_a else None
+        held = keep_a.dx if keep_a is not None else None  # in use: the next request gets another buffer
+        keep = {"keep_a": keep_a, "keep_b": zero_rows.pooled(m, n, dh.dtype, dh.device) if need_b else None}
+        del held
     da, db, rows = tri[2](kind, dh.reshape(-1, n), a.reshape(-1, n), b.reshape(-1, n) if b is not None else None,
-                          bad, need_a, need_b and b is not None, hint is not None, tri[0])
+                          bad, need_a, need_b, hint is not None, tri[0], **keep)
     da = da.view(a.shape) if da is not None else None
     db = db.view(a.shape) if db is not None else None
     if rows is not None:
@@ -174,7 +184,7 @@ class SEBPActFunction(torch.autograd.Function):
             return None, None, None, None, None
         if ctx.triton:
             a, b, bad = ctx.saved_tensors
-            out = _triton_grads(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, ctx.hint)
+            out = _triton_grads(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, ctx.hint, pool=True)
             if out is not None:
                 return None, *out, None, None
             act = F.silu(a) if b is not None else None

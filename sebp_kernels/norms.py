@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from . import zero_rows
 from .config import SEBPConfig
 from .modules import _take_over
 from .ops import register, traced_layer_norm, traced_rms_norm
@@ -40,16 +41,19 @@ def _triton_norm():
     return tb.INTERPRET, MAX_N, norm_backward_triton, _sm_count
 
 
-def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n):
-    """Gradients over rows of ``n`` elements (the normalized dimensions flattened)."""
+def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias_dtype, n, pool=False):
+    """Gradients over rows of ``n`` elements (the normalized dimensions flattened). ``pool``: dX may come from
+    :mod:`.zero_rows` (when it is enabled; not for the compiled op)."""
     dy2, x2 = unit_col_stride(dy.reshape(-1, n)), unit_col_stride(x.reshape(-1, n))
     mean2 = mean.reshape(-1) if mean is not None else None
     tri = None if config.backend == "torch" else _triton_norm()
     refuse_missing_triton(config.backend, tri)
     if tri is not None and dy.device.type == ("cpu" if tri[0] else "cuda") and n <= tri[1] and dy2.shape[0]:
         interpret, _, launch, sm_count = tri
+        keep = (zero_rows.pooled(dy2.shape[0], n, x.dtype, dy.device)
+                if pool and need_dx and zero_rows.enabled() else None)
         dx, dw, db = launch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db,
-                            sm_count(dy.device), interpret, bias_dtype)
+                            sm_count(dy.device), interpret, bias_dtype, keep=keep)
     else:
         dx, dw, db = norm_backward_torch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db)
         if db is not None and bias_dtype is not None:
@@ -74,7 +78,7 @@ class SEBPLayerNormFunction(torch.autograd.Function):
         nx, nw, nb = ctx.needs_input_grad[:3]
         w = weight.reshape(-1) if weight is not None else None
         dx, dw, db = _backward(ctx.config, dy, x, w, mean, rstd, nx, nw, nb and ctx.bias_dtype is not None,
-                               ctx.bias_dtype, math.prod(ctx.normalized_shape))
+                               ctx.bias_dtype, math.prod(ctx.normalized_shape), pool=True)
         return (dx, dw.view(weight.shape) if dw is not None else None,
                 db.view(weight.shape) if db is not None else None, None, None, None)
 
@@ -99,7 +103,7 @@ class SEBPRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw, _ = _backward(ctx.config, dy, x, weight, None, rstd, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[1], False, None, x.shape[-1])
+                              ctx.needs_input_grad[1], False, None, x.shape[-1], pool=True)
         return dx, dw, None, None
 
 

@@ -91,17 +91,29 @@ def _act_fwd_kernel(
 
 @triton.jit
 def _act_bwd_kernel(
-    dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, bad_ptr, flags_ptr, block_count_ptr,
+    dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, bad_ptr, flags_ptr, block_count_ptr, dirty_a_ptr, dirty_b_ptr,
     M, N, stride_dh, stride_a, stride_b, stride_da, stride_db,
     KIND: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr, FLAGS: tl.constexpr,
     LIBDEVICE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    KEEP_A: tl.constexpr, KEEP_B: tl.constexpr,
 ):
+    # KEEP_A / KEEP_B: dA / dB is a kept buffer (sebp_kernels.zero_rows) whose rows marked clean in
+    # dirty_*_ptr are zero already: a tile of zero rows writes only the marked ones, and the program, which
+    # owns its rows in every column, leaves each row marked as it wrote it (non-zero input gradient or not).
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < M
     r64 = rows.to(tl.int64)
     bad = tl.load(bad_ptr + rows, mask=rmask, other=0) != 0
     active = bad.to(tl.int32)
+    dirty_a = rmask
+    dirty_b = rmask
+    if KEEP_A:
+        dirty_a = tl.load(dirty_a_ptr + rows, mask=rmask, other=0) != 0
+    if KEEP_B:
+        dirty_b = tl.load(dirty_b_ptr + rows, mask=rmask, other=0) != 0
+    any_a = tl.max(dirty_a.to(tl.int32), axis=0) > 0
+    any_b = tl.max(dirty_b.to(tl.int32), axis=0) > 0
     for c0 in range(0, N, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         m2 = rmask[:, None] & (cols < N)[None, :]
@@ -130,12 +142,18 @@ def _act_bwd_kernel(
                 pdf = _exp(-0.5 * a * a, LIBDEVICE) * 0.3989422804014327
                 da = dh * tl.fma(a, pdf, cdf)
                 tl.store(da_ptr + offs_a, da.to(dh_in.dtype), mask=m2)
-        else:  # a tile of zero rows (padding): zeros, and none of the math
+        else:  # a tile of zero rows (padding): zeros (kept buffers: on the marked rows only), none of the math
             zero = tl.zeros([BLOCK_R, BLOCK_C], dtype=dh_in.dtype)
             if NEED_A:
-                tl.store(da_ptr + offs_a, zero, mask=m2)
+                if any_a:
+                    tl.store(da_ptr + offs_a, zero, mask=m2 & dirty_a[:, None])
             if NEED_B:
-                tl.store(db_ptr + offs_b, zero, mask=m2)
+                if any_b:
+                    tl.store(db_ptr + offs_b, zero, mask=m2 & dirty_b[:, None])
+    if KEEP_A:
+        tl.store(dirty_a_ptr + rows, active.to(tl.int8), mask=rmask)
+    if KEEP_B:
+        tl.store(dirty_b_ptr + rows, active.to(tl.int8), mask=rmask)
     if FLAGS:
         tl.store(flags_ptr + rows, active, mask=rmask)
         tl.store(block_count_ptr + pid, tl.sum(tl.where(rmask, active, 0), axis=0))
@@ -187,18 +205,30 @@ def act_forward_triton(kind: str, a: torch.Tensor, b: torch.Tensor | None, flags
 
 
 def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, bad: torch.Tensor,
-                        need_a: bool, need_b: bool, want_rows: bool, interpret: bool = False):
+                        need_a: bool, need_b: bool, want_rows: bool, interpret: bool = False, keep_a=None,
+                        keep_b=None):
     """(dA or None, dB or None, rows): the input gradients of the activation for 2-D ``dh``, and with
-    ``want_rows`` the (permutation, device-side count) of the rows that can be non-zero in them (else None)."""
+    ``want_rows`` the (permutation, device-side count) of the rows that can be non-zero in them (else None).
+    ``keep_a`` / ``keep_b``: :class:`~sebp_kernels.zero_rows.ZeroRowBuffer` s that dA / dB are written into
+    (only the rows active now or marked are written), or None."""
+    keep_a = keep_a if need_a else None
+    keep_b = keep_b if need_b else None
     dh, a = unit_col_stride(dh), unit_col_stride(a)
     b = unit_col_stride(b) if b is not None else a
     m, n = dh.shape
     key = ("bwd", kind, m, n, need_a, need_b, want_rows, interpret, dh.dtype, a.dtype, b.dtype, dh.stride(0),
-           a.stride(0), b.stride(0))
+           a.stride(0), b.stride(0), keep_a is not None, keep_b is not None)
     idx, nb, kw, (n_compact, compact_kw) = _get_plan(key, kind, m, n, interpret)
     dev = dh.device
-    da = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_a else None
-    db = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_b else None
+    dirty_a = dirty_b = bad
+    if keep_a is not None:
+        da, dirty_a, _ = keep_a.take(m, n, dh.dtype)
+    else:
+        da = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_a else None
+    if keep_b is not None:
+        db, dirty_b, _ = keep_b.take(m, n, dh.dtype)
+    else:
+        db = torch.empty((m, n), dtype=dh.dtype, device=dev) if need_b else None
     if want_rows:
         perm, flags, block_count, count = selection_buffers(m, nb, dev)
     else:
@@ -206,11 +236,12 @@ def act_backward_triton(kind: str, dh: torch.Tensor, a: torch.Tensor, b: torch.T
     # outputs not asked for (or no flags) get another tensor as a pointer the kernel never touches; the
     # outputs are new (m, n) tensors: row stride n
     _bwd.launch_planned(
-        (nb,), idx, 8,
+        (nb,), idx, 10,
         (dh, a, b, da if need_a else dh, db if need_b else dh, bad,
-         flags if want_rows else bad, block_count if want_rows else bad,
+         flags if want_rows else bad, block_count if want_rows else bad, dirty_a, dirty_b,
          m, n, dh.stride(0), a.stride(0), b.stride(0), n, n),
-        dict(kw, NEED_A=need_a, NEED_B=need_b, FLAGS=want_rows))
+        dict(kw, NEED_A=need_a, NEED_B=need_b, FLAGS=want_rows, KEEP_A=keep_a is not None,
+             KEEP_B=keep_b is not None))
     rows = None
     if want_rows:
         _compact.launch_planned((n_compact,), idx, 4, (flags, block_count, perm, count, m), compact_kw)

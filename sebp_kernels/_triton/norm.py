@@ -24,11 +24,14 @@ MAX_N = 16384  # wider rows go to the torch reference (one row must fit in a pro
 
 @triton.jit
 def _norm_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, dirty_ptr,
     M, N, ROWS, stride_dy, stride_x, stride_dx,
     HAS_MEAN: tl.constexpr, HAS_W: tl.constexpr, DO_DX: tl.constexpr, DO_DB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, ACC2D: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
+    # KEEP: dX is a kept buffer (sebp_kernels.zero_rows): of its zero rows only those marked in dirty_ptr
+    # are written, and each row is left marked as active or not (a program owns its rows, all columns).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -68,7 +71,14 @@ def _norm_bwd_kernel(
                 dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
             else:
                 dx = (g - xhat * c1[:, None]) * rstd[:, None]
-            tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
+            if KEEP:
+                dirty = tl.load(dirty_ptr + rows, mask=rmask, other=0) != 0
+                tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                         mask=m2 & (active | dirty)[:, None])
+                tl.store(dirty_ptr + rows, active.to(tl.int8), mask=rmask)
+            else:
+                tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                         mask=m2)
         if ACC2D:
             acc_w += dy * xhat
             if DO_DB:
@@ -134,14 +144,14 @@ def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     return block_n, max(1, min(16, TILE // block_n)), 16 if block_n >= 8192 else WARPS
 
 
-def _plan(m, n, n_sm, interpret, has_mean, has_w, need_dx, do_dw, do_db, strides, stages):
+def _plan(m, n, n_sm, interpret, has_mean, has_w, need_dx, do_dw, do_db, strides, stages, keep=False):
     """(plan number, programs, the main kernel's integer arguments and keywords, the reduction's grid and
     keywords): what one shape launches with, worked out once."""
     block_n, block_r, warps = _blocks(n, interpret)
     rows = max(block_r, cdiv(cdiv(m, PROGRAMS_PER_SM * n_sm), block_r) * block_r)
     programs = cdiv(m, rows)
     kw = dict(HAS_MEAN=has_mean, HAS_W=has_w, DO_DX=need_dx, DO_DB=do_db, BLOCK_R=block_r, BLOCK_N=block_n,
-              STAGES=1 if interpret else stages, ACC2D=ACC2D, num_warps=warps)
+              STAGES=1 if interpret else stages, ACC2D=ACC2D, KEEP=keep, num_warps=warps)
     block = 16 if interpret else SUM_BLOCK
     sum_kw = dict(DO_DW=do_dw, DO_DB=do_db, BLOCK=block, BLOCK_P=4 if interpret else 32,
                   num_warps=1 if interpret else 4)
@@ -153,35 +163,43 @@ _STAGES: dict = {}  # device index -> position in (STAGES, 1) of the pipeline de
 
 def norm_backward_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
                          rstd: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, n_sm: int,
-                         interpret: bool = False, bias_dtype: torch.dtype | None = None):
+                         interpret: bool = False, bias_dtype: torch.dtype | None = None, keep=None):
     """(dX or None, dW or None, db or None) of a LayerNorm (``mean`` given) or RMSNorm over the non-zero rows
     of 2-D ``dy`` (see :func:`~sebp_kernels.reference.norm_backward_torch`, the same results).
 
     On a GPU whose shared memory does not hold STAGES tiles in flight (Triton's ``OutOfResources`` at the
     first launch; fp32 tiles take 64 KB a stage), it runs with one from then on for that device, and says so
-    once."""
+    once. ``keep``: a :class:`~sebp_kernels.zero_rows.ZeroRowBuffer` that dX is written into (of its zero
+    rows only the marked ones), or None."""
     return fit_to_device(_STAGES, dy.device, (STAGES, 1), lambda stages: _norm_at(
-        stages, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n_sm, interpret, bias_dtype),
+        stages, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n_sm, interpret, bias_dtype, keep),
         "one norm tile in flight")
 
 
-def _norm_at(stages, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n_sm, interpret, bias_dtype):
+def _norm_at(stages, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n_sm, interpret, bias_dtype,
+             keep=None):
     m, n = dy.shape
     do_dw = need_dw and weight is not None
     dev = dy.device
-    dx = torch.empty((m, n), dtype=x.dtype, device=dev) if need_dx else None
+    keep = keep if need_dx else None
+    dirty = rstd
+    if keep is not None:
+        dx, dirty, _ = keep.take(m, n, x.dtype)
+    else:
+        dx = torch.empty((m, n), dtype=x.dtype, device=dev) if need_dx else None
     strides = (dy.stride(0), x.stride(0), dx.stride(0) if need_dx else 0)
     key = (m, n, n_sm, interpret, mean is not None, weight is not None, need_dx, do_dw, need_db, strides,
            dy.dtype, x.dtype, weight.dtype if weight is not None else None, rstd.dtype,
-           mean.dtype if mean is not None else None, bias_dtype, stages)
+           mean.dtype if mean is not None else None, bias_dtype, stages, keep is not None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n, n_sm, interpret, mean is not None, weight is not None, need_dx, do_dw,
-                                     need_db, strides, stages))
+                                     need_db, strides, stages, keep is not None))
     idx, programs, ints, kw, sum_grid, sum_kw = plan
     part = torch.empty(programs * 2 * n, dtype=torch.float32, device=dev)
-    _norm_bwd.launch_planned((programs,), idx, 7, (dy, x, weight if weight is not None else dy,
-                             mean if mean is not None else rstd, rstd, dx if need_dx else dy, part, *ints), kw)
+    _norm_bwd.launch_planned((programs,), idx, 8, (dy, x, weight if weight is not None else dy,
+                             mean if mean is not None else rstd, rstd, dx if need_dx else dy, part, dirty, *ints),
+                             kw)
     dw = torch.empty(n, dtype=weight.dtype, device=dev) if do_dw else None
     db = torch.empty(n, dtype=bias_dtype or dy.dtype, device=dev) if need_db else None
     if do_dw or need_db:

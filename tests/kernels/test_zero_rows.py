@@ -118,7 +118,9 @@ if not INTERPRET:
         run_file_under_interpreter(__file__)
 
 else:
-    from sebp_kernels import SEBPConfig, sebp_linear
+    import torch.nn.functional as F
+
+    from sebp_kernels import RowHint, SEBPConfig, sebp_gelu, sebp_linear
     from sebp_kernels._triton import sebp_backward_triton
     from sebp_kernels._triton.select import select_rows_device
 
@@ -178,8 +180,9 @@ else:
         assert got[60:].abs().sum() == 0
 
     def test_sebp_linear_with_the_pool_matches_dense_and_spares_held_grads(monkeypatch):
-        """Two steps with different padding through SEBP linears: the gradients match dense autograd, and a
-        dX that autograd handed to the user (the input's .grad) is not overwritten by the next step."""
+        """Two steps with different padding through SEBP linears and an SEBP GELU between them (with its row
+        hint): the gradients match dense autograd, and a dX that autograd handed to the user (the input's
+        .grad) is not overwritten by the next step."""
         monkeypatch.setattr(zero_rows, "_usable", lambda device: True)
         zero_rows.enable(True)
         try:
@@ -187,14 +190,15 @@ else:
             w1 = (torch.randn(N_OUT, N_IN, generator=g) / N_IN**0.5).requires_grad_()
             w2 = (torch.randn(N_IN, N_OUT, generator=g) / N_OUT**0.5).requires_grad_()
             cfg = SEBPConfig("exact", backend="triton")
+            hint = RowHint()
             kept = []
             for step, length in enumerate((9, 4, 12)):
                 x = torch.randn(2, 35, N_IN, generator=g).requires_grad_()
                 mask = (torch.arange(35) < length).float().view(1, 35, 1)
-                h = sebp_linear(x, w1, config=cfg)
-                out = sebp_linear(torch.tanh(h), w2, config=cfg)
+                h = sebp_linear(x, w1, config=cfg, hint=hint)
+                out = sebp_linear(sebp_gelu(h, hint=hint, backend="triton"), w2, config=cfg)
                 (out * mask).square().sum().backward()
-                want = torch.autograd.grad((torch.tanh(x @ w1.t()) @ w2.t() * mask).square().sum(), (x, w1, w2))
+                want = torch.autograd.grad((F.gelu(x @ w1.t()) @ w2.t() * mask).square().sum(), (x, w1, w2))
                 torch.testing.assert_close(x.grad, want[0], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(w1.grad, want[1], rtol=1e-4, atol=1e-4)
                 assert x.grad[:, length:].abs().sum() == 0
@@ -202,6 +206,71 @@ else:
                 w1.grad = w2.grad = None
             for held, copy in kept:
                 assert torch.equal(held, copy)
-            assert zero_rows._POOL  # the pool was used
+            # the pool was used: by the second linear's dX and the GELU's dA (70 x 33, two buffers at once),
+            # and by the first linear's dX (70 x 50, cloned into x.grad while the pool holds it)
+            shapes = {key[:2]: len(bufs) for key, bufs in zero_rows._POOL.items()}
+            assert shapes[(70, N_OUT)] >= 2 and shapes[(70, N_IN)] >= 1
+            assert hint.taken == 3  # the first linear took its rows from the GELU at every step
         finally:
             zero_rows.enable(False)
+
+    @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_kept_activation_grads_equal_fresh_ones_over_changing_rows(kind, dtype):
+        """The SEBP activation's backward into kept dA / dB buffers: bitwise its output into new tensors, a
+        row whose input holds a NaN included (computed in full, so marked)."""
+        from sebp_kernels._triton.act import act_backward_triton, act_forward_triton
+
+        m, n = 37, 40
+        g = torch.Generator().manual_seed(2)
+        a = torch.randn(m, n, generator=g).to(dtype)
+        a[29, 3] = float("nan")
+        b = torch.randn(m, n, generator=g).to(dtype) if kind == "swiglu" else None
+        bad = act_forward_triton(kind, a, b, True, True)[1]
+        keep_a = ZeroRowBuffer(m, n, dtype, "cpu")
+        keep_b = ZeroRowBuffer(m, n, dtype, "cpu") if b is not None else None
+        for buf in (keep_a, keep_b):
+            if buf is not None:
+                buf.dx.fill_(7.0)
+        for i, active in enumerate([list(range(0, 9)), list(range(20, 37)), [], list(range(m)), [0, 5, 36]]):
+            mask = torch.zeros(m, dtype=torch.bool)
+            mask[active] = True
+            dh = (torch.randn(m, n, generator=g) * mask.unsqueeze(1)).to(dtype)
+            fresh = act_backward_triton(kind, dh, a, b, bad, True, b is not None, True, True)
+            got = act_backward_triton(kind, dh, a, b, bad, True, b is not None, True, True, keep_a=keep_a,
+                                      keep_b=keep_b)
+            assert got[0] is keep_a.dx and (keep_b is None or got[1] is keep_b.dx)
+            for name, x, y in zip(("dA", "dB"), got[:2], fresh[:2]):
+                assert (x is None and y is None) or torch.equal(x.nan_to_num(5.0), y.nan_to_num(5.0)), (i, name)
+            assert torch.equal(got[2][1], fresh[2][1])  # the rows handed on
+            want = set(active) | {29}
+            for buf in (keep_a, keep_b):
+                if buf is not None:
+                    assert set(torch.nonzero(buf.dirty).squeeze(1).tolist()) == want, i
+
+    @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_kept_norm_dx_equals_a_fresh_one_over_changing_rows(rms, dtype):
+        """The SEBP norm's backward into a kept dX: bitwise its dX into a new tensor, dW and db alike, and
+        exactly the active rows marked afterwards."""
+        from sebp_kernels._triton.norm import norm_backward_triton
+
+        m, n = 37, 24
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(m, n, generator=g).to(dtype)
+        w = torch.randn(n, generator=g).to(dtype)
+        xf = x.float()
+        mean = None if rms else xf.mean(1)
+        rstd = torch.rsqrt(xf.pow(2).mean(1) + 1e-6) if rms else torch.rsqrt(xf.var(1, unbiased=False) + 1e-5)
+        keep = ZeroRowBuffer(m, n, dtype, "cpu")
+        keep.dx.fill_(7.0)
+        for i, active in enumerate([list(range(0, 9)), list(range(20, 37)), [], list(range(m)), [0, 5, 36]]):
+            mask = torch.zeros(m, dtype=torch.bool)
+            mask[active] = True
+            dy = (torch.randn(m, n, generator=g) * mask.unsqueeze(1)).to(dtype)
+            fresh = norm_backward_triton(dy, x, w, mean, rstd, True, True, not rms, 1, True)
+            got = norm_backward_triton(dy, x, w, mean, rstd, True, True, not rms, 1, True, keep=keep)
+            assert got[0] is keep.dx
+            for name, a, b in zip(("dX", "dW", "db"), got, fresh):
+                assert (a is None and b is None) or torch.equal(a, b), (i, name)
+            assert set(torch.nonzero(keep.dirty).squeeze(1).tolist()) == set(active), i

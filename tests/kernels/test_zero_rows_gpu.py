@@ -179,3 +179,51 @@ def test_captured_training_step_keeps_dx_zero_rows_across_replays():
         zero_rows.enable(False)
         zero_rows._POOL.clear()
         zero_rows._POOL.update(pool_before)
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_blocks_with_sebp_norms_and_acts_and_the_pool_are_bitwise_the_same(arch):
+    """A BERT-like (LayerNorm, GELU) and a Llama-like (RMSNorm, SwiGLU) block with SEBP linears, norms and
+    activations, four eager steps of other padding with the pool off and on: the same gradients bit for bit,
+    and the pool served the norms' and activations' input gradients too."""
+    from sebp_kernels import RowHint, sebp_gelu, sebp_layer_norm, sebp_rms_norm, sebp_swiglu, sebp_linear
+
+    torch.manual_seed(0)
+    d, f = 768, 2048
+    dt = torch.bfloat16
+    ws = {k: (torch.randn(*s, device="cuda") / s[1] ** 0.5).to(dt) for k, s in
+          {"up": (f, d), "gate": (f, d), "down": (d, f)}.items()}
+    nw = torch.ones(d, device="cuda", dtype=dt) + 0.1 * torch.randn(d, device="cuda").to(dt)
+    nb = (0.1 * torch.randn(d, device="cuda")).to(dt)
+    xs = [torch.randn(4, 256, d, device="cuda", dtype=dt) for _ in range(4)]
+    lengths = [200, 31, 256, 90]
+    pos = torch.arange(256, device="cuda").view(1, 256, 1)
+
+    def step(x, n):
+        params = {k: v.clone().requires_grad_() for k, v in ws.items()}
+        w_n, b_n = nw.clone().requires_grad_(), nb.clone().requires_grad_()
+        x = x.clone().requires_grad_()
+        hint = RowHint()
+        if arch == "bert":
+            h = sebp_layer_norm(x, (d,), w_n, b_n)
+            a = sebp_gelu(sebp_linear(h, params["up"], hint=hint), hint=hint)
+        else:
+            h = sebp_rms_norm(x, w_n)
+            a = sebp_swiglu(sebp_linear(h, params["gate"], hint=hint), sebp_linear(h, params["up"], hint=hint),
+                            hint=hint)
+        out = sebp_linear(a, params["down"])
+        (out * (pos < n)).float().square().sum().backward()
+        return [x.grad, w_n.grad, b_n.grad] + [p.grad for p in params.values()]
+
+    zero_rows.enable(False)
+    want = [step(x, n) for x, n in zip(xs, lengths)]
+    zero_rows.enable(True)
+    try:
+        got = [step(x, n) for x, n in zip(xs, lengths)]
+        shapes = {key[1] for key in zero_rows._POOL}
+    finally:
+        zero_rows.enable(False)
+    assert {d, f} <= shapes  # the norm's and the down projection's dX (d wide), the activation's (f wide)
+    for s, (a, b) in enumerate(zip(got, want)):
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            assert (ga is None and gb is None) or torch.equal(ga, gb), (arch, s, i)
