@@ -40,57 +40,70 @@ def use(setting):
     grads._grads.clear()
 
 
-def main():
-    dev = torch.device("cuda")
-    flush = _Flush()
-    cfg = SEBPConfig("exact")
-    keep_dw, keep_dx = dict(tuning.DW_CONFIG), dict(tuning.DX_CONFIG)
-    out = []
+def layer_problems(dev):
+    """(shape, X, W, a dense dY) in bf16 for each BERT-base and Llama-3.2-3B layer shape (also used by
+    ``zero_programs_sweep.py``)."""
     for set_name in ("bert-base", "llama-3.2-3b"):
         for shape in SHAPE_SETS[set_name]():
             g = torch.Generator(device=dev).manual_seed(0)
             m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
             x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
             w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
-            full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
-            for density in (0.1, 0.2, 0.5):
-                mask = padded_rows(m, shape.seq, density, dev)
-                rows = mask.nonzero().squeeze(1)
-                dy = full * mask.unsqueeze(1).to(torch.bfloat16)
-                dy_k, x_k = dy[rows].contiguous(), x[rows].contiguous()
-                known = select_rows_device(dy, "exact")
-                bias = shape.bias
-                want = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known)
-                methods = {"ideal": (lambda: (dy_k @ w, dy_k.t() @ x_k, dy_k.sum(0) if bias else None), True)}
-                for s in SETTINGS:
-                    use(s)
-                    got = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known)
-                    for a, b in zip(got, want):
-                        if a is not None:
-                            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-                    # captured now, while this setting is in force (the graph keeps its kernel); time_methods
-                    # then replays it eagerly
-                    replay = _prepared(lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known),
-                                       True)
-                    methods["x".join(map(str, s))] = (replay, False)
-                us = {k: round(v * 1e3, 2) for k, v in time_methods(methods, 20, flush).items()}
-                cur = "x".join(map(str, SETTINGS[0]))
-                best = min((k for k in us if k != "ideal"), key=us.get)
-                print(f"{shape.name} d={density}: ideal {us['ideal']}, current {us[cur]}, best {best} {us[best]}",
-                      flush=True)
-                out.append({"shape": shape.name, "density": density, "us": us})
+            yield shape, x, w, torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
+
+
+def main():
+    dev = torch.device("cuda")
+    flush = _Flush()
+    cfg = SEBPConfig("exact")
+    keep_dw, keep_dx = dict(tuning.DW_CONFIG), dict(tuning.DX_CONFIG)
+    out = []
+    for shape, x, w, full in layer_problems(dev):
+        m = shape.rows
+        for density in (0.1, 0.2, 0.5):
+            mask = padded_rows(m, shape.seq, density, dev)
+            rows = mask.nonzero().squeeze(1)
+            dy = full * mask.unsqueeze(1).to(torch.bfloat16)
+            dy_k, x_k = dy[rows].contiguous(), x[rows].contiguous()
+            known = select_rows_device(dy, "exact")
+            bias = shape.bias
+            want = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known)
+            methods = {"ideal": (lambda: (dy_k @ w, dy_k.t() @ x_k, dy_k.sum(0) if bias else None), True)}
+            for s in SETTINGS:
+                use(s)
+                got = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known)
+                for a, b in zip(got, want):
+                    if a is not None:
+                        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+                # captured now, while this setting is in force (the graph keeps its kernel); time_methods
+                # then replays it eagerly
+                replay = _prepared(lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known),
+                                   True)
+                methods["x".join(map(str, s))] = (replay, False)
+            us = {k: round(v * 1e3, 2) for k, v in time_methods(methods, 20, flush).items()}
+            cur = "x".join(map(str, SETTINGS[0]))
+            best = min((k for k in us if k != "ideal"), key=us.get)
+            print(f"{shape.name} d={density}: ideal {us['ideal']}, current {us[cur]}, best {best} {us[best]}",
+                  flush=True)
+            out.append({"shape": shape.name, "density": density, "us": us})
     tuning.DW_CONFIG.clear()
     tuning.DW_CONFIG.update(keep_dw)
     tuning.DX_CONFIG.clear()
     tuning.DX_CONFIG.update(keep_dx)
-    keys = [k for k in out[0]["us"] if k != "ideal"]
+    report(out, [k for k in out[0]["us"] if k != "ideal"], "grads_sweep.py", {"settings": SETTINGS})
+
+
+def report(out: list, keys: list, script: str, extra: dict) -> None:
+    """Print each setting's mean ratio to the best one over all points (``out[i]["us"]``), best first, and
+    with an output path as the first argument write the results there with the GPU, versions, date and
+    command (also used by ``zero_programs_sweep.py``)."""
     score = {k: sum(o["us"][k] / min(o["us"][j] for j in keys) for o in out) / len(out) for k in keys}
     for k in sorted(score, key=score.get):
         print(f"mean ratio to the best setting {score[k]:.3f}: {k}")
     if len(sys.argv) > 1:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "command": "python scripts/grads_sweep.py " + sys.argv[1], "settings": SETTINGS,
+                   "command": f"python scripts/{script} " + sys.argv[1], **extra,
                    "results": out, "mean_ratio_to_best": score}, open(sys.argv[1], "w"), indent=1)
 
 

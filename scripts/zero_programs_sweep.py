@@ -9,19 +9,15 @@ flushed before each repeat, the methods taking turns within each repeat; bf16.
 
     python scripts/zero_programs_sweep.py [out.json]
 """
-import datetime
-import json
-import sys
-
 import torch
-import triton
+from grads_sweep import layer_problems, report  # (scripts/ is the first entry of sys.path when a script in it runs)
 
 from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import dx as dx_module
 from sebp_kernels._triton.backward import sebp_backward_triton
 from sebp_kernels._triton.select import select_rows_device
 from sebp_kernels.zero_rows import ZeroRowBuffer
-from sebp_probe.bench import SHAPE_SETS, _Flush, _prepared, padded_rows, time_methods
+from sebp_probe.bench import _Flush, _prepared, padded_rows, time_methods
 
 PER_SM = (1, 2, 4, 8)
 
@@ -32,56 +28,43 @@ def main():
     cfg = SEBPConfig("exact")
     keep = dx_module.ZERO_PROGRAMS_PER_SM
     out = []
-    for set_name in ("bert-base", "llama-3.2-3b"):
-        for shape in SHAPE_SETS[set_name]():
-            g = torch.Generator(device=dev).manual_seed(0)
-            m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-            x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
-            w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
-            full = torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
-            for density in (0.05, 0.1, 0.2, 0.5):
-                mask = padded_rows(m, shape.seq, density, dev)
-                rows = mask.nonzero().squeeze(1)
-                dy = full * mask.unsqueeze(1).to(torch.bfloat16)
-                dy_b = full * mask.flip(0).unsqueeze(1).to(torch.bfloat16)
-                dy_k, x_k = dy[rows].contiguous(), x[rows].contiguous()
-                known, known_b = select_rows_device(dy, "exact"), select_rows_device(dy_b, "exact")
-                bias = shape.bias
-                want = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known)
-                methods = {
-                    "ideal": (lambda: (dy_k @ w, dy_k.t() @ x_k, dy_k.sum(0) if bias else None), True),
-                    "fresh": (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known), True)}
-                pooled, alive = {}, []  # the graphs write into the buffers: keep each alive while they replay
-                for v in PER_SM:
-                    dx_module.ZERO_PROGRAMS_PER_SM = v
-                    buf = ZeroRowBuffer(m, n_in, torch.bfloat16, dev)
-                    alive.append(buf)
-                    for _ in range(2):  # the buffer's first calls zero everything; then the check holds
-                        sebp_backward_triton(dy_b, x, w, cfg, True, True, bias, rows=known_b, dx_buffer=buf)
-                        got = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known, dx_buffer=buf)
-                    for a, b in zip(got, want):
-                        if a is not None:
-                            assert torch.equal(a, b)
-                    # captured now, while this setting is in force (the plan keys on it)
-                    methods[f"kept{v}"] = (_prepared(lambda: sebp_backward_triton(
-                        dy, x, w, cfg, True, True, bias, rows=known, dx_buffer=buf), True), False)
-                    methods[f"kept{v}_b"] = (_prepared(lambda: sebp_backward_triton(
-                        dy_b, x, w, cfg, True, True, bias, rows=known_b, dx_buffer=buf), True), False)
-                    pooled[f"kept{v}_b"] = f"kept{v}"
-                dx_module.ZERO_PROGRAMS_PER_SM = keep
-                us = {k: round(v * 1e3, 2) for k, v in time_methods(methods, 20, flush, pooled).items()}
-                share = {k: round(us["ideal"] / v, 3) for k, v in us.items() if k != "ideal"}
-                print(f"{shape.name} d={density}: us {us}; share of ideal {share}", flush=True)
-                out.append({"shape": shape.name, "density": density, "us": us, "share_of_ideal": share})
-    keys = [k for k in out[0]["us"] if k.startswith("kept")]
-    score = {k: sum(o["us"][k] / min(o["us"][j] for j in keys) for o in out) / len(out) for k in keys}
-    for k in sorted(score, key=score.get):
-        print(f"mean ratio to the best setting {score[k]:.3f}: {k}")
-    if len(sys.argv) > 1:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "command": "python scripts/zero_programs_sweep.py " + sys.argv[1], "per_sm": PER_SM,
-                   "results": out, "mean_ratio_to_best": score}, open(sys.argv[1], "w"), indent=1)
+    for shape, x, w, full in layer_problems(dev):
+        m, n_in = shape.rows, shape.in_features
+        for density in (0.05, 0.1, 0.2, 0.5):
+            mask = padded_rows(m, shape.seq, density, dev)
+            rows = mask.nonzero().squeeze(1)
+            dy = full * mask.unsqueeze(1).to(torch.bfloat16)
+            dy_b = full * mask.flip(0).unsqueeze(1).to(torch.bfloat16)
+            dy_k, x_k = dy[rows].contiguous(), x[rows].contiguous()
+            known, known_b = select_rows_device(dy, "exact"), select_rows_device(dy_b, "exact")
+            bias = shape.bias
+            want = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known)
+            methods = {
+                "ideal": (lambda: (dy_k @ w, dy_k.t() @ x_k, dy_k.sum(0) if bias else None), True),
+                "fresh": (lambda: sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known), True)}
+            pooled, alive = {}, []  # the graphs write into the buffers: keep each alive while they replay
+            for v in PER_SM:
+                dx_module.ZERO_PROGRAMS_PER_SM = v
+                buf = ZeroRowBuffer(m, n_in, torch.bfloat16, dev)
+                alive.append(buf)
+                for _ in range(2):  # the buffer's first calls zero everything; then the check holds
+                    sebp_backward_triton(dy_b, x, w, cfg, True, True, bias, rows=known_b, dx_buffer=buf)
+                    got = sebp_backward_triton(dy, x, w, cfg, True, True, bias, rows=known, dx_buffer=buf)
+                for a, b in zip(got, want):
+                    if a is not None:
+                        assert torch.equal(a, b)
+                # captured now, while this setting is in force (the plan keys on it)
+                methods[f"kept{v}"] = (_prepared(lambda: sebp_backward_triton(
+                    dy, x, w, cfg, True, True, bias, rows=known, dx_buffer=buf), True), False)
+                methods[f"kept{v}_b"] = (_prepared(lambda: sebp_backward_triton(
+                    dy_b, x, w, cfg, True, True, bias, rows=known_b, dx_buffer=buf), True), False)
+                pooled[f"kept{v}_b"] = f"kept{v}"
+            dx_module.ZERO_PROGRAMS_PER_SM = keep
+            us = {k: round(v * 1e3, 2) for k, v in time_methods(methods, 20, flush, pooled).items()}
+            share = {k: round(us["ideal"] / v, 3) for k, v in us.items() if k != "ideal"}
+            print(f"{shape.name} d={density}: us {us}; share of ideal {share}", flush=True)
+            out.append({"shape": shape.name, "density": density, "us": us, "share_of_ideal": share})
+    report(out, [k for k in out[0]["us"] if k.startswith("kept")], "zero_programs_sweep.py", {"per_sm": PER_SM})
 
 
 if __name__ == "__main__":
