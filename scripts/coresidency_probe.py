@@ -23,10 +23,10 @@ from sebp_kernels._triton import grads as grads_mod
 from sebp_kernels._triton import tuning
 from sebp_kernels._triton.backward import _ieee
 from sebp_kernels._triton.grads import grads_rows
-from sebp_kernels._triton.select import _sm_count, select_rows_device
+from sebp_kernels._triton.select import _sm_count
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dense_gap import bench, layer_shapes, operands, padded, write_rows  # noqa: E402
+from dense_gap import bench, selected, write_rows  # noqa: E402
 
 REGS_PER_SM, THREADS_PER_SM = 65536, 2048
 
@@ -59,45 +59,40 @@ def main(path):
     n_sm = _sm_count(dev)
     side = torch.cuda.Stream()
     rows = []
-    for shape, g in layer_shapes(dev):
-        x, w, dy_full = operands(shape, g)
-        for d in (0.2,):
-            dy, mask = padded(dy_full, shape, d)
-            k = int(mask.sum())
-            perm, count = select_rows_device(dy, "exact")
-            ie, b = _ieee(dy.dtype), shape.bias
-            fill_buf = torch.empty((shape.rows - k) * shape.in_features, dtype=dy.dtype, device=dev)
-            for cap in (None, 232, 200, 168):
-                with_maxnreg(cap)
-                try:
-                    grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm)
-                except Exception as err:  # noqa: BLE001 (a cap the compiler refuses: record it)
-                    rows.append({"shape": shape.name, "density": d, "maxnreg": cap, "error": str(err)[:200]})
-                    continue
-                r = {"shape": shape.name, "density": d, "k": k, "maxnreg": cap, **kernel_facts()}
+    for shape, x, w, d, dy, k, perm, count in selected(dev, (0.2,)):
+        ie, b = _ieee(dy.dtype), shape.bias
+        fill_buf = torch.empty((shape.rows - k) * shape.in_features, dtype=dy.dtype, device=dev)
+        for cap in (None, 232, 200, 168):
+            with_maxnreg(cap)
+            try:
+                grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm)
+            except Exception as err:  # noqa: BLE001 (a cap the compiler refuses: record it)
+                rows.append({"shape": shape.name, "density": d, "maxnreg": cap, "error": str(err)[:200]})
+                continue
+            r = {"shape": shape.name, "density": d, "k": k, "maxnreg": cap, **kernel_facts()}
 
-                def grads():
-                    return grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm)
+            def grads():
+                return grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm)
 
-                def both():
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        fill_buf.zero_()
-                    out = grads()
-                    torch.cuda.current_stream().wait_stream(side)
-                    return out
-
-                def serial():
+            def both():
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
                     fill_buf.zero_()
-                    return grads()
+                out = grads()
+                torch.cuda.current_stream().wait_stream(side)
+                return out
 
-                r["grads"] = bench(grads)
-                r["fill"] = bench(fill_buf.zero_)
-                r["both"] = bench(both)
-                r["serial"] = bench(serial)
-                r["hidden"] = round((r["grads"] + r["fill"] - r["both"]) / r["fill"], 3)
-                print(r, flush=True)
-                rows.append(r)
+            def serial():
+                fill_buf.zero_()
+                return grads()
+
+            r["grads"] = bench(grads)
+            r["fill"] = bench(fill_buf.zero_)
+            r["both"] = bench(both)
+            r["serial"] = bench(serial)
+            r["hidden"] = round((r["grads"] + r["fill"] - r["both"]) / r["fill"], 3)
+            print(r, flush=True)
+            rows.append(r)
     with_maxnreg(None)
     write_rows(path, rows)
 

@@ -55,6 +55,16 @@ def padded(dy_full, shape, density):
     return dy_full * mask.unsqueeze(1).to(dy_full.dtype), mask
 
 
+def selected(dev, densities):
+    """(shape, X, W, density, dY, k, permutation, device-side count) for every layer shape and density: the
+    right-padded dY and its row selection (the loop of the probe scripts)."""
+    for shape, g in layer_shapes(dev):
+        x, w, dy_full = operands(shape, g)
+        for d in densities:
+            dy, mask = padded(dy_full, shape, d)
+            yield (shape, x, w, d, dy, int(mask.sum()), *select_rows_device(dy, "exact"))
+
+
 def main(path, densities):
     dev = torch.device("cuda")
     n_sm = _sm_count(dev)

@@ -17,7 +17,8 @@ from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import grads, tuning
 from sebp_kernels._triton.backward import sebp_backward_triton
 from sebp_kernels._triton.select import select_rows_device
-from sebp_probe.bench import SHAPE_SETS, _Flush, _prepared, padded_rows, time_methods
+from dense_gap import layer_shapes, operands  # (scripts/ is the first entry of sys.path when a script in it runs)
+from sebp_probe.bench import _Flush, _prepared, padded_rows, time_methods
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages of dW, pipeline depth of dX)
 SETTINGS = [
@@ -40,25 +41,14 @@ def use(setting):
     grads._grads.clear()
 
 
-def layer_problems(dev):
-    """(shape, X, W, a dense dY) in bf16 for each BERT-base and Llama-3.2-3B layer shape (also used by
-    ``zero_programs_sweep.py``)."""
-    for set_name in ("bert-base", "llama-3.2-3b"):
-        for shape in SHAPE_SETS[set_name]():
-            g = torch.Generator(device=dev).manual_seed(0)
-            m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-            x = torch.randn(m, n_in, device=dev, dtype=torch.bfloat16, generator=g)
-            w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(torch.bfloat16)
-            yield shape, x, w, torch.randn(m, n_out, device=dev, dtype=torch.bfloat16, generator=g)
-
-
 def main():
     dev = torch.device("cuda")
     flush = _Flush()
     cfg = SEBPConfig("exact")
     keep_dw, keep_dx = dict(tuning.DW_CONFIG), dict(tuning.DX_CONFIG)
     out = []
-    for shape, x, w, full in layer_problems(dev):
+    for shape, g in layer_shapes(dev):
+        x, w, full = operands(shape, g)
         m = shape.rows
         for density in (0.1, 0.2, 0.5):
             mask = padded_rows(m, shape.seq, density, dev)

@@ -22,10 +22,10 @@ import torch
 
 from sebp_kernels._triton.backward import _ieee
 from sebp_kernels._triton.grads import grads_rows
-from sebp_kernels._triton.select import _sm_count, select_rows_device
+from sebp_kernels._triton.select import _sm_count
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dense_gap import bench, layer_shapes, operands, padded, write_rows  # noqa: E402
+from dense_gap import bench, selected, write_rows  # noqa: E402
 
 _cuda = ctypes.CDLL("libcuda.so.1")
 _cuda.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
@@ -57,42 +57,37 @@ def main(path):
     n_sm = _sm_count(dev)
     side = torch.cuda.Stream()
     rows = []
-    for shape, g in layer_shapes(dev):
-        x, w, dy_full = operands(shape, g)
-        for d in (0.1, 0.2):
-            dy, mask = padded(dy_full, shape, d)
-            k = int(mask.sum())
-            perm, count = select_rows_device(dy, "exact")
-            ie, b = _ieee(dy.dtype), shape.bias
-            n = (shape.rows - k) * shape.in_features
-            n += n % 2  # whole 4-byte words
-            buf = torch.empty(n, dtype=dy.dtype, device=dev)
-            zeros = torch.zeros_like(buf)
+    for shape, x, w, d, dy, k, perm, count in selected(dev, (0.1, 0.2)):
+        ie, b = _ieee(dy.dtype), shape.bias
+        n = (shape.rows - k) * shape.in_features
+        n += n % 2  # whole 4-byte words
+        buf = torch.empty(n, dtype=dy.dtype, device=dev)
+        zeros = torch.zeros_like(buf)
 
-            def grads():
-                return grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm)
+        def grads():
+            return grads_rows(dy, x, w, perm, count, True, True, b, ie, n_sm)
 
-            r = {"shape": shape.name, "density": d, "k": k, "fill_mib": round(n * 2 / 2**20, 1), "grads": bench(grads)}
-            for name, fill in (("zero_", torch.Tensor.zero_), ("memset", memset), ("copy", copy_from(zeros))):
+        r = {"shape": shape.name, "density": d, "k": k, "fill_mib": round(n * 2 / 2**20, 1), "grads": bench(grads)}
+        for name, fill in (("zero_", torch.Tensor.zero_), ("memset", memset), ("copy", copy_from(zeros))):
 
-                def both(fill=fill):
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        fill(buf)
-                    out = grads()
-                    torch.cuda.current_stream().wait_stream(side)
-                    return out
-
-                def serial(fill=fill):
+            def both(fill=fill):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
                     fill(buf)
-                    return grads()
+                out = grads()
+                torch.cuda.current_stream().wait_stream(side)
+                return out
 
-                r[name] = bench(lambda fill=fill: fill(buf))
-                r[name + "_both"] = bench(both)
-                r[name + "_serial"] = bench(serial)
-                r[name + "_hidden"] = round((r["grads"] + r[name] - r[name + "_both"]) / r[name], 3)
-            print(r, flush=True)
-            rows.append(r)
+            def serial(fill=fill):
+                fill(buf)
+                return grads()
+
+            r[name] = bench(lambda fill=fill: fill(buf))
+            r[name + "_both"] = bench(both)
+            r[name + "_serial"] = bench(serial)
+            r[name + "_hidden"] = round((r["grads"] + r[name] - r[name + "_both"]) / r[name], 3)
+        print(r, flush=True)
+        rows.append(r)
     write_rows(path, rows)
 
 

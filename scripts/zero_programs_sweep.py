@@ -10,7 +10,8 @@ flushed before each repeat, the methods taking turns within each repeat; bf16.
     python scripts/zero_programs_sweep.py [out.json]
 """
 import torch
-from grads_sweep import layer_problems, report  # (scripts/ is the first entry of sys.path when a script in it runs)
+from dense_gap import layer_shapes, operands  # (scripts/ is the first entry of sys.path when a script in it runs)
+from grads_sweep import report
 
 from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import dx as dx_module
@@ -28,7 +29,8 @@ def main():
     cfg = SEBPConfig("exact")
     keep = dx_module.ZERO_PROGRAMS_PER_SM
     out = []
-    for shape, x, w, full in layer_problems(dev):
+    for shape, g in layer_shapes(dev):
+        x, w, full = operands(shape, g)
         m, n_in = shape.rows, shape.in_features
         for density in (0.05, 0.1, 0.2, 0.5):
             mask = padded_rows(m, shape.seq, density, dev)
