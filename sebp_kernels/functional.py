@@ -89,9 +89,7 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
         return impl(dy2, x2, weight, config, need_dx, need_dw, need_db)
     buf = (zero_rows.pooled(dy2.shape[0], weight.shape[1], dy.dtype, dy.device)
            if pool and need_dx and zero_rows.enabled() else None)
-    if buf is not None:
-        return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows, dx_buffer=buf)
-    return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows)
+    return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows, dx_buffer=buf)
 
 
 def sebp_linear(

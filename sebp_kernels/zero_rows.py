@@ -54,8 +54,8 @@ class ZeroRowBuffer:
 
     def take(self, rows: int, features: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor,
                                                                          torch.Tensor]:
-        """(dX, dirty, tickets) for a backward with this dX shape; marks every row dirty if dX was changed in place
-        through torch since the last backward."""
+        """(dX, dirty, tickets) for a backward with this dX shape; marks every row dirty if dX was changed in
+        place through torch since the last backward."""
         if self.dx.shape != (rows, features) or self.dx.dtype != dtype:
             raise ValueError(f"this dX buffer holds {tuple(self.dx.shape)} {self.dx.dtype}, the backward needs "
                              f"({rows}, {features}) {dtype}")
@@ -71,21 +71,23 @@ class ZeroRowBuffer:
 
 def enable(on: bool = True) -> None:
     """Turn the pool on (SEBP linears, norms and activations on CUDA then keep the zero rows of their input
-    gradients between backwards) or off, which
-    also frees its buffers, except those a captured CUDA graph writes into (see :func:`pooled`)."""
+    gradients between backwards) or off, which also frees its buffers, except those a captured CUDA graph
+    writes into (see :func:`pooled`)."""
     _ENABLED[0] = bool(on)
     if not on:
-        for key in list(_POOL):
-            _POOL[key] = [buf for buf in _POOL[key] if buf.captured]
-            if not _POOL[key]:
-                del _POOL[key]
+        _keep(captured=True)
 
 
 def forget_captured() -> None:
     """Drop the buffers that captured CUDA graphs took (see :func:`pooled`): call it only once those graphs
     are gone, since a replay would write into memory that is no longer the buffer's."""
+    _keep(captured=False)
+
+
+def _keep(captured: bool) -> None:
+    """Keep only the pooled buffers whose ``captured`` is this."""
     for key in list(_POOL):
-        _POOL[key] = [buf for buf in _POOL[key] if not buf.captured]
+        _POOL[key] = [buf for buf in _POOL[key] if buf.captured == captured]
         if not _POOL[key]:
             del _POOL[key]
 

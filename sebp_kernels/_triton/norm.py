@@ -71,14 +71,12 @@ def _norm_bwd_kernel(
                 dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
             else:
                 dx = (g - xhat * c1[:, None]) * rstd[:, None]
+            store = m2
             if KEEP:
                 dirty = tl.load(dirty_ptr + rows, mask=rmask, other=0) != 0
-                tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                         mask=m2 & (active | dirty)[:, None])
+                store = m2 & (active | dirty)[:, None]
                 tl.store(dirty_ptr + rows, active.to(tl.int8), mask=rmask)
-            else:
-                tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                         mask=m2)
+            tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=store)
         if ACC2D:
             acc_w += dy * xhat
             if DO_DB:
