@@ -79,6 +79,36 @@ def test_dw_splits_agree_and_are_deterministic(split):
     assert torch.equal(again[0], many[0]) and torch.equal(again[1], many[1])
 
 
+@pytest.mark.parametrize("layout", ["right", "left", "two_runs"])
+def test_exact_over_runs_of_consecutive_rows(layout):
+    """Padded sequences: a dW range of consecutive rows skips the index loads (the gathering loop takes the
+    rest); both against the dense backward, with the whole backward and with forced dW splits."""
+    from sebp_kernels._triton.dw import dw_db_rows
+    from sebp_kernels._triton.select import select_rows_device
+
+    m, n_out, n_in = 4096, 1024, 3072
+    dy, x, w = _inputs(m, n_out, n_in, torch.bfloat16, 1.1, seed=7)
+    mask = torch.zeros(m, dtype=torch.bool, device="cuda")
+    if layout == "right":
+        mask[:1500] = True
+    elif layout == "left":
+        mask[-2500:] = True
+    else:  # 3300 rows: with 3 splits, [0, 2048) lies in the first run, [2048, 3300) spans the gap
+        mask[100:2300] = True
+        mask[2900:4000] = True
+    dy *= mask.unsqueeze(1).to(dy.dtype)
+    b = torch.zeros(n_out, device="cuda", dtype=dy.dtype)
+    want = dense_grads(x, w, b, dy)
+    ref = dense_grads(x, w, b, dy, torch.float64)
+    got = _triton()(dy, x, w, SEBPConfig("exact"))
+    for name, g, t, r in zip(("dX", "dW", "db"), got, want, ref):
+        assert_within_torch_error(g, r, t, torch.bfloat16, name)
+    perm, count = select_rows_device(dy, "exact")
+    for split in (1, 3):
+        dw, _ = dw_db_rows(dy, x, perm, count, False, split, ieee=False)
+        assert_within_torch_error(dw, ref[1], want[1], torch.bfloat16, f"dW, {split} splits")
+
+
 def test_backward_is_bitwise_reproducible():
     """Same inputs, same bits, whatever ran before (tile shapes and splits depend only on shapes and the
     device-side row count)."""

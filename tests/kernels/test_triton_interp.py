@@ -122,6 +122,23 @@ else:
         want = dw_db_rows(few, x, perm, count, True, 1, interpret=True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
+    @pytest.mark.parametrize("split", [1, 3])
+    @pytest.mark.parametrize("runs", [[(7, 68)], [(3, 40), (90, 141)], [(0, 150)], [(149, 150)]])
+    def test_dw_over_runs_of_consecutive_rows(runs, split):
+        # fp16 takes the loop where a split's range of consecutive rows needs no index loads (with split 3
+        # and two runs, one range straddles them and takes the gathering loop); 16-row blocks plus tails
+        dy, x, _ = _inputs(150, 21, 18, torch.float16, density=1.1, seed=4)
+        mask = torch.zeros(150, dtype=torch.bool)
+        for a, b in runs:
+            mask[a:b] = True
+        dy = dy * mask.unsqueeze(1).to(dy.dtype)
+        perm, count = select_rows_device(dy, "exact", interpret=True)
+        dw, _ = dw_db_rows(dy, x, perm, count, False, split, interpret=True, ieee=False)
+        rows = mask.nonzero().squeeze(1)
+        ref = dy[rows].double().t() @ x[rows].double()
+        want = (dy[rows].float().t() @ x[rows].float()).to(torch.float16)
+        assert_within_torch_error(dw, ref, want, torch.float16, "dW")
+
     @pytest.mark.parametrize("fill", ["zeros", "all_active"])
     @pytest.mark.parametrize("mode", ["exact", "threshold"])
     def test_no_active_rows_and_all_active(fill, mode):
