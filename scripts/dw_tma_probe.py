@@ -10,7 +10,7 @@ CUDA events, L2 flushed, methods taking turns):
   same permutation, full row blocks without masks and one masked tail; ``ptr``: the same on the contiguous
   rows (no gather);
 - ``tma``: the same tile on the contiguous rows with TMA loads (host tensor descriptors), 3 and 4 stages;
-  ``tma_128``: a 128 x 128 tile, 4 stages;
+  ``tma_128``: a 128 x 128 tile, 4 stages; ``tma_dev``: ``tma`` with descriptors made by each program;
 - ``persist`` / ``persist_flat`` / ``persist_tma_flat``: one program per SM walking the tiles, the tile loop
   plain or flattened into the K loop (``tl.range(..., flatten=True)``: the next tile's loads can start under
   this tile's epilogue, which matters when K, the active rows, is short), with pointer or TMA loads.
@@ -135,6 +135,33 @@ def dw_ptr(dy, x, dw, perm, k, gather, bm=128, bn=256, bk=64, warps=8, stages=3)
     return dw
 
 
+@triton.jit
+def _dw_tma_dev(dy_ptr, x_ptr, dw_ptr, K, N_OUT, N_IN, s_dy, s_x, s_dw,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pm, pn = _tile(N_OUT, N_IN, BM, BN, GROUP_M)
+    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[K, N_OUT], strides=[s_dy, 1], block_shape=[BK, BM])
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[K, N_IN], strides=[s_x, 1], block_shape=[BK, BN])
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in range(0, K, BK):
+        a = dy_desc.load([j, pm * BM])
+        b = x_desc.load([j, pn * BN])
+        acc = tl.dot(a.T, b, acc)
+    offs_o = pm * BM + tl.arange(0, BM)
+    offs_i = pn * BN + tl.arange(0, BN)
+    tl.store(dw_ptr + offs_o[:, None] * s_dw + offs_i[None, :], acc.to(dw_ptr.dtype.element_ty))
+
+
+def dw_tma_dev(dy_k, x_k, dw, bm=128, bn=256, bk=64, warps=8, stages=3):
+    """The ``tma`` kernel with its descriptors made on the device, by each program (Triton's allocator gives
+    them memory at launch)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    n_out, n_in = dw.shape
+    grid = (triton.cdiv(n_out, bm) * triton.cdiv(n_in, bn),)
+    _dw_tma_dev[grid](dy_k, x_k, dw, dy_k.shape[0], n_out, n_in, dy_k.stride(0), x_k.stride(0), dw.stride(0),
+                      BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return dw
+
+
 def dw_tma(dy_k, x_k, dw, bm=128, bn=256, bk=64, warps=8, stages=3):
     from triton.tools.tensor_descriptor import TensorDescriptor
     n_out, n_in = dw.shape
@@ -170,6 +197,7 @@ def main(path, repeats):
                 "tma": (lambda: dw_tma(dy_k, x_k, dw), True),
                 "tma_s4": (lambda: dw_tma(dy_k, x_k, dw, stages=4), True),
                 "tma_128": (lambda: dw_tma(dy_k, x_k, dw, bn=128, stages=4), True),
+                "tma_dev": (lambda: dw_tma_dev(dy_k, x_k, dw), True),
                 "persist": (lambda: dw_persist(dy_k, x_k, dw, n_sm, False, False), True),
                 "persist_flat": (lambda: dw_persist(dy_k, x_k, dw, n_sm, False, True), True),
                 "persist_tma_flat": (lambda: dw_persist(dy_k, x_k, dw, n_sm, True, True), True),

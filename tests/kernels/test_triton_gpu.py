@@ -81,12 +81,13 @@ def test_dw_splits_agree_and_are_deterministic(split):
 
 @pytest.mark.parametrize("layout", ["right", "left", "two_runs"])
 def test_exact_over_runs_of_consecutive_rows(layout):
-    """Padded sequences: a dW range of consecutive rows skips the index loads (the gathering loop takes the
-    rest); both against the dense backward, with the whole backward and with forced dW splits."""
+    """Padded sequences: with 256 dW tiles (more than the SMs) one run of active rows goes to the persistent
+    TMA programs; two runs to the split ranges, where a range of consecutive rows skips the index loads.
+    Against the dense backward, the whole backward and dW alone with forced splits."""
     from sebp_kernels._triton.dw import dw_db_rows
     from sebp_kernels._triton.select import select_rows_device
 
-    m, n_out, n_in = 4096, 1024, 3072
+    m, n_out, n_in = 4096, 2048, 4096
     dy, x, w = _inputs(m, n_out, n_in, torch.bfloat16, 1.1, seed=7)
     mask = torch.zeros(m, dtype=torch.bool, device="cuda")
     if layout == "right":
@@ -107,6 +108,46 @@ def test_exact_over_runs_of_consecutive_rows(layout):
     for split in (1, 3):
         dw, _ = dw_db_rows(dy, x, perm, count, False, split, ieee=False)
         assert_within_torch_error(dw, ref[1], want[1], torch.bfloat16, f"dW, {split} splits")
+
+
+def test_one_run_with_noise_after_it_in_a_cuda_graph():
+    """Threshold mode, one run of active rows followed by rows of noise below eps and NaN in X: the persistent
+    TMA programs stop at the run's end. Captured once, replayed on layouts that switch between one run, two
+    runs and all rows (each replay decides on the device), bit for bit as the eager backward."""
+    fn = _triton()
+    cfg = SEBPConfig("threshold", eps=0.01)
+    m, n_out, n_in = 4096, 2048, 4096
+    dy, x, w = _inputs(m, n_out, n_in, torch.bfloat16, 1.1, seed=9)
+    base_dy, base_x = dy.clone(), x.clone()
+
+    def layout(kind):
+        d, xx = base_dy.clone(), base_x.clone()
+        if kind == "one_run":
+            d[:300] = 1e-3
+            d[2300:] = 1e-3
+            xx[2300:] = float("nan")
+        elif kind == "two_runs":
+            d[1000:1500] = 1e-3
+        return d, xx
+
+    for _ in range(2):
+        fn(dy, x, w, cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(dy, x, w, cfg)
+    for kind in ("one_run", "two_runs", "all", "one_run"):
+        new_dy, new_x = layout(kind)
+        dy.copy_(new_dy)
+        x.copy_(new_x)
+        graph.replay()
+        eager = fn(dy, x, w, cfg)
+        want = sebp_backward_torch(dy, x, w, cfg)
+        ref = sebp_backward_torch(dy.double(), x.double(), w.double(), cfg)
+        for name, g, e, t, r in zip(("dX", "dW", "db"), out, eager, want, ref):
+            assert torch.isfinite(g).all(), f"{name} ({kind})"
+            assert torch.equal(g, e), f"{name} ({kind}): replay differs from eager"
+            assert_within_torch_error(g, r, t, torch.bfloat16, f"{name} ({kind})")
 
 
 def test_backward_is_bitwise_reproducible():
