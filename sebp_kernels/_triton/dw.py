@@ -28,12 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, FastLaunch
-
-try:
-    from triton.runtime import _allocation as _ALLOCATION
-except ImportError:
-    _ALLOCATION = None
+from .launch import FastLaunch
 from .tiles import _split_rows, _store_split, grouped_tile
 from .tuning import cdiv, gemm_config
 
@@ -141,74 +136,17 @@ def _dw_tile(
 
 
 @triton.jit
-def _dw_run(
-    dy_ptr, x_ptr, dw_ptr, first, count, pid, DW_TILES, N_OUT, N_IN, stride_dym, stride_xm,
-    PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """dW when the active rows are one run ``first .. first + count - 1`` of dY: ``PROGRAMS`` programs walk the
-    tiles (this one ``pid``, ``pid + PROGRAMS``, ...), each over all the rows, with TMA loads whose box ends at
-    the run's last row (rows past it come in as zeros) and the tile loop flattened into the row loop, so that
-    the next tile's loads start under this tile's epilogue (``tl.range(..., flatten=True)``)."""
-    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[first + count, N_OUT], strides=[stride_dym, 1],
-                                        block_shape=[BLOCK_K, BLOCK_M])
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[first + count, N_IN], strides=[stride_xm, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    for t in tl.range(pid, DW_TILES, PROGRAMS, flatten=True):
-        pid_m, pid_n = grouped_tile(t, N_OUT, N_IN, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in range(0, count, BLOCK_K):
-            a = dy_desc.load([first + j, pid_m * BLOCK_M])  # (BLOCK_K, BLOCK_M) of dY
-            b = x_desc.load([first + j, pid_n * BLOCK_N])  # (BLOCK_K, BLOCK_N) of X
-            acc = tl.dot(a.T, b, acc)
-        offs_o = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(dw_ptr + offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :], acc.to(dw_ptr.dtype.element_ty),
-                 mask=(offs_o < N_OUT)[:, None] & (offs_i < N_IN)[None, :])
-
-
-@triton.jit
-def _dw_role(
-    dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count, ticket_ptr, pid, pid_s, DW_TILES,
-    M, N_OUT, N_IN, SPLIT,
-    stride_dym, stride_dyo, stride_xm, stride_xi,
-    IEEE: tl.constexpr, BIG: tl.constexpr, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    RUN_PROGRAMS: tl.constexpr,
-):
-    """Split ``pid_s`` of dW tile ``pid``; with ``RUN_PROGRAMS`` (the host found the operands fit for TMA and
-    enough tiles to fill the GPU), when the active rows are one run, the first ``RUN_PROGRAMS`` tiles' split-0
-    programs do all of dW by :func:`_dw_run` and the others exit."""
-    if RUN_PROGRAMS > 0:
-        first = tl.load(perm_ptr)
-        last = tl.load(perm_ptr + tl.maximum(count - 1, 0))
-        if (count > 0) & (last - first == count - 1):
-            if (pid_s == 0) & (pid < RUN_PROGRAMS):
-                _dw_run(dy_ptr, x_ptr, dw_ptr, first, count, pid, DW_TILES, N_OUT, N_IN, stride_dym, stride_xm,
-                        RUN_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-        else:
-            _dw_tile(dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count, ticket_ptr, pid, pid_s, M, N_OUT, N_IN,
-                     SPLIT, stride_dym, stride_dyo, stride_xm, stride_xi, IEEE, BIG, ROW_ALIGN, MIN_CHUNK,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-    else:
-        _dw_tile(dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count, ticket_ptr, pid, pid_s, M, N_OUT, N_IN, SPLIT,
-                 stride_dym, stride_dyo, stride_xm, stride_xi, IEEE, BIG, ROW_ALIGN, MIN_CHUNK,
-                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-
-
-@triton.jit
 def _dw_kernel(
     dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
     M, N_OUT, N_IN, SPLIT,
     stride_dym, stride_dyo, stride_xm, stride_xi,
     IEEE: tl.constexpr, BIG: tl.constexpr, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    RUN_PROGRAMS: tl.constexpr,
 ):
-    _dw_role(dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, tl.load(count_ptr), ticket_ptr,
-             tl.program_id(0), tl.program_id(1), tl.num_programs(0), M, N_OUT, N_IN, SPLIT,
+    _dw_tile(dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, tl.load(count_ptr), ticket_ptr,
+             tl.program_id(0), tl.program_id(1), M, N_OUT, N_IN, SPLIT,
              stride_dym, stride_dyo, stride_xm, stride_xi,
-             IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, RUN_PROGRAMS)
+             IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit
@@ -346,50 +284,6 @@ def db_rows(dy: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, n_sm: int
     return db
 
 
-def run_programs(dy: torch.Tensor, x: torch.Tensor, tiles: int, ieee: bool, n_sm: int, interpret: bool,
-                 share: float = 1.0) -> int:
-    """Programs for :func:`_dw_run`, ``share`` of the SMs (0: the kernel leaves it out): fp16/bf16 operands
-    whose rows TMA can address (unit column stride, 16-byte aligned rows and base), on a GPU with TMA (compute
-    capability 9.0+) or the interpreter, and at least as many dW tiles as SMs (with fewer, the row splits
-    fill the GPU)."""
-    if ieee or tiles < n_sm or not RUN_TMA:
-        return 0
-    size = dy.element_size()
-    for t in (dy, x):
-        if t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16:
-            return 0
-    if not interpret and _capability(dy.device.index) < (9, 0):
-        return 0
-    _ensure_allocator()
-    return max(1, round(n_sm * share))
-
-
-RUN_TMA = hasattr(tl, "make_tensor_descriptor")  # Triton too old for device-side TMA descriptors: the tiles
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
-def _scratch(size: int, alignment: int, stream):
-    """Triton's launch-time allocator: the TMA descriptors that :func:`_dw_run` makes live in this memory (a
-    few hundred bytes a program, on the launching stream's device; the interpreter's on the CPU)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() and not INTERPRET
-                       else "cpu")
-
-
-def _ensure_allocator() -> None:
-    """Give Triton :func:`_scratch` as its allocator where none is set (in this thread's context: the
-    autograd engine runs backwards on threads of its own); one set by the user or another library stays."""
-    try:
-        unset = isinstance(_ALLOCATION._allocator.get(), _ALLOCATION.NullAllocator)
-    except AttributeError:  # another Triton layout: set ours
-        unset = True
-    if unset:
-        triton.set_allocator(_scratch)
-
-
 def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
                need_db: bool, split: int | None = None, interpret: bool = False, ieee: bool = True,
                w_dtype: torch.dtype | None = None, n_sm: int = 1):
@@ -409,7 +303,6 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
     _dw[(tiles, split)](
         dy, x, dw, part, perm, count, _tickets(dev, tiles),
         m, n_out, n_in, split, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-        IEEE=ieee, BIG=big, ROW_ALIGN=align, MIN_CHUNK=min_chunk,
-        RUN_PROGRAMS=run_programs(dy, x, tiles, ieee, n_sm, interpret), **cfg)
+        IEEE=ieee, BIG=big, ROW_ALIGN=align, MIN_CHUNK=min_chunk, **cfg)
     db = db_rows(dy, perm, count, n_sm, interpret, split if interpret else None) if need_db else None
     return dw, db

@@ -10,14 +10,12 @@ count of the select pass. One launch instead of three saves host time (each Trit
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_role, \
-    _tickets, dw_splits, run_programs
+from .dw import DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK, MIN_CHUNK, ROW_ALIGN, _db_cols, _db_splits, _dw_tile, \
+    _tickets, dw_splits
 from .tiles import _split_rows
 from . import dx as _dx_module
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
@@ -36,7 +34,7 @@ def _grads_kernel(
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, DB_ALIGN: tl.constexpr, DB_MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr, DX_MIN_K: tl.constexpr,
-    DX_MAX_SPLIT: tl.constexpr, DX_REUSE: tl.constexpr, DX_ZERO_PROGRAMS: tl.constexpr, DW_RUN: tl.constexpr,
+    DX_MAX_SPLIT: tl.constexpr, DX_REUSE: tl.constexpr, DX_ZERO_PROGRAMS: tl.constexpr,
 ):
     # ticket_ptr: the dW tiles' split counters, then the db column blocks', then the dX tiles'.
     pid = tl.program_id(0)
@@ -47,17 +45,7 @@ def _grads_kernel(
     dw_start, dw_end, _ = _split_rows(count, 0, DW_SPLIT, ROW_ALIGN, MIN_CHUNK)
     dw_pid = pid
     dx_pid = pid - N_DW
-    dx_first = N_OUT > dw_end - dw_start
-    if DW_RUN > 0:
-        # One run of active rows: the DW_RUN programs that do all of dW (see _dw_run) come first, beside the
-        # dX programs on the other SMs; the dW programs left idle come after the dX ones.
-        first = tl.load(perm_ptr)
-        last = tl.load(perm_ptr + tl.maximum(count - 1, 0))
-        if (count > 0) & (last - first == count - 1):
-            dx_first = False
-            dw_pid = tl.where(pid < DW_RUN, pid, tl.where(pid >= DW_RUN + N_DX, pid - N_DX, -1))
-            dx_pid = tl.where((pid >= DW_RUN) & (pid < DW_RUN + N_DX), pid - DW_RUN, -1)
-    if dx_first:
+    if N_OUT > dw_end - dw_start:
         t_act, dx_split = _dx_work(count, N_IN, N_OUT, DX_FILL, DX_EXTRA, BLOCK_M, BLOCK_N, DX_MIN_K,
                                    DX_MAX_SPLIT)
         n_first = tl.minimum(t_act * dx_split, N_DX)  # dX programs that compute
@@ -65,9 +53,9 @@ def _grads_kernel(
         dx_pid = tl.where(pid < n_first, pid, pid - N_DW)
     if (dw_pid >= 0) & (dw_pid < N_DW):
         if DO_DW:
-            _dw_role(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, dw_pid % DW_TILES,
-                     dw_pid // DW_TILES, DW_TILES, M, N_OUT, N_IN, DW_SPLIT, stride_dym, stride_dyo, stride_xm,
-                     stride_xi, IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DW_RUN)
+            _dw_tile(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, dw_pid % DW_TILES,
+                     dw_pid // DW_TILES, M, N_OUT, N_IN, DW_SPLIT, stride_dym, stride_dyo, stride_xm, stride_xi,
+                     IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     elif (dx_pid >= 0) & (dx_pid < N_DX):
         if DO_DX:
             _dx_program(dy_ptr, w_ptr, dx_ptr, dx_part_ptr, perm_ptr, ticket_ptr + DW_TILES + DB_COLS, dirty_ptr,
@@ -98,7 +86,7 @@ _N_TENSORS = 14  # the kernel's leading tensor arguments
 
 
 def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
-          dy_stride, xs_stride, w_stride, level, zero_programs=0, dw_run=0) -> _Plan:
+          dy_stride, xs_stride, w_stride, level, zero_programs=0) -> _Plan:
     reuse = zero_programs > 0  # dX kept between backwards: ZERO_PROGRAMS programs zero its dirty rows
     cfg = dict(gemm_config("dw", dtype, interpret, level))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
@@ -132,19 +120,9 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
         DX_STAGES=gemm_config("dx", dtype, interpret, level).get("num_stages", 1), DX_MIN_K=dx_min_k,
-        DX_MAX_SPLIT=MAX_SPLIT, DX_REUSE=reuse, DX_ZERO_PROGRAMS=max(zero_programs, 1),
-        DW_RUN=dw_run if need_dw else 0, **cfg, **opts)
+        DX_MAX_SPLIT=MAX_SPLIT, DX_REUSE=reuse, DX_ZERO_PROGRAMS=max(zero_programs, 1), **cfg, **opts)
     plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
     return plan
-
-
-RUN_SHARE = 0.5  # of the SMs, for the persistent dW programs when the active rows are one run (dX takes the rest)
-
-
-@functools.lru_cache(maxsize=1024)
-def _dw_tiles(n_out: int, n_in: int, dtype, interpret: bool, level: int) -> int:
-    cfg = gemm_config("dw", dtype, interpret, level)
-    return cdiv(n_out, cfg["BLOCK_M"]) * cdiv(n_in, cfg["BLOCK_N"])
 
 
 _LEVEL: dict = {}  # device index -> the tile setting (tuning.gemm_config level) that launches there
@@ -174,15 +152,13 @@ def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee
     n_in = weight.shape[1]
     xs = x if need_dw else dy
     zero_programs = _dx_module.ZERO_PROGRAMS_PER_SM * n_sm if dx_buffer is not None and need_dx else 0
-    dw_run = run_programs(dy, xs, _dw_tiles(n_out, n_in, dy.dtype, interpret, level), ieee, n_sm, interpret,
-                          RUN_SHARE if need_dx else 1.0) if need_dw else 0
     key = (m, n_out, n_in, dy.dtype, xs.dtype, weight.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, zero_programs, dw_run)
+           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, zero_programs)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
                                      dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level,
-                                     zero_programs, dw_run))
+                                     zero_programs))
     dev = dy.device
     if zero_programs:
         dx, dirty, zt_tickets = dx_buffer.take(m, n_in, dy.dtype)

@@ -81,9 +81,8 @@ def test_dw_splits_agree_and_are_deterministic(split):
 
 @pytest.mark.parametrize("layout", ["right", "left", "two_runs"])
 def test_exact_over_runs_of_consecutive_rows(layout):
-    """Padded sequences: with 256 dW tiles (more than the SMs) one run of active rows goes to the persistent
-    TMA programs; two runs to the split ranges, where a range of consecutive rows skips the index loads.
-    Against the dense backward, the whole backward and dW alone with forced splits."""
+    """Padded sequences: a dW range of consecutive rows skips the index loads (the gathering loop takes the
+    rest). Against the dense backward, the whole backward and dW alone with forced splits."""
     from sebp_kernels._triton.dw import dw_db_rows
     from sebp_kernels._triton.select import select_rows_device
 
@@ -111,9 +110,9 @@ def test_exact_over_runs_of_consecutive_rows(layout):
 
 
 def test_one_run_with_noise_after_it_in_a_cuda_graph():
-    """Threshold mode, one run of active rows followed by rows of noise below eps and NaN in X: the persistent
-    TMA programs stop at the run's end. Captured once, replayed on layouts that switch between one run, two
-    runs and all rows (each replay decides on the device), bit for bit as the eager backward."""
+    """Threshold mode, one run of active rows followed by rows of noise below eps and NaN in X: the dW loop
+    over consecutive rows stops at the run's end. Captured once, replayed on layouts that switch between one
+    run, two runs and all rows (each replay decides on the device), bit for bit as the eager backward."""
     fn = _triton()
     cfg = SEBPConfig("threshold", eps=0.01)
     m, n_out, n_in = 4096, 2048, 4096

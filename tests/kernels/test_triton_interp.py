@@ -122,21 +122,18 @@ else:
         want = dw_db_rows(few, x, perm, count, True, 1, interpret=True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
-    @pytest.mark.parametrize("n_sm", [1, 10**6])
     @pytest.mark.parametrize("split", [1, 3])
     @pytest.mark.parametrize("runs", [[(7, 68)], [(3, 40), (90, 141)], [(0, 150)], [(149, 150)]])
-    def test_dw_over_runs_of_consecutive_rows(runs, split, n_sm):
-        # fp16. With 1 SM (as many dW tiles as SMs or more), rows that are one run go to the persistent TMA
-        # programs; with more SMs than tiles, or two runs, to the split ranges: a range of consecutive rows
-        # needs no index loads (with split 3 and two runs one range straddles them and gathers); 16-row
-        # blocks plus tails
-        dy, x, _ = _inputs(150, 24, 40, torch.float16, density=1.1, seed=4)  # rows of 16-byte multiples (TMA)
+    def test_dw_over_runs_of_consecutive_rows(runs, split):
+        # fp16 takes the loop where a split's range of consecutive rows needs no index loads (with split 3
+        # and two runs one range straddles them and gathers); 16-row blocks plus tails
+        dy, x, _ = _inputs(150, 24, 40, torch.float16, density=1.1, seed=4)
         mask = torch.zeros(150, dtype=torch.bool)
         for a, b in runs:
             mask[a:b] = True
         dy = dy * mask.unsqueeze(1).to(dy.dtype)
         perm, count = select_rows_device(dy, "exact", interpret=True)
-        dw, _ = dw_db_rows(dy, x, perm, count, False, split, interpret=True, ieee=False, n_sm=n_sm)
+        dw, _ = dw_db_rows(dy, x, perm, count, False, split, interpret=True, ieee=False)
         rows = mask.nonzero().squeeze(1)
         ref = dy[rows].double().t() @ x[rows].double()
         want = (dy[rows].float().t() @ x[rows].float()).to(torch.float16)
@@ -144,8 +141,8 @@ else:
 
     @pytest.mark.parametrize("mode", ["exact", "threshold"])
     def test_one_run_of_rows_with_noise_after_it(mode):
-        # fp16, one SM: the active rows are one run and go to the persistent TMA programs, whose loads must
-        # stop at the run's last row: the rows after it hold noise below eps (threshold) or NaN in X
+        # fp16: the active rows are one run, which the dW loop over consecutive rows must stop at: the rows
+        # after it hold noise below eps (threshold) and NaN in X
         dy, x, w = _inputs(90, 32, 40, torch.float16, density=1.1, seed=8)
         dy[61:] = 1e-4 if mode == "threshold" else 0.0
         dy[:11] = 0.0 if mode == "exact" else 1e-4
