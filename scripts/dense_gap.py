@@ -7,6 +7,7 @@ over a given permutation, and the fused kernel with forced dW row splits.
 
     python scripts/dense_gap.py out.json [densities, default 1.0,0.5]
 """
+import argparse
 import json
 import sys
 
@@ -47,6 +48,15 @@ def write_rows(path, rows):
     """The JSON every diagnostic script writes: environment, the exact command, its rows."""
     with open(path, "w") as f:
         json.dump({"environment": environment(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+
+
+def run_probe(main):
+    """The command line of the probe scripts: ``OUT.json [--repeats N]`` (default 20), then ``main(out, repeats)``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--repeats", type=int, default=20)
+    a = p.parse_args()
+    main(a.out, a.repeats)
 
 
 def padded(dy_full, shape, density):

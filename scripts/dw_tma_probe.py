@@ -21,7 +21,6 @@ this GPU.
 
     python scripts/dw_tma_probe.py out.json [--repeats 20]
 """
-import argparse
 import sys
 
 import torch
@@ -31,27 +30,17 @@ import triton.language as tl
 from sebp_kernels._triton.backward import _ieee
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
+from sebp_kernels._triton.tiles import grouped_tile
 from sebp_probe.bench import _Flush, time_methods
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dense_gap import layer_shapes, operands, padded, write_rows  # noqa: E402
-
-
-@triton.jit
-def _tile(N_OUT, N_IN, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(N_OUT, BM)
-    n_n = tl.cdiv(N_IN, BN)
-    group = GROUP_M * n_n
-    first = (pid // group) * GROUP_M
-    size = tl.minimum(n_m - first, GROUP_M)
-    return first + (pid % group) % size, (pid % group) // size
+from dense_gap import layer_shapes, operands, padded, run_probe, write_rows  # noqa: E402
 
 
 @triton.jit
 def _dw_ptr(dy_ptr, x_ptr, dw_ptr, perm_ptr, K, N_OUT, N_IN, s_dy, s_x, s_dw,
             GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pm, pn = _tile(N_OUT, N_IN, BM, BN, GROUP_M)
+    pm, pn = grouped_tile(tl.program_id(0), N_OUT, N_IN, BM, BN, GROUP_M)
     offs_o = pm * BM + tl.arange(0, BM)
     offs_i = pn * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -73,9 +62,16 @@ def _dw_ptr(dy_ptr, x_ptr, dw_ptr, perm_ptr, K, N_OUT, N_IN, s_dy, s_x, s_dw,
 
 
 @triton.jit
-def _dw_tma(dy_desc, x_desc, dw_ptr, K, N_OUT, N_IN, s_dw,
+def _dw_tma(dy, x, dw_ptr, K, N_OUT, N_IN, s_dy, s_x, s_dw, DEVICE: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pm, pn = _tile(N_OUT, N_IN, BM, BN, GROUP_M)
+    """``dy``, ``x``: host tensor descriptors, or (``DEVICE``) pointers this program makes descriptors of."""
+    pm, pn = grouped_tile(tl.program_id(0), N_OUT, N_IN, BM, BN, GROUP_M)
+    if DEVICE:
+        dy_desc = tl.make_tensor_descriptor(dy, shape=[K, N_OUT], strides=[s_dy, 1], block_shape=[BK, BM])
+        x_desc = tl.make_tensor_descriptor(x, shape=[K, N_IN], strides=[s_x, 1], block_shape=[BK, BN])
+    else:
+        dy_desc = dy
+        x_desc = x
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for j in range(0, K, BK):  # rows past K come in as zeros (TMA bounds)
         a = dy_desc.load([j, pm * BM])
@@ -90,15 +86,9 @@ def _dw_tma(dy_desc, x_desc, dw_ptr, K, N_OUT, N_IN, s_dw,
 def _dw_persist(dy_ptr, x_ptr, dy_desc, x_desc, dw_ptr, K, N_OUT, N_IN, s_dy, s_x, s_dw,
                 PROGRAMS: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    n_m = tl.cdiv(N_OUT, BM)
-    n_n = tl.cdiv(N_IN, BN)
-    group = GROUP_M * n_n
     offs_k = tl.arange(0, BK)
-    for t in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=FLATTEN):
-        first = (t // group) * GROUP_M
-        size = tl.minimum(n_m - first, GROUP_M)
-        pm = first + (t % group) % size
-        pn = (t % group) // size
+    for t in tl.range(tl.program_id(0), tl.cdiv(N_OUT, BM) * tl.cdiv(N_IN, BN), PROGRAMS, flatten=FLATTEN):
+        pm, pn = grouped_tile(t, N_OUT, N_IN, BM, BN, GROUP_M)
         offs_o = pm * BM + tl.arange(0, BM)
         offs_i = pn * BN + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -135,41 +125,21 @@ def dw_ptr(dy, x, dw, perm, k, gather, bm=128, bn=256, bk=64, warps=8, stages=3)
     return dw
 
 
-@triton.jit
-def _dw_tma_dev(dy_ptr, x_ptr, dw_ptr, K, N_OUT, N_IN, s_dy, s_x, s_dw,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pm, pn = _tile(N_OUT, N_IN, BM, BN, GROUP_M)
-    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[K, N_OUT], strides=[s_dy, 1], block_shape=[BK, BM])
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[K, N_IN], strides=[s_x, 1], block_shape=[BK, BN])
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in range(0, K, BK):
-        a = dy_desc.load([j, pm * BM])
-        b = x_desc.load([j, pn * BN])
-        acc = tl.dot(a.T, b, acc)
-    offs_o = pm * BM + tl.arange(0, BM)
-    offs_i = pn * BN + tl.arange(0, BN)
-    tl.store(dw_ptr + offs_o[:, None] * s_dw + offs_i[None, :], acc.to(dw_ptr.dtype.element_ty))
-
-
 def dw_tma_dev(dy_k, x_k, dw, bm=128, bn=256, bk=64, warps=8, stages=3):
     """The ``tma`` kernel with its descriptors made on the device, by each program (Triton's allocator gives
     them memory at launch)."""
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    n_out, n_in = dw.shape
-    grid = (triton.cdiv(n_out, bm) * triton.cdiv(n_in, bn),)
-    _dw_tma_dev[grid](dy_k, x_k, dw, dy_k.shape[0], n_out, n_in, dy_k.stride(0), x_k.stride(0), dw.stride(0),
-                      BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-    return dw
+    return dw_tma(dy_k, x_k, dw, bm, bn, bk, warps, stages, device=True)
 
 
-def dw_tma(dy_k, x_k, dw, bm=128, bn=256, bk=64, warps=8, stages=3):
+def dw_tma(dy_k, x_k, dw, bm=128, bn=256, bk=64, warps=8, stages=3, device=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
     n_out, n_in = dw.shape
     grid = (triton.cdiv(n_out, bm) * triton.cdiv(n_in, bn),)
-    a = TensorDescriptor.from_tensor(dy_k, [bk, bm])
-    b = TensorDescriptor.from_tensor(x_k, [bk, bn])
-    _dw_tma[grid](a, b, dw, dy_k.shape[0], n_out, n_in, dw.stride(0), BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                  num_warps=warps, num_stages=stages)
+    a = dy_k if device else TensorDescriptor.from_tensor(dy_k, [bk, bm])
+    b = x_k if device else TensorDescriptor.from_tensor(x_k, [bk, bn])
+    _dw_tma[grid](a, b, dw, dy_k.shape[0], n_out, n_in, dy_k.stride(0), x_k.stride(0), dw.stride(0),
+                  DEVICE=device, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return dw
 
 
@@ -216,8 +186,4 @@ def main(path, repeats):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("out")
-    p.add_argument("--repeats", type=int, default=20)
-    a = p.parse_args()
-    main(a.out, a.repeats)
+    run_probe(main)

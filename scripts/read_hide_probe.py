@@ -19,7 +19,6 @@ bench times (CUDA-graph replay, CUDA events, L2 flushed before each repeat, meth
 
     python scripts/read_hide_probe.py out.json [--repeats 20]
 """
-import argparse
 import sys
 
 import torch
@@ -32,7 +31,7 @@ from sebp_kernels._triton.select import _sm_count
 from sebp_probe.bench import _Flush, time_methods
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dense_gap import layer_shapes, operands, padded, write_rows  # noqa: E402
+from dense_gap import layer_shapes, operands, padded, run_probe, write_rows  # noqa: E402
 
 BLOCK = 8192  # elements a program loads per step (16 KiB of bf16)
 
@@ -120,8 +119,4 @@ def main(path, repeats):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("out")
-    p.add_argument("--repeats", type=int, default=20)
-    a = p.parse_args()
-    main(a.out, a.repeats)
+    run_probe(main)

@@ -31,6 +31,17 @@ def _inputs(m, n_out, n_in, dtype, density, seed=0):
     return dy.to(dtype), x.to(dtype), w.to(dtype)
 
 
+def _captured(fn, *args):
+    """(a CUDA graph of ``fn(*args)``, its outputs), after two eager warm-up calls (compile, allocate)."""
+    for _ in range(2):
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("density", [0.05, 0.5, 1.0])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -129,12 +140,7 @@ def test_one_run_with_noise_after_it_in_a_cuda_graph():
             d[1000:1500] = 1e-3
         return d, xx
 
-    for _ in range(2):
-        fn(dy, x, w, cfg)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(dy, x, w, cfg)
+    graph, out = _captured(fn, dy, x, w, cfg)
     for kind in ("one_run", "two_runs", "all", "one_run"):
         new_dy, new_x = layout(kind)
         dy.copy_(new_dy)
@@ -194,12 +200,7 @@ def test_whole_backward_is_cuda_graph_capturable(mode):
            "topk": SEBPConfig("topk", top_n=500)}[mode]
     # 6000 rows: enough for two dW row splits at full density (the last-arriver path replays too)
     dy, x, w = _inputs(6000, 1024, 640, torch.bfloat16, 0.2, seed=1)
-    for _ in range(2):
-        fn(dy, x, w, cfg)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(dy, x, w, cfg)
+    graph, out = _captured(fn, dy, x, w, cfg)
     for density, seed in ((0.05, 2), (0.6, 3), (1.0, 4)):  # a different k on every replay
         new_dy, new_x, _ = _inputs(6000, 1024, 640, torch.bfloat16, density, seed=seed)
         dy.copy_(new_dy)
