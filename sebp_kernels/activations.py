@@ -123,7 +123,7 @@ def _triton_grads(kind, dh, a, b, bad, need_a, need_b, backend, hint, pool=False
     n = a.shape[-1]
     need_b = need_b and b is not None
     keep = {}
-    if pool and zero_rows.enabled():
+    if pool:
         m = dh.numel() // n
         keep_a = zero_rows.pooled(m, n, dh.dtype, dh.device) if need_a else None
         held = keep_a.dx if keep_a is not None else None  # in use: the next request gets another buffer

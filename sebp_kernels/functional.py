@@ -87,8 +87,7 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
     x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
     if impl is sebp_backward_torch:
         return impl(dy2, x2, weight, config, need_dx, need_dw, need_db)
-    buf = (zero_rows.pooled(dy2.shape[0], weight.shape[1], dy.dtype, dy.device)
-           if pool and need_dx and zero_rows.enabled() else None)
+    buf = zero_rows.pooled(dy2.shape[0], weight.shape[1], dy.dtype, dy.device) if pool and need_dx else None
     return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows, dx_buffer=buf)
 
 

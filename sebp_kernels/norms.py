@@ -50,8 +50,7 @@ def _backward(config, dy, x, weight, mean, rstd, need_dx, need_dw, need_db, bias
     refuse_missing_triton(config.backend, tri)
     if tri is not None and dy.device.type == ("cpu" if tri[0] else "cuda") and n <= tri[1] and dy2.shape[0]:
         interpret, _, launch, sm_count = tri
-        keep = (zero_rows.pooled(dy2.shape[0], n, x.dtype, dy.device)
-                if pool and need_dx and zero_rows.enabled() else None)
+        keep = zero_rows.pooled(dy2.shape[0], n, x.dtype, dy.device) if pool and need_dx else None
         dx, dw, db = launch(dy2, x2, weight, mean2, rstd.reshape(-1), need_dx, need_dw, need_db,
                             sm_count(dy.device), interpret, bias_dtype, keep=keep)
     else:
