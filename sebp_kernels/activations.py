@@ -19,13 +19,16 @@ torch formula, without hints.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from . import zero_rows
-from .ops import register
+from . import registry, zero_rows
+from .registry import if_wanted, placeholder, register
 from .reference import records_grad, refuse_missing_triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -43,7 +46,7 @@ class RowHint:
         self._items: dict = {}
         self.offered = 0
         self.taken = 0
-        self.key = register(self)  # names it inside compiled graphs (see .ops)
+        self.key = register(self)  # names it inside compiled graphs (see .registry)
 
     def __getstate__(self):  # a copy starts with no hints and a key of its own
         return {"offered": self.offered, "taken": self.taken}
@@ -193,8 +196,60 @@ class SEBPActFunction(torch.autograd.Function):
         return None, *_torch_grads(ctx.kind, dh, a, b, act, need_a, need_b), None, None
 
 
+# ------------------------------------------------------------------------- the compiled path (see .registry)
+
+@torch.library.custom_op("sebp::act", mutates_args=())
+def act(kind: str, a: Tensor, b: Optional[Tensor], backend: str, hint_key: int) -> tuple[Tensor, Tensor]:
+    """(output, per-row NaN/Inf flags or an empty tensor) of the SEBP activation ``kind``."""
+    h, bad = act_forward(kind, a, b, backend)
+    return h, (bad if bad is not None else placeholder(a))
+
+
+@act.register_fake
+def _(kind, a, b, backend, hint_key):
+    flags = placeholder(a)
+    if _use_triton(backend, *(t for t in (a, b) if t is not None)) is not None:
+        flags = a.new_empty(math.prod(a.shape[:-1]), dtype=torch.int8)
+    return a.new_empty(a.shape), flags
+
+
+@torch.library.custom_op("sebp::act_backward", mutates_args=())
+def act_backward(kind: str, dh: Tensor, a: Tensor, b: Optional[Tensor], bad: Tensor, need_a: bool,
+                 need_b: bool, backend: str, hint_key: int) -> tuple[Tensor, Tensor]:
+    """(dA, dB) of the SEBP activation (empty where not asked for); rows handed to the hint under ``hint_key``."""
+    da, db = act_grads(kind, dh, a, b, bad if bad.numel() else None, need_a, need_b, backend,
+                       registry.lookup(hint_key))
+    return (da.to(a.dtype) if need_a else placeholder(dh)), (db.to(a.dtype) if need_b else placeholder(dh))
+
+
+@act_backward.register_fake
+def _(kind, dh, a, b, bad, need_a, need_b, backend, hint_key):
+    return (a.new_empty(a.shape) if need_a else placeholder(dh),
+            a.new_empty(a.shape) if need_b else placeholder(dh))
+
+
+def _act_setup(ctx, inputs, output):
+    kind, a, b, backend, hint_key = inputs
+    _, bad = output
+    ctx.mark_non_differentiable(bad)
+    ctx.kind, ctx.backend, ctx.has_b, ctx.hint_key = kind, backend, b is not None, hint_key
+    ctx.save_for_backward(a, b, bad)
+
+
+def _act_grad(ctx, dh, _dbad):
+    a, b, bad = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.has_b
+    if not (need_a or need_b):
+        return None, None, None, None
+    da, db = act_backward(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, ctx.hint_key)
+    return None, if_wanted(da, need_a), if_wanted(db, need_b), None, None
+
+
+act.register_autograd(_act_grad, setup_context=_act_setup)
+
+
 def _compiled_act(kind, a, b, hint, backend):
-    """Inside ``torch.compile``: the custom op (:mod:`.ops`), which Dynamo keeps in one graph."""
+    """Inside ``torch.compile``: the custom op :func:`act`, which Dynamo keeps in one graph."""
     return torch.ops.sebp.act(kind, a, b, backend, hint.key if hint is not None else 0)[0]
 
 

@@ -53,7 +53,7 @@ class SEBPConfig:
 
     @property
     def op_key(self) -> int:
-        """A negative integer that names these settings inside compiled graphs (``sebp_kernels.ops``); equal
+        """A negative integer that names these settings inside compiled graphs (``sebp_kernels.registry``); equal
         settings share it."""
         return self._op_key
 

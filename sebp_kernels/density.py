@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import register
+from .registry import register
 
 # Take the dense backward when at least this share of rows was active last time. H100, bf16, the seven
 # BERT-base / Llama-3.2-3B shapes (results/h100_dense_gap.json): the SEBP kernels are 1-13% faster than
@@ -32,7 +32,7 @@ class RowDensity:
     __slots__ = ("density", "_host", "_event", "_rows", "_calls", "_dense_calls", "key", "__weakref__")
 
     def __init__(self) -> None:
-        self.key = register(self)  # names it inside compiled graphs (see .ops); a copy gets its own
+        self.key = register(self)  # names it inside compiled graphs (see .registry); a copy gets its own
         self.density: float | None = None  # the last share read back; None before the first
         self._host = None  # pinned int32 buffer of the count in flight
         self._event = None

@@ -15,14 +15,16 @@ and its input is not even saved.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from . import zero_rows
+from . import registry, zero_rows
 from .config import SEBPConfig
-from .ops import traced_linear  # (importing .ops registers the sebp:: custom ops)
 from .density import RowDensity
+from .registry import if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
 _DEFAULT = SEBPConfig()
@@ -77,7 +79,7 @@ class SEBPLinearFunction(torch.autograd.Function):
 
 def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, hint=None, pool=False):
     """(dX as 2-D rows, dW, db) of the SEBP linear, None where not asked for (shared by the autograd Function
-    and the compiled op of :mod:`.ops`). ``pool``: dX may come from :mod:`.zero_rows` (when it is enabled;
+    and the compiled op :func:`linear_backward`). ``pool``: dX may come from :mod:`.zero_rows` (when it is enabled;
     never for the compiled op, whose output memory the compiled code may reuse)."""
     impl = resolve_backend(config, dy.device)
     # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
@@ -89,6 +91,60 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
         return impl(dy2, x2, weight, config, need_dx, need_dw, need_db)
     buf = zero_rows.pooled(dy2.shape[0], weight.shape[1], dy.dtype, dy.device) if pool and need_dx else None
     return impl(dy2, x2, weight, config, need_dx, need_dw, need_db, state=state, rows=rows, dx_buffer=buf)
+
+
+# ------------------------------------------------------------------------- the compiled path (see .registry)
+
+@torch.library.custom_op("sebp::linear_backward", mutates_args=())
+def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
+                    need_db: bool, key: int, state_key: int, hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX, dW, db) of the SEBP linear registered under ``key`` (empty tensors where not asked for). A
+    functional call's key is its config's; then ``state_key`` / ``hint_key`` name its RowDensity / RowHint (0:
+    none). A module's key brings the module's own."""
+    config, state, hint = settings(registry.lookup(key))
+    if key < 0:
+        state, hint = registry.lookup(state_key), registry.lookup(hint_key)
+    dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
+    return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else placeholder(dy),
+            dw.to(weight.dtype) if need_dw else placeholder(dy), db.to(dy.dtype) if need_db else placeholder(dy))
+
+
+@linear_backward.register_fake
+def _(dy, x, weight, need_dx, need_dw, need_db, key, state_key, hint_key):
+    return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else placeholder(dy),
+            weight.new_empty(weight.shape) if need_dw else placeholder(dy),
+            dy.new_empty(weight.shape[0]) if need_db else placeholder(dy))
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` traced into the graph; its backward is the opaque :func:`linear_backward`."""
+
+    @staticmethod
+    def forward(x, weight, bias, key, state_key, hint_key):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, key, state_key, hint_key = inputs
+        ctx.keys, ctx.has_bias = (key, state_key, hint_key), bias is not None
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        nb = nb and ctx.has_bias
+        if not (nx or nw or nb):
+            return None, None, None, None, None, None
+        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, *ctx.keys)
+        return if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb), None, None, None
+
+
+def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, state_key: int = 0,
+                  hint_key: int = 0) -> Tensor:
+    """What a compiled SEBP linear runs: the module under ``key``, or a functional call (``key`` its config's
+    ``op_key``, with the keys of its RowDensity and RowHint, 0 for none)."""
+    return _Linear.apply(x, weight, bias, key, state_key, hint_key)
 
 
 def sebp_linear(
@@ -108,8 +164,8 @@ def sebp_linear(
     SEBP activation) names its rows that can be non-zero; the Triton backward in exact mode then skips its
     selection pass.
 
-    ``_key``: the :func:`.ops.register` key of the SEBPLinear calling this; inside ``torch.compile`` the layer
-    then runs :func:`.ops.traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
+    ``_key``: the :func:`.registry.register` key of the SEBPLinear calling this; inside ``torch.compile`` the layer
+    then runs :func:`traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
     custom op ``sebp::linear_backward``, which reads that layer's settings, state and hint.
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by

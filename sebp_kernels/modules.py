@@ -7,7 +7,7 @@ from torch import nn
 from .config import SEBPConfig
 from .density import RowDensity
 from .functional import sebp_linear
-from .ops import register
+from .registry import register
 
 
 # Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
@@ -42,7 +42,7 @@ class SEBPLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
         self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
-        self._sebp_key = register(self)  # names this layer inside compiled graphs (see sebp_kernels.ops)
+        self._sebp_key = register(self)  # names this layer inside compiled graphs (see sebp_kernels.registry)
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
         super().__setstate__(state)

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from . import zero_rows
+from . import registry, zero_rows
 from .config import SEBPConfig
 from .modules import _take_over
-from .ops import register, traced_layer_norm, traced_rms_norm
+from .registry import if_wanted, placeholder, register, settings
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
@@ -109,6 +110,84 @@ class SEBPRMSNormFunction(torch.autograd.Function):
 _EXACT = SEBPConfig()
 
 
+# ------------------------------------------------------------------------- the compiled path (see .registry)
+
+@torch.library.custom_op("sebp::norm_backward", mutates_args=())
+def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor,
+                  need_dx: bool, need_dw: bool, need_db: bool, n: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX, dW, db) of the SEBP norm registered under ``key`` over rows of ``n`` elements; dW and db flat."""
+    config = settings(registry.lookup(key))[0]
+    wdt = weight.dtype if weight is not None else dy.dtype  # of dW, and of db (the bias has the weight's)
+    w = weight.reshape(-1) if weight is not None else None
+    dx, dw, db = _backward(config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, wdt if need_db else None, n)
+    return (dx.to(x.dtype) if need_dx else placeholder(dy), dw.to(wdt) if need_dw else placeholder(dy),
+            db.to(wdt) if need_db else placeholder(dy))
+
+
+@norm_backward.register_fake
+def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key):
+    wdt = weight.dtype if weight is not None else dy.dtype
+    return (x.new_empty(x.shape) if need_dx else placeholder(dy),
+            dy.new_empty(n, dtype=wdt) if need_dw else placeholder(dy),
+            dy.new_empty(n, dtype=wdt) if need_db else placeholder(dy))
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``torch.native_layer_norm`` traced into the graph; its backward is the opaque :func:`norm_backward`."""
+
+    @staticmethod
+    def forward(x, weight, bias, normalized_shape, eps, key):
+        return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, normalized_shape, eps, key = inputs
+        _, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.key, ctx.n, ctx.has_bias = key, math.prod(normalized_shape), bias is not None
+        ctx.save_for_backward(x, weight, mean, rstd)
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        nx, nw, nb = ctx.needs_input_grad[:3]
+        nb = nb and ctx.has_bias
+        dx, dw, db = norm_backward(dy, x, weight, mean, rstd, nx, nw, nb, ctx.n, ctx.key)
+        return (if_wanted(dx, nx), dw.view(weight.shape) if nw else None,
+                db.view(weight.shape) if nb else None, None, None, None)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """The RMSNorm formula traced into the graph; its backward is the opaque :func:`norm_backward`."""
+
+    @staticmethod
+    def forward(x, weight, eps, key):
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, eps, key = inputs
+        _, rstd = output
+        ctx.mark_non_differentiable(rstd)
+        ctx.key = key
+        ctx.save_for_backward(x, weight, rstd)
+
+    @staticmethod
+    def backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        nx, nw = ctx.needs_input_grad[:2]
+        dx, dw, _ = norm_backward(dy, x, weight, None, rstd, nx, nw, False, x.shape[-1], ctx.key)
+        return if_wanted(dx, nx), (dw.view(weight.shape) if nw else None), None, None
+
+
+def traced_layer_norm(x, weight, bias, normalized_shape: list[int], eps: float, key: int) -> Tensor:
+    return _LayerNorm.apply(x, weight, bias, normalized_shape, eps, key)[0]
+
+
+def traced_rms_norm(x, weight, eps: float, key: int) -> Tensor:
+    return _RMSNorm.apply(x, weight, eps, key)[0]
+
+
 def _check(config: SEBPConfig | None) -> SEBPConfig:
     config = config or _EXACT
     if config.mode != "exact":
@@ -121,7 +200,7 @@ def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | No
                     config: SEBPConfig | None = None, _key: int = 0) -> torch.Tensor:
     """``F.layer_norm`` whose backward skips the zero rows of dL/dY. Under CUDA autocast it runs in fp32, as
     autocast runs ``layer_norm`` there (CPU autocast leaves it in the input's dtype, and so does this).
-    ``_key``: the calling SEBPNorm's :func:`.ops.register` key (inside ``torch.compile``: the custom op)."""
+    ``_key``: the calling SEBPNorm's :func:`.registry.register` key (inside ``torch.compile``: the custom op)."""
     config = _check(config)
     shape = tuple(normalized_shape) if not isinstance(normalized_shape, int) else (normalized_shape,)
     dev = x.device.type
@@ -187,7 +266,7 @@ class SEBPNorm(nn.Module):
         else:
             self.eps = original.variance_epsilon
         _take_over(self, original)
-        self._sebp_key = register(self)  # names this norm inside compiled graphs (see .ops)
+        self._sebp_key = register(self)  # names this norm inside compiled graphs (see .registry)
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
         super().__setstate__(state)

@@ -1,4 +1,4 @@
-"""The sebp:: custom ops that torch.compile traces (sebp_kernels.ops): one graph, the eager gradients, and
+"""The sebp:: custom ops that torch.compile traces (sebp_kernels.registry): one graph, the eager gradients, and
 each compiled layer reading its own module's settings when the backward runs."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch._dynamo as dynamo
 from torch import nn
 
-from sebp_kernels import SEBPConfig, SEBPLinear, functional, ops
+from sebp_kernels import SEBPConfig, SEBPLinear, functional, registry
 from sebp_probe import patch_activations, patch_model, patch_norms
 from tests.tiny_models import padded_batch, tiny_model
 
@@ -65,7 +65,7 @@ def test_compiled_layers_read_their_current_settings_and_copies_their_own():
     torch.manual_seed(0)
     lin = SEBPLinear(8, 6, config=SEBPConfig("exact"))
     twin = copy.deepcopy(lin)
-    assert twin._sebp_key != lin._sebp_key and ops.lookup(twin._sebp_key) is twin
+    assert twin._sebp_key != lin._sebp_key and registry.lookup(twin._sebp_key) is twin
     x = torch.randn(5, 8)
     x[1] *= 1e-4  # a small row: active in exact mode, dropped at threshold 1e-2
     dy = torch.randn(5, 6)
@@ -91,12 +91,12 @@ def test_compiled_layers_read_their_current_settings_and_copies_their_own():
 
 def test_a_key_whose_layer_is_gone_fails_with_one_line():
     lin = nn.Linear(4, 4)
-    key = ops.register(lin)
-    assert ops.lookup(key) is lin and ops.lookup(0) is None
+    key = registry.register(lin)
+    assert registry.lookup(key) is lin and registry.lookup(0) is None
     del lin
     gc.collect()
     with pytest.raises(RuntimeError, match="no longer exists"):
-        ops.lookup(key)
+        registry.lookup(key)
 
 
 def test_ops_fake_shapes_match_the_real_outputs():
@@ -131,7 +131,7 @@ def test_a_hint_is_taken_once_and_copies_start_empty():
     perm, count = torch.arange(4, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
     hint.offer(t, perm, count)
     twin = copy.deepcopy(hint)
-    assert twin.key != hint.key and ops.lookup(twin.key) is twin and twin.take(t) is None
+    assert twin.key != hint.key and registry.lookup(twin.key) is twin and twin.take(t) is None
     got = hint.take(t)
     assert got is not None and got[0] is perm and got[1] is count
     assert hint.take(t) is None and (hint.offered, hint.taken) == (1, 1)
@@ -244,4 +244,4 @@ def test_a_functional_call_with_its_own_state_and_hint_compiles_and_uses_them(mo
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert len(seen) == 2 and all(s is state and h is hint for s, h in seen)
     twin = copy.deepcopy(state)
-    assert twin.key != state.key and ops.lookup(twin.key) is twin
+    assert twin.key != state.key and registry.lookup(twin.key) is twin

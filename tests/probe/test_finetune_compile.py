@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from sebp_kernels import ops
+from sebp_kernels import registry
 from sebp_probe import finetune as ft
 from sebp_probe.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
@@ -33,8 +33,8 @@ def _losses(path):
 def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
     eager = _run(tmp_path, "eager", **kw)
     calls = []  # the compiled sebp:: ops look their layer up (eager calibration does not)
-    real = ops.lookup
-    monkeypatch.setattr(ops, "lookup", lambda key: calls.append(key) or real(key))
+    real = registry.lookup
+    monkeypatch.setattr(registry, "lookup", lambda key: calls.append(key) or real(key))
     dynamo.reset()
     dynamo.utils.counters.clear()
     try:

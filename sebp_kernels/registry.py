@@ -1,0 +1,63 @@
+"""Integer keys that name SEBP objects inside compiled graphs.
+
+Eager code runs the autograd Functions of :mod:`.functional`, :mod:`.norms` and :mod:`.activations`. Dynamo
+cannot trace those Functions' backwards (Triton launches, per-layer Python state), so inside ``torch.compile``
+each SEBP layer's backward is one ``torch.library`` custom op with a fake (shape-only) implementation
+(``sebp::linear_backward``, ``sebp::norm_backward``, ``sebp::act``/``sebp::act_backward``, defined beside
+their Functions). Dynamo and AOTAutograd then put everything into one graph and Inductor compiles the code
+between them. Custom ops take tensors and plain values, not Python objects, so the ops carry integer keys:
+:func:`register` maps a key to the module (or :class:`~.activations.RowHint`,
+:class:`~.density.RowDensity`) whose settings and state the backward reads when it runs, so a compiled graph
+always uses the module's current config, density estimate and hints. The modules take this path only while
+Dynamo traces (``torch.compiler.is_compiling()``); eager runs are unchanged.
+
+This module imports none of the modules that use it.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+from torch import Tensor
+
+from .config import CONFIG_OF_KEY, SEBPConfig
+
+_OBJECTS: dict[int, weakref.ref] = {}
+_KEYS = itertools.count(1)
+
+
+def register(obj) -> int:
+    """A new integer key for ``obj`` (held weakly; the key dies with it). 0 stands for None."""
+    key = next(_KEYS)
+    _OBJECTS[key] = weakref.ref(obj, lambda _, k=key: _OBJECTS.pop(k, None))
+    return key
+
+
+def lookup(key: int):
+    """The object registered under ``key`` (None for 0; a negative key is an :class:`~.config.SEBPConfig`'s
+    ``op_key``)."""
+    if key == 0:
+        return None
+    if key < 0:
+        return CONFIG_OF_KEY[key]
+    ref = _OBJECTS.get(key)
+    obj = ref() if ref is not None else None
+    if obj is None:
+        raise RuntimeError(f"sebp: the layer of compiled op key {key} no longer exists (recompile the model)")
+    return obj
+
+
+def settings(obj):
+    """(config, density state, row hint) of a registered module, or of a bare config (functional calls)."""
+    if isinstance(obj, SEBPConfig):
+        return obj, None, None
+    return obj.sebp_config, getattr(obj, "_sebp_density", None), getattr(obj, "_sebp_hint", None)
+
+
+def if_wanted(t: Tensor, wanted: bool):
+    return t if wanted else None
+
+
+def placeholder(like: Tensor) -> Tensor:
+    """The output of a gradient that was not asked for (custom ops return tensors, not None)."""
+    return like.new_empty(0)
