@@ -55,7 +55,7 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 def synthetic_data(task: str, n: int, n_eval: int, max_len: int, median: int, sigma: float, vocab: int, seed=0):
-    from sebp_probe.finetune import TrainData
+    from sebp_probe.train_data import TrainData
 
     rng = random.Random(seed)
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForSequenceClassification, BertConfig
 
 from sebp_kernels import SEBPConfig
 from sebp_probe import finetune as ft
+from sebp_probe import calibration
 from sebp_probe.graphs import StepGraphs
 from sebp_probe.patch import patch_model
 
@@ -53,11 +54,11 @@ def one(method: str, calib: bool) -> dict:
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     b = _batch()
     if calib:  # what calibrate() runs before training: timing graphs of the dense and the SEBP model
-        ft._graphed_backward_ms(model, b, autocast)
+        calibration.graphed_backward_ms(model, b, autocast)
     if method == "sebp":
         patch_model(model, SEBPConfig("exact", backend="triton"))
         if calib:
-            ft._graphed_backward_ms(model, b, autocast)
+            calibration.graphed_backward_ms(model, b, autocast)
     gc.collect()
     torch.cuda.synchronize()
     out = {"method": method, "after_calibration_graphs": calib,

@@ -12,7 +12,11 @@ Padding = Literal["max_length", "longest"]
 Side = Literal["left", "right"]
 TASKS = ("classification", "causal-lm")
 
-__all__ = ["DataConfig", "FinetuneConfig", "SEBPConfig", "TASKS"]
+__all__ = ["DataConfig", "FinetuneConfig", "FinetuneError", "SEBPConfig", "TASKS"]
+
+
+class FinetuneError(ValueError):
+    """A run that cannot start or could not finish; the message is one line for the user."""
 
 
 @dataclass(frozen=True)

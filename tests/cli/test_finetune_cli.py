@@ -265,7 +265,7 @@ def test_topk_report_from_other_batch_shapes_is_refused(tiny, tmp_path):
 
 
 def test_settings_added_later_do_not_block_resuming_older_runs():
-    from sebp_probe.finetune import _config_changes
+    from sebp_probe.rundir import config_changes as _config_changes
 
     old = {"lr": 1e-4, "data": {"max_length": 32}}  # written before sebp_norms existed
     assert _config_changes(old, {**old, "sebp_norms": False}) == []
@@ -278,7 +278,7 @@ def test_peak_from_step3_is_summarised_and_compared():
     """On CUDA each train record carries its own step's peak beside the run's running maximum; the summary
     and the comparison add the peak from step 3 on (DDP may or may not still hold its first buckets at step
     2's peak, for dense and SEBP alike). Records without step peaks (CPU) give no such key."""
-    from sebp_probe.finetune import _compare, summarize_records
+    from sebp_probe.metrics import compare_runs as _compare, summarize_records
 
     def recs(step_peaks):
         out, run = [], 0.0

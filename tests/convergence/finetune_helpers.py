@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sebp_probe.finetune import TrainData
+from sebp_probe.train_data import TrainData
 
 
 def synthetic_data(task: str, n: int = 96, n_eval: int = 32, max_len: int = 24, min_len: int = 4,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from sebp_kernels import SEBPConfig, SEBPLinear
 from sebp_probe import finetune as ft
+from sebp_probe import calibration, loop, rundir, train_data
 from sebp_probe.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
@@ -71,10 +72,10 @@ def test_lossy_modes_skip_rows_and_still_learn(tmp_path, mode_kw):
     cfg = _cfg(tmp_path, compare=True, max_steps=40, **mode_kw)
     s = ft.finetune(cfg, load_fn=_loader("bert"), data=data)
     cal = s["runs"]["sebp"]["calibration"]
-    it = iter(ft._loaders(cfg, data)[0])
+    it = iter(train_data.make_loaders(cfg, data)[0])
     batches = [next(it) for _ in range(cfg.calib_batches)]  # the calibration's batches
     model = tiny_model("bert")
-    exact = ft.calibrate(model, batches, ft.candidate_layers(model, _cfg(tmp_path), None), 1.0,
+    exact = calibration.calibrate(model, batches, calibration.candidate_layers(model, _cfg(tmp_path), None), 1.0,
                          torch.device("cpu"), if_slower=False).density
     assert any(cal["density"][n] < exact[n] - 0.05 for n in exact)  # rows beyond the all-zero ones dropped
     d_loss = _train_losses(tmp_path / "run" / "dense" / "metrics.jsonl")
@@ -100,20 +101,20 @@ def test_dense_fallback_keeps_dense_rows_dense(tmp_path):
 
 def test_sebp_slower_than_dense_falls_back_to_dense(monkeypatch):
     model = tiny_model("bert")
-    real = ft._timed_backward
+    real = calibration.timed_backward
 
     def fake(m, batch, device, autocast):  # SEBP measured twice as slow as dense
         real(m, batch, device, autocast)
         return 2.0 if any(isinstance(x, SEBPLinear) for x in m.modules()) else 1.0
 
-    monkeypatch.setattr(ft, "_timed_backward", fake)
-    batch = next(iter(ft._loaders(FinetuneConfig(data=DataConfig(max_length=24, batch_size=8)),
+    monkeypatch.setattr(calibration, "timed_backward", fake)
+    batch = next(iter(train_data.make_loaders(FinetuneConfig(data=DataConfig(max_length=24, batch_size=8)),
                                   synthetic_data("classification"))[0]))
-    cands = ft.candidate_layers(model, FinetuneConfig(), None)
-    c = ft.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=True)
+    cands = calibration.candidate_layers(model, FinetuneConfig(), None)
+    c = calibration.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=True)
     assert c.layers == {} and c.reason and not any(isinstance(x, SEBPLinear) for x in model.modules())
     assert all(p.grad is None for p in model.parameters())
-    c = ft.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=False)
+    c = calibration.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=False)
     assert len(c.layers) == 12 and sum(isinstance(x, SEBPLinear) for x in model.modules()) == 12
 
 
@@ -178,9 +179,9 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         ft.finetune(cfg, load_fn=_loader("bert"), data=synthetic_data("classification"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["checkpoint"] in str(e.value)
-    good = ft._checkpoints(tmp_path / "run")
+    good = rundir.list_checkpoints(tmp_path / "run")
     assert good and str(good[-1]) == summary["checkpoint"]
-    state = json.loads((good[-1] / ft.STATE).read_text())
+    state = json.loads((good[-1] / rundir.STATE).read_text())
     losses = _train_losses(tmp_path / "run" / "metrics.jsonl")
     assert state["step"] == len(losses) and all(map(lambda v: v == v and abs(v) < float("inf"), losses))
     assert not (tmp_path / "run" / "model").exists()
@@ -209,7 +210,7 @@ def test_epochs_and_dynamic_padding(tmp_path):
 
 
 def test_second_signal_interrupts_at_once():
-    with ft.StopRequest() as stop:
+    with loop.StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested
         with pytest.raises(KeyboardInterrupt):
@@ -219,7 +220,7 @@ def test_second_signal_interrupts_at_once():
 
 def test_calibration_times_both_backends_on_cuda_only():
     from sebp_kernels import SEBPConfig
-    from sebp_probe.finetune import _backend_variants
+    from sebp_probe.calibration import backend_variants as _backend_variants
 
     layers = {"a": SEBPConfig("exact"), "b": SEBPConfig("threshold", eps=1e-6)}
     assert _backend_variants(layers, torch.device("cpu")) == [layers]
@@ -251,8 +252,8 @@ def test_training_loop_waits_for_the_device_only_at_boundaries(tmp_path, monkeyp
     and after steps that something else follows (evaluation, checkpoint): the optimizer's work and the next
     batch's copy overlap the host's next step. Each step's time is still logged."""
     syncs, steps = [], []
-    real = ft._sync
-    monkeypatch.setattr(ft, "_sync", lambda dev: syncs.append(len(steps)) or real(dev))
+    real = loop.sync
+    monkeypatch.setattr(loop, "sync", lambda dev: syncs.append(len(steps)) or real(dev))
 
     def on_event(kind, p):
         if kind == "start":
@@ -272,11 +273,11 @@ def test_training_loop_waits_for_the_device_only_at_boundaries(tmp_path, monkeyp
 
 def test_optimizer_is_fused_on_gpu_only(tmp_path):
     cfg = _cfg(tmp_path)
-    cpu = ft.make_optimizer([torch.nn.Parameter(torch.ones(3))], cfg)
+    cpu = loop.make_optimizer([torch.nn.Parameter(torch.ones(3))], cfg)
     assert isinstance(cpu, torch.optim.AdamW) and not cpu.defaults.get("fused")
     assert cpu.defaults["lr"] == cfg.lr and cpu.defaults["weight_decay"] == cfg.weight_decay
     if torch.cuda.is_available():
-        gpu = ft.make_optimizer([torch.nn.Parameter(torch.ones(3, device="cuda"))], cfg)
+        gpu = loop.make_optimizer([torch.nn.Parameter(torch.ones(3, device="cuda"))], cfg)
         assert gpu.defaults["fused"] is True
 
 

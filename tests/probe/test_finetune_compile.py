@@ -10,6 +10,7 @@ import torch._dynamo as dynamo
 
 from sebp_kernels import registry
 from sebp_probe import finetune as ft
+from sebp_probe import loop, rundir
 from sebp_probe.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
@@ -53,9 +54,9 @@ def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
     assert len(set(calls)) == 12 + 5 + 2 - (4 if kw.get("lora") else 0)
     got, want = _losses(tmp_path / "compiled" / "metrics.jsonl"), _losses(tmp_path / "eager" / "metrics.jsonl")
     assert len(got) == 3 and got == pytest.approx(want, rel=tol, abs=tol)
-    saved = (tmp_path / "compiled" / ft.MODEL_DIR)
+    saved = (tmp_path / "compiled" / rundir.MODEL_DIR)
     assert saved.is_dir()  # the model is saved as uncompiled (same parameter names)
-    assert json.loads((tmp_path / "compiled" / ft.RUN_CONFIG).read_text())["config"]["compile"] == mode
+    assert json.loads((tmp_path / "compiled" / rundir.RUN_CONFIG).read_text())["config"]["compile"] == mode
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -83,9 +84,9 @@ def test_bad_compile_settings_are_refused(kw, needle):
 
 def test_compile_may_change_on_resume():
     old = FinetuneConfig().to_dict()
-    assert ft._config_changes(old, {**old, "compile": "reduce-overhead"}) == []
+    assert rundir.config_changes(old, {**old, "compile": "reduce-overhead"}) == []
     del old["compile"]  # a run written before the setting existed
-    assert ft._config_changes(old, FinetuneConfig().to_dict()) == []
+    assert rundir.config_changes(old, FinetuneConfig().to_dict()) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
@@ -93,7 +94,7 @@ def test_graphed_compile_runs_on_the_cpu_without_graphs():
     """Inductor records CUDA graphs only on CUDA devices: on the CPU reduce-overhead is not refused."""
     from accelerate import Accelerator
 
-    assert not ft._graphed_compile(FinetuneConfig(compile="reduce-overhead"), Accelerator(cpu=True))
+    assert not loop.graphed_compile(FinetuneConfig(compile="reduce-overhead"), Accelerator(cpu=True))
 
 
 def test_accelerates_own_compile_setting_is_refused(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 from sebp_kernels import SEBPConfig
 from sebp_probe import finetune as ft
+from sebp_probe import calibration
 from sebp_probe.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from sebp_probe.graphs import StepGraphs
@@ -65,7 +66,7 @@ def test_replays_accumulate_the_eager_gradients(arch, sebp):
 
 def test_timing_graphs_leave_no_gradients():
     model = _model("bert", True)
-    ms = ft._graphed_backward_ms(model, _batch("bert", 1), lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+    ms = calibration.graphed_backward_ms(model, _batch("bert", 1), lambda: torch.autocast("cuda", dtype=torch.bfloat16))
     assert ms > 0
     assert all(p.grad is None for p in model.parameters())
 

@@ -1,0 +1,455 @@
+"""One training run (dense or SEBP) on accelerate's ``Accelerator``: set up, train, evaluate, checkpoint, save.
+
+* ``accelerate launch`` / ``torchrun`` give DDP through ``Accelerator.prepare``; there is no communication
+  code here beyond accelerate's reduce/gather/trigger calls.
+* SIGINT/SIGTERM set a flag; at the next step boundary every process checkpoints and the run ends
+  ``interrupted``. A non-finite loss stops before the optimizer step and keeps the earlier checkpoints.
+* Resuming restores the RNG states with ``Accelerator.load_state`` and skips to the same batch, so a resumed
+  run reaches the uninterrupted run's result.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import shutil
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sebp_kernels import SEBPConfig
+
+from .assets import LoadedModel
+from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync
+from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
+from .graphs import StepGraphs, shape_key
+from .metrics import evaluate, peak_memory_mb, summarize_records
+from .patch import find_targets, patched_activations
+from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
+from .train_data import TrainData, first_batches, make_loaders
+
+Event = Callable[[str, dict], None]
+
+
+def _wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise FinetuneError("--lora needs the 'peft' package: pip install peft") from None
+    targets = find_targets(model, list(cfg.targets) if cfg.targets else None)
+    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                      task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
+    """AdamW; on a GPU its fused implementation (one kernel per parameter group and dtype, as Hugging Face's
+    ``Trainer`` uses by default): the multi-tensor one took 6-7 ms of host time a step for BERT-base on the
+    device machine, longer than the GPU needed for it (``scripts/gpu_finetune.py`` with PROFILE_STEPS). Same
+    update rule; the CPU keeps the default implementation."""
+    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+    if fused:
+        try:
+            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        except (RuntimeError, ValueError):  # a parameter kind the fused kernel does not take
+            pass
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class StopRequest:
+    """Turns the first SIGINT/SIGTERM into a flag read at the next step boundary; a second one interrupts."""
+
+    def __init__(self):
+        self.requested = False
+        self._old: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        return False
+
+
+def _lr_at(step: int, total: int, cfg: FinetuneConfig) -> float:
+    warm = int(total * cfg.warmup_ratio)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    return cfg.lr * max(0.0, (total - step) / max(1, total - warm))
+
+
+def _warm_cublas(device: torch.device) -> None:
+    """Make torch allocate the current stream's cuBLAS workspace now: it lives as long as the process, so the
+    first run of a --compare would count it in its peak and the second not. An eager run's first step
+    allocated it anyway; with --cuda-graphs the dense run's first matmul on this stream came with its final
+    evaluation, and the SEBP run's steps then carried 65 MiB the dense run's had not."""
+    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS and cuBLASLt (addmm with a bias) workspaces
+        a = torch.ones(8, 8, device=device, dtype=dtype)
+        torch.nn.functional.linear(a @ a, a, a[0]).sum().item()
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) by Dynamo in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def graphed_compile(cfg: FinetuneConfig, acc) -> bool:
+    """Does ``--compile`` record CUDA graphs here (its mode does, on a CUDA device)?"""
+    return cfg.compile in GRAPHED_COMPILE_MODES and acc.device.type == "cuda"
+
+
+class Run:
+    """One training run (dense or SEBP) in its run directory."""
+
+    def __init__(self, cfg: FinetuneConfig, method: str, run_dir: Path, accelerator, data: TrainData,
+                 load_fn: Callable[[], LoadedModel], report_layers: dict[str, SEBPConfig] | None,
+                 dense_reference: dict | None, on_event: Event):
+        self.cfg, self.method, self.dir, self.acc, self.data = cfg, method, run_dir, accelerator, data
+        self.load_fn, self.report_layers, self.dense_ref, self.emit = load_fn, report_layers, dense_reference, on_event
+        self.main = accelerator.is_main_process
+        self.records: list[dict] = []
+
+    # -- setup
+
+    def _setup_model(self, state: dict | None):
+        from accelerate.utils import set_seed
+
+        set_seed(self.cfg.seed)
+        loaded = self.load_fn()
+        model = loaded.model
+        if self.cfg.lora:
+            model = _wrap_lora(model, loaded.task, self.cfg)
+        model.to(self.acc.device)
+        model.train()
+        calib = None
+        if self.method == "sebp":
+            if state is not None:  # resume: the layers chosen at the start, no new calibration
+                layers = {n: SEBPConfig.from_dict(d) for n, d in state["layers"].items()}
+                apply_sebp(model, layers, self.cfg.sebp_norms, self.cfg.sebp_acts)
+                calib = state.get("calibration")
+            else:
+                cands = candidate_layers(model, self.cfg, self.report_layers)
+                calib = self._calibrate(model, cands)
+        return loaded, model, calib
+
+    def _calibrate(self, model, cands: dict[str, SEBPConfig]) -> dict:
+        batches = first_batches(self.cfg, self.data, self.acc.device)
+        if self.cfg.calib_batches == 0:  # no measurement: patch every candidate
+            c = Calibration({}, None, None, cands, [], norms=apply_sebp(model, cands, self.cfg.sebp_norms,
+                                                                         self.cfg.sebp_acts))
+        else:
+            c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
+                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
+                          acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg,
+                                                                                                   self.acc))
+        if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
+            from accelerate.utils import broadcast_object_list
+
+            from .patch import unpatch_model
+
+            chosen = broadcast_object_list([{n: sc.to_dict() for n, sc in c.layers.items()}])[0]
+            unpatch_model(model)
+            c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen.items()}
+            c.fallback = sorted(n for n in cands if n not in c.layers)
+            c.norms = apply_sebp(model, c.layers, self.cfg.sebp_norms, self.cfg.sebp_acts)
+        c.acts = patched_activations(model)
+        info = c.to_dict()
+        self.emit("calibrated", {"run": self.method, **info})
+        return info
+
+    # -- bookkeeping
+
+    def _log(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self.main:
+            with open(self.dir / METRICS, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
+    def _save_checkpoint(self, step: int, calib: dict | None) -> Path:
+        path = self.dir / CHECKPOINTS / f"step-{step:06d}"
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(path))
+        if self.main:
+            layers = (calib or {}).get("layers", {})
+            write_json(path / STATE, {"step": step, "layers": layers, "calibration": calib})
+            for old in list_checkpoints(self.dir)[: -self.cfg.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        return path
+
+    def _restore(self) -> dict | None:
+        ckpts = list_checkpoints(self.dir)
+        if not ckpts:
+            if self.main:
+                (self.dir / METRICS).unlink(missing_ok=True)
+            return None
+        state = read_json(ckpts[-1] / STATE)
+        state["path"] = str(ckpts[-1])
+        kept = []
+        if (self.dir / METRICS).exists():
+            for line in (self.dir / METRICS).read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if rec.get("step", 0) <= state["step"]:
+                    kept.append(rec)
+        self.records = kept
+        if self.main:
+            tmp = self.dir / (METRICS + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.dir / METRICS)
+        return state
+
+    # -- the loop
+
+    def run(self, resume: bool) -> dict:
+        if self.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.acc.wait_for_everyone()
+        done = read_json(self.dir / SUMMARY)
+        if resume and done and done.get("status") == "completed":
+            self.records = [json.loads(x) for x in (self.dir / METRICS).read_text().splitlines() if x.strip()]
+            self.emit("skipped", {"run": self.method, "summary": done})
+            return done
+        state = self._restore() if resume else None
+        if not resume and self.main:
+            (self.dir / METRICS).unlink(missing_ok=True)
+        self.acc.wait_for_everyone()
+        loaded, model, calib = self._setup_model(state)
+        if self.acc.device.type == "cuda":
+            _warm_cublas(self.acc.device)
+            torch.cuda.reset_peak_memory_stats(self.acc.device)
+        try:
+            return self._train(loaded, model, calib, state)
+        finally:
+            self.acc.free_memory()  # forget this run's prepared objects: a checkpoint holds one run only
+            # DDP and accelerate's autocast wrapper of forward leave reference cycles: without a collection
+            # the first run of a --compare would still hold its memory during the second, inflating its peak.
+            del model, loaded
+            gc.collect()
+            if self.acc.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _train(self, loaded, model, calib, state) -> dict:
+        cfg, acc, dev = self.cfg, self.acc, self.acc.device
+        train_loader, eval_loader, sampler = make_loaders(cfg, self.data, pin=dev.type == "cuda")
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = make_optimizer(params, cfg)
+        model, optimizer, train_loader, eval_loader = acc.prepare(model, optimizer, train_loader, eval_loader)
+        # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
+        # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
+        keep_grads = cfg.cuda_graphs or (graphed_compile(cfg, acc) and cfg.grad_accum > 1)
+        dynamo_before = dynamo_counts()
+        if cfg.compile:  # in place: the module, its parameter names and checkpoints stay as they are
+            model.compile(mode=cfg.compile)
+            if keep_grads:
+                for p in params:
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        n_batches = len(train_loader)
+        A = cfg.grad_accum
+        if cfg.max_steps is not None:
+            total = cfg.max_steps
+        elif cfg.epochs is not None:
+            total = max(1, math.ceil(cfg.epochs * n_batches / A))
+        else:
+            total = DEFAULT_MAX_STEPS
+        eval_every = cfg.eval_steps or max(1, total // 4)
+        step = 0
+        if state is not None:
+            acc.load_state(state["path"])
+            step = state["step"]
+        ref_ms = self._reference_backward_ms(calib)
+        self.emit("start", {"run": self.method, "total": total, "step": step, "resumed": state is not None,
+                            "patched": len((calib or {}).get("layers", {})),
+                            "fallback_dense": (calib or {}).get("fallback_dense", [])})
+
+        def stream(start_micro: int):
+            epoch, offset = divmod(start_micro, n_batches)
+            while True:
+                train_loader.set_epoch(epoch)
+                sampler.set_epoch(epoch)
+                loader = acc.skip_first_batches(train_loader, offset) if offset else train_loader
+                for b in loader:
+                    yield epoch, b
+                epoch, offset = epoch + 1, 0
+
+        batches = stream(step * A)
+        use_events = dev.type == "cuda"
+        graphs: dict = {}  # --cuda-graphs: batch shape -> its StepGraphs, captured at its first batch
+        pool = torch.cuda.graph_pool_handle() if cfg.cuda_graphs else None  # one memory pool for all of them
+        status, error, last_ckpt = "completed", None, state["path"] if state else None
+        live_bwd: list[float] = []
+        run_peak = 0.0
+        # One host wait per step, for the loss (a non-finite loss stops the run before its update): the
+        # optimizer's work and the next batch's copy run on the GPU while the host goes on. A step's time is
+        # the host's, from the end of the step before (the first: from a synchronized GPU); at a step after which
+        # something else runs (evaluation, checkpoint, the end) the GPU is waited for, so that no GPU work is
+        # left out of the steps' times or counted in them twice.
+        sync(dev)
+        with StopRequest() as stop:
+            while step < total:
+                t_step = time.perf_counter()
+                loss_sum, tokens_dev, rows, epoch = torch.zeros((), device=dev), torch.zeros((), device=dev), 0, 0
+                timers: list = []  # the backward's CUDA events, read after the wait for the loss
+                bwd_ms = 0.0
+                replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
+                for i in range(A):
+                    epoch, batch = next(batches)
+                    tokens_dev += batch["attention_mask"].sum()
+                    rows += batch["attention_mask"].numel()
+                    if cfg.cuda_graphs:
+                        key = shape_key(batch)
+                        step_graphs = graphs.get(key)
+                        if step_graphs is None:  # adds into the .grad tensors, keeping what they hold
+                            step_graphs = graphs[key] = StepGraphs(model, batch, scale=1.0 / A, pool=pool)
+                        loss_sum += step_graphs.forward(batch).detach().float()
+                        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        ev0.record()
+                        step_graphs.backward()
+                        ev1.record()
+                        timers.append((ev0, ev1))
+                        replayed += 1
+                        continue
+                    ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
+                    with ctx:
+                        loss = model(**batch).loss
+                        loss_sum += loss.detach().float()
+                        if use_events:
+                            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            ev0.record()
+                            acc.backward(loss / A)
+                            ev1.record()
+                            timers.append((ev0, ev1))
+                        else:
+                            t0 = time.perf_counter()
+                            acc.backward(loss / A)
+                            bwd_ms += (time.perf_counter() - t0) * 1e3
+                mean_loss = acc.reduce(loss_sum / A, "mean").item()  # the step's one wait for the GPU
+                tokens = int(tokens_dev)
+                for ev0, ev1 in timers:
+                    ev1.synchronize()  # (done by now)
+                    bwd_ms += ev0.elapsed_time(ev1)
+                # Ctrl-C / SIGTERM: every process stops after the same step. Across processes that takes a
+                # reduction (accelerate's trigger), made here, where the host waits anyway: a request that comes
+                # later is seen in the next step, which then finishes. One process reads its flag at the step's end.
+                many = acc.num_processes > 1
+                if many and stop.requested:
+                    acc.set_trigger()
+                stopping = many and acc.check_trigger()
+                if not math.isfinite(mean_loss):
+                    status = "diverged"
+                    where = f"last good checkpoint: {last_ckpt}" if last_ckpt else \
+                        "no checkpoint was written before it (use --save-steps)"
+                    error = (f"loss became non-finite ({mean_loss}) at step {step + 1}; stopped before applying "
+                             f"that step; {where}")
+                    break
+                if cfg.max_grad_norm is not None:
+                    acc.clip_grad_norm_(params, cfg.max_grad_norm)
+                lr = _lr_at(step, total, cfg)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=not keep_grads)  # the graphs keep adding into these
+                step += 1
+                evaluating = step % eval_every == 0 or step == total
+                saving = bool(cfg.save_steps) and step % cfg.save_steps == 0 and step < total
+                if evaluating or saving or stopping:
+                    sync(dev)
+                rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
+                       "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
+                       "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": rows}
+                if cfg.cuda_graphs:
+                    rec["graph_replays"] = replayed  # of the step's grad_accum micro-batches
+                    rec["graphs"] = len(graphs)  # captured so far (one per batch shape)
+                if dev.type == "cuda":  # this step's own peak too (the run's peak is the running maximum)
+                    rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
+                    run_peak = rec["peak_mem_mb"] = max(run_peak, rec["peak_mem_mb"])
+                    torch.cuda.reset_peak_memory_stats(dev)
+                live_bwd.append(bwd_ms)
+                if ref_ms:
+                    recent = live_bwd[-20:]
+                    rec["speedup_backward"] = ref_ms / statistics.fmean(recent)
+                self._log(rec)
+                self.emit("step", {"run": self.method, **rec, "total": total})
+                if evaluating:
+                    ev = {"type": "eval", "step": step, **evaluate(model, eval_loader, acc, self.data.task)}
+                    self._log(ev)
+                    self.emit("eval", {"run": self.method, **ev})
+                if stopping or (not many and stop.requested):
+                    status = "interrupted"
+                    last_ckpt = str(self._save_checkpoint(step, calib))
+                    break
+                if saving:
+                    last_ckpt = str(self._save_checkpoint(step, calib))
+        for step_graphs in graphs.values():
+            step_graphs.close()  # and with the last of them their memory pool, before the model is saved
+        graphs.clear()
+        if status == "completed":
+            last_ckpt = str(self._save_checkpoint(step, calib))
+            self._save_model(model, loaded)
+        summary = {"status": status, "method": self.method, "total_steps": total,
+                   **summarize_records(self.records), "checkpoint": last_ckpt,
+                   "model_dir": str(self.dir / MODEL_DIR) if status == "completed" else None,
+                   "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes,
+                   "peak_mem_kind": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
+                   "process max RSS (CPU: grows over the runs of one process)"}
+        if cfg.compile:  # what Dynamo made of this run's model (this process)
+            graphs, breaks = (a - b for a, b in zip(dynamo_counts(), dynamo_before))
+            summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks}
+        if error:
+            summary["error"] = error
+        if self.main:
+            write_json(self.dir / SUMMARY, summary)
+        self.emit("end", {"run": self.method, "summary": summary})
+        return summary
+
+    def _reference_backward_ms(self, calib: dict | None) -> float | None:
+        if self.method != "sebp":
+            return None
+        if self.dense_ref and self.dense_ref.get("mean_backward_ms"):
+            return self.dense_ref["mean_backward_ms"]
+        return (calib or {}).get("dense_backward_ms")
+
+    def _save_model(self, model, loaded: LoadedModel) -> None:
+        """The fine-tuned model as a plain Hugging Face model: LoRA merged, SEBP layers back to nn.Linear."""
+        from .patch import unpatch_model
+
+        from accelerate.utils import DistributedType
+
+        self.acc.wait_for_everyone()
+        sharded = self.acc.distributed_type == DistributedType.FSDP
+        state_dict = self.acc.get_state_dict(model) if sharded and not self.cfg.lora else None  # gathered
+        plain = self.acc.unwrap_model(model)
+        if self.cfg.lora:
+            plain = plain.merge_and_unload()
+        unpatch_model(plain)
+        if self.main:
+            from transformers.utils import logging as hf_logging
+
+            target = self.dir / MODEL_DIR
+            hf_logging.disable_progress_bar()
+            try:
+                plain.save_pretrained(target, state_dict=state_dict, safe_serialization=True)
+            finally:
+                hf_logging.enable_progress_bar()
+            if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
+                loaded.tokenizer.save_pretrained(target)
+        self.acc.wait_for_everyone()

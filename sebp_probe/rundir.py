@@ -1,0 +1,140 @@
+"""A fine-tune's output directory: what it holds, when it may be replaced or resumed, its JSON files.
+
+    run_config.json  metrics.jsonl  summary.json  loss.png  eval.png  model/  checkpoints/step-000040/
+
+(``compare`` puts one run directory per method under it, ``dense/`` and ``sebp/``.)
+"""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import FinetuneConfig, FinetuneError
+
+RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+STATE = "trainer_state.json"
+CHECKPOINTS = "checkpoints"
+MODEL_DIR = "model"
+# What a run directory holds; anything else in it is the user's and is never deleted.
+OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "report.json",
+               "loss.png", "eval.png")
+# A resumed run must be the same run: every setting must match except these.
+RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit", "compile",
+                     "sebp_first")  # the same math
+# Settings added after runs were first written: a run config without one ran with this value.
+ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32,
+                  "compile": None, "sebp_first": False}
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp.replace(path)  # atomic: a killed run never leaves half a file
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    out = []
+    for k in keys:
+        if k in RESUMABLE_CHANGES:
+            continue
+        if isinstance(old.get(k), dict) and isinstance(new.get(k), dict):
+            out += [f"{k}.{s}" for s in config_changes(old[k], new[k])]
+        elif old.get(k, ADDED_SETTINGS.get(k)) != new.get(k, ADDED_SETTINGS.get(k)):
+            out.append(k)
+    return out
+
+
+def has_progress(out: Path) -> bool:
+    """Did the run in ``out`` train at all (metrics or checkpoints)? One that failed before is replaceable."""
+    for d in (out, out / "dense", out / "sebp"):
+        m = d / METRICS
+        if (m.exists() and m.stat().st_size) or (d / CHECKPOINTS).exists():
+            return True
+    return False
+
+
+def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tuple[bool, list[Path]]:
+    """(resuming, entries to delete before a fresh run); raises FinetuneError when the directory is refused.
+
+    A directory holding another run is refused unless ``resume`` (same settings) or ``overwrite``; one
+    holding anything else is always refused, so no user file is ever deleted. Nothing is changed here.
+    """
+    if resume and overwrite:
+        raise FinetuneError("--resume and --overwrite contradict each other; pass one")
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise FinetuneError(f"output dir {out} is a file")
+    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    stored = read_json(out / RUN_CONFIG) if entries else None
+    if resume:
+        if stored is None:
+            raise FinetuneError(f"--resume: {out} holds no sebp-probe finetune run to resume")
+        changed = config_changes(stored.get("config", {}), cfg.to_dict())
+        if changed:
+            raise FinetuneError(f"--resume: settings differ from the run in {out}: {', '.join(changed)}; "
+                                "resume with the same settings or use --overwrite")
+        return True, []
+    if entries:
+        if stored is None:
+            raise FinetuneError(f"output dir {out} is not empty and holds no sebp-probe run "
+                                f"({', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}); pick another")
+        if not overwrite and has_progress(out):
+            raise FinetuneError(f"output dir {out} holds another run; pass --resume to continue it or "
+                                "--overwrite to replace it")
+        foreign = [e for e in entries if e not in OWN_ENTRIES]
+        if foreign:
+            raise FinetuneError(f"--overwrite: {out} also holds files of its own ({', '.join(foreign[:4])}); "
+                                "move them or pick another output dir")
+        return False, [out / e for e in entries]
+    return False, []
+
+
+def clear_entries(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (their trainer_state.json is written last), oldest first."""
+    d = run_dir / CHECKPOINTS
+    if not d.is_dir():
+        return []
+    return sorted((p for p in d.iterdir() if p.name.startswith("step-") and (p / STATE).exists()),
+                  key=lambda p: int(p.name.split("-")[1]))
+
+
+def versions() -> dict:
+    import accelerate
+    import transformers
+
+    from . import __version__
+
+    v = {"sebp_probe": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+         "accelerate": accelerate.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

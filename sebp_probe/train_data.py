@@ -1,0 +1,87 @@
+"""Training data of a fine-tune: tokenized examples, their order, and the batches the loop and calibration see.
+
+Data order is a pure function of (seed, epoch, micro-batch index): a resumed run skips to the same place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .assets import AssetError, LoadedModel, PadCollator, load_text_data, padding_side, tokenize
+from .config import FinetuneConfig
+
+
+@dataclass
+class TrainData:
+    """Tokenized, unpadded examples ({input_ids, label} or {input_ids, labels}) and how to pad them."""
+
+    task: str
+    train: list[dict]
+    eval: list[dict]
+    pad_id: int
+    padding_side: str = "right"
+    label_names: list[str] = field(default_factory=list)
+    identity: dict = field(default_factory=dict)
+
+
+def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
+    """Train and held-out examples of ``cfg.data``: ``eval_split`` if given, the bundled test split of
+    ``tweets``, else a deterministic 10% of the training split; at most ``eval_samples`` of them."""
+    data = load_text_data(cfg.data, loaded.task)
+    if cfg.data.eval_split or cfg.data.dataset == "tweets":
+        held = load_text_data(replace(cfg.data, max_samples=None), loaded.task,  # --eval-samples caps this one
+                              split=cfg.data.eval_split or "test", label_names=data.label_names or None)
+    else:
+        data, held = data.split_off(0.1, seed=cfg.seed)
+    if cfg.eval_samples is not None:
+        held.examples = held.examples[: cfg.eval_samples]
+    train, ev = tokenize(loaded, data, cfg.data.max_length), tokenize(loaded, held, cfg.data.max_length)
+    if not train or not ev:
+        raise AssetError(f"dataset {cfg.data.dataset!r} has no non-empty text to train or evaluate on")
+    side = padding_side(loaded, cfg.data)
+    identity = {"train": data.identity, "eval": held.identity}
+    return TrainData(loaded.task, train, ev, loaded.tokenizer.pad_token_id, side, data.label_names, identity)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A fresh permutation per epoch, a pure function of (seed, epoch), so a resumed run replays it."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
+    """(train loader, eval loader, sampler). ``pin``: batches in page-locked memory (on a GPU), so that their
+    copy to the device does not wait for the work already queued there (a copy from pageable memory does)."""
+    collate = PadCollator(data.pad_id, data.task, cfg.data.padding, cfg.data.max_length, data.padding_side,
+                          cfg.graph_bucket if cfg.cuda_graphs else 1)  # graphs: few batch shapes
+    # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
+    gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
+    sampler = EpochSampler(len(data.train), cfg.seed)
+    train = torch.utils.data.DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
+                                        collate_fn=collate, generator=gen(), pin_memory=pin)
+    ev = torch.utils.data.DataLoader(data.eval, batch_size=cfg.data.batch_size, shuffle=False,
+                                     collate_fn=collate, generator=gen(), pin_memory=pin)
+    return train, ev, sampler
+
+
+def first_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device) -> list[dict]:
+    loader, _, sampler = make_loaders(cfg, data)
+    sampler.set_epoch(0)
+    out = []
+    for b in loader:
+        out.append({k: v.to(device) for k, v in b.items()})
+        if len(out) >= max(1, cfg.calib_batches):
+            break
+    return out
