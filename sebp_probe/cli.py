@@ -7,6 +7,8 @@ import sys
 import typer
 from rich.console import Console
 
+from .tables import batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary
+
 app = typer.Typer(
     name="sebp-probe",
     help="Find and exploit gradient sparsity in Transformer fine-tuning (SEBP).",
@@ -15,9 +17,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
-console = Console()
-# Tables with long cells (reasons, 13 benchmark columns) change layout below this width: piped output is 80.
-WIDE_CONSOLE = 150
 err_console = Console(stderr=True)
 
 # Exit codes: 0 ok, 1 bad input or a failed run (one line on stderr), 130 interrupted.
@@ -66,69 +65,6 @@ def _main(
 
 
 # ------------------------------------------------------------------------------------------------ finetune
-
-
-def _finetune_progress(console_):
-    """A rich progress bar fed by finetune's events: one bar per run, live loss and backward speedup."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    progress = Progress(TextColumn("[bold]{task.description:>5}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=console_, transient=False)
-    tasks: dict[str, int] = {}
-
-    def on_event(kind: str, p: dict) -> None:
-        run = p.get("run", "")
-        if kind == "calibrated":
-            n, dense = len(p["layers"]), len(p["fallback_dense"])
-            times = ""
-            if p.get("dense_backward_ms") and p.get("sebp_backward_ms"):
-                times = (f"; calibration backward: dense {p['dense_backward_ms']:.1f} ms, "
-                         f"SEBP {p['sebp_backward_ms']:.1f} ms")
-            why = p.get("fallback_reason") or "active rows above the fallback density"
-            progress.console.print(f"{run}: SEBP on {n} layers, {dense} left dense ({why}){times}", highlight=False)
-        elif kind == "start":
-            tasks[run] = progress.add_task(run, total=p["total"], completed=p["step"], loss="-", speed="")
-        elif kind == "step" and run in tasks:
-            speed = f"backward x{p['speedup_backward']:.2f}" if "speedup_backward" in p else ""
-            progress.update(tasks[run], completed=p["step"], loss=f"{p['loss']:.4f}", speed=speed)
-        elif kind == "eval":
-            vals = ", ".join(f"{k[5:]} {v:.4f}" for k, v in p.items() if k.startswith("eval_"))
-            progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
-        elif kind == "skipped":
-            progress.console.print(f"{run}: already completed, kept", highlight=False)
-        elif kind == "analysis":
-            if "analysis" not in tasks:
-                tasks["analysis"] = progress.add_task("eps", total=p["total"], loss="-", speed="analysis")
-            progress.update(tasks["analysis"], completed=p["done"])
-
-    return progress, on_event
-
-
-def _print_finetune_summary(summary: dict) -> None:
-    from rich.table import Table
-
-    runs = summary.get("runs") or {summary.get("method", "run"): summary}
-    table = Table(title=f"fine-tuning: {summary['output_dir']}")
-    for col in ("run", "status", "steps", "loss\n(last 10)", "held-out", "bwd ms", "step ms", "MiB"):
-        table.add_column(col, justify="left" if col in ("run", "status", "held-out") else "right", no_wrap=True)
-    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
-    short = {"eval_accuracy": "acc", "eval_perplexity": "ppl", "eval_loss": "loss"}
-    for name, s in runs.items():
-        ev = s.get("final_eval", {})
-        held = " ".join(f"{short.get(k, k)} {v:.4f}" for k, v in ev.items() if k != "eval_loss")
-        table.add_row(name, s["status"], str(s.get("steps", 0)), fmt(s.get("final_train_loss"), "{:.4f}"), held,
-                      fmt(s.get("mean_backward_ms")), fmt(s.get("mean_step_ms")), fmt(s.get("peak_mem_mb"), "{:.0f}"))
-    console.print(table)
-    cmp = summary.get("comparison")
-    if cmp:
-        parts = [f"backward x{cmp['speedup_backward']:.2f}" if "speedup_backward" in cmp else "",
-                 f"step x{cmp['speedup_step']:.2f}" if "speedup_step" in cmp else "",
-                 f"peak memory x{cmp['peak_mem_ratio']:.3f}" if "peak_mem_ratio" in cmp else "",
-                 f"x{cmp['peak_mem_ratio_from_step3']:.3f} from step 3 on" if "peak_mem_ratio_from_step3" in cmp
-                 else "",
-                 f"max |loss gap| {cmp['max_abs_loss_gap']:.2e}" if cmp.get("max_abs_loss_gap") is not None else ""]
-        console.print("SEBP vs dense: " + ", ".join(p for p in parts if p), highlight=False)
 
 
 _DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
@@ -239,7 +175,7 @@ def finetune_cmd(
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
         eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)
-    progress, on_event = _finetune_progress(err_console if as_json else console)
+    progress, on_event = finetune_progress(err_console if as_json else console)
     with progress:
         summary = finetune(cfg, resume=resume, overwrite=overwrite, on_event=on_event)
     if as_json:
@@ -247,7 +183,7 @@ def finetune_cmd(
 
         console.print_json(json.dumps(summary, default=str))
     else:
-        _print_finetune_summary(summary)
+        print_finetune_summary(summary)
     if summary["status"] == "interrupted":
         ckpt = next((s.get("checkpoint") for s in (summary.get("runs") or {"": summary}).values()
                      if s.get("status") == "interrupted"), None)
@@ -257,104 +193,6 @@ def finetune_cmd(
 
 
 # --------------------------------------------------------------------------------------------------- bench
-
-
-_RUN_LABELS = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",
-               "dense_trimmed": "dense, padding trimmed"}
-
-
-def _bench_tables(result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
-    if result.get("layers"):
-        what = f"{result['dtype']}, {result['mode']}"
-        times = ("k", "dense", "ideal", "ideal +io", "triton", "torch ref")
-        speedups = ("x ideal", "x triton", "x adaptive", "x torch ref", "peak MiB d/t")
-        shares = ("of ideal", "of ideal, rows known", "of ideal +io", "of ideal, dX kept",
-                  "of ideal, rows known, dX kept")
-        # one table where the console is wide enough, else the times, the speedups and the shares apart (rich
-        # would cut every column of a 15-column table to a few characters at 80 columns, the width of piped
-        # output)
-        narrow = console.width < WIDE_CONSOLE
-        parts = [(f"SEBP backward per layer ({what}; median ms, speedup vs dense cuBLAS)", times + speedups + shares)]
-        if narrow:
-            parts = [(f"SEBP backward per layer ({what}; median ms)", times),
-                     (f"SEBP backward per layer ({what}): speedups vs dense cuBLAS, x the torch reference, peak "
-                      "extra MiB dense/triton", speedups),
-                     (f"SEBP backward per layer ({what}): share of the ideal's speedup (of the ideal plus the "
-                      "unavoidable memory traffic: ideal +io)", shares)]
-        for title, cols in parts:
-            table = Table(title=title, box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, pad_edge=False,
-                          collapse_padding=True)
-            for col in ("layer", "density", *cols):
-                table.add_column(col.replace(" ", "\n") if narrow and col != "layer" else col,
-                                 justify="left" if col == "layer" else "right", no_wrap=narrow and col != "layer",
-                                 overflow="fold")
-            for r in result["layers"]:
-                ms, sp = r["ms"], r["speedup_vs_dense"]
-                cells = {"k": str(r["k"]), "dense": f"{ms['dense']:.3f}", "ideal": f"{ms['ideal']:.3f}",
-                         "ideal +io": f"{ms['ideal_io']:.3f}" if "ideal_io" in ms else "-",
-                         "triton": f"{ms['triton']:.3f}", "torch ref": f"{ms['torch_ref']:.3f}",
-                         "x ideal": f"{sp['ideal']:.2f}", "x triton": f"{sp['triton']:.2f}",
-                         "x adaptive": f"{sp['triton_adaptive']:.2f}" if "triton_adaptive" in sp else "-",
-                         "of ideal": f"{r['triton_fraction_of_ideal_speedup']:.2f}",
-                         "of ideal, rows known": (f"{r['triton_rows_fraction_of_ideal_speedup']:.2f}"
-                                                  if "triton_rows_fraction_of_ideal_speedup" in r else "-"),
-                         "of ideal +io": (f"{r['triton_fraction_of_ideal_io_speedup']:.2f}"
-                                         if "triton_fraction_of_ideal_io_speedup" in r else "-"),
-                         "of ideal, dX kept": (f"{r['triton_reuse_fraction_of_ideal_speedup']:.2f}"
-                                               if "triton_reuse_fraction_of_ideal_speedup" in r else "-"),
-                         "of ideal, rows known, dX kept": (
-                             f"{r['triton_rows_reuse_fraction_of_ideal_speedup']:.2f}"
-                             if "triton_rows_reuse_fraction_of_ideal_speedup" in r else "-"),
-                         "x torch ref": f"{r['triton_vs_torch_ref']:.2f}",
-                         "peak MiB d/t": f"{r['peak_extra_mib']['dense']:.0f}/{r['peak_extra_mib']['triton']:.0f}"}
-                table.add_row(r["shape"]["name"], f"{r['density']:g}", *(cells[c] for c in cols))
-            console.print(table)
-    for m in result.get("models", []):
-        no_mask = ("" if m.get("pad_mask", True) else ", no padding mask") + (
-            f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "") + (
-            f", SEBP on {m['sebp_acts']} MLP activations" if m.get("sebp_acts") else "") + (
-            ", dX zero rows kept" if m.get("sebp_keep_dx") else "")
-        table = Table(title=f"{m['case']['name']} forward+backward, batch {m['case']['batch']} x {m['case']['seq']}"
-                            f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
-        for col in ("run", "forward", "backward", "step", "peak GiB"):
-            table.add_column(col, justify="left" if col == "run" else "right")
-        for key, label in _RUN_LABELS.items():
-            s = m["median"][key]
-            table.add_row(label, f"{s['forward_ms']:.1f}", f"{s['backward_ms']:.1f}", f"{s['step_ms']:.1f}",
-                          f"{s['peak_gib']:.2f}")
-            if "graphed_median" in m:
-                g = m["graphed_median"][key]
-                table.add_row(f"{label} (CUDA graph)", f"{g['forward_ms']:.1f}", f"{g['backward_ms']:.1f}",
-                              f"{g['step_ms']:.1f}", "")
-        console.print(table)
-        if "graphed_median" in m:
-            console.print(f"as CUDA graphs: backward x{m['graphed_backward_speedup']:.2f}, step "
-                          f"x{m['graphed_step_speedup']:.2f}; padding trimmed: step "
-                          f"x{m['graphed_trimmed_step_speedup']:.2f}", highlight=False)
-        if "backward_kernels" in m:
-            _breakdown_table(m)
-        console.print(f"SEBP vs dense on the padded batch: backward x{m['backward_speedup']:.2f}, step "
-                      f"x{m['step_speedup']:.2f}, peak memory x{m['peak_memory_ratio']:.3f}; trimming the padding "
-                      f"instead: step x{m['trimmed_step_speedup']:.2f}", highlight=False)
-
-
-def _breakdown_table(m: dict) -> None:
-    from rich.table import Table
-
-    runs = m["backward_kernels"]
-    kinds = sorted({k for r in runs.values() for k in r["by_kind_ms"]},
-                   key=lambda k: -runs.get("dense_padded", {"by_kind_ms": {}})["by_kind_ms"].get(k, 0.0))
-    table = Table(title=f"{m['case']['name']}: GPU kernel time of one backward by kind (ms)")
-    table.add_column("run")
-    for k in (*kinds, "total"):
-        table.add_column(k, justify="right")
-    for key, r in runs.items():
-        table.add_row(_RUN_LABELS.get(key, key), *(f"{r['by_kind_ms'].get(k, 0.0):.2f}" for k in kinds),
-                      f"{r['total_ms']:.2f}")
-    console.print(table)
 
 
 @app.command("bench")
@@ -464,7 +302,7 @@ def bench_cmd(
 
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(result, indent=1) + "\n")
-    _bench_tables(result)
+    bench_tables(result)
     if output:
         console.print(f"results written to {output}", highlight=False)
 
@@ -483,84 +321,6 @@ def _data_config(dataset, split, text_column, text_pair_column, label_column, pa
 
 def _patterns(value: str | None) -> tuple[str, ...] | None:
     return tuple(p.strip() for p in value.split(",") if p.strip()) if value else None
-
-
-def _batch_progress(console_, what: str):
-    """A transient rich progress bar and the (done, total) callback that drives it."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    progress = Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=console_, transient=True)
-    task = progress.add_task(what, total=None)
-    return progress, lambda done, total: progress.update(task, completed=done, total=total)
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
-def _eps_text(lo: float, hi: float) -> str:
-    return f"{lo:.2g}" if lo == hi else f"{lo:.2g}..{hi:.2g}"
-
-
-def _print_analysis(report: dict, per_layer: bool) -> None:
-    from rich import box
-    from rich.table import Table
-
-    from .analyze import layer_type_rows
-
-    m, d, p = report["model"], report["dataset"], report["padding"]
-    console.print(f"[bold]{m['name']}[/bold] ({m['architecture']}, {m['task']}) on [bold]{d['name']}[/bold] "
-                  f"split {d.get('split')}: {report['analysis']['batches']} batches of {p['batch_size']}, padding "
-                  f"{p['padding']} (max {p['max_length']}, {p['padding_side']})", highlight=False)
-    tok = report.get("tokens")
-    if tok:
-        t = Table(title="Tokens per sample", box=box.SIMPLE_HEAD)
-        for col in ("avg", "max", "min", "padded to", "padding %", "padding % if\npadded per batch",
-                    "tokens saved by\nper-batch padding %"):
-            t.add_column(col, justify="right")
-        ps = tok["per_sample"]
-        t.add_row(f"{ps['avg']:.1f}", f"{ps['max']:.0f}", f"{ps['min']:.0f}", f"{tok['padded_length']['max']:.0f}",
-                  _pct(tok["pad_fraction"]), _pct(tok["dynamic_pad_fraction"]), _pct(tok["dynamic_saving"]))
-        console.print(t)
-    rows = layer_type_rows(report)
-    t = Table(title="Sparsity of dL/dY per layer type, % (avg/max/min over batches)", box=box.SIMPLE_HEAD)
-    for col in ("layer type", "layers", "zero elements", "zero rows"):
-        t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
-    for r in rows:
-        ze, zr = r["zero_elements"], r["zero_rows"]
-        t.add_row(r["type"], str(r["layers"]), f"{_pct(ze['avg'])} / {_pct(ze['max'])} / {_pct(ze['min'])}",
-                  f"{_pct(zr['avg'])} / {_pct(zr['max'])} / {_pct(zr['min'])}")
-    console.print(t)
-    t = Table(title="Recommended SEBP settings per layer type", box=box.SIMPLE_HEAD)
-    for col in ("layer type", "knee", "eps", "rows\n> eps %", "N", "FLOPs saved %\nthr. / topk"):
-        t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
-    for r in rows:
-        t.add_row(r["type"], f"{r['knees']}/{r['layers']}", _eps_text(*r["eps"]), _pct(r["active_rows"]),
-                  str(r["top_n"]), f"{_pct(r['saving_threshold'])} / {_pct(r['saving_topk'])}")
-    console.print(t)
-    if per_layer:
-        # The reasons are long: beside the numbers on a wide console, else listed under the table in full
-        # (a narrow table would cut them, and piped output is 80 columns wide).
-        wide = console.width >= WIDE_CONSOLE
-        t = Table(title="Per layer", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for col in ("layer", "mode", "eps", "N", "zero\nrows %", "rows\n> eps %", *(("why",) if wide else ())):
-            t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right",
-                         no_wrap=col not in ("layer", "why"), overflow="fold")
-        for name, e in report["layers"].items():
-            s = e["stats"]
-            t.add_row(name, e["mode"], f"{e['eps']:.3g}", str(e["top_n"]), _pct(s["zero_row_fraction"]["avg"]),
-                      _pct(s["active_row_fraction"]["avg"]), *((s["reason"],) if wide else ()))
-        console.print(t)
-        if not wide:
-            console.print("why, per layer:", highlight=False)
-            for name, e in report["layers"].items():
-                console.print(f"  {name}: {e['stats']['reason']}", highlight=False, soft_wrap=True)
-    g, tot = report["global"], report["totals"]
-    console.print(f"global setting: eps {g['eps']:.3g}, N {g['top_n']} ({g['reason']})", highlight=False)
-    console.print(f"backward GEMM FLOPs (dX, dW) saved, all layers: threshold {_pct(tot['saving_threshold'])}%, "
-                  f"topk {_pct(tot['saving_topk'])}% with the per-layer settings; {_pct(g['saving_threshold'])}% "
-                  f"/ {_pct(g['saving_topk'])}% with the global one", highlight=False)
 
 
 @app.command("analyze")
@@ -619,7 +379,7 @@ def analyze_cmd(
                                exclude_modules=_patterns(exclude), quantile=quantile, margin=margin, tile=tile,
                                min_gap_decades=min_gap)
     torch.manual_seed(seed)
-    progress, on_batch = _batch_progress(err_console if as_json else console, "analyzing")
+    progress, on_batch = batch_progress(err_console if as_json else console, "analyzing")
     with progress:
         report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch)
     if output:
@@ -630,7 +390,7 @@ def analyze_cmd(
 
         print(json.dumps(report, indent=2))
     else:
-        _print_analysis(report, per_layer)
+        print_analysis(report, per_layer)
 
 
 @app.command("heatmap")
@@ -676,7 +436,7 @@ def heatmap_cmd(
                        padding_side, batch_size, None, seed)
     settings = AnalyzeSettings(max_batches=max_batches, min_gap_decades=min_gap)
     torch.manual_seed(seed)
-    progress, on_batch = _batch_progress(console, "collecting")
+    progress, on_batch = batch_progress(console, "collecting")
     with progress:
         pictures, info = heatmaps(model, cfg, layer, settings, task=task, device=device, progress=on_batch)
     p = info["padding"]

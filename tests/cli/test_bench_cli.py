@@ -144,7 +144,7 @@ def test_tables_render_committed_results(capsys, monkeypatch):
     kernel breakdown and the no-mask title too, so a table bug cannot cost a GPU run its output."""
     from pathlib import Path
 
-    from sebp_probe import cli
+    from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
     result = json.loads((root / "h100_layers_bert-base.json").read_text())
@@ -154,8 +154,8 @@ def test_tables_render_committed_results(capsys, monkeypatch):
         "dense_padded": {"total_ms": 3.0, "by_kind_ms": {"gemm": 2.0, "attention": 1.0}},
         "sebp_padded": {"total_ms": 1.5, "by_kind_ms": {"sebp": 0.5, "attention": 1.0}}}
     result["models"] = [model]
-    monkeypatch.setattr(cli.console, "width", 250)
-    cli._bench_tables(result)
+    monkeypatch.setattr(tables.console, "width", 250)
+    tables.bench_tables(result)
     out = " ".join(capsys.readouterr().out.split())  # titles wrap to their table's width
     assert "GPU kernel time of one backward by" in out and "no padding" in out
     assert "│ SEBP, padded │ 0.00 │ 1.00 │ 0.50 │ 1.50 │" in out  # columns by the dense run's largest first
@@ -168,7 +168,7 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     a timing shows "-" in its column."""
     from pathlib import Path
 
-    from sebp_probe import cli
+    from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
     result = json.loads((root / "h100_layers_llama-3.2-3b.json").read_text())
@@ -177,8 +177,8 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     result["layers"][1]["triton_fraction_of_ideal_io_speedup"] = 0.876
     result["layers"][1]["triton_reuse_fraction_of_ideal_speedup"] = 0.912
     result["layers"][1]["triton_rows_reuse_fraction_of_ideal_speedup"] = 0.954
-    monkeypatch.setattr(cli.console, "width", 80)
-    cli._bench_tables(result)
+    monkeypatch.setattr(tables.console, "width", 80)
+    tables.bench_tables(result)
     out = capsys.readouterr().out
     assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
     assert "median ms)" in out and "share of the" in out
@@ -196,6 +196,6 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     assert rows[1].split()[-3] == "0.051" and rows[2 * n + 1].split()[-3:] == ["0.88", "0.91", "0.95"]
     assert rows[0].split()[-3] == "-"  # no ideal +io time in this file's first layer
     result["layers"][0].pop("triton_rows_fraction_of_ideal_speedup")  # a file from before that timing
-    cli._bench_tables(result)
+    tables.bench_tables(result)
     first = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llama-3.2-3b")]
     assert first[2 * n].split()[-4] == "-"
