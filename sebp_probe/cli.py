@@ -252,7 +252,7 @@ def bench_cmd(
     import json
     import shlex
 
-    from . import bench
+    from . import bench, bench_model
 
     if scope not in ("layers", "model", "all"):
         raise UserError(f"--scope must be layers, model or all, got {scope!r}")
@@ -269,11 +269,11 @@ def bench_cmd(
     shapes = bench.resolve_shapes(model, rows, in_features, out_features, seq) if scope != "model" else []
     models = []
     if scope != "layers":
-        if model.lower() not in bench.MODEL_CASES:
-            raise UserError(f"no whole-model case for {model!r}; choose one of {', '.join(bench.MODEL_CASES)}")
+        if model.lower() not in bench_model.MODEL_CASES:
+            raise UserError(f"no whole-model case for {model!r}; choose one of {', '.join(bench_model.MODEL_CASES)}")
         models = [model.lower()]
         try:
-            bench.check_pad_mask(bench.MODEL_CASES[models[0]], pad_mask)
+            bench_model.check_pad_mask(bench_model.MODEL_CASES[models[0]], pad_mask)
         except ValueError as e:
             raise UserError(f"--no-pad-mask: {e}") from None
     elif not pad_mask or breakdown or norms or acts or keep_dx:
@@ -292,11 +292,9 @@ def bench_cmd(
             for r in bench.bench_layer(s, dens, bench.DTYPES[dtype], mode, repeats, progress=progress):
                 result["layers"].append(r.to_dict())
         for name in models:
-            result["models"].append(bench.bench_model(bench.MODEL_CASES[name], bench.DTYPES[dtype],
-                                                       model_repeats, mode=mode, graphs=graphs,
-                                                       progress=progress, pad_mask=pad_mask,
-                                                       breakdown=breakdown, norms=norms, acts=acts,
-                                                       keep_dx=keep_dx))
+            result["models"].append(bench_model.bench_model(
+                bench_model.MODEL_CASES[name], bench.DTYPES[dtype], model_repeats, mode=mode, graphs=graphs,
+                progress=progress, pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 

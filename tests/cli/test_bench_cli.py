@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sebp_probe import bench
+from sebp_probe import bench, bench_model
 from sebp_probe.cli import app
 
 runner = CliRunner()
@@ -81,9 +81,9 @@ def test_padded_rows_and_lengths():
     mask = bench.padded_rows(2048, 512, 0.1, "cpu")
     assert mask.view(4, 512)[:, :51].all() and not mask.view(4, 512)[:, 51:].any()
     assert bench.padded_rows(100, 512, 0.01, "cpu").sum() == 1  # never empty
-    sst2 = bench.sample_lengths("sst2", 4000, 512, seed=0)
+    sst2 = bench_model.sample_lengths("sst2", 4000, 512, seed=0)
     assert 5 <= min(sst2) and max(sst2) <= 66 and 0.05 < sum(sst2) / (4000 * 512) < 0.075
-    short = bench.sample_lengths("short", 500, 4096, seed=1)
+    short = bench_model.sample_lengths("short", 500, 4096, seed=1)
     assert 64 <= min(short) and max(short) <= 512
 
 
@@ -136,7 +136,7 @@ def test_kernel_kinds_of_the_backward_breakdown():
         "void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float>": "embedding",
     }
     for name, kind in kinds.items():
-        assert bench.kernel_kind(name) == kind, name
+        assert bench_model.kernel_kind(name) == kind, name
 
 
 def test_tables_render_committed_results(capsys, monkeypatch):
