@@ -131,7 +131,8 @@ def pack_rows(lens: Sequence[int], budget: int) -> list[list[int]]:
 
 class PackedCollator:
     """Packs a batch's token lists into rows of at most ``budget`` tokens (default ``max_length``) by
-    :func:`pack_rows`, padded to the fullest row. The batch holds, with n sequences in layout order (row by row) and T of their tokens:
+    :func:`pack_rows`, padded to the fullest row. The batch holds, with n sequences in layout order (row by
+    row) and T of their tokens:
 
     - ``input_ids``, ``position_ids`` [rows, L]: positions restart at 0 for each sequence; the row's tail is
       ``pad_id`` at position 0 (a token of its own to a causal mask, as a position change starts a sequence);

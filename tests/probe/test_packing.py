@@ -3,8 +3,6 @@ RoBERTa (classification), Llama, Qwen2 and Qwen3 (causal LM with prompt-masked l
 crosses a sequence; the varlen backend's plumbing runs with a per-sequence sdpa in place of flash attention."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
