@@ -18,6 +18,7 @@ from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from .config import FinetuneConfig, FinetuneError
 from .graphs import replay_ms
+from .losses import batch_loss
 from .patch import find_targets, patch_activations, patch_model, patch_norms
 
 
@@ -46,7 +47,7 @@ def sync(device: torch.device) -> None:
 
 def timed_backward(model, batch, device, autocast) -> float:
     with autocast():
-        loss = model(**batch).loss
+        loss = batch_loss(model, batch)
     sync(device)
     t0 = time.perf_counter()
     loss.backward()

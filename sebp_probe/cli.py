@@ -75,7 +75,8 @@ _SPLIT = typer.Option(None, "--split", help="Dataset split (default train).")
 _TEXT = typer.Option(None, "--text-column", help="Text (or prompt) column (default: detected).")
 _PAIR = typer.Option(None, "--text-pair-column", help="Second text of sentence pairs.")
 _LABEL = typer.Option(None, "--label-column", help="Label column (default: detected).")
-_PADDING = typer.Option("max_length", "--padding", help="max_length | longest (dynamic).")
+_PADDING = typer.Option("max_length", "--padding", help="max_length | longest (per batch) | bucket (batches of "
+                        "similar lengths).")
 _PADDING_SIDE = typer.Option(None, "--padding-side", help="left | right (default: the tokenizer's).")
 _MIN_GAP = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee.")
 _DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N.")
@@ -121,7 +122,9 @@ def finetune_cmd(
     label_column: str = _LABEL,
     max_samples: int = typer.Option(None, "--max-samples", help="Use at most this many training examples."),
     eval_samples: int = typer.Option(1000, "--eval-samples", help="Evaluate on at most this many examples."),
-    padding: str = _PADDING,
+    padding: str = typer.Option("auto", "--padding", help="auto (measure every layout on your batches, dense and "
+                                "SEBP, train with the fastest) | max_length | longest | bucket | packed "
+                                "(padding-free rows; Llama/Qwen decoders, BERT/RoBERTa classifiers)."),
     max_length: int = typer.Option(64, "--max-length"),
     batch_size: int = typer.Option(16, "--batch-size", help="Per process (and per micro-batch)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
@@ -148,7 +151,9 @@ def finetune_cmd(
 
     Examples:
 
-    - `sebp-probe finetune` : MiniLM on the bundled tweets, exact SEBP, 200 steps (CPU: minutes)
+    - `sebp-probe finetune` : MiniLM on the bundled tweets, 200 steps; the fastest of every padding layout, dense
+      or with exact SEBP, measured on your batches first (CPU: minutes)
+    - `sebp-probe finetune minilm tweets --padding packed --compare` : dense vs SEBP on padding-free batches
     - `sebp-probe finetune minilm tweets --auto-eps --compare -o runs/auto` : analysis, then dense vs SEBP
     - `sebp-probe finetune minilm tweets --report report.json` : per-layer settings of `sebp-probe analyze -o report.json`
     - `sebp-probe finetune ./my-model data.csv --eps 1e-6 --bf16 --lora --epochs 1`
@@ -317,6 +322,12 @@ def _data_config(dataset, split, text_column, text_pair_column, label_column, pa
                       padding_side=padding_side, batch_size=batch_size, max_samples=max_samples, seed=seed)
 
 
+def _check_padded(padding: str) -> None:
+    if padding not in ("max_length", "longest", "bucket"):
+        raise UserError(f"--padding {padding}: analyze and heatmap measure padded batches (max_length, longest or "
+                        "bucket); the report gives the padding every layout leaves, packed included")
+
+
 def _patterns(value: str | None) -> tuple[str, ...] | None:
     return tuple(p.strip() for p in value.split(",") if p.strip()) if value else None
 
@@ -371,6 +382,7 @@ def analyze_cmd(
 
     if padding_side not in (None, "left", "right"):
         raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
+    _check_padded(padding)
     cfg = _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,
                        padding_side, batch_size, max_samples, seed)
     settings = AnalyzeSettings(max_batches=max_batches, target_modules=_patterns(targets),
@@ -430,6 +442,7 @@ def heatmap_cmd(
     check_image_path(output)
     if padding_side not in (None, "left", "right"):
         raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
+    _check_padded(padding)
     cfg = _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,
                        padding_side, batch_size, None, seed)
     settings = AnalyzeSettings(max_batches=max_batches, min_gap_decades=min_gap)

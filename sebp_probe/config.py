@@ -8,9 +8,11 @@ from typing import Literal
 from sebp_kernels import SEBPConfig
 from sebp_kernels.config import MODES
 
-Padding = Literal["max_length", "longest"]
+Padding = Literal["max_length", "longest", "bucket", "packed", "auto"]
 Side = Literal["left", "right"]
 TASKS = ("classification", "causal-lm")
+# How the sequences of a batch are laid out (sebp_probe.batching); "auto" lets finetune measure and choose.
+PADDINGS = ("max_length", "longest", "bucket", "packed")
 
 __all__ = ["DataConfig", "FinetuneConfig", "FinetuneError", "SEBPConfig", "TASKS"]
 
@@ -27,7 +29,10 @@ class DataConfig:
     optional config after a slash or colon (``glue/sst2``, ``allenai/ai2_arc/ARC-Easy``, ``imdb``).
     split / eval_split: dataset splits (default ``train``; eval falls back to a held-out slice of train).
     padding: ``max_length`` pads every batch to ``max_length`` (what most fine-tuning scripts do);
-    ``longest`` pads to the longest sample of the batch (dynamic padding).
+    ``longest`` pads to the longest sample of the batch (dynamic padding); ``bucket`` draws batches of
+    similar lengths and pads each to its longest; ``packed`` concatenates a batch's sequences into rows of
+    ``max_length`` tokens, attention never crossing a sequence (padding-free); ``auto`` (finetune only)
+    measures them on the run's own batches, dense and with SEBP, and trains with the fastest.
     padding_side: ``right`` or ``left`` (default: the tokenizer's, which is right for the bundled models).
     """
 
@@ -47,8 +52,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.dataset or not str(self.dataset).strip():
             raise ValueError("dataset must be a name or a path")
-        if self.padding not in ("max_length", "longest"):
-            raise ValueError(f"padding must be 'max_length' or 'longest', got {self.padding!r}")
+        if self.padding not in (*PADDINGS, "auto"):
+            raise ValueError(f"padding must be one of {', '.join(PADDINGS)} or auto, got {self.padding!r}")
         if self.padding_side not in (None, "left", "right"):
             raise ValueError(f"padding side must be 'left' or 'right', got {self.padding_side!r}")
         if not isinstance(self.max_length, int) or self.max_length < 2:
@@ -95,7 +100,7 @@ class FinetuneConfig:
     """
 
     model: str = "minilm"
-    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=64, batch_size=16))
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=64, batch_size=16, padding="auto"))
     output_dir: str = "runs/finetune"
     task: str | None = None
     method: str = "sebp"
@@ -184,6 +189,11 @@ class FinetuneConfig:
             if self.cuda_graphs:
                 raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
                                  "CUDA graphs itself)")
+        graphed = self.cuda_graphs or self.compile in GRAPHED_COMPILE_MODES
+        if graphed and self.data.padding == "packed":
+            raise ValueError(f"{'--cuda-graphs' if self.cuda_graphs else '--compile ' + self.compile} records CUDA "
+                             "graphs, which need few fixed batch shapes; packed rows change from batch to batch: "
+                             "use --padding longest, bucket or auto")
         if self.sebp_first and not self.compare:
             raise ValueError("--sebp-first orders the two runs of --compare: add --compare")
         self._check_sebp_settings()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,9 +18,11 @@ import torch
 from .assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
 from .config import FinetuneConfig, FinetuneError
-from .loop import Event, Run, graphed_compile
+from .loop import Event, Run, graphed_compile, wrap_lora
 from .metrics import compare_runs, loss_gap
-from .rundir import RUN_CONFIG, SUMMARY, check_output_dir, clear_entries, device_name, has_progress, versions, write_json
+from .rundir import (RUN_CONFIG, SUMMARY, check_output_dir, clear_entries, device_name, has_progress, read_json,
+                     versions, write_json)
+from .strategy import PaddingChoice, choose_padding
 from .train_data import TrainData, first_batches, load_train_data
 
 __all__ = ["FinetuneError", "finetune"]
@@ -154,11 +157,17 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
         # No --mode: each layer's recommendation (threshold where the analysis found a knee, else exact).
         report_layers = layer_configs_from_report(report, cfg.mode, backend=cfg.backend)
+    cands = {}
     if "sebp" in cfg.methods():  # bad targets and an eps that drops everything fail before anything is written
         cands = candidate_layers(first.model, cfg, report_layers)
         if any(c.mode == "threshold" and c.eps > 0 for c in cands.values()):
             _check_some_rows_active(first.model, cfg, data, cands, acc)
+    choice = None
+    if cfg.data.padding == "auto":
+        choice = _padding_choice(cfg, first, data, report_layers, acc, out if resuming else None)
+        emit("padding", choice.to_dict())
     del first
+    plan = _run_plan(cfg, choice)
 
     # Everything is checked: only now is an old run replaced and the new one written.
     made_dir = not out.exists()
@@ -174,14 +183,15 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                 "tool": "sebp-probe finetune", "created": datetime.datetime.now().isoformat(timespec="seconds"),
                 "config": cfg.to_dict(), "versions": versions(), "device": device_name(acc.device),
                 "num_processes": acc.num_processes, "data": data.identity,
-                "train_examples": len(data.train), "eval_examples": len(data.eval)})
+                "train_examples": len(data.train), "eval_examples": len(data.eval),
+                **({"padding_choice": choice.to_dict()} if choice else {})})
     acc.wait_for_everyone()
 
     summaries, records, dense_ref = {}, {}, None
     try:
-        for method in cfg.methods():
+        for method, run_cfg in plan:
             run_dir = out / method if cfg.compare else out
-            run = Run(cfg, method, run_dir, acc, data, load_fn, report_layers, dense_ref, emit)
+            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_ref, emit)
             summaries[method] = run.run(resuming)
             records[method] = run.records
             if method == "dense":
@@ -197,11 +207,18 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
     summaries = {m: summaries[m] for m in ("dense", "sebp") if m in summaries}  # dense first, whatever the order
     records = {m: records[m] for m in summaries if m in records}
-    summary = dict(summaries[cfg.methods()[0]]) if not cfg.compare else {"runs": summaries,
-                                                                          "order": list(cfg.methods())}
+    paddings = {m: c.data.padding for m, c in plan}
+    for m, s in summaries.items():
+        s["padding"] = paddings[m]
+    summary = dict(summaries[plan[0][0]]) if not cfg.compare else {"runs": summaries, "order": [m for m, _ in plan]}
+    if choice is not None:
+        summary["padding_choice"] = choice.to_dict()
     if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", "sebp")):
         summary["comparison"] = compare_runs(summaries["dense"], summaries["sebp"])
-        summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records["sebp"])
+        # the same sequences in every step unless one of the runs drew length-grouped batches
+        same_batches = paddings["dense"] == paddings["sebp"] or "bucket" not in paddings.values()
+        summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records["sebp"]) if same_batches \
+            else None
     statuses = [s["status"] for s in summaries.values()]
     summary["status"] = next((s for s in ("diverged", "interrupted") if s in statuses), "completed")
     summary["output_dir"] = str(out)
@@ -215,6 +232,40 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     if err:
         raise FinetuneError(err)
     return summary
+
+
+def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, report_layers: dict | None, acc,
+                    resumed_from: Path | None) -> PaddingChoice:
+    """``--padding auto``: the layouts measured on the first model (LoRA-wrapped as the runs will be), or, when
+    resuming, the choice the run made at its start. Under data parallel the main process measures and the
+    others take its choice."""
+    if resumed_from is not None:
+        stored = (read_json(resumed_from / RUN_CONFIG) or {}).get("padding_choice")
+        if stored:
+            return PaddingChoice.from_dict(stored)
+    model = wrap_lora(first.model, first.task, cfg) if cfg.lora else first.model
+    model.to(acc.device).train()
+    cands = candidate_layers(model, cfg, report_layers) if "sebp" in cfg.methods() else {}
+    payload = [None]
+    if acc.is_main_process:
+        graphs = cfg.cuda_graphs or graphed_compile(cfg, acc)
+        payload = [choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs).to_dict()]
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        payload = broadcast_object_list(payload)
+    return PaddingChoice.from_dict(payload[0])
+
+
+def _run_plan(cfg: FinetuneConfig, choice: PaddingChoice | None) -> list[tuple[str, FinetuneConfig]]:
+    """(method, its run's settings) in training order. Under ``auto`` each run takes a measured layout: with
+    ``--compare`` dense its fastest and SEBP its fastest; otherwise the run is whichever was fastest (dense
+    too, if SEBP did not beat it on any layout)."""
+    if choice is None:
+        return [(m, cfg) for m in cfg.methods()]
+    methods = cfg.methods() if cfg.compare else (choice.method,)
+    return [(m, replace(cfg, data=replace(cfg.data, padding=choice.best.get(m, choice.best["dense"]))))
+            for m in methods]
 
 
 def _check_graphs_possible(cfg: FinetuneConfig, acc, what: str = "--cuda-graphs") -> None:

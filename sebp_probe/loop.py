@@ -29,6 +29,7 @@ from .assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync
 from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
+from .losses import batch_loss, token_counts
 from .metrics import evaluate, peak_memory_mb, summarize_records
 from .patch import find_targets, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
@@ -37,7 +38,7 @@ from .train_data import TrainData, first_batches, make_loaders
 Event = Callable[[str, dict], None]
 
 
-def _wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.nn.Module:
+def wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -135,7 +136,7 @@ class Run:
         loaded = self.load_fn()
         model = loaded.model
         if self.cfg.lora:
-            model = _wrap_lora(model, loaded.task, self.cfg)
+            model = wrap_lora(model, loaded.task, self.cfg)
         model.to(self.acc.device)
         model.train()
         calib = None
@@ -313,8 +314,9 @@ class Run:
                 replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
                 for i in range(A):
                     epoch, batch = next(batches)
-                    tokens_dev += batch["attention_mask"].sum()
-                    rows += batch["attention_mask"].numel()
+                    real, slots = token_counts(batch)
+                    tokens_dev += real
+                    rows += slots
                     if cfg.cuda_graphs:
                         key = shape_key(batch)
                         step_graphs = graphs.get(key)
@@ -330,7 +332,7 @@ class Run:
                         continue
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
                     with ctx:
-                        loss = model(**batch).loss
+                        loss = batch_loss(model, batch)
                         loss_sum += loss.detach().float()
                         if use_events:
                             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .assets import AssetError, LoadedModel, PadCollator, load_text_data, padding_side, tokenize
-from .config import FinetuneConfig
+from .batching import LengthGroupedBatchSampler, PackedCollator, lengths
+from .config import PADDINGS, FinetuneConfig, FinetuneError
 
 
 @dataclass
@@ -62,26 +63,47 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
-    """(train loader, eval loader, sampler). ``pin``: batches in page-locked memory (on a GPU), so that their
-    copy to the device does not wait for the work already queued there (a copy from pageable memory does)."""
-    collate = PadCollator(data.pad_id, data.task, cfg.data.padding, cfg.data.max_length, data.padding_side,
-                          cfg.graph_bucket if cfg.cuda_graphs else 1)  # graphs: few batch shapes
+    """(train loader, eval loader, sampler) for ``cfg.data.padding`` (a strategy, not ``auto``; see
+    :mod:`.batching`): the sampler has ``set_epoch``. Evaluation batches are padded to their longest (or to
+    ``max_length``), whatever the training layout. ``pin``: batches in page-locked memory (on a GPU), so that
+    their copy to the device does not wait for the work already queued there (a copy from pageable memory does)."""
+    strategy = cfg.data.padding
+    if strategy not in PADDINGS:
+        raise FinetuneError(f"padding {strategy!r} is not a batch layout; 'auto' is resolved before training")
+    multiple = cfg.graph_bucket if cfg.cuda_graphs else 1  # graphs: few batch shapes
+    pad = lambda how: PadCollator(data.pad_id, data.task, how, cfg.data.max_length, data.padding_side,  # noqa: E731
+                                  multiple)
     # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
     gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
-    sampler = EpochSampler(len(data.train), cfg.seed)
-    train = torch.utils.data.DataLoader(data.train, batch_size=cfg.data.batch_size, sampler=sampler,
-                                        collate_fn=collate, generator=gen(), pin_memory=pin)
-    ev = torch.utils.data.DataLoader(data.eval, batch_size=cfg.data.batch_size, shuffle=False,
-                                     collate_fn=collate, generator=gen(), pin_memory=pin)
+    bs = cfg.data.batch_size
+    if strategy == "bucket":
+        sampler = LengthGroupedBatchSampler(lengths(data.train), bs, cfg.seed)
+        train = torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=pad("longest"),
+                                            generator=gen(), pin_memory=pin)
+    else:
+        sampler = EpochSampler(len(data.train), cfg.seed)
+        collate = PackedCollator(data.pad_id, data.task, cfg.data.max_length) if strategy == "packed" \
+            else pad(strategy)
+        train = torch.utils.data.DataLoader(data.train, batch_size=bs, sampler=sampler, collate_fn=collate,
+                                            generator=gen(), pin_memory=pin)
+    ev = torch.utils.data.DataLoader(data.eval, batch_size=bs, shuffle=False,
+                                     collate_fn=pad("max_length" if strategy == "max_length" else "longest"),
+                                     generator=gen(), pin_memory=pin)
     return train, ev, sampler
 
 
-def first_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device) -> list[dict]:
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on ``device`` (a packed batch also holds a plain int)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def first_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, n: int | None = None) -> list[dict]:
+    """The first ``n`` (default ``cfg.calib_batches``, at least 1) training batches of epoch 0, on ``device``."""
     loader, _, sampler = make_loaders(cfg, data)
     sampler.set_epoch(0)
     out = []
     for b in loader:
-        out.append({k: v.to(device) for k, v in b.items()})
-        if len(out) >= max(1, cfg.calib_batches):
+        out.append(to_device(b, device))
+        if len(out) >= max(1, n or cfg.calib_batches):
             break
     return out

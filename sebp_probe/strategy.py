@@ -1,0 +1,136 @@
+"""``--padding auto``: time every batch layout on the run's own batches, dense and with SEBP, and pick the
+fastest.
+
+Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
+measured on top of each layout, never only against padded dense. Each applicable layout (:data:`PADDINGS`;
+``packed`` only where :func:`~sebp_probe.packing.check_packable` allows it and the batch shapes may change) is
+timed on a few batches spread over the first epoch: one untimed forward+backward per batch (kernel
+compilation, allocator), then the median of ``reps``. The SEBP entry patches the candidate layers whose
+share of active rows on those batches is at most ``dense_fallback``, as a run's calibration would. The choice
+is the smallest time measured, so it is never slower than the fastest dense layout measured. The RNG is
+forked and the gradients are dropped: training is untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from sebp_kernels import SEBPConfig
+
+from .batching import PackingError, lengths, padding_share
+from .calibration import apply_sebp, measure_density, rng_devices, sync
+from .config import PADDINGS, FinetuneConfig
+from .graphs import replay_ms
+from .losses import batch_loss
+from .packing import check_packable
+from .train_data import TrainData, make_loaders, to_device
+
+SAMPLE_BATCHES = 3
+
+
+@dataclass
+class PaddingChoice:
+    """What ``auto`` measured (``table``: one row per layout) and chose; ``best``: the fastest layout of each
+    method measured."""
+
+    padding: str
+    method: str
+    best: dict[str, str]
+    table: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PaddingChoice":
+        return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])))
+
+    def padding_of(self, method: str) -> str:
+        return self.best[method]
+
+
+def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, n: int) -> list[dict]:
+    """``n`` batches of epoch 0 at evenly spaced places (under ``bucket`` the first batch is the longest)."""
+    loader, _, sampler = make_loaders(cfg, data)
+    sampler.set_epoch(0)
+    total = len(loader)
+    want = sorted({round(i * (total - 1) / max(n - 1, 1)) for i in range(n)}) if total else []
+    return [to_device(b, device) for i, b in enumerate(loader) if i in want]
+
+
+def _step_ms(model, batch: dict, device: torch.device, autocast, graphs: bool, reps: int) -> float:
+    """Median forward+backward milliseconds of ``model`` on ``batch`` (after one untimed pass)."""
+    if graphs:
+        f, b = replay_ms(model, batch, reps, autocast, skip=1)
+        return f + b
+    times = []
+    for i in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        with autocast():
+            loss = batch_loss(model, batch)
+        loss.backward()
+        sync(device)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def _why_not(model, cfg: FinetuneConfig, task: str, padding: str, graphs: bool) -> str | None:
+    """Why ``padding`` cannot run here (None: it can)."""
+    if padding != "packed":
+        return None
+    if graphs:
+        return "CUDA graphs need fixed batch shapes; packed rows change from batch to batch"
+    try:
+        check_packable(model, task)
+    except PackingError as e:
+        return str(e)
+    return None
+
+
+def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
+                   device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
+                   reps: int = 2) -> PaddingChoice:
+    """Time each layout dense and (with ``candidates``) with SEBP on ``model``; see the module docstring.
+    ``model`` is left unpatched, without gradients."""
+    from .patch import unpatch_model
+
+    lens = lengths(data.train)
+    methods = ("dense", "sebp") if candidates else ("dense",)
+    table = []
+    with torch.random.fork_rng(devices=rng_devices(device)):
+        for padding in PADDINGS:
+            row = {"padding": padding, "padding_share": round(padding_share(
+                lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed), 4)}
+            reason = _why_not(model, cfg, data.task, padding, graphs)
+            if reason:
+                table.append({**row, "skipped": reason})
+                continue
+            pcfg = replace(cfg, data=replace(cfg.data, padding=padding))
+            batches = _spread_batches(pcfg, data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
+            row["dense_ms"] = round(statistics.fmean(_step_ms(model, b, device, autocast, graphs, reps)
+                                                     for b in batches), 3)
+            if "sebp" in methods:
+                density = measure_density(model, batches, candidates, device, autocast)
+                layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
+                row["sebp_layers"] = len(layers)
+                if layers:
+                    apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
+                    try:
+                        row["sebp_ms"] = round(statistics.fmean(
+                            _step_ms(model, b, device, autocast, graphs, reps) for b in batches), 3)
+                    finally:
+                        unpatch_model(model)
+            table.append(row)
+        model.zero_grad(set_to_none=True)
+    measured = [(r[f"{m}_ms"], m, r["padding"]) for r in table for m in methods if f"{m}_ms" in r]
+    best = {m: min((t, p) for t, mm, p in measured if mm == m)[1] for m in methods
+            if any(mm == m for _, mm, _ in measured)}
+    _, method, padding = min(measured)
+    return PaddingChoice(padding, method, best, table)
