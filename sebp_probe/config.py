@@ -10,7 +10,7 @@ from sebp_kernels.config import MODES
 
 Padding = Literal["max_length", "longest"]
 Side = Literal["left", "right"]
-TASKS = ("classification", "causal-lm")
+TASKS = ("classification", "causal-lm", "mlm")
 
 __all__ = ["DataConfig", "FinetuneConfig", "SEBPConfig", "TASKS"]
 
