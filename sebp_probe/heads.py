@@ -8,7 +8,10 @@ Same loss and gradients as the model's own (mean over labelled tokens).
 
 Tasks: ``causal-lm`` (labels shifted by one as the model's loss does; a ``shift_labels`` batch key is taken as
 already shifted) and ``mlm`` (BERT-like ``cls.predictions`` and RoBERTa-like ``lm_head`` heads: transform, then
-the decoder tied to the word embeddings, plus its bias).
+the decoder tied to the word embeddings, plus its bias). With ``last_layer_rows_only`` the last transformer
+layer too runs its position-wise work on the labelled rows only (:mod:`sebp_probe.last_layer`); for
+``classification`` (BERT, RoBERTa) that is the head path's only change: the last layer computes the [CLS] rows,
+and the loss is the model's own.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ from torch import nn
 from sebp_kernels import linear_cross_entropy
 from sebp_kernels.linear_ce import labelled_rows
 
+from .last_layer import ENCODER_LAYERS, KeptRows, last_layer, last_layer_on_rows
+
 IGNORE_INDEX = -100
-HEAD_TASKS = ("causal-lm", "mlm")
+HEAD_TASKS = ("causal-lm", "mlm", "classification")
 # config fields that put more than a linear between the last hidden state and the logits
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                      "lm_head_multiplier")
@@ -61,8 +66,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def resolve_head(model: nn.Module, task: str) -> _Head:
     """The backbone, the linear decoder and the transform before it, of ``model`` for ``task``; HeadError for a
     head this path would not compute exactly."""
-    if task not in HEAD_TASKS:
-        raise HeadError(f"the head path takes task {' or '.join(HEAD_TASKS)}, not {task!r}")
+    if task not in HEAD_TASKS[:2]:
+        raise HeadError(f"the linear head path takes task {' or '.join(HEAD_TASKS[:2])}, not {task!r}")
     lm = unwrap(model)
     cfg = getattr(lm, "config", None)
     for c in (cfg, getattr(cfg, "text_config", None)):
@@ -120,6 +125,7 @@ def head_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
     label_smoothing: float = 0.0,
     chunk_rows: int | None = None,
+    last_layer_rows_only: bool = False,
 ) -> HeadOutput:
     """The loss of ``model(**batch)`` (mean over labelled tokens) with the head run on the labelled rows only.
 
@@ -127,15 +133,39 @@ def head_loss(
     ``num_items_in_batch``: the labelled tokens of the whole accumulated step (as the Trainer passes): the loss is
     then the sum over this batch divided by it. ``label_smoothing`` as in F.cross_entropy. Works under
     ``torch.autocast`` and for peft-wrapped models (LoRA in the backbone; the output layer frozen or trained).
+    ``last_layer_rows_only``: the last layer as well computes the labelled rows only (its keys and values all).
     """
+    if task == "classification":
+        return _classification(model, batch, last_layer_rows_only)
     head = resolve_head(model, task)
     labels = target_labels(batch, task)
     num_items = batch.get("num_items_in_batch", num_items_in_batch)
-    hidden = head.backbone(**backbone_inputs(batch), use_cache=False)[0]  # the last hidden state
-    flat = labels.reshape(-1).to(hidden.device)
+    flat = labels.reshape(-1).to(head.decoder.weight.device)
     rows = labelled_rows(flat, head.decoder.out_features, IGNORE_INDEX)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    inputs = backbone_inputs(batch)
+    if last_layer_rows_only:
+        with last_layer_on_rows(head.backbone, KeptRows.from_rows(rows, *labels.shape[-2:])):
+            hidden = head.backbone(**inputs, use_cache=False)[0]  # (1, n, d): the labelled rows
+        h = hidden.reshape(-1, hidden.shape[-1])
+    else:
+        hidden = head.backbone(**inputs, use_cache=False)[0]  # the last hidden state
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     return _decode(head, h, flat.index_select(0, rows), num_items, label_smoothing, chunk_rows)
+
+
+def _classification(model: nn.Module, batch: Mapping, last_layer_rows_only: bool) -> HeadOutput:
+    """The model's own loss; with ``last_layer_rows_only`` its last layer computes the [CLS] rows only."""
+    if batch.get("labels") is None:
+        raise HeadError("the batch has no labels")
+    n = int(batch["labels"].shape[0])
+    if not last_layer_rows_only:
+        return HeadOutput(model(**batch).loss, n)
+    backbone = getattr(unwrap(model), "base_model", None)
+    if backbone is None or type(last_layer(backbone)).__name__ not in ENCODER_LAYERS:
+        raise HeadError("the [CLS]-rows last layer for classification knows BERT and RoBERTa encoders only")
+    b, t = batch["input_ids"].shape
+    with last_layer_on_rows(backbone, KeptRows.first_rows(b, t, batch["input_ids"].device)):
+        return HeadOutput(model(**batch).loss, n)
 
 
 def _decode(head: _Head, h: torch.Tensor, labels: torch.Tensor, num_items, label_smoothing: float,

@@ -181,8 +181,8 @@ def test_refuses_heads_it_cannot_compute():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(HeadError, match=r"^LlamaForCausalLM transforms its logits \(final_logit_softcapping"):
         head_loss(model, padded_batch("llama"))
-    with pytest.raises(HeadError, match="task"):
-        head_loss(causal_model("llama"), padded_batch("llama"), "classification")
+    with pytest.raises(HeadError, match="^the linear head path takes task causal-lm or mlm, not 'seq2seq'$"):
+        head_loss(causal_model("llama"), padded_batch("llama"), "seq2seq")
     with pytest.raises(HeadError, match="masked-LM heads of BERT and RoBERTa"):
         head_loss(causal_model("llama"), padded_batch("llama"), "mlm")
     peft = pytest.importorskip("peft")
