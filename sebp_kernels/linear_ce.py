@@ -16,7 +16,6 @@ a 16-bit weight, an fp32 accumulator of dL/dW (V x d x 4 bytes), cast to the wei
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 CHUNK_BYTES = 512 * 2**20  # the per-chunk working set the default chunk size aims at
 _ROW_MULTIPLE = 64  # chunks of whole tensor-core tiles

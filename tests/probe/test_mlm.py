@@ -57,7 +57,8 @@ def test_seeded_and_deterministic():
 
 
 def test_collator_pads_then_masks_and_advances_its_generator():
-    items = [{"input_ids": [101, 5, 6, 7, 8, 9, 102], "labels": [0] * 7}, {"input_ids": [101, 4, 102], "labels": [0] * 3}]
+    items = [{"input_ids": [101, 5, 6, 7, 8, 9, 102], "labels": [0] * 7},
+             {"input_ids": [101, 4, 102], "labels": [0] * 3}]
     collate = MLMCollator(PadCollator(0, "mlm", "longest", 16, "right"), MASK, VOCAB, SPECIAL, seed=0,
                           probability=0.5)
     first = collate(items)
