@@ -224,10 +224,10 @@ def test_gpu_autocast_and_peak_memory(dtype):
             peaks[name] = _grads(fn, (h, w, b), torch.float32), torch.cuda.max_memory_allocated() - base
     (dense, dense_g), _ = peaks["dense"]
     (got, got_g), _ = peaks["chunked"]
-    if dtype == torch.float32:
-        for a, e in zip([got, *got_g], [ref, *ref_g]):
-            _assert_rel(a.cpu(), e.cpu(), "fp32")
-    else:
-        for a, e, t in zip([got, *got_g], [ref, *ref_g], [dense, *dense_g]):
+    for a, e, t in zip([got, *got_g], [ref, *ref_g], [dense, *dense_g]):
+        if dtype == torch.bfloat16:
             assert_within_torch_error(a, e, t, torch.bfloat16)
+        else:  # cuBLAS's fp32 sums over d = 512 differ from fp64 by more than 1e-6 on their own
+            err, own = ((x.double() - e).abs().max().item() for x in (a, t))
+            assert err <= 2 * own + RTOL * e.abs().max().item(), f"fp32: {err:.3g} vs the dense path's {own:.3g}"
     assert peaks["chunked"][1] * 2 < peaks["dense"][1]

@@ -167,3 +167,24 @@ def test_kept_rows_layout():
     x = torch.arange(21.0).view(3, 7, 1)
     assert kept.from_slots(kept.queries(x)).flatten().tolist() == [1, 2, 4, 13, 20]
     assert kept.of(x).flatten().tolist() == [1, 2, 4, 13, 20]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", DECODERS)
+def test_cuda_head_path_within_the_model_error(arch):
+    """On a GPU (its sdpa kernels, the fp32 dW sum of several chunks): fp32 and bf16 autocast within twice the
+    model's own error against fp64, with and without the kept-rows last layer."""
+    model = causal_model(arch, tied=arch != "llama").cuda()
+    batch = {k: v.cuda() for k, v in padded_batch(arch, lengths=(40, 23, 31), side="left").items()}
+    want, want_g = loss_and_grads(copy.deepcopy(model).double(), lambda m: reference_loss(m, batch, "causal-lm"))
+    for autocast in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+            for rows_only in (False, True):
+                got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, chunk_rows=16,
+                                                                         last_layer_rows_only=rows_only).loss)
+                check = ((lambda a, t, e, n: assert_within_torch_error(a, e, t, torch.bfloat16, n)) if autocast
+                         else assert_like_model)
+                check(got, hf, want, "loss")
+                for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+                    check(a, t, e, name)
