@@ -6,6 +6,7 @@ Depends on torch (and triton for the GPU kernels) only; knows nothing of models 
 from .activations import RowHint, sebp_gelu, sebp_swiglu
 from .config import SEBPConfig
 from .functional import SEBPLinearFunction, sebp_linear
+from .linear_ce import linear_cross_entropy
 from .modules import SEBPLinear
 from .norms import SEBPNorm, norm_kind, sebp_layer_norm, sebp_rms_norm
 from .reference import backward_over_rows, select_rows, sebp_backward_torch
@@ -22,6 +23,7 @@ __all__ = [
     "sebp_rms_norm",
     "SEBPLinearFunction",
     "sebp_linear",
+    "linear_cross_entropy",
     "select_rows",
     "backward_over_rows",
     "sebp_backward_torch",

@@ -170,12 +170,14 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and its tokenizer: a bundled short name, a local directory, or a hub id.
 
-    ``task`` is ``classification`` (AutoModelForSequenceClassification) or ``causal-lm``
-    (AutoModelForCausalLM); by default it is guessed from the config. ``label_names`` (classification)
+    ``task`` is ``classification`` (AutoModelForSequenceClassification), ``causal-lm``
+    (AutoModelForCausalLM) or ``mlm`` (AutoModelForMaskedLM, only when asked); by default it is guessed from
+    the config. ``label_names`` (classification)
     size the head and name its outputs in the config; a checkpoint that already has a classification head
     for another number of labels is refused. A tokenizer without a pad token gets its EOS token as pad.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
+                              AutoTokenizer)
     from transformers.utils import logging as hf_logging
 
     if task is not None and task not in TASKS:
@@ -202,6 +204,8 @@ def load_model(
                 config.id2label = {i: str(n) for i, n in enumerate(label_names)}
                 config.label2id = {str(n): i for i, n in enumerate(label_names)}
             model = AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+        elif task == "mlm":
+            model = AutoModelForMaskedLM.from_pretrained(path, config=config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     except Exception as e:  # noqa: BLE001
@@ -209,6 +213,8 @@ def load_model(
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
+    if task == "mlm" and tokenizer.mask_token is None:
+        raise AssetError(f"tokenizer of {name_or_path!r} has no mask token: the model cannot do masked LM")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise AssetError(f"tokenizer of {name_or_path!r} has neither a pad nor an EOS token")
@@ -525,15 +531,19 @@ class PadCollator:
                 # it, a pad under left padding. Mask it, so pads never carry loss (as under right padding).
                 labels[row, sl.start] = -100
         batch = {"input_ids": ids, "attention_mask": mask}
-        batch["labels"] = labels if labels is not None else torch.tensor([it["label"] for it in items])
-        return batch
+        if labels is not None:
+            batch["labels"] = labels
+        elif self.task == "classification":
+            batch["labels"] = torch.tensor([it["label"] for it in items])
+        return batch  # mlm: labels come with the masking (sebp_probe.mlm.MLMCollator)
 
 
 def make_loader(loaded: LoadedModel, data: TextData, cfg: DataConfig, shuffle: bool = False,
                 seed: int | None = None) -> torch.utils.data.DataLoader:
     """A DataLoader of padded batches {input_ids, attention_mask, labels} for ``loaded.model``.
 
-    Causal-LM labels are -100 on padding and on prompt tokens, so they carry no loss.
+    Causal-LM labels are -100 on padding and on prompt tokens, so they carry no loss; masked-LM batches are
+    masked with a generator seeded like the shuffling (labels -100 except at the chosen 15%).
     """
     if data.task != loaded.task:
         raise AssetError(f"data prepared for {data.task} but the model is loaded for {loaded.task}")
@@ -542,6 +552,11 @@ def make_loader(loaded: LoadedModel, data: TextData, cfg: DataConfig, shuffle: b
         raise AssetError(f"dataset {cfg.dataset!r} has no non-empty text")
     collate = PadCollator(loaded.tokenizer.pad_token_id, data.task, cfg.padding, cfg.max_length,
                           padding_side(loaded, cfg))
-    g = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
+    seed = cfg.seed if seed is None else seed
+    if data.task == "mlm":
+        from .mlm import MLMCollator
+
+        collate = MLMCollator.for_tokenizer(loaded.tokenizer, collate, seed)
+    g = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(items, batch_size=cfg.batch_size, shuffle=shuffle, generator=g,
                                        collate_fn=collate)

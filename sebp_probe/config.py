@@ -10,7 +10,7 @@ from sebp_kernels.config import MODES
 
 Padding = Literal["max_length", "longest", "bucket", "packed", "auto"]
 Side = Literal["left", "right"]
-TASKS = ("classification", "causal-lm")
+TASKS = ("classification", "causal-lm", "mlm")
 # How the sequences of a batch are laid out (sebp_probe.batching); "auto" lets finetune measure and choose.
 PADDINGS = ("max_length", "longest", "bucket", "packed")
 

@@ -1,0 +1,193 @@
+"""Linear layer + cross-entropy over the labelled rows only, in chunks of rows.
+
+``F.cross_entropy(F.linear(h, W, b), labels)`` materialises the logits of every row, labelled or not, and the
+softmax gradient of all of them: rows x V floats, several GiB for a modern vocabulary. Rows whose label is
+``ignore_index`` (prompt tokens in SFT, ~85% of positions in masked-language modelling) get no loss, so their
+logits are wasted work. :func:`linear_cross_entropy` gathers the labelled rows and, chunk by chunk, computes
+their logits, log-sum-exp, loss, the logits' gradient, and at once that chunk's share of dL/dh, dL/dW and
+dL/db. The full logits never exist; each product runs once (3 GEMMs of the labelled rows in all), and the
+backward only scales the stored gradients by the incoming scalar.
+
+Memory: a chunk holds ``chunk_rows x V`` logits in fp32 (plus a copy in the compute dtype under autocast);
+the default keeps that working set near ``CHUNK_BYTES`` (512 MiB): 640 rows for V = 128256 in bf16. The
+gradients live from the forward until the backward: dL/dh of the labelled rows and, with several chunks and
+a 16-bit weight, an fp32 accumulator of dL/dW (V x d x 4 bytes), cast to the weight's dtype at the end.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 512 * 2**20  # the per-chunk working set the default chunk size aims at
+_ROW_MULTIPLE = 64  # chunks of whole tensor-core tiles
+
+
+def default_chunk_rows(vocab: int, compute_dtype: torch.dtype) -> int:
+    """Rows per chunk so that the chunk's logits (fp32, plus a compute-dtype copy below fp32) take about
+    ``CHUNK_BYTES``."""
+    per_row = vocab * (4 + (compute_dtype.itemsize if compute_dtype.itemsize < 4 else 0))
+    rows = max(1, CHUNK_BYTES // per_row)
+    return rows if rows < _ROW_MULTIPLE else rows // _ROW_MULTIPLE * _ROW_MULTIPLE
+
+
+def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100) -> torch.Tensor:
+    """Sorted indices of the entries of flat ``labels`` that are not ``ignore_index``; raises ValueError when
+    one of them is outside [0, vocab)."""
+    keep = labels != ignore_index
+    bad = keep & ((labels < 0) | (labels >= vocab))
+    if bad.any():
+        first = labels[bad][0].item()
+        raise ValueError(f"label {first} is outside [0, {vocab}) (and is not ignore_index {ignore_index})")
+    return keep.nonzero().squeeze(1)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ignore_index=..., label_smoothing=...,
+    reduction=...)`` computed over the labelled rows only, ``chunk_rows`` rows at a time.
+
+    hidden (..., d) and labels (...) are flattened to rows. ``reduction`` is ``"mean"`` (over the labelled
+    rows, like F.cross_entropy) or ``"sum"``. With no labelled row the loss is 0 and every gradient is zero
+    (F.cross_entropy's mean gives NaN there). Under ``torch.autocast`` the products run in the autocast dtype
+    (fp32 accumulation) and the softmax and loss in fp32, like the autocast dense path; the loss is fp32 (fp64
+    for fp64 inputs). A weight that needs no gradient (frozen, LoRA) costs no dW product; a weight shared with
+    the input embeddings gets the sum of both gradients through autograd as usual.
+    ``chunk_rows``: default :func:`default_chunk_rows`; smaller lowers the peak memory, larger runs fewer and
+    bigger products.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., {hidden.shape[-1]}) does not match weight {tuple(weight.shape)} (V, d)")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match the rows of hidden {tuple(hidden.shape)}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    rows = labelled_rows(y, weight.shape[0], ignore_index)
+    if rows.numel() < y.numel():
+        h, y = h.index_select(0, rows), y.index_select(0, rows)
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev) and h.dtype != torch.float64:  # autocast leaves fp64 alone too
+        compute = torch.get_autocast_dtype(dev)
+    elif h.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"hidden ({h.dtype}), weight ({weight.dtype}) and bias differ in dtype: run under "
+                         "torch.autocast or cast them alike")
+    else:
+        compute = weight.dtype
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0], compute)
+    return _LinearCrossEntropy.apply(h, weight, bias, y, compute, float(label_smoothing), reduction, chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, every gradient; backward scales them by dL/dloss."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, compute, smoothing, reduction, chunk):
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        with torch.autocast(h.device.type, enabled=False):
+            loss, grads = _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk,
+                                   need_dh, need_dw, need_db and bias is not None)
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dloss):
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy's backward ran twice; its gradients are spent after one")
+        grads, ctx.grads = ctx.grads, None
+        # the stored gradients are private to this call: scaling them in place saves a V x d copy of dW
+        scaled = [g.mul_(dloss.to(g.dtype)) if g is not None else None for g in grads]
+        return (*scaled, None, None, None, None, None)
+
+
+def _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk, need_dh, need_dw, need_db):
+    """(loss, [dh, dW, db]) with the gradients of ``reduction``'s loss; None where not needed."""
+    n, d = h.shape
+    vocab = weight.shape[0]
+    acc = torch.promote_types(compute, torch.float32)
+    h_c = h.to(compute)
+    w_c = weight.to(compute)
+    b_c = bias.to(compute) if bias is not None else None
+    scale = 1.0 / n if (reduction == "mean" and n) else 1.0
+    n_chunks = -(-n // chunk)
+    # one chunk: dW straight in the product's dtype, as the dense path; several: an fp32 (or wider) sum
+    dw_dtype = weight.dtype if n_chunks <= 1 else torch.promote_types(weight.dtype, torch.float32)
+    dh = torch.empty(n, d, dtype=compute, device=h.device) if need_dh else None
+    dw = db = None
+    total = torch.zeros((), dtype=acc, device=h.device)
+    for start in range(0, n, chunk):
+        hc, yc = h_c[start:start + chunk], y[start:start + chunk]
+        z = torch.addmm(b_c, hc, w_c.t()) if b_c is not None else hc @ w_c.t()
+        z = z.to(acc)  # no copy when compute is already fp32
+        lse = torch.logsumexp(z, dim=1)
+        nll = lse - z.gather(1, yc[:, None]).squeeze(1)
+        if smoothing:
+            # F.cross_entropy's smoothing: (1 - e) * nll + e * mean_j(-log p_j)
+            nll = (1.0 - smoothing) * nll + smoothing * (lse - z.mean(dim=1))
+        total += nll.sum()
+        if not (need_dh or need_dw or need_db):
+            continue
+        p = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+        p.scatter_add_(1, yc[:, None], torch.full_like(yc[:, None], smoothing - 1.0, dtype=acc))
+        if smoothing:
+            p.sub_(smoothing / vocab)
+        p.mul_(scale)
+        if need_db:
+            db = p.sum(0) if db is None else db.add_(p.sum(0))
+        g = p.to(compute)
+        if need_dh:
+            torch.mm(g, w_c, out=dh[start:start + chunk])
+        if need_dw:
+            dw = _accumulate(dw, g.t(), hc, dw_dtype)
+    loss = total * scale
+    if need_dw:
+        dw = dw.to(weight.dtype) if dw is not None else torch.zeros_like(weight)
+    if need_db:
+        db = db.to(bias.dtype) if db is not None else torch.zeros_like(bias)
+    if need_dh:
+        dh = dh.to(h.dtype)
+    return loss, [dh, dw, db]
+
+
+def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc + a @ b`` in ``dtype`` (``a @ b`` alone when ``acc`` is None), updating ``acc`` in place."""
+    if acc is None:
+        prod = a @ b
+        return prod if prod.dtype == dtype else prod.to(dtype)
+    if a.dtype == dtype:
+        return acc.addmm_(a, b)
+    if acc.is_cuda and _wide_addmm_works(acc.device):
+        return torch.addmm(acc, a, b, out_dtype=dtype, out=acc)
+    return acc.add_(a @ b)
+
+
+_WIDE_ADDMM: dict[torch.device, bool] = {}
+
+
+def _wide_addmm_works(device: torch.device) -> bool:
+    """Whether this torch build adds a 16-bit product into an fp32 accumulator in one cuBLAS call
+    (``addmm(..., out_dtype=float32, out=acc)``): a V x d product per chunk less to write and read back.
+    Tried once per device on a small case and checked against the two-step sum."""
+    if device not in _WIDE_ADDMM:
+        a = torch.randn(64, 48, device=device).to(torch.bfloat16)
+        b = torch.randn(48, 32, device=device).to(torch.bfloat16)
+        acc = torch.randn(64, 32, device=device)
+        want = acc + a.float() @ b.float()
+        try:
+            got = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _WIDE_ADDMM[device] = bool(torch.allclose(got, want, atol=1e-3, rtol=1e-3)) and got is acc
+        except (RuntimeError, TypeError):
+            _WIDE_ADDMM[device] = False
+    return _WIDE_ADDMM[device]

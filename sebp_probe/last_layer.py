@@ -1,0 +1,190 @@
+"""The last transformer layer computed for the rows the loss reads only.
+
+In the last layer every position-wise product of a row (its query, the attention-output projection, the
+residual, the norms and the MLP) feeds that row's output alone, so for rows the loss never reads (SFT prompts,
+the ~85% unmasked positions of masked LM, all but [CLS] in BERT classification) it is wasted. Keys and values
+are still needed for every position: the kept queries attend to them.
+
+Inside :func:`last_layer_on_rows` the model's last layer computes keys/values for all positions and the rest for
+the kept rows only, and returns those rows as a (1, n, d) tensor (BERT-like encoders with the [CLS] rows only:
+(B, 1, d), which their pooler and classification heads read as position 0). The layout of the kept queries:
+per sequence, its kept positions in order, padded to the longest such list (padding slots attend everywhere
+and are dropped); the layer's own attention mask (causal, padding, packing, sliding window) is gathered at the
+kept query positions. Exact: the same operations on the same values as the full layer, for the kept rows.
+Attention dropout and hidden dropout draw other random numbers than the full layer (same distribution).
+
+Layers handled: Llama, Qwen2 and Qwen3 decoder layers; BERT and RoBERTa encoder layers; attention "sdpa" or
+"eager".
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DECODER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+ENCODER_LAYERS = ("BertLayer", "RobertaLayer")
+ATTENTION = ("sdpa", "eager")
+
+
+class LastLayerError(ValueError):
+    """A model whose last layer this module does not compute on kept rows; the message is one line."""
+
+
+@dataclass
+class KeptRows:
+    """Kept rows of a (B, T) batch: ``rows`` flat indices (sorted), and their query layout (B, Q): ``pos`` the
+    position of each slot (0 in padding slots), ``valid`` whether a slot holds a kept row, ``slots`` the flat
+    slot of each kept row. ``per_sequence``: the layer returns the (B, Q, d) layout (an encoder's [CLS] rows,
+    Q = 1) instead of the kept rows as (1, n, d)."""
+
+    rows: torch.Tensor
+    batch: int
+    length: int
+    pos: torch.Tensor
+    valid: torch.Tensor
+    slots: torch.Tensor
+    per_sequence: bool = False
+
+    @classmethod
+    def first_rows(cls, batch: int, length: int, device: torch.device) -> "KeptRows":
+        """Position 0 of every sequence ([CLS]), returned per sequence."""
+        rows = torch.arange(batch, device=device) * length
+        return cls.from_rows(rows, batch, length, per_sequence=True)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, batch: int, length: int, per_sequence: bool = False) -> "KeptRows":
+        b, t = rows // length, rows % length
+        counts = torch.bincount(b, minlength=batch)
+        q = int(counts.max()) if rows.numel() else 0
+        rank = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[b]
+        slots = b * q + rank
+        pos = torch.zeros(batch * q, dtype=torch.long, device=rows.device).index_copy_(0, slots, t)
+        valid = torch.zeros(batch * q, dtype=torch.bool, device=rows.device).index_fill_(0, slots, True)
+        return cls(rows, batch, length, pos.view(batch, q), valid.view(batch, q), slots, per_sequence)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Q, ...) from (B, T, ...); ``x`` may broadcast over the batch (leading size 1)."""
+        x = x.expand(self.batch, *x.shape[1:])
+        return x[torch.arange(self.batch, device=x.device)[:, None], self.pos]
+
+    def from_slots(self, y: torch.Tensor) -> torch.Tensor:
+        """(n, ...) of the kept rows from (B, Q, ...), in the order of ``rows``."""
+        return y.reshape(-1, *y.shape[2:]).index_select(0, self.slots)
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, ...) of the kept rows from (B, T, ...)."""
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.rows)
+
+    def mask(self, attention_mask: torch.Tensor | None, causal: bool, dtype: torch.dtype,
+             additive: bool) -> torch.Tensor | None:
+        """The attention mask of the kept queries (B, 1, Q, T) from the layer's (B, 1, T or 1, T) or None."""
+        if attention_mask is None and not causal:
+            return None
+        if attention_mask is None:  # the full layer ran causal without a mask: no padding, no packing
+            keys = torch.arange(self.length, device=self.pos.device)
+            attention_mask = keys[None, None, :] <= self.pos[:, :, None]
+        elif attention_mask.dim() != 4:
+            raise LastLayerError(f"a {attention_mask.dim()}-D attention mask; the kept-rows layer needs the 4-D "
+                                 "mask of the sdpa or eager attention")
+        elif attention_mask.shape[2] == 1:
+            attention_mask = attention_mask[:, 0].expand(self.batch, self.pos.shape[1], -1)
+        else:
+            attention_mask = self.queries(attention_mask[:, 0])
+        open_ = True if attention_mask.dtype == torch.bool else 0.0  # padding slots attend everywhere
+        attention_mask = attention_mask.masked_fill(~self.valid[:, :, None], open_)
+        if additive and attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device
+                                         ).masked_fill_(~attention_mask, torch.finfo(dtype).min)
+        return attention_mask[:, None]
+
+
+def last_layer(backbone: nn.Module) -> nn.Module:
+    """The last layer of a decoder stack (``layers``) or a BERT-like encoder (``encoder.layer``)."""
+    layers = getattr(backbone, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(backbone, "encoder", None), "layer", None)
+    if layers is None or not len(layers):
+        raise LastLayerError(f"{type(backbone).__name__} has no layer stack the kept-rows layer knows")
+    n = getattr(getattr(backbone, "config", None), "num_hidden_layers", len(layers))
+    return layers[n - 1]
+
+
+@contextlib.contextmanager
+def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
+    """Within the block, ``backbone``'s last layer computes the ``kept`` rows only (see the module doc)."""
+    layer = last_layer(backbone)
+    name = type(layer).__name__
+    impl = getattr(backbone.config, "_attn_implementation", None)
+    if name not in DECODER_LAYERS + ENCODER_LAYERS:
+        raise LastLayerError(f"the kept-rows last layer knows {', '.join(DECODER_LAYERS + ENCODER_LAYERS)}, "
+                             f"not {name}")
+    if impl not in ATTENTION:
+        raise LastLayerError(f"the kept-rows last layer needs attention 'sdpa' or 'eager', not {impl!r}")
+    if name in ENCODER_LAYERS and (getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention",
+                                                                                    False)):
+        raise LastLayerError(f"{name} is configured as a decoder; the kept-rows layer takes encoders only")
+    forward = _decoder_forward if name in DECODER_LAYERS else _encoder_forward
+    layer.forward = lambda *args, **kwargs: forward(layer, kept, impl == "eager", *args, **kwargs)
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's forward again
+
+
+def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:
+    """The layer's own attention function on (B, H, Q, hd) queries; (B, Q, H * hd) out."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    out, _ = fn(attn, q, k, v, mask, dropout=dropout if attn.training else 0.0, scaling=attn.scaling,
+                is_causal=False)
+    return out.reshape(*out.shape[:2], -1)
+
+
+def _decoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None,
+                     position_embeddings=None, cache=None, **_):
+    if cache is not None:
+        raise LastLayerError("the kept-rows last layer runs without a KV cache (pass use_cache=False)")
+    if not kept.rows.numel():
+        return kept.of(hidden_states)[None]
+    attn = layer.self_attn
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    x = layer.input_layernorm(hidden_states)
+    b, t, _ = x.shape
+    xq = kept.queries(x)
+    q = attn.q_proj(xq).view(b, xq.shape[1], -1, attn.head_dim)
+    k = attn.k_proj(x).view(b, t, -1, attn.head_dim)
+    v = attn.v_proj(x).view(b, t, -1, attn.head_dim).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before the rotation
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = position_embeddings
+    # the rotation of queries and keys at different positions: one call each (the other half is unused)
+    q = rotate(q, q, kept.queries(cos), kept.queries(sin))[0]
+    k = rotate(k, k, cos, sin)[1]
+    mask = kept.mask(attention_mask, True, q.dtype, additive)
+    out = attn.o_proj(kept.from_slots(_attend(attn, q, k, v, mask, attn.attention_dropout)))
+    h = kept.of(hidden_states) + out
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h[None]
+
+
+def _encoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None, *_, **__):
+    if not kept.rows.numel():
+        return kept.of(hidden_states)[None]
+    attn = layer.attention.self
+    b, t, _ = hidden_states.shape
+    xq = kept.queries(hidden_states)
+    q = attn.query(xq).view(b, xq.shape[1], -1, attn.attention_head_size).transpose(1, 2)
+    k = attn.key(hidden_states).view(b, t, -1, attn.attention_head_size).transpose(1, 2)
+    v = attn.value(hidden_states).view(b, t, -1, attn.attention_head_size).transpose(1, 2)
+    mask = kept.mask(attention_mask, False, q.dtype, additive)
+    out = kept.from_slots(_attend(attn, q, k, v, mask, attn.dropout.p))
+    h = layer.feed_forward_chunk(layer.attention.output(out, kept.of(hidden_states)))
+    return h.view(b, -1, h.shape[-1]) if kept.per_sequence else h[None]

@@ -1,0 +1,215 @@
+"""head_loss against the model's own loss: fp64 exact against the fp64 logits' cross-entropy, fp32 against
+``model(**batch).loss`` (within 1e-6 relative plus twice the model's own fp32 error), bf16 autocast within twice
+the dense path's error; tied and untied heads, left and right padding, LoRA, packed batches, masked LM."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+from sebp_probe.heads import HeadError, head_loss
+from sebp_probe.mlm import mask_tokens
+from tests.helpers import assert_within_torch_error
+from tests.tiny_models import DECODERS, padded_batch, tiny_config
+
+REL = 1e-6
+
+
+def causal_model(arch: str, tied: bool = False, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    return model.train()
+
+
+def mlm_model(arch: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return AutoModelForMaskedLM.from_config(tiny_config(arch)).to(dtype).train()
+
+
+def mlm_batch(arch: str, side: str = "right", seed: int = 0):
+    b = padded_batch(arch, side=side, seed=seed)
+    special = (0, 1, 2)  # the tiny batches draw real tokens from [3, 120)
+    ids, labels = mask_tokens(b["input_ids"], mask_token_id=2, vocab_size=120, special_ids=special,
+                              attention_mask=b["attention_mask"], generator=torch.Generator().manual_seed(seed),
+                              probability=0.3)
+    labels[0, 1] = ids[0, 1] = b["input_ids"][0, 1]  # at least one label
+    return {**b, "input_ids": ids, "labels": labels}
+
+
+def reference_loss(model, batch, task):
+    """F.cross_entropy on the model's own logits in their dtype (HF's causal loss casts them to fp32)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    labels = batch["labels"]
+    if task == "causal-lm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def loss_and_grads(model, fn):
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = fn(model)
+    return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
+
+
+def assert_rel(got, want, rel, name, atol=0.0):
+    """Max error at most ``rel`` of the largest magnitude (plus ``atol``: a key bias' gradient is zero in exact
+    arithmetic, round-off in fp64)."""
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    assert err <= rel * scale + atol, f"{name}: max error {err:.3g} > {rel} x {scale:.3g} + {atol}"
+
+
+def assert_like_model(got, model_fp32, ref64, name):
+    """|got - ref64| <= 2 |model's fp32 - ref64| + 1e-6 |ref64| (max over elements)."""
+    err = (got.double() - ref64).abs().max().item()
+    own = (model_fp32.double() - ref64).abs().max().item()
+    bound = 2 * own + REL * ref64.abs().max().item()
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g} (the model's own fp32 error {own:.3g})"
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_causal_fp64_exact(arch, tied, side):
+    model = causal_model(arch, tied, dtype=torch.float64)
+    batch = padded_batch(arch, side=side)
+    want, want_g = loss_and_grads(model, lambda m: reference_loss(m, batch, "causal-lm"))
+    out = head_loss(model, batch, "causal-lm", chunk_rows=4)
+    got_g = torch.autograd.grad(out.loss, [p for p in model.parameters() if p.requires_grad])
+    assert out.labelled == int((batch["labels"][:, 1:] != -100).sum())
+    assert_rel(out.loss, want, 1e-12, "loss")
+    for (name, _), a, e in zip(model.named_parameters(), got_g, want_g):
+        assert_rel(a, e, 1e-10, name, atol=1e-15)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_causal_fp32_matches_model_loss(arch, tied):
+    model = causal_model(arch, tied)
+    batch = padded_batch(arch)
+    ref64 = copy.deepcopy(model).double()
+    want, want_g = loss_and_grads(ref64, lambda m: reference_loss(m, batch, "causal-lm"))
+    hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, "causal-lm").loss)
+    assert got.dtype == torch.float32
+    assert_like_model(got, hf, want, "loss")
+    for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+        assert_like_model(a, t, e, name)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_causal_bf16_autocast_within_dense_error(arch):
+    model = causal_model(arch, tied=arch == "qwen2")
+    batch = padded_batch(arch)
+    want, want_g = loss_and_grads(copy.deepcopy(model).double(), lambda m: reference_loss(m, batch, "causal-lm"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+        got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, "causal-lm", chunk_rows=8).loss)
+    assert_within_torch_error(got, want, hf, torch.bfloat16, "loss")
+    for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+        assert_within_torch_error(a, e, t, torch.bfloat16, name)
+
+
+def test_lora_peft_model():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(causal_model("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"))
+    for n, p in model.named_parameters():  # LoRA's B starts at zero: give it values so every path is tested
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    batch = padded_batch("llama", side="left")
+    hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, "causal-lm").loss)
+    assert len(got_g) == sum(1 for n, _ in model.named_parameters() if "lora_" in n)
+    assert_rel(got, hf, REL, "loss")
+    for a, t in zip(got_g, hf_g):
+        assert_rel(a, t, 2 * REL, "lora grad")
+
+
+def test_packed_batch_with_position_ids():
+    """Two sequences in one row, told apart by position_ids alone (no attention_mask): the loss of the two
+    sequences run apart. (``model(**batch)`` with the config's use_cache=True builds no packed mask and lets the
+    second sequence attend to the first; the head path passes use_cache=False, so the reference does too.)"""
+    model = causal_model("qwen3")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 120, (1, 17), generator=g)
+    position_ids = torch.cat([torch.arange(9), torch.arange(8)])[None]
+    labels = ids.clone()
+    labels[0, 9] = -100  # the second sequence's first token is not predicted from the first sequence
+    labels[0, :3] = -100  # a prompt
+    batch = {"input_ids": ids, "position_ids": position_ids, "labels": labels}
+    hf, hf_g = loss_and_grads(model, lambda m: m(**batch, use_cache=False).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch).loss)
+    assert_rel(got, hf, REL, "loss")
+    for a, t in zip(got_g, hf_g):
+        assert_rel(a, t, 2 * REL, "grad")
+    apart = [model(input_ids=ids[:, s], labels=labels[:, s], num_items_in_batch=13).loss
+             for s in (slice(0, 9), slice(9, 17))]
+    assert_rel(got, sum(apart), REL, "sequences apart")
+
+
+def test_num_items_and_shift_labels():
+    model = causal_model("llama")
+    batch = padded_batch("llama")
+    hf = model(**batch, num_items_in_batch=40).loss
+    got = head_loss(model, batch, num_items_in_batch=40).loss
+    assert_rel(got, hf, REL, "num_items_in_batch")
+    shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    got = head_loss(model, {**batch, "labels": None, "shift_labels": shifted}).loss
+    assert_rel(got, model(**batch).loss, REL, "shift_labels")
+
+
+def test_batch_without_labelled_token():
+    model = causal_model("llama", tied=True)
+    batch = padded_batch("llama")
+    batch["labels"][:, 1:] = -100
+    out = head_loss(model, batch)
+    out.loss.backward()
+    assert out.labelled == 0 and out.loss.item() == 0.0
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+
+
+def test_refuses_heads_it_cannot_compute():
+    model = causal_model("llama")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(HeadError, match=r"^LlamaForCausalLM transforms its logits \(final_logit_softcapping"):
+        head_loss(model, padded_batch("llama"))
+    with pytest.raises(HeadError, match="^the linear head path takes task causal-lm or mlm, not 'seq2seq'$"):
+        head_loss(causal_model("llama"), padded_batch("llama"), "seq2seq")
+    with pytest.raises(HeadError, match="masked-LM heads of BERT and RoBERTa"):
+        head_loss(causal_model("llama"), padded_batch("llama"), "mlm")
+    peft = pytest.importorskip("peft")
+    lora_head = peft.get_peft_model(causal_model("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(HeadError, match="plain nn.Linear"):
+        head_loss(lora_head, padded_batch("llama"))
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_mlm_fp64_exact(arch, side):
+    model = mlm_model(arch, dtype=torch.float64)
+    batch = mlm_batch(arch, side)
+    want, want_g = loss_and_grads(model, lambda m: reference_loss(m, batch, "mlm"))
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, "mlm", chunk_rows=3).loss)
+    assert_rel(got, want, 1e-12, "loss")
+    for (name, _), a, e in zip(model.named_parameters(), got_g, want_g):
+        assert_rel(a, e, 1e-10, name, atol=1e-15)
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_mlm_fp32_matches_model_loss(arch):
+    model = mlm_model(arch)
+    batch = mlm_batch(arch)
+    want, want_g = loss_and_grads(copy.deepcopy(model).double(), lambda m: reference_loss(m, batch, "mlm"))
+    hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, "mlm").loss)
+    assert_like_model(got, hf, want, "loss")
+    for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+        assert_like_model(a, t, e, name)

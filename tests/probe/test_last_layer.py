@@ -1,0 +1,190 @@
+"""The last layer on the kept rows only: loss and every gradient equal to the full model's (fp64 to round-off,
+fp32 and bf16 within the model's own error), for decoders (causal LM), BERT/RoBERTa masked LM and [CLS]
+classification, under sdpa and eager attention, padding on either side, packed batches, LoRA, checkpointing."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from sebp_probe.heads import HeadError, head_loss
+from sebp_probe.last_layer import KeptRows, LastLayerError, last_layer, last_layer_on_rows
+from tests.helpers import assert_within_torch_error
+from tests.probe.test_heads import (assert_like_model, assert_rel, causal_model, loss_and_grads, mlm_batch,
+                                   mlm_model, reference_loss)
+from tests.tiny_models import DECODERS, padded_batch, tiny_model
+
+
+@contextlib.contextmanager
+def rows_through_mlp(layer):
+    """Records the number of rows the layer's MLP (decoders) or intermediate (encoders) computes."""
+    seen = []
+    mlp = getattr(layer, "mlp", None) or layer.intermediate
+    handle = mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1])
+                                                                         .shape[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _exact(model, got_g, want_g):
+    for (name, _), a, e in zip(model.named_parameters(), got_g, want_g):
+        assert_rel(a, e, 1e-10, name, atol=1e-15)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("side,impl", [("right", "sdpa"), ("left", "sdpa"), ("right", "eager")])
+def test_decoder_fp64_exact(arch, side, impl):
+    model = causal_model(arch, tied=arch == "qwen3", dtype=torch.float64)
+    model.config._attn_implementation = impl
+    batch = padded_batch(arch, side=side)
+    want, want_g = loss_and_grads(model, lambda m: reference_loss(m, batch, "causal-lm"))
+    labelled = int((batch["labels"][:, 1:] != -100).sum())
+    with rows_through_mlp(last_layer(model.model)) as seen:
+        got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert seen == [labelled]
+    assert_rel(got, want, 1e-12, "loss")
+    _exact(model, got_g, want_g)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_decoder_fp32_and_bf16_match_the_model(arch):
+    model = causal_model(arch)
+    batch = padded_batch(arch, side="left")
+    want, want_g = loss_and_grads(copy.deepcopy(model).double(), lambda m: reference_loss(m, batch, "causal-lm"))
+    hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert_like_model(got, hf, want, "loss")
+    for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+        assert_like_model(a, t, e, name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+        got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert_within_torch_error(got, want, hf, torch.bfloat16, "bf16 loss")
+    for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+        assert_within_torch_error(a, e, t, torch.bfloat16, name)
+
+
+def test_unpadded_packed_and_checkpointed():
+    """No padding (sdpa gets no mask: the causal mask is built), two sequences packed by position_ids, and
+    gradient checkpointing."""
+    model = causal_model("llama", dtype=torch.float64)
+    batch = padded_batch("llama", lengths=(7, 7))
+    want, want_g = loss_and_grads(model, lambda m: head_loss(m, batch).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert_rel(got, want, 1e-12, "unpadded loss")
+    _exact(model, got_g, want_g)
+    ids = torch.randint(3, 120, (1, 15), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[0, :3] = labels[0, 8] = -100
+    packed = {"input_ids": ids, "labels": labels, "position_ids": torch.cat([torch.arange(8), torch.arange(7)])[None]}
+    want, want_g = loss_and_grads(model, lambda m: head_loss(m, packed).loss)
+    model.gradient_checkpointing_enable()
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, packed, last_layer_rows_only=True).loss)
+    assert_rel(got, want, 1e-12, "packed loss")
+    _exact(model, got_g, want_g)
+
+
+def test_lora_in_the_last_layer():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(causal_model("qwen2"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "gate_proj"], task_type="CAUSAL_LM"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    batch = padded_batch("qwen2", side="left")
+    hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert_rel(got, hf, 1e-6, "loss")
+    for a, t in zip(got_g, hf_g):
+        assert_rel(a, t, 2e-6, "lora grad")
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_mlm_fp64_exact(arch, impl):
+    model = mlm_model(arch, dtype=torch.float64)
+    model.config._attn_implementation = impl
+    batch = mlm_batch(arch, side="left")
+    want, want_g = loss_and_grads(model, lambda m: reference_loss(m, batch, "mlm"))
+    with rows_through_mlp(last_layer(model.base_model)) as seen:
+        got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, "mlm", last_layer_rows_only=True).loss)
+    assert seen == [int((batch["labels"] != -100).sum())]
+    assert_rel(got, want, 1e-12, "loss")
+    _exact(model, got_g, want_g)
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_classification_cls_rows_fp64_exact(arch, impl):
+    model = tiny_model(arch).double()
+    model.config._attn_implementation = impl
+    batch = padded_batch(arch)
+    want, want_g = loss_and_grads(model, lambda m: m(**batch).loss)
+    with rows_through_mlp(last_layer(model.base_model)) as seen:
+        out = head_loss(model, batch, "classification", last_layer_rows_only=True)
+        got_g = torch.autograd.grad(out.loss, list(model.parameters()))
+    assert seen == [3] and out.labelled == 3  # one [CLS] row per sequence
+    assert_rel(out.loss, want, 1e-12, "loss")
+    _exact(model, got_g, want_g)
+
+
+def test_no_labelled_row():
+    model = causal_model("qwen3", tied=True)
+    batch = padded_batch("qwen3")
+    batch["labels"][:] = -100
+    out = head_loss(model, batch, last_layer_rows_only=True)
+    out.loss.backward()
+    assert out.labelled == 0 and out.loss.item() == 0.0
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+
+
+def test_refusals_leave_the_layer_as_it_was():
+    model = causal_model("llama")
+    batch = padded_batch("llama")
+    layer = last_layer(model.model)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(LastLayerError, match="^the kept-rows last layer needs attention 'sdpa' or 'eager'"):
+        head_loss(model, batch, last_layer_rows_only=True)
+    model.config._attn_implementation = "sdpa"
+    kept = KeptRows.from_rows(torch.tensor([1, 2]), 3, 11)
+    with pytest.raises(RuntimeError, match="boom"), last_layer_on_rows(model.model, kept):
+        assert "forward" in vars(layer)
+        raise RuntimeError("boom")
+    assert "forward" not in vars(layer)
+    with pytest.raises(HeadError, match="BERT and RoBERTa encoders only"):
+        head_loss(tiny_model("llama"), batch, "classification", last_layer_rows_only=True)
+
+
+def test_kept_rows_layout():
+    kept = KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7)
+    assert kept.pos.tolist() == [[1, 2, 4], [6, 0, 0], [6, 0, 0]]
+    assert kept.valid.tolist() == [[True] * 3, [True, False, False], [True, False, False]]
+    assert kept.slots.tolist() == [0, 1, 2, 3, 6]
+    x = torch.arange(21.0).view(3, 7, 1)
+    assert kept.from_slots(kept.queries(x)).flatten().tolist() == [1, 2, 4, 13, 20]
+    assert kept.of(x).flatten().tolist() == [1, 2, 4, 13, 20]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", DECODERS)
+def test_cuda_head_path_within_the_model_error(arch):
+    """On a GPU (its sdpa kernels, the fp32 dW sum of several chunks): fp32 and bf16 autocast within twice the
+    model's own error against fp64, with and without the kept-rows last layer."""
+    model = causal_model(arch, tied=arch != "llama").cuda()
+    batch = {k: v.cuda() for k, v in padded_batch(arch, lengths=(40, 23, 31), side="left").items()}
+    want, want_g = loss_and_grads(copy.deepcopy(model).double(), lambda m: reference_loss(m, batch, "causal-lm"))
+    for autocast in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            hf, hf_g = loss_and_grads(model, lambda m: m(**batch).loss)
+            for rows_only in (False, True):
+                got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, chunk_rows=16,
+                                                                         last_layer_rows_only=rows_only).loss)
+                check = ((lambda a, t, e, n: assert_within_torch_error(a, e, t, torch.bfloat16, n)) if autocast
+                         else assert_like_model)
+                check(got, hf, want, "loss")
+                for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
+                    check(a, t, e, name)
