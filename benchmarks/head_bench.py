@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     args.repeats = args.repeats or (3 if args.tiny else 20)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     table = TINY if args.tiny else SHAPES
     names = args.shapes or list(table)
