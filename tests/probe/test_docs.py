@@ -1,0 +1,79 @@
+"""The generated blocks of README.md and docs/*.md are what benchmarks/make_docs.py makes from results/."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def make_docs():
+    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "benchmarks" / "make_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _page(root: Path, text: str) -> Path:
+    (root / "docs").mkdir(parents=True, exist_ok=True)
+    page = root / "docs" / "page.md"
+    page.write_text(text)
+    return page
+
+
+def test_docs_match_the_results(make_docs, capsys):
+    """Docs and results cannot drift: every block equals what its generator makes from the committed JSON."""
+    assert make_docs.main(["--check"]) == 0, capsys.readouterr().err
+    used = {m.group(2) for p in make_docs.pages(ROOT) for m in make_docs.MARKER.finditer(p.read_text())}
+    assert {"layers_share_h100", "layers_share_h200", "read_hide", "model_trim_h100"} <= used
+
+
+def test_unknown_block_fails_clearly(make_docs, tmp_path, capsys):
+    _page(tmp_path, "text\n<!-- BEGIN generated:no_such_table -->\n<!-- END generated:no_such_table -->\n")
+    for args in (["--check"], []):
+        assert make_docs.main([*args, "--root", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert "docs/page.md" in err and "unknown generated block 'no_such_table'" in err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_stale_block_is_named_then_rewritten(make_docs, tmp_path, capsys):
+    shutil.copytree(ROOT / "results" / "norms_h100", tmp_path / "results" / "norms_h100")
+    page = _page(tmp_path, "# t\n\n<!-- BEGIN generated:norms_h100 -->\n| old | table |\n"
+                           "<!-- END generated:norms_h100 -->\n\nafter\n")
+    assert make_docs.main(["--check", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "docs/page.md:norms_h100" in err and len(err.strip().splitlines()) == 1
+    assert "| old | table |" in page.read_text()  # --check changes nothing
+
+    assert make_docs.main(["--root", str(tmp_path)]) == 0
+    text = page.read_text()
+    assert "| old | table |" not in text and text.endswith("\n\nafter\n") and text.startswith("# t\n\n")
+    assert "norm_bench.py" in text and "(../results/norms_h100/norm_bench.json)" in text  # caption and link
+    assert make_docs.main(["--check", "--root", str(tmp_path)]) == 0
+
+
+def test_unpaired_markers_and_missing_results_fail(make_docs, tmp_path, capsys):
+    _page(tmp_path, "<!-- BEGIN generated:norms_h100 -->\nno end\n")
+    assert make_docs.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "no matching END" in capsys.readouterr().err
+    _page(tmp_path, "<!-- BEGIN generated:norms_h100 -->\n<!-- END generated:norms_h100 -->\n")
+    assert make_docs.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "results/norms_h100/norm_bench.json does not exist" in capsys.readouterr().err
+
+
+def test_captions_name_gpu_versions_date_and_command(make_docs):
+    page = make_docs.Page(ROOT, ROOT / "docs" / "kernels.md")
+    for name, generator in make_docs.GENERATORS.items():
+        text = generator(page)
+        first = text.splitlines()[0]
+        assert first.startswith("*Measured on ") and "torch " in first and "triton " in first, name
+        assert "`" in first and "(../results/" in first, name
+        assert "/root/" not in text, name  # the device machine's paths become OUT/
