@@ -8,10 +8,15 @@ their logits, log-sum-exp, loss, the logits' gradient, and at once that chunk's 
 dL/db. The full logits never exist; each product runs once (3 GEMMs of the labelled rows in all), and the
 backward only scales the stored gradients by the incoming scalar.
 
-Memory: a chunk holds ``chunk_rows x V`` logits in fp32 (plus a copy in the compute dtype under autocast);
-the default keeps that working set near ``CHUNK_BYTES`` (512 MiB): 640 rows for V = 128256 in bf16. The
-gradients live from the forward until the backward: dL/dh of the labelled rows and, with several chunks and
-a 16-bit weight, an fp32 accumulator of dL/dW (V x d x 4 bytes), cast to the weight's dtype at the end.
+On CUDA one Triton kernel per chunk (:mod:`._triton.ce`) turns the logits into the loss and, in place, the
+logits' gradient: the chunk's logits exist once, in the compute dtype. Elsewhere (and for fp64) the same
+arithmetic runs as torch ops on an fp32 copy of the chunk: the reference the kernel is tested against.
+
+Memory: a chunk holds ``chunk_rows x V`` logits (on the torch path in fp32, plus a copy in the compute dtype
+under autocast); the default keeps that working set near ``CHUNK_BYTES`` (512 MiB): 2048 rows for V = 128256
+in bf16 on the kernel's path. The gradients live from the forward until the backward: dL/dh of the labelled
+rows and, with several chunks and a 16-bit weight, an fp32 accumulator of dL/dW (V x d x 4 bytes), cast to
+the weight's dtype at the end.
 """
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ CHUNK_BYTES = 512 * 2**20  # the per-chunk working set the default chunk size ai
 _ROW_MULTIPLE = 64  # chunks of whole tensor-core tiles
 
 
-def default_chunk_rows(vocab: int, compute_dtype: torch.dtype) -> int:
-    """Rows per chunk so that the chunk's logits (fp32, plus a compute-dtype copy below fp32) take about
-    ``CHUNK_BYTES``."""
-    per_row = vocab * (4 + (compute_dtype.itemsize if compute_dtype.itemsize < 4 else 0))
+def default_chunk_rows(vocab: int, compute_dtype: torch.dtype, fused: bool = False) -> int:
+    """Rows per chunk so that the chunk's logits take about ``CHUNK_BYTES``: in the compute dtype alone with
+    the ``fused`` kernel, else fp32 plus a compute-dtype copy below fp32."""
+    per_row = vocab * (compute_dtype.itemsize if fused else
+                       4 + (compute_dtype.itemsize if compute_dtype.itemsize < 4 else 0))
     rows = max(1, CHUNK_BYTES // per_row)
     return rows if rows < _ROW_MULTIPLE else rows // _ROW_MULTIPLE * _ROW_MULTIPLE
 
@@ -85,19 +91,31 @@ def linear_cross_entropy(
                          "torch.autocast or cast them alike")
     else:
         compute = weight.dtype
-    chunk = chunk_rows or default_chunk_rows(weight.shape[0], compute)
-    return _LinearCrossEntropy.apply(h, weight, bias, y, compute, float(label_smoothing), reduction, chunk)
+    fused = _fused_ce(h, compute)
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0], compute, fused is not None)
+    return _LinearCrossEntropy.apply(h, weight, bias, y, compute, float(label_smoothing), reduction, chunk, fused)
+
+
+def _fused_ce(h: torch.Tensor, compute: torch.dtype):
+    """The Triton chunk kernel where it runs for these rows (CUDA, fp32/fp16/bf16), else None."""
+    if compute not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    try:
+        from ._triton import ce
+    except ImportError:
+        return None
+    return ce.ce_grad_inplace if ce.usable(h.new_empty(0, dtype=compute)) else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, every gradient; backward scales them by dL/dloss."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, compute, smoothing, reduction, chunk):
+    def forward(ctx, h, weight, bias, y, compute, smoothing, reduction, chunk, fused):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         with torch.autocast(h.device.type, enabled=False):
             loss, grads = _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk,
-                                   need_dh, need_dw, need_db and bias is not None)
+                                   need_dh, need_dw, need_db and bias is not None, fused)
         ctx.grads = grads
         return loss
 
@@ -109,11 +127,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         # the stored gradients are private to this call: scaling them in place saves a V x d copy of dW
         scaled = [g.mul_(dloss.to(g.dtype)) if g is not None else None for g in grads]
-        return (*scaled, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None)
 
 
-def _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk, need_dh, need_dw, need_db):
-    """(loss, [dh, dW, db]) with the gradients of ``reduction``'s loss; None where not needed."""
+def _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk, need_dh, need_dw, need_db, fused=None):
+    """(loss, [dh, dW, db]) with the gradients of ``reduction``'s loss; None where not needed. ``fused``: the
+    chunk kernel of :mod:`._triton.ce` (loss and gradient in place of the logits), else torch ops."""
     n, d = h.shape
     vocab = weight.shape[0]
     acc = torch.promote_types(compute, torch.float32)
@@ -130,6 +149,16 @@ def _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk, need_dh, 
     for start in range(0, n, chunk):
         hc, yc = h_c[start:start + chunk], y[start:start + chunk]
         z = torch.addmm(b_c, hc, w_c.t()) if b_c is not None else hc @ w_c.t()
+        if fused is not None:
+            total += fused(z, yc, scale, smoothing).sum()
+            g = z  # now the logits' gradient, in the compute dtype
+            if need_db:
+                db = g.sum(0, dtype=torch.float32) if db is None else db.add_(g.sum(0, dtype=torch.float32))
+            if need_dh:
+                torch.mm(g, w_c, out=dh[start:start + chunk])
+            if need_dw:
+                dw = _accumulate(dw, g.t(), hc, dw_dtype)
+            continue
         z = z.to(acc)  # no copy when compute is already fp32
         lse = torch.logsumexp(z, dim=1)
         nll = lse - z.gather(1, yc[:, None]).squeeze(1)
