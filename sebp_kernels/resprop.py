@@ -163,7 +163,8 @@ def resprop_grads(
         return (dx.view(out_shape) if dx is not None else None), dw, db, next_p
     pa = align(p, t)
     mask = active.unsqueeze(-1).to(dy.dtype)
-    d2 = torch.addcmul(dy3, mask, pa, value=-1).view(-1, n_out)  # D, zero on inactive rows
+    d = torch.empty(dy3.shape, dtype=dy.dtype, device=dy.device)  # row-major whatever dY's strides
+    d2 = torch.addcmul(dy3, mask, pa, value=-1, out=d).view(-1, n_out)  # D, zero on inactive rows
     keep = keep_mask(d2, active.reshape(-1), reuse)
     x3 = x.reshape(-1, t, x.shape[-1]) if need_dw else None
     dx, dw = _kept_products(d2, x3.reshape(-1, x.shape[-1]) if need_dw else None, weight, keep, backend,
@@ -327,7 +328,7 @@ def drop_stats(p: torch.Tensor | None, dy: torch.Tensor, levels=DEFAULT_LEVELS) 
     dy3 = dy.reshape(-1, t, n_out)
     active = dy3.any(-1)
     pa = align(p, t) if p is not None else dy3.new_zeros(t, n_out)
-    d2 = torch.addcmul(dy3, active.unsqueeze(-1).to(dy.dtype), pa, value=-1).view(-1, n_out)
+    d2 = torch.addcmul(dy3, active.unsqueeze(-1).to(dy.dtype), pa, value=-1).reshape(-1, n_out)
     a = active.reshape(-1)
     kept = torch.stack([kept_count(check_reuse(r), a) for r in levels])
     d_scores = torch.linalg.vector_norm(d2, dim=1, dtype=torch.float32).masked_fill(~a, -1)

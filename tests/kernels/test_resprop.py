@@ -88,6 +88,18 @@ def test_reuse_zero_is_exact_sebp_and_dense():
     assert layers["resprop"].resprop_state.p is None  # nothing to keep at reuse 0
 
 
+def test_non_contiguous_inputs():
+    """dY and X as attention hands them over (a transposed layout)."""
+    x, w, _, dy = _inputs(3, 10, 8, 6)
+    p = torch.randn(7, 6)
+    dy_t, x_t = dy.transpose(0, 1).contiguous().transpose(0, 1), x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not dy_t.is_contiguous() and not x_t.is_contiguous()
+    got = resprop_grads(dy_t, x_t, w, p, 0.7)
+    want = resprop_grads(dy, x, w, p, 0.7)
+    for g, t in zip(got, want):
+        assert torch.equal(g, t)
+
+
 def test_everything_kept_equals_dense_to_rounding():
     """reuse just above 0 keeps every active row: P + (dY - P) = dY, to fp32 rounding."""
     x, w, _, dy = _inputs(4, 9, 12, 10)
