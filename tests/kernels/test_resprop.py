@@ -297,14 +297,22 @@ def test_reuse_drop_statistic():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reuse", [0.5, 0.9, 1.0])
 def test_triton_path_matches_torch_path_on_gpu(dtype, reuse):
+    """The same D and kept rows on the same device (so no rank flips at near-ties): the Triton products against
+    torch's; fp32 also against the float64 reference."""
     x, w, _, dy = _inputs(8, 300, 256, 384, lengths=[300, 120, 77, 250, 1, 300, 64, 199])
     dy[3, 5, 7] = float("nan")
     p = torch.randn(260, 384)
-    got = resprop_grads(*(t.cuda().to(dtype) for t in (dy, x, w, p)), reuse, backend="triton")
-    want = resprop_grads(*(t.to(dtype) for t in (dy, x, w, p)), reuse, backend="torch")
-    ref = reference(dy.to(dtype), x.to(dtype), w.to(dtype), p.to(dtype), reuse)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for g, t, r, name in zip(got[:2], want[:2], ref[:2], ("dX", "dW")):
-        assert torch.isnan(g.cpu()).eq(torch.isnan(t)).all(), name
-        scale = float(r[torch.isfinite(r)].abs().max())
-        assert_close_report(g.cpu().float(), r, atol=tol * scale, name=name)
+    args = [t.cuda().to(dtype) for t in (dy, x, w, p)]
+    got = resprop_grads(*args, reuse, backend="triton")
+    want = resprop_grads(*args, reuse, backend="torch")
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for g, t, name in zip(got[:3], want[:3], ("dX", "dW", "db")):
+        assert g.dtype == dtype and torch.isfinite(g).eq(torch.isfinite(t)).all(), name
+        ok = torch.isfinite(t)
+        scale = float(t[ok].abs().max())
+        assert_close_report(g[ok].float().cpu(), t[ok].float().cpu(), atol=tol * scale, name=name)
+    assert torch.equal(got[3], want[3])
+    if dtype == torch.float32:
+        ref_dx, _, _ = reference(dy, x, w, p, reuse)
+        finite = torch.isfinite(dy).all(-1)
+        assert_close_report(got[0].cpu()[finite], ref_dx[finite], atol=1e-4 * float(ref_dx[finite].abs().max()))

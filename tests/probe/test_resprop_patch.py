@@ -158,3 +158,22 @@ def test_gradient_stats_collector_sees_resprop_layers():
             with col.batch():
                 model(**padded_batch("llama", seed=seed)).loss.backward()
     assert len(col.names) == 14 and col.stats().batches == 2
+
+
+@pytest.mark.gpu
+def test_tiny_llama_trains_on_gpu_in_bf16():
+    model = tiny_model("llama").cuda().to(torch.bfloat16)
+    patch_resprop(model, 0.9)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [{k: v.cuda() for k, v in padded_batch("llama", lengths=ls, seed=i).items()}
+               for i, ls in enumerate([(11, 4, 7), (9, 10, 5)])]
+    losses = []
+    for step in range(16):
+        loss = model(**batches[step % 2]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    layer = next(m for m in model.modules() if isinstance(m, ReSpropLinear))
+    assert layer.resprop_state.p.dtype == torch.bfloat16 and layer.resprop_state.p.is_cuda
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-4:]) < sum(losses[:4]), losses
