@@ -1,7 +1,8 @@
 """ReSprop: reuse the previous step's output gradient and compute only a sparse correction.
 
-Output gradients of consecutive training steps are strongly correlated (Goli & Aamodt, CVPR 2020). A layer
-keeps P (T, out): the previous training backward's dL/dY of one sample over its positions. This backward
+The premise (Goli & Aamodt, CVPR 2020): output gradients of consecutive training steps are strongly
+correlated. Whether they are for a given model and data is what :func:`reuse_drop` (and
+``sebp_probe.ReuseDropCollector`` over a few steps) measures. A layer keeps P (T, out): the previous training backward's dL/dY of one sample over its positions. This backward
 approximates dY[b, t] ~ P[t] + D[b, t], D = dY - P, keeping only the rows of D with the largest norms
 (``reuse = 0.9`` keeps the top 10% of the active rows):
 
