@@ -1,5 +1,6 @@
 """SEBP kernels: a linear layer (and LayerNorm/RMSNorm, MLP activations) whose backward works on the active rows
-of dL/dY only.
+of dL/dY only; and ReSprop (:mod:`.resprop`), which reuses the previous step's dL/dY and computes a sparse
+correction through the same row-gather backward.
 
 Depends on torch (and triton for the GPU kernels) only; knows nothing of models or of sebp_probe.
 """
@@ -10,6 +11,7 @@ from .linear_ce import linear_cross_entropy
 from .modules import SEBPLinear
 from .norms import SEBPNorm, norm_kind, sebp_layer_norm, sebp_rms_norm
 from .reference import backward_over_rows, select_rows, sebp_backward_torch
+from .resprop import ReSpropLinear, ReSpropState, ReuseDrop, resprop_grads, resprop_linear, reuse_drop
 
 __all__ = [
     "RowHint",
@@ -27,4 +29,10 @@ __all__ = [
     "select_rows",
     "backward_over_rows",
     "sebp_backward_torch",
+    "ReSpropLinear",
+    "ReSpropState",
+    "ReuseDrop",
+    "resprop_grads",
+    "resprop_linear",
+    "reuse_drop",
 ]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch.nn.functional as F
 from torch import nn
 
-from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
+from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 
 # Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
@@ -61,7 +61,8 @@ def _as_list(patterns: Iterable[str] | str | None) -> list[str]:
 
 
 def _is_plain_linear(m: nn.Module) -> bool:
-    return type(m) is nn.Linear or isinstance(m, SEBPLinear)
+    """A linear that targets can name: plain, or already swapped (SEBP, ReSprop), so patching is repeatable."""
+    return type(m) is nn.Linear or isinstance(m, (SEBPLinear, ReSpropLinear))
 
 
 def _as_config(value: SEBPConfig | Mapping, where: str) -> SEBPConfig:
