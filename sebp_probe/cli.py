@@ -67,10 +67,12 @@ def _main(
 # ------------------------------------------------------------------------------------------------ finetune
 
 
-_DATA_HELP = "Bundled name (tweets), local CSV/JSON/JSONL/Parquet file, or a datasets hub name (glue/sst2)."
+_DATA_HELP = ("Bundled name (tweets; tweets-sft: instruction pairs for causal LMs), local CSV/JSON/JSONL/Parquet "
+              "file, or a datasets hub name (glue/sst2).")
 _MODEL_HELP = "Bundled name (minilm, smollm2), local Hugging Face directory, or hub id."
 # Options that analyze, heatmap and finetune share, declared once (typer reads these defaults per command).
-_TASK = typer.Option(None, "--task", help="classification | causal-lm (default: from the model).")
+_TASK = typer.Option(None, "--task", help="classification | causal-lm | mlm (masked LM, 15% masking; BERT/RoBERTa) "
+                     "(default: from the model).")
 _SPLIT = typer.Option(None, "--split", help="Dataset split (default train).")
 _TEXT = typer.Option(None, "--text-column", help="Text (or prompt) column (default: detected).")
 _PAIR = typer.Option(None, "--text-pair-column", help="Second text of sentence pairs.")
@@ -92,7 +94,10 @@ def finetune_cmd(
     eps: float = typer.Option(None, "--eps", help="One threshold for every layer (threshold mode)."),
     top_n: int = typer.Option(None, "--top-n", help="Rows kept per layer (topk mode)."),
     mode: str = typer.Option(None, "--mode", help="exact | threshold | topk (default: from the other options)."),
-    method: str = typer.Option("sebp", "--method", help="dense | sebp."),
+    method: str = typer.Option("sebp", "--method", help="dense | sebp | resprop (gradient reuse: approximate, "
+                               "see --reuse)."),
+    reuse: float = typer.Option(0.9, "--reuse", help="resprop: share of the rows of dL/dY - P reused from the "
+                                "previous step instead of computed (0 = exact)."),
     compare: bool = typer.Option(False, "--compare", help="Train dense, then SEBP, same seed and data order."),
     sebp_first: bool = typer.Option(False, "--sebp-first", help="With --compare: train SEBP first, then "
                                     "dense (run both orders to see how much the host's speed drifts)."),
@@ -171,7 +176,8 @@ def finetune_cmd(
                       label_column=label_column, padding=padding, max_length=max_length, batch_size=batch_size,
                       max_samples=max_samples, seed=seed)
     cfg = FinetuneConfig(
-        model=model, data=data, output_dir=output_dir, task=task, method=method, compare=compare, sebp_first=sebp_first,
+        model=model, data=data, output_dir=output_dir, task=task, method=method, reuse=reuse, compare=compare,
+        sebp_first=sebp_first,
         mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,

@@ -67,7 +67,7 @@ class DataConfig:
         return asdict(self)
 
 
-METHODS = ("dense", "sebp")
+METHODS = ("dense", "sebp", "resprop")  # resprop: gradient reuse (approximate), sebp_kernels.resprop
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # Inductor records CUDA graphs in these
@@ -92,9 +92,12 @@ class FinetuneConfig:
     :func:`~sebp_probe.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward
     are replayed as CUDA graphs (:mod:`sebp_probe.graphs`), one pair per batch shape, in calibration too
     (one GPU); with padding ``longest`` the batches are padded to a multiple of ``graph_bucket`` tokens.
-    ``compile``: a ``torch.compile`` mode for the training model (one of ``COMPILE_MODES``); the SEBP layers'
-    backward compiles as ``sebp::`` custom ops (:mod:`sebp_kernels.ops`); on a GPU, the modes that record CUDA graphs
-    (``reduce-overhead``, ``max-autotune``) also time calibration as graph replays.
+    ``head``: ``labelled`` computes the loss without the rows no loss reaches where that is exact (the LM
+    head and the last layer on labelled rows only; a BERT/RoBERTa classifier's last layer on its [CLS] rows;
+    :mod:`sebp_probe.losses`), ``full`` the model's own loss. ``compile``: a ``torch.compile`` mode for the
+    training model (one of ``COMPILE_MODES``); the SEBP layers' backward compiles as ``sebp::`` custom ops
+    (:mod:`sebp_kernels.registry`); on a GPU, the modes that record CUDA graphs (``reduce-overhead``,
+    ``max-autotune``) also time calibration as graph replays.
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
     """
@@ -104,6 +107,7 @@ class FinetuneConfig:
     output_dir: str = "runs/finetune"
     task: str | None = None
     method: str = "sebp"
+    reuse: float = 0.9
     compare: bool = False
     sebp_first: bool = False
     mode: str | None = None
@@ -117,6 +121,7 @@ class FinetuneConfig:
     fallback_if_slower: bool = True
     sebp_norms: bool = False
     sebp_acts: bool = False
+    head: str = "labelled"
     cuda_graphs: bool = False
     graph_bucket: int = 32
     compile: str | None = None
@@ -145,6 +150,10 @@ class FinetuneConfig:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if isinstance(self.reuse, bool) or not isinstance(self.reuse, (int, float)) or not 0 <= self.reuse < 1:
+            raise ValueError(f"reuse must be a share in [0, 1), got {self.reuse!r}")
+        if self.compare and self.method == "dense":
+            raise ValueError("--compare trains dense beside --method sebp or resprop: pick one of those")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.mode is not None and self.mode not in MODES:
@@ -180,6 +189,8 @@ class FinetuneConfig:
                 isinstance(t, str) and t for t in self.targets)):
             raise ValueError("targets must be a tuple of module names or patterns")
         _pos_int(self.graph_bucket, "graph bucket")
+        if self.head not in ("labelled", "full"):
+            raise ValueError(f"unknown head {self.head!r}; choose labelled or full")
         if self.cuda_graphs and self.precision == "fp16":
             raise ValueError("--cuda-graphs does not take --fp16 (its loss scaler is updated on the host); "
                              "use --bf16")
@@ -220,8 +231,8 @@ class FinetuneConfig:
                                  "(or drop " + src + " and give the settings directly)")
         sebp_given = [n for n, v in (("eps", self.eps is not None), ("top-n", self.top_n is not None),
                                      ("auto-eps", self.auto_eps), ("report", bool(self.report))) if v]
-        if self.method == "dense" and not self.compare and (sebp_given or self.mode):
-            raise ValueError(f"method dense uses no SEBP settings, but got {', '.join(sebp_given or ['mode'])}")
+        if self.method != "sebp" and (sebp_given or self.mode):
+            raise ValueError(f"method {self.method} uses no SEBP settings, but got {', '.join(sebp_given or ['mode'])}")
         if self.eps is not None and self.top_n is not None and self.mode is None:
             raise ValueError("both eps and top-n given: pass --mode threshold or --mode topk")
         mode = self.sebp_mode
@@ -253,11 +264,11 @@ class FinetuneConfig:
         return SEBPConfig(mode=self.sebp_mode, eps=float(self.eps or 0.0), top_n=self.top_n, backend=self.backend)
 
     def methods(self) -> tuple[str, ...]:
-        """The runs in the order they train: with --compare dense then SEBP (--sebp-first: the other way round;
-        where the host's speed drifts during a session, the two orders together show how much)."""
+        """The runs in the order they train: with --compare dense then the method (--sebp-first: the other way
+        round; where the host's speed drifts during a session, the two orders together show how much)."""
         if not self.compare:
             return (self.method,)
-        return METHODS[::-1] if self.sebp_first else METHODS
+        return (self.method, "dense") if self.sebp_first else ("dense", self.method)
 
     def to_dict(self) -> dict:
         d = asdict(self)

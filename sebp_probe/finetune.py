@@ -19,6 +19,7 @@ from .assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
 from .config import FinetuneConfig, FinetuneError
 from .loop import Event, Run, graphed_compile, wrap_lora
+from .losses import set_head
 from .metrics import compare_runs, loss_gap
 from .rundir import (RUN_CONFIG, SUMMARY, check_output_dir, clear_entries, device_name, has_progress, read_json,
                      versions, write_json)
@@ -205,7 +206,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                 out.rmdir()
         raise
 
-    summaries = {m: summaries[m] for m in ("dense", "sebp") if m in summaries}  # dense first, whatever the order
+    summaries = {m: summaries[m] for m in ("dense", cfg.method) if m in summaries}  # dense first, whatever the order
     records = {m: records[m] for m in summaries if m in records}
     paddings = {m: c.data.padding for m, c in plan}
     for m, s in summaries.items():
@@ -213,11 +214,12 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     summary = dict(summaries[plan[0][0]]) if not cfg.compare else {"runs": summaries, "order": [m for m, _ in plan]}
     if choice is not None:
         summary["padding_choice"] = choice.to_dict()
-    if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", "sebp")):
-        summary["comparison"] = compare_runs(summaries["dense"], summaries["sebp"])
+    other = cfg.method
+    if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", other)):
+        summary["comparison"] = compare_runs(summaries["dense"], summaries[other])
         # the same sequences in every step unless one of the runs drew length-grouped batches
-        same_batches = paddings["dense"] == paddings["sebp"] or "bucket" not in paddings.values()
-        summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records["sebp"]) if same_batches \
+        same_batches = paddings["dense"] == paddings[other] or "bucket" not in paddings.values()
+        summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records[other]) if same_batches \
             else None
     statuses = [s["status"] for s in summaries.values()]
     summary["status"] = next((s for s in ("diverged", "interrupted") if s in statuses), "completed")
@@ -245,6 +247,7 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
             return PaddingChoice.from_dict(stored)
     model = wrap_lora(first.model, first.task, cfg) if cfg.lora else first.model
     model.to(acc.device).train()
+    set_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None)
     cands = candidate_layers(model, cfg, report_layers) if "sebp" in cfg.methods() else {}
     payload = [None]
     if acc.is_main_process:
@@ -263,9 +266,9 @@ def _run_plan(cfg: FinetuneConfig, choice: PaddingChoice | None) -> list[tuple[s
     too, if SEBP did not beat it on any layout)."""
     if choice is None:
         return [(m, cfg) for m in cfg.methods()]
-    methods = cfg.methods() if cfg.compare else (choice.method,)
+    methods = cfg.methods() if cfg.compare or cfg.method == "resprop" else (choice.method,)
     return [(m, replace(cfg, data=replace(cfg.data, padding=choice.best.get(m, choice.best["dense"]))))
-            for m in methods]
+            for m in methods]  # resprop (approximate gradients, not timed by auto) takes dense's fastest layout
 
 
 def _check_graphs_possible(cfg: FinetuneConfig, acc, what: str = "--cuda-graphs") -> None:

@@ -29,7 +29,7 @@ from .assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync
 from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
-from .losses import batch_loss, token_counts
+from .losses import batch_loss, has_no_target, set_head, token_counts
 from .metrics import evaluate, peak_memory_mb, summarize_records
 from .patch import find_targets, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
@@ -45,7 +45,7 @@ def wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.n
         raise FinetuneError("--lora needs the 'peft' package: pip install peft") from None
     targets = find_targets(model, list(cfg.targets) if cfg.targets else None)
     lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                      task_type="SEQ_CLS" if task == "classification" else "CAUSAL_LM")
+                      task_type={"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}.get(task))
     return get_peft_model(model, lcfg)
 
 
@@ -139,6 +139,8 @@ class Run:
             model = wrap_lora(model, loaded.task, self.cfg)
         model.to(self.acc.device)
         model.train()
+        self.head = set_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
+                             self.cfg.compile is not None)
         calib = None
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
@@ -148,6 +150,12 @@ class Run:
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
+        elif self.method == "resprop":  # no calibration: the reuse level is the user's trade of accuracy for time
+            from .resprop import patch_resprop
+
+            names = patch_resprop(model, self.cfg.reuse, list(self.cfg.targets) if self.cfg.targets else None)
+            self.emit("calibrated", {"run": self.method, "layers": {n: {"reuse": self.cfg.reuse} for n in names},
+                                     "fallback_dense": [], "fallback_reason": None})
         return loaded, model, calib
 
     def _calibrate(self, model, cands: dict[str, SEBPConfig]) -> dict:
@@ -309,6 +317,7 @@ class Run:
             while step < total:
                 t_step = time.perf_counter()
                 loss_sum, tokens_dev, rows, epoch = torch.zeros((), device=dev), torch.zeros((), device=dev), 0, 0
+                empty_dev = torch.zeros((), dtype=torch.long, device=dev)  # micro-batches without a target
                 timers: list = []  # the backward's CUDA events, read after the wait for the loss
                 bwd_ms = 0.0
                 replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
@@ -316,6 +325,7 @@ class Run:
                     epoch, batch = next(batches)
                     real, slots = token_counts(batch)
                     tokens_dev += real
+                    empty_dev += has_no_target(batch)
                     rows += slots
                     if cfg.cuda_graphs:
                         key = shape_key(batch)
@@ -332,7 +342,8 @@ class Run:
                         continue
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
                     with ctx:
-                        loss = batch_loss(model, batch)
+                        with acc.autocast():  # the head path calls the backbone past the prepared forward
+                            loss = batch_loss(model, batch)
                         loss_sum += loss.detach().float()
                         if use_events:
                             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -345,7 +356,7 @@ class Run:
                             acc.backward(loss / A)
                             bwd_ms += (time.perf_counter() - t0) * 1e3
                 mean_loss = acc.reduce(loss_sum / A, "mean").item()  # the step's one wait for the GPU
-                tokens = int(tokens_dev)
+                tokens, empty = int(tokens_dev), int(empty_dev)
                 for ev0, ev1 in timers:
                     ev1.synchronize()  # (done by now)
                     bwd_ms += ev0.elapsed_time(ev1)
@@ -378,6 +389,8 @@ class Run:
                 rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                        "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
                        "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": rows}
+                if empty:
+                    rec["batches_without_target"] = empty
                 if cfg.cuda_graphs:
                     rec["graph_replays"] = replayed  # of the step's grad_accum micro-batches
                     rec["graphs"] = len(graphs)  # captured so far (one per batch shape)
@@ -407,7 +420,10 @@ class Run:
         if status == "completed":
             last_ckpt = str(self._save_checkpoint(step, calib))
             self._save_model(model, loaded)
-        summary = {"status": status, "method": self.method, "total_steps": total,
+        head, why = self.head
+        summary = {"status": status, "method": self.method, "total_steps": total, "head": head,
+                   **({"head_fallback_reason": why} if why else {}),
+                   "batches_without_target": sum(r.get("batches_without_target", 0) for r in self.records),
                    **summarize_records(self.records), "checkpoint": last_ckpt,
                    "model_dir": str(self.dir / MODEL_DIR) if status == "completed" else None,
                    "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes,
@@ -424,7 +440,7 @@ class Run:
         return summary
 
     def _reference_backward_ms(self, calib: dict | None) -> float | None:
-        if self.method != "sebp":
+        if self.method == "dense":
             return None
         if self.dense_ref and self.dense_ref.get("mean_backward_ms"):
             return self.dense_ref["mean_backward_ms"]

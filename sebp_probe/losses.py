@@ -1,17 +1,79 @@
-"""The training loss of one batch, whatever its layout: the one call the loop, calibration and timing make."""
+"""The training loss of one batch, whatever its layout and head: the one call the loop, calibration and timing
+make (:func:`batch_loss`).
+
+Two heads (``FinetuneConfig.head``):
+
+- ``full``: the model's own loss, ``model(**batch).loss`` (packed batches through
+  :func:`~sebp_probe.packing.packed_forward`);
+- ``labelled``: the rows no loss reaches are left out where that is exact (:mod:`.heads`): causal LM and masked
+  LM run the head (and the last layer's position-wise work) on the labelled rows only; BERT/RoBERTa
+  classifiers run their last layer on the [CLS] rows only. The same loss and gradients.
+
+The choice is set on the model (:func:`use_head`), so every caller of :func:`batch_loss` computes the loss the
+same way without passing it around.
+"""
 from __future__ import annotations
 
 import torch
 
-from .packing import packed_forward
+from .heads import HeadError, head_loss, resolve_head
+from .last_layer import ENCODER_LAYERS, last_layer
+from .packing import packed_forward, packed_inputs, unwrap
+
+HEADS = ("labelled", "full")
+_ATTR = "_sebp_head_task"
 
 
 def batch_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """``model(**batch).loss`` for padded batches; for packed ones (they carry ``cu_seqlens``) the same loss
-    through :func:`~sebp_probe.packing.packed_forward` (attention per sequence)."""
-    if "cu_seqlens" in batch:
-        return packed_forward(model, batch).loss
-    return model(**batch).loss
+    """The loss of ``batch``: the model's own, or the labelled-rows head path where :func:`use_head` set it."""
+    task = getattr(unwrap(model), _ATTR, None)
+    packed = "cu_seqlens" in batch
+    if task is None or (packed and task == "classification"):
+        return packed_forward(model, batch).loss if packed else model(**batch).loss
+    if packed:
+        inputs, ctx, backend = packed_inputs(model, batch)
+        with ctx:  # the kept-rows last layer reads a mask: varlen attention has none
+            return head_loss(model, inputs, task, last_layer_rows_only=backend == "mask").loss
+    return head_loss(model, batch, task, last_layer_rows_only=True).loss
+
+
+def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
+    """Make :func:`batch_loss` compute ``model``'s loss with ``head`` (see the module docstring); returns why the
+    labelled-rows path cannot run on this model (then the full head runs), or None."""
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
+    base = unwrap(model)
+    setattr(base, _ATTR, None)
+    if head == "full":
+        return None
+    try:
+        if task == "classification":
+            backbone = getattr(base, "base_model", None)
+            if backbone is None or type(last_layer(backbone)).__name__ not in ENCODER_LAYERS:
+                raise HeadError("the [CLS]-rows last layer knows BERT and RoBERTa encoders only")
+        else:
+            resolve_head(model, task)
+    except (HeadError, ValueError) as e:
+        return str(e)
+    setattr(base, _ATTR, task)
+    return None
+
+
+def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, graphs: bool = False,
+             compiled: bool = False) -> tuple[str, str | None]:
+    """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path runs
+    in one process (it calls the backbone itself, past DDP's forward), eagerly (it reads the labelled-row
+    count on the host, which CUDA graphs and torch.compile cannot hold)."""
+    why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
+           "CUDA graphs cannot hold its host-side row count" if graphs else
+           "torch.compile would break its graph at the host-side row count" if compiled else None)
+    if head == "labelled" and why is None:
+        why = use_head(model, task, head)
+    if head == "labelled" and why is not None:
+        use_head(model, task, "full")
+        return "full", why
+    use_head(model, task, head)
+    return head, None
 
 
 def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
@@ -20,3 +82,12 @@ def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
         return batch["cu_seqlens"][-1], batch["input_ids"].numel()
     mask = batch["attention_mask"]
     return mask.sum(), mask.numel()
+
+
+def has_no_target(batch: dict) -> torch.Tensor:
+    """A device bool: every label of the batch is -100, so it trains nothing (causal LM batches hold -100 at
+    each sequence's first token already, which no position predicts); no host sync."""
+    labels = batch["labels"]
+    if labels.dim() == 1:  # classification: one label per sequence
+        return torch.zeros((), dtype=torch.bool, device=labels.device)
+    return (labels != -100).sum() == 0

@@ -16,7 +16,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator, task: str) -> dict:
-    """Held-out loss, and accuracy (classification) or perplexity (causal LM), over every example once."""
+    """Held-out loss, and accuracy (classification) or perplexity (causal and masked LM: over the labelled
+    tokens), over every example once."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -33,7 +34,7 @@ def evaluate(model, loader, accelerator, task: str) -> dict:
             count += per.numel()
             correct += hits.sum()
         else:
-            lg, lb = logits[:, :-1], labels[:, 1:]
+            lg, lb = (logits[:, :-1], labels[:, 1:]) if task == "causal-lm" else (logits, labels)
             tok = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1),
                                                     ignore_index=-100, reduction="none").view(lb.shape)
             per, n = tok.double().sum(1), (lb != -100).double().sum(1)

@@ -7,6 +7,7 @@ batches on every run.
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -51,13 +52,14 @@ def mask_tokens(
 
 class MLMCollator:
     """Pads items with ``pad`` (a collator giving input_ids and attention_mask), then masks the batch with
-    :func:`mask_tokens` from its own generator seeded with ``seed``."""
+    :func:`mask_tokens`. The masking is a pure function of ``seed`` and the batch's tokens (a generator seeded
+    from both), so a resumed run, and the dense and SEBP runs of a comparison, mask every batch alike; the same
+    sequence in another batch (another epoch) is masked afresh."""
 
     def __init__(self, pad: Callable[[list[dict]], dict], mask_token_id: int, vocab_size: int,
                  special_ids: Iterable[int], seed: int = 0, probability: float = 0.15):
         self.pad, self.mask_token_id, self.vocab_size = pad, mask_token_id, vocab_size
-        self.special_ids, self.probability = tuple(special_ids), probability
-        self.generator = torch.Generator().manual_seed(seed)
+        self.special_ids, self.probability, self.seed = tuple(special_ids), probability, seed
 
     @classmethod
     def for_tokenizer(cls, tokenizer, pad: Callable[[list[dict]], dict], seed: int = 0) -> "MLMCollator":
@@ -68,7 +70,9 @@ class MLMCollator:
 
     def __call__(self, items: list[dict]) -> dict:
         batch = self.pad(items)
+        content = zlib.crc32(batch["input_ids"].numpy().tobytes())
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + content)
         ids, labels = mask_tokens(batch["input_ids"], mask_token_id=self.mask_token_id, vocab_size=self.vocab_size,
                                   special_ids=self.special_ids, attention_mask=batch.get("attention_mask"),
-                                  generator=self.generator, probability=self.probability)
+                                  generator=generator, probability=self.probability)
         return {**batch, "input_ids": ids, "labels": labels}

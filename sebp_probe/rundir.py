@@ -22,14 +22,15 @@ STATE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
 MODEL_DIR = "model"
 # What a run directory holds; anything else in it is the user's and is never deleted.
-OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "report.json",
+OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "resprop", "report.json",
                "loss.png", "eval.png")
 # A resumed run must be the same run: every setting must match except these.
 RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit", "compile",
                      "sebp_first")  # the same math
 # Settings added after runs were first written: a run config without one ran with this value.
 ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32,
-                  "compile": None, "sebp_first": False}
+                  "compile": None, "sebp_first": False, "reuse": 0.9,
+                  "head": "full"}
 
 
 def read_json(path: Path) -> dict | None:
@@ -60,7 +61,7 @@ def config_changes(old: dict, new: dict) -> list[str]:
 
 def has_progress(out: Path) -> bool:
     """Did the run in ``out`` train at all (metrics or checkpoints)? One that failed before is replaceable."""
-    for d in (out, out / "dense", out / "sebp"):
+    for d in (out, out / "dense", out / "sebp", out / "resprop"):
         m = d / METRICS
         if (m.exists() and m.stat().st_size) or (d / CHECKPOINTS).exists():
             return True

@@ -37,12 +37,30 @@ def finetune_progress(console_):
             progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
         elif kind == "skipped":
             progress.console.print(f"{run}: already completed, kept", highlight=False)
+        elif kind == "padding":
+            progress.console.print(padding_table(p), highlight=False)
         elif kind == "analysis":
             if "analysis" not in tasks:
                 tasks["analysis"] = progress.add_task("eps", total=p["total"], loss="-", speed="analysis")
             progress.update(tasks["analysis"], completed=p["done"])
 
     return progress, on_event
+
+
+def padding_table(choice: dict):
+    """The layouts ``--padding auto`` timed (forward+backward ms per batch, dense and SEBP) and its choice."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="--padding auto: forward+backward per batch on your data (ms)", box=box.SIMPLE_HEAD)
+    for col in ("layout", "padding %", "dense", "SEBP", "note"):
+        table.add_column(col, justify="left" if col in ("layout", "note") else "right")
+    fmt = lambda r, k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
+    for r in choice["table"]:
+        chosen = r["padding"] == choice["padding"]
+        note = r.get("skipped") or (f"chosen: {'SEBP' if choice['method'] == 'sebp' else 'dense'}" if chosen else "")
+        table.add_row(r["padding"], f"{100 * r['padding_share']:.1f}", fmt(r, "dense_ms"), fmt(r, "sebp_ms"), note)
+    return table
 
 
 def print_finetune_summary(summary: dict) -> None:
@@ -68,7 +86,9 @@ def print_finetune_summary(summary: dict) -> None:
                  f"x{cmp['peak_mem_ratio_from_step3']:.3f} from step 3 on" if "peak_mem_ratio_from_step3" in cmp
                  else "",
                  f"max |loss gap| {cmp['max_abs_loss_gap']:.2e}" if cmp.get("max_abs_loss_gap") is not None else ""]
-        console.print("SEBP vs dense: " + ", ".join(p for p in parts if p), highlight=False)
+        other = next((m for m in runs if m != "dense"), "sebp")
+        label = {"sebp": "SEBP", "resprop": "ReSprop"}.get(other, other)
+        console.print(f"{label} vs dense: " + ", ".join(p for p in parts if p), highlight=False)
 
 
 _RUN_LABELS = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",

@@ -8,14 +8,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .assets import AssetError, LoadedModel, PadCollator, load_text_data, padding_side, tokenize
+from .assets import BUNDLED_DATASETS, AssetError, LoadedModel, PadCollator, load_text_data, padding_side, tokenize
 from .batching import LengthGroupedBatchSampler, PackedCollator, lengths
 from .config import PADDINGS, FinetuneConfig, FinetuneError
+from .mlm import MLMCollator
 
 
 @dataclass
 class TrainData:
-    """Tokenized, unpadded examples ({input_ids, label} or {input_ids, labels}) and how to pad them."""
+    """Tokenized, unpadded examples ({input_ids, label} or {input_ids, labels}) and how to pad them; ``mlm``:
+    (mask token id, vocabulary size, special token ids) for masked-LM batches."""
 
     task: str
     train: list[dict]
@@ -24,13 +26,14 @@ class TrainData:
     padding_side: str = "right"
     label_names: list[str] = field(default_factory=list)
     identity: dict = field(default_factory=dict)
+    mlm: tuple = ()
 
 
 def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
     """Train and held-out examples of ``cfg.data``: ``eval_split`` if given, the bundled test split of
     ``tweets``, else a deterministic 10% of the training split; at most ``eval_samples`` of them."""
     data = load_text_data(cfg.data, loaded.task)
-    if cfg.data.eval_split or cfg.data.dataset == "tweets":
+    if cfg.data.eval_split or cfg.data.dataset in BUNDLED_DATASETS:
         held = load_text_data(replace(cfg.data, max_samples=None), loaded.task,  # --eval-samples caps this one
                               split=cfg.data.eval_split or "test", label_names=data.label_names or None)
     else:
@@ -42,7 +45,14 @@ def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
         raise AssetError(f"dataset {cfg.data.dataset!r} has no non-empty text to train or evaluate on")
     side = padding_side(loaded, cfg.data)
     identity = {"train": data.identity, "eval": held.identity}
-    return TrainData(loaded.task, train, ev, loaded.tokenizer.pad_token_id, side, data.label_names, identity)
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    top = max(max(it["input_ids"]) for it in (*train, *ev) if it["input_ids"])
+    if top >= vocab:  # a tokenizer with tokens the model has no embedding (and, as labels, no logit) for
+        raise AssetError(f"token id {top} is outside the model's vocabulary of {vocab}: the tokenizer does not "
+                         "belong to this model (resize its embeddings, or pick the matching tokenizer)")
+    tok = loaded.tokenizer
+    mlm = (tok.mask_token_id, len(tok), tuple(tok.all_special_ids)) if loaded.task == "mlm" else ()
+    return TrainData(loaded.task, train, ev, tok.pad_token_id, side, data.label_names, identity, mlm)
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -71,8 +81,11 @@ def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
     if strategy not in PADDINGS:
         raise FinetuneError(f"padding {strategy!r} is not a batch layout; 'auto' is resolved before training")
     multiple = cfg.graph_bucket if cfg.cuda_graphs else 1  # graphs: few batch shapes
-    pad = lambda how: PadCollator(data.pad_id, data.task, how, cfg.data.max_length, data.padding_side,  # noqa: E731
-                                  multiple)
+
+    def pad(how: str):
+        collate = PadCollator(data.pad_id, data.task, how, cfg.data.max_length, data.padding_side, multiple)
+        return MLMCollator(collate, *data.mlm, seed=cfg.seed) if data.task == "mlm" else collate
+
     # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
     gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
     bs = cfg.data.batch_size

@@ -17,6 +17,7 @@ from tests.cli.test_finetune_cli import _tiny_bert, _train_records, assert_same_
 pytestmark = pytest.mark.slow
 
 ARGS = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32",
+        "--padding", "max_length",
         "--always-sebp", "--dense-fallback", "1"]
 
 
@@ -86,7 +87,8 @@ def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
 def test_two_process_auto_eps_shares_the_main_report(tiny, tmp_path):
     """The main process analyses and broadcasts its report (tests/probe/test_finetune_report_ddp.py checks
     that the others do not analyse); here the real gloo broadcast carries it and both processes train."""
-    args = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32"]
+    args = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32",
+            "--padding", "max_length"]
     p = _torchrun(tiny, *args, "--auto-eps", "--max-steps", "3", "--json", "-o", str(tmp_path / "run"))
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-2000:]

@@ -87,9 +87,10 @@ def test_lossy_modes_skip_rows_and_still_learn(tmp_path, mode_kw):
 
 def test_dense_fallback_keeps_dense_rows_dense(tmp_path):
     # Every sequence is full length: all rows are active except where only the CLS row gets gradient
-    # (the last layer's query, attention output and MLP): only those are worth SEBP.
+    # (the last layer's query, attention output and MLP): only those are worth SEBP. (With the labelled head
+    # the last layer computes the CLS rows alone, and nothing is left for SEBP: the full head here.)
     data = synthetic_data("classification", min_len=24, max_len=24)
-    cfg = _cfg(tmp_path, dense_fallback=0.9, max_steps=3)
+    cfg = _cfg(tmp_path, dense_fallback=0.9, max_steps=3, head="full")
     s = ft.finetune(cfg, load_fn=_loader("bert"), data=data)
     cal = s["calibration"]
     last = "bert.encoder.layer.1."

@@ -245,15 +245,20 @@ def test_dtype_change_is_exact():
     assert layer.resprop_state.p.dtype == torch.bfloat16
 
 
-def test_two_dimensional_input_refused_in_training_only():
-    layer = ReSpropLinear.from_linear(nn.Linear(4, 3))
+def test_two_dimensional_input_takes_the_exact_backward_and_keeps_p():
+    """Rows without a position axis (a last layer's gathered rows) have no P to align: exact SEBP, P untouched."""
+    dense = nn.Linear(4, 3)
+    layer = ReSpropLinear.from_linear(copy.deepcopy(dense), reuse=0.9)
     x = torch.randn(6, 4)
-    with pytest.raises(ValueError, match="positions"):
-        layer(x.requires_grad_())
-    with torch.no_grad():
-        layer(x)
-    layer.eval()
-    layer(x).sum().backward()
+    x[2] = 0.0
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = torch.randn(6, 3)
+    dy[4] = 0.0
+    layer(x1).backward(dy)
+    dense(x2).backward(dy)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(layer.weight.grad, dense.weight.grad)
+    assert layer.resprop_state.p is None and layer.resprop_state.updates == 0
 
 
 def test_from_linear_shares_parameters_and_keys():

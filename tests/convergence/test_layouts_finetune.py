@@ -1,0 +1,116 @@
+"""Fine-tuning across batch layouts and heads (Python API, tiny models, CPU): packed batches train exactly as
+the same batches padded, the labelled-rows head exactly as the full head, --padding auto measures every
+layout and trains with the fastest, ReSprop at reuse 0 is exact, and masked LM trains."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM
+
+from sebp_probe import finetune as ft
+from sebp_probe.assets import LoadedModel
+from sebp_probe.config import DataConfig, FinetuneConfig
+from sebp_probe.config import PADDINGS
+from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
+from tests.tiny_models import tiny_config, tiny_model
+
+
+def _loader(arch: str):
+    if arch == "bert-mlm":
+        return lambda: LoadedModel(AutoModelForMaskedLM.from_config(tiny_config("bert")), None, "mlm", "tiny", "config")
+    task = "causal-lm" if arch in ("llama", "qwen2") else "classification"
+    return lambda: LoadedModel(tiny_model(arch), None, task, f"tiny-{arch}", "config")
+
+
+def _cfg(tmp_path, name: str, padding: str, **kw) -> FinetuneConfig:
+    base = dict(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding=padding),
+                output_dir=str(tmp_path / name), max_steps=6, lr=2e-3, warmup_ratio=0.0, eval_steps=3,
+                dense_fallback=1.0, fallback_if_slower=False, seed=0)
+    base.update(kw)
+    return FinetuneConfig(**base)
+
+
+def _losses(summary_dir) -> list[float]:
+    return [json.loads(x)["loss"] for x in open(summary_dir / "metrics.jsonl") if '"train"' in x]
+
+
+@pytest.mark.parametrize("arch,task", [("bert", "classification"), ("llama", "causal-lm")])
+def test_packed_trains_as_the_same_batches_padded(tmp_path, arch, task):
+    torch.manual_seed(0)
+    data = synthetic_data(task, prompt=0.5)
+    for padding in ("longest", "packed"):
+        ft.finetune(_cfg(tmp_path, padding, padding, method="dense"), load_fn=_loader(arch), data=data)
+    longest, packed = _losses(tmp_path / "longest"), _losses(tmp_path / "packed")
+    assert len(packed) == 6 and max(abs(a - b) for a, b in zip(longest, packed)) < 1e-5
+
+
+def test_bucket_trains_and_resumes_to_the_same_losses(tmp_path):
+    data = synthetic_data("classification")
+    full = ft.finetune(_cfg(tmp_path, "a", "bucket", method="dense"), load_fn=_loader("bert"), data=data)
+    cfg = _cfg(tmp_path, "b", "bucket", method="dense")
+
+    def stop_at_3(kind, p):
+        if kind == "step" and p["step"] == 3:
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGINT)
+
+    assert ft.finetune(cfg, load_fn=_loader("bert"), data=data, on_event=stop_at_3)["status"] == "interrupted"
+    resumed = ft.finetune(cfg, resume=True, load_fn=_loader("bert"), data=data)
+    assert full["padding"] == resumed["padding"] == "bucket"
+    assert _losses(tmp_path / "a") == pytest.approx(_losses(tmp_path / "b"), abs=1e-6)
+
+
+@pytest.mark.parametrize("arch,task", [("llama", "causal-lm"), ("bert", "classification"), ("bert-mlm", "mlm")])
+def test_labelled_head_trains_as_the_full_head(tmp_path, arch, task):
+    data = synthetic_data(task, prompt=0.6)
+    runs = {}
+    for head in ("full", "labelled"):
+        runs[head] = ft.finetune(_cfg(tmp_path, head, "longest", method="dense", head=head), load_fn=_loader(arch),
+                                 data=data)
+    assert runs["labelled"]["head"] == "labelled" and "head_fallback_reason" not in runs["labelled"]
+    full, labelled = _losses(tmp_path / "full"), _losses(tmp_path / "labelled")
+    assert max(abs(a - b) for a, b in zip(full, labelled)) < 1e-5
+    if task != "classification":
+        assert runs["labelled"]["final_eval"]["eval_perplexity"] > 1
+
+
+def test_auto_times_every_layout_and_trains_with_the_fastest(tmp_path):
+    events = []
+    data = synthetic_data("causal-lm", prompt=0.5)
+    cfg = _cfg(tmp_path, "auto", "auto", compare=True)
+    s = ft.finetune(cfg, load_fn=_loader("llama"), data=data, on_event=lambda k, p: events.append((k, p)))
+    choice = s["padding_choice"]
+    table = {r["padding"]: r for r in choice["table"]}
+    assert list(table) == list(PADDINGS) and all("dense_ms" in r and "sebp_ms" in r for r in table.values())
+    every = [(r[f"{m}_ms"], m, p) for p, r in table.items() for m in ("dense", "sebp")]
+    assert (choice["method"], choice["padding"]) == min(every)[1:]  # never slower than the fastest dense
+    for m in ("dense", "sebp"):
+        assert s["runs"][m]["padding"] == choice["best"][m] == min((t, p) for t, mm, p in every if mm == m)[1]
+    assert [k for k, _ in events].count("padding") == 1
+    stored = json.loads((tmp_path / "auto" / "run_config.json").read_text())
+    assert stored["config"]["data"]["padding"] == "auto" and stored["padding_choice"] == choice
+
+
+def test_auto_skips_packed_where_it_cannot_run_exactly(tmp_path):
+    s = ft.finetune(_cfg(tmp_path, "mlm", "auto", method="dense", max_steps=2), load_fn=_loader("bert-mlm"),
+                    data=synthetic_data("mlm"))
+    packed = next(r for r in s["padding_choice"]["table"] if r["padding"] == "packed")
+    assert "skipped" in packed and "padding 'packed'" in packed["skipped"]
+
+
+def test_resprop_at_reuse_zero_trains_as_dense(tmp_path):
+    data = synthetic_data("classification")
+    s = ft.finetune(_cfg(tmp_path, "r", "longest", method="resprop", reuse=0.0, compare=True),
+                    load_fn=_loader("bert"), data=data)
+    assert s["runs"]["resprop"]["status"] == "completed" and s["comparison"]["max_abs_loss_gap"] < 1e-5
+    approx = ft.finetune(_cfg(tmp_path, "r9", "longest", method="resprop", reuse=0.9), load_fn=_loader("bert"),
+                         data=data)
+    assert approx["status"] == "completed" and approx["method"] == "resprop"
+
+
+def test_packed_with_cuda_graphs_is_refused():
+    with pytest.raises(ValueError, match="packed rows change"):
+        FinetuneConfig(data=DataConfig(padding="packed"), cuda_graphs=True, precision="bf16")
