@@ -1,13 +1,16 @@
 """GPU time and peak memory of the language-model head's forward + backward, over the labelled rows only or all.
 
-    python benchmarks/head_bench.py --out head.json            # an H100: Llama-3.2-1B and Qwen2.5-0.5B shapes
+    python benchmarks/head_bench.py --out head.json            # an H100: Llama-3.2-1B, Qwen2.5-0.5B, BERT-base MLM
     python benchmarks/head_bench.py --out tiny.json --tiny     # small shapes, runs on a CPU (checks the script)
 
 Models are built from configs with random weights (bf16 parameters; ``--autocast``: fp32 parameters under
 autocast bf16), batches of 8 x 2048 random tokens whose first 75% (the prompt) carry label -100. Two scopes:
 ``head``: the head alone on fixed last hidden states (B, T, d) -> loss, gradients of hidden and weight;
 ``model``: the whole model's forward and backward (parameter gradients), the methods differing in the head
-(and ``ours+last_layer`` also in the last layer). Methods:
+(and ``ours+last_layer`` also in the last layer). ``bert-base-mlm``: masked-LM training of a BERT-base shape, 32
+sequences of 512 tokens with 15% of the positions chosen (the standard masking), model scope only, methods
+``hf``, ``gather`` (the head's transform and decoder on the labelled rows, plain cross-entropy), ``ours`` and
+``ours+last_layer``. Methods:
 
   hf               the full head: logits of every position, then the model's loss (logits cast to fp32)
   gather           hidden[labelled] @ W^T, then cross-entropy
@@ -44,18 +47,29 @@ SHAPES = {
     "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
 }
+MLM_SHAPES = {
+    "bert-base-mlm": dict(arch="bert-mlm", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                          intermediate_size=3072, vocab_size=30522, batch=32, seq=512),
+}
 TINY = {
     "tiny-llama": dict(arch="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=128, vocab_size=1000),
     "tiny-qwen2": dict(arch="qwen2", hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=96, vocab_size=1500),
+    "tiny-bert-mlm": dict(arch="bert-mlm", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, vocab_size=500, batch=4, seq=64),
 }
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig, LlamaConfig, Qwen2Config
 
-    kw = {k: v for k, v in shape.items() if k != "arch"}
+    kw = {k: v for k, v in shape.items() if k not in ("arch", "batch", "seq")}
+    if shape["arch"] == "bert-mlm":
+        cfg = BertConfig(**kw, max_position_embeddings=512, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        with torch.device(device):
+            return AutoModelForMaskedLM.from_config(cfg, dtype=dtype).train()
     cls = LlamaConfig if shape["arch"] == "llama" else Qwen2Config
     cfg = cls(**kw, tie_word_embeddings=True, max_position_embeddings=4096, attn_implementation="sdpa",
               use_cache=False)
@@ -64,11 +78,20 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
     return model.train()
 
 
-def make_batch(vocab: int, batch: int, seq: int, prompt: float, device: torch.device, seed: int = 0) -> dict:
+def make_batch(vocab: int, batch: int, seq: int, prompt: float, device: torch.device, seed: int = 0,
+               mlm: bool = False) -> dict:
+    """Random tokens; causal LM: the first ``prompt`` share of each sequence labelled -100; masked LM: 15% of
+    the positions chosen (80% [MASK]-like token 103, 10% random, 10% kept), the rest -100."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    ids = torch.randint(104 if mlm else 0, vocab, (batch, seq), generator=g)  # MLM: no special token ids
     labels = ids.clone()
-    labels[:, : int(prompt * seq)] = -100
+    if mlm:
+        from sebp_probe.mlm import mask_tokens
+
+        ids, labels = mask_tokens(ids, mask_token_id=103, vocab_size=vocab, special_ids=(0, 101, 102, 103),
+                                  generator=g)
+    else:
+        labels[:, : int(prompt * seq)] = -100
     return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 
@@ -194,18 +217,35 @@ def run_methods(steps: dict, timer: Timer, warmup: int, repeats: int) -> dict:
     return results
 
 
+def mlm_methods(chunk_rows: int | None) -> dict:
+    """Masked-LM model scope: fn(model, batch) -> loss."""
+    def gather(model, batch):
+        h = model.bert(input_ids=batch["input_ids"])[0]
+        y = batch["labels"].view(-1)
+        rows = (y != -100).nonzero().squeeze(1)
+        hr = model.cls.predictions.transform(h.reshape(-1, h.shape[-1]).index_select(0, rows))
+        return F.cross_entropy(model.cls.predictions.decoder(hr).float(), y.index_select(0, rows))
+
+    return {"hf": lambda model, batch: model(**batch).loss, "gather": gather,
+            "ours": lambda model, batch: head_loss(model, batch, "mlm", chunk_rows=chunk_rows).loss,
+            "ours+last_layer": lambda model, batch: head_loss(model, batch, "mlm", chunk_rows=chunk_rows,
+                                                              last_layer_rows_only=True).loss}
+
+
 def bench_shape(name: str, shape: dict, args, device: torch.device, timer: Timer, extra: dict) -> list[dict]:
     param_dtype = torch.float32 if args.autocast else torch.bfloat16
     model = build_model(shape, param_dtype, device)
-    batch = make_batch(shape["vocab_size"], args.batch, args.seq, args.prompt, device)
-    labelled = int((shifted(batch["labels"]) != -100).sum())
+    mlm = shape["arch"] == "bert-mlm"
+    n_seq, seq = shape.get("batch", args.batch), shape.get("seq", args.seq)
+    batch = make_batch(shape["vocab_size"], n_seq, seq, args.prompt, device, mlm=mlm)
+    labelled = int(((batch["labels"] if mlm else shifted(batch["labels"])) != -100).sum())
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast)
     rows = []
 
     g = torch.Generator().manual_seed(1)
-    hidden = (torch.randn(args.batch, args.seq, shape["hidden_size"], generator=g) / 2).to(device, param_dtype)
+    hidden = (torch.randn(n_seq, seq, shape["hidden_size"], generator=g) / 2).to(device, param_dtype)
     hidden.requires_grad_()
-    weight = model.lm_head.weight
+    weight = model.get_output_embeddings().weight
 
     def head_step(fn):
         def step():
@@ -225,15 +265,17 @@ def bench_shape(name: str, shape: dict, args, device: torch.device, timer: Timer
             return loss.detach()
         return step
 
-    for scope, methods, wrap in (("head", head_methods(args.chunk_rows, extra), head_step),
-                                 ("model", model_methods(args.chunk_rows, extra), model_step)):
+    scopes = [("model", mlm_methods(args.chunk_rows), model_step)] if mlm else [
+        ("head", head_methods(args.chunk_rows, extra), head_step),
+        ("model", model_methods(args.chunk_rows, extra), model_step)]
+    for scope, methods, wrap in scopes:
         steps = {m: fn if isinstance(fn, str) else wrap(fn) for m, fn in methods.items()}
         for method, r in run_methods(steps, timer, args.warmup, args.repeats).items():
             row = {"shape": name, "scope": scope, "method": method, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:
-        row.update(tokens=args.batch * args.seq, labelled_rows=labelled, vocab=shape["vocab_size"],
+        row.update(tokens=n_seq * seq, labelled_rows=labelled, vocab=shape["vocab_size"],
                    hidden=shape["hidden_size"])
     return rows
 
@@ -268,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
-    table = TINY if args.tiny else SHAPES
+    table = TINY if args.tiny else {**SHAPES, **MLM_SHAPES}
     names = args.shapes or list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
