@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .causes import cause_totals, grouper, layer_causes, layout_advice, packed_issue, type_causes
 from .hooks import GradientStats, GradientStatsCollector, LayerStats, capture_output_grads
 from .knee import (
     EpsResult,
@@ -78,14 +79,17 @@ def collect(
     settings: AnalyzeSettings = AnalyzeSettings(),
     total: int | None = None,
     progress: Progress | None = None,
+    task: str | None = None,
 ) -> GradientStats:
     """Run forward + backward over ``batches`` (dicts a Hugging Face model takes, with labels) with the
-    collector attached; parameters are not updated. Stops after ``settings.max_batches``."""
+    collector attached; parameters are not updated. Stops after ``settings.max_batches``. ``task`` says
+    which rows are label-less (None: guessed from the labels, see :func:`sebp_probe.causes.grouper`)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.train(settings.train_mode)
     limit = settings.max_batches
     total = min(t for t in (total, limit) if t is not None) if (total or limit) else 0
+    groups = grouper(model, task)
     try:
         with GradientStatsCollector(model, settings.target_modules, settings.exclude_modules) as col:
             for i, batch in enumerate(batches):
@@ -93,7 +97,7 @@ def collect(
                     break
                 batch = _to_device(batch, device)
                 model.zero_grad(set_to_none=True)
-                with col.batch(batch.get("attention_mask")):
+                with col.batch(batch.get("attention_mask"), groups(batch)):
                     loss = model(**batch).loss
                     if loss is None:
                         raise AnalysisError("the model returned no loss: the batches need labels")
@@ -162,6 +166,7 @@ def _settings_for(layer: LayerStats, eps: EpsResult, s: AnalyzeSettings) -> dict
             if total_active else 0.0,
             "max_abs": float(max(np.asarray(layer.max_abs)[seen])),
             "backward_flops": fl,
+            **layer_causes(layer, eps.eps),
         },
     }
 
@@ -170,7 +175,7 @@ def _totals(layers: dict[str, dict]) -> dict:
     fl = {k: sum(e["stats"]["backward_flops"][k] for e in layers.values()) for k in ("dense", "threshold", "topk")}
     dense = fl["dense"] or 1.0
     return {"backward_flops": fl, "saving_threshold": 1 - fl["threshold"] / dense,
-            "saving_topk": 1 - fl["topk"] / dense}
+            "saving_topk": 1 - fl["topk"] / dense, **cause_totals(layers)}
 
 
 def _global_setting(stats: GradientStats, names: list[str], s: AnalyzeSettings) -> dict:
@@ -230,8 +235,9 @@ def summarize(stats: GradientStats, settings: AnalyzeSettings = AnalyzeSettings(
     }
 
 
-def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict) -> dict:
-    """Wrap a :func:`summarize` result with identities into a schema-versioned report."""
+def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict, layouts: dict | None) -> dict:
+    """Wrap a :func:`summarize` result with identities and the layout advice
+    (:func:`sebp_probe.causes.layout_advice`; None without token lengths) into a schema-versioned report."""
     from . import __version__
 
     return {
@@ -243,13 +249,14 @@ def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: d
         "dataset": dataset_info,
         "padding": padding,
         **summary,
+        "layouts": layouts,
     }
 
 
 def layer_type_rows(report: dict) -> list[dict]:
     """One row per layer type for the tables: zero elements / zero rows (avg, max, min over batches and the
-    layers of that type), eps range, the largest N, how many layers have a knee, and the share of backward
-    GEMM FLOPs the per-layer settings save."""
+    layers of that type), rows by cause, eps range, the largest N, how many layers have a knee, and the share
+    of backward GEMM FLOPs the per-layer settings save."""
     groups: dict[str, list[str]] = {}
     for name in report["layers"]:
         groups.setdefault(layer_type(name), []).append(name)
@@ -268,6 +275,7 @@ def layer_type_rows(report: dict) -> list[dict]:
                           else (max if k == "max" else min)(s["zero_row_fraction"][k] for s in st)
                           for k in ("avg", "max", "min")},
             "active_rows": float(np.mean([s["active_row_fraction"]["avg"] for s in st])),
+            "rows_by_cause": type_causes(st),
             **{f"saving_{k}": 1 - sum(s["backward_flops"][k] for s in st) / max(sum(s["backward_flops"]["dense"]
                                                                                      for s in st), 1.0)
                for k in ("threshold", "topk")},
@@ -331,10 +339,13 @@ def _report_for(loaded, data, cfg, settings: AnalyzeSettings, progress: Progress
     from .assets import make_loader, model_identity
 
     loader = make_loader(loaded, data, cfg)
-    stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress)
+    stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress, task=loaded.task)
     model_info = {"name": loaded.name, "source": loaded.source, "task": loaded.task,
                   **model_identity(loaded.model)}
-    return build_report(summarize(stats, settings), model_info, data.identity, padding_info(loaded, cfg))
+    summary = summarize(stats, settings)
+    layouts = layout_advice(summary, np.concatenate(stats.lengths), cfg.batch_size, cfg.max_length,
+                            packed_issue(loaded.model, loaded.task)) if stats.lengths else None
+    return build_report(summary, model_info, data.identity, padding_info(loaded, cfg), layouts)
 
 
 def analyze(
