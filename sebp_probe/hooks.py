@@ -487,29 +487,3 @@ class GradientStatsCollector:
                 layer.element_hist = acc[i]
         return GradientStats(layers=dict(self._layers), lengths=list(self._lengths),
                              padded_lengths=list(self._padded), batches=self._batches)
-
-
-@contextlib.contextmanager
-def capture_output_grads(model: nn.Module, names: list[str]):
-    """Copy dL/dY of the named linears to the host (float32), for pictures of small batches only.
-
-    Yields a dict name -> tensor of shape (*output shape), filled during the backward.
-    """
-    modules = dict(model.named_modules())
-    captured: dict[str, torch.Tensor] = {}
-    handles = []
-
-    def on_forward(name, module, args, output):
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda g: captured.__setitem__(name, g.detach().float().cpu()))
-
-    try:
-        for name in names:
-            real = name if isinstance(modules.get(name), nn.Linear) else f"{name}.base_layer"
-            if real not in modules:
-                raise ValueError(f"layer {name!r} is not in this model")
-            handles.append(modules[real].register_forward_hook(partial(on_forward, name)))
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()

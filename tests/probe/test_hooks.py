@@ -11,7 +11,8 @@ import torch
 from sebp_kernels import SEBPConfig
 from sebp_probe import patch_model
 from sebp_probe.causes import grouper
-from sebp_probe.hooks import N_GROUPS, GradientStatsCollector, capture_output_grads, reduce_grad
+from sebp_probe.heatmap import capture_output_grads
+from sebp_probe.hooks import N_GROUPS, GradientStatsCollector, reduce_grad
 from sebp_probe.knee import detect_eps, fine_histogram, octave_histogram
 from tests.helpers import LinearStack, assert_same_stats, collect_with_grads, roundoff_first_queries, \
     special_rows_grad
