@@ -183,24 +183,19 @@ def _block(name: str) -> int | str:
 
 
 def _where(layers: dict[str, dict], cause: str) -> str:
-    """Where most of a cause's FLOPs are: ``of the last layer``, ``of layer 3``, ``over 5 layers``."""
+    """Where a cause's FLOPs are: ``of the last layer`` (80% of them or more in one), else ``over 30 layers,
+    22% in the last layer``."""
     by_block: dict[int | str, float] = {}
     for name, e in layers.items():
         key = _block(name)
         by_block[key] = by_block.get(key, 0.0) + e["stats"]["backward_flops_by_cause"][cause]
-    total = sum(by_block.values())
-    kept, acc = [], 0.0
-    for key, f in sorted(by_block.items(), key=lambda kv: -kv[1]):
-        if acc >= 0.8 * total:  # the fewest layers holding 80% of it
-            break
-        kept.append(key)
-        acc += f
-    if len(kept) != 1:
-        return f"over {len(kept)} layers"
-    indices = [k for k in by_block if isinstance(k, int)]
-    if isinstance(kept[0], int):
-        return "of the last layer" if kept[0] == max(indices) else f"of layer {kept[0]}"
-    return f"of {kept[0]}"
+    top = max(by_block, key=by_block.get)
+    last = max((k for k in by_block if isinstance(k, int)), default=None)
+    label = "the last layer" if top == last else f"layer {top}" if isinstance(top, int) else top
+    share = by_block[top] / (sum(by_block.values()) or 1.0)
+    if share >= 0.8:
+        return f"of {label}"
+    return f"over {sum(f > 0 for f in by_block.values())} layers, {share:.0%} in {label}"
 
 
 def layout_advice(summary: dict, lengths: np.ndarray, batch_size: int, max_length: int,
