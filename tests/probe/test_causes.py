@@ -181,3 +181,10 @@ def test_advice_without_packing_or_sparsity_beyond_padding():
     assert same["recommended"] == "max_length" and not same["stack_sebp"]
     assert same["layouts"]["max_length"]["sebp_skips"] == pytest.approx(1 / 40)
     assert "SEBP adds little on top (under 10%)" in same["recommendation"]
+
+
+def test_recommendation_says_where_the_label_less_rows_are():
+    spread = {"model.layers.0.mlp.up_proj": _layer({"padding": 50, "label_less": 15, "active": 35}),
+              "model.layers.1.mlp.up_proj": _layer({"padding": 50, "label_less": 35, "active": 15})}
+    advice = layout_advice(_summary(spread), LENGTHS, 16, 64, None)
+    assert "(mostly label-less rows over 2 layers, 70% in the last layer)" in advice["recommendation"]
