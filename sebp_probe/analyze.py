@@ -4,18 +4,18 @@ No CLI code here; :mod:`sebp_probe.cli` only parses, calls and prints.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 import numpy as np
 import torch
 from torch import nn
 
-from .hooks import GradientStats, GradientStatsCollector, LayerStats, capture_output_grads
+from .causes import cause_totals, grouper, layer_causes, layout_advice, packed_issue, type_causes
+from .hooks import GradientStats, GradientStatsCollector, LayerStats
 from .knee import (
     EpsResult,
     backward_gemm_flops,
@@ -24,7 +24,6 @@ from .knee import (
     recommend_top_n,
     rows_above,
 )
-from .patch import _logical_name, name_matches
 from .report import SCHEMA, SCHEMA_VERSION
 
 Progress = Callable[[int, int], None]
@@ -78,14 +77,17 @@ def collect(
     settings: AnalyzeSettings = AnalyzeSettings(),
     total: int | None = None,
     progress: Progress | None = None,
+    task: str | None = None,
 ) -> GradientStats:
     """Run forward + backward over ``batches`` (dicts a Hugging Face model takes, with labels) with the
-    collector attached; parameters are not updated. Stops after ``settings.max_batches``."""
+    collector attached; parameters are not updated. Stops after ``settings.max_batches``. ``task`` says
+    which rows are label-less (None: guessed from the labels, see :func:`sebp_probe.causes.grouper`)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.train(settings.train_mode)
     limit = settings.max_batches
     total = min(t for t in (total, limit) if t is not None) if (total or limit) else 0
+    groups = grouper(model, task)
     try:
         with GradientStatsCollector(model, settings.target_modules, settings.exclude_modules) as col:
             for i, batch in enumerate(batches):
@@ -93,7 +95,7 @@ def collect(
                     break
                 batch = _to_device(batch, device)
                 model.zero_grad(set_to_none=True)
-                with col.batch(batch.get("attention_mask")):
+                with col.batch(batch.get("attention_mask"), groups(batch)):
                     loss = model(**batch).loss
                     if loss is None:
                         raise AnalysisError("the model returned no loss: the batches need labels")
@@ -162,6 +164,7 @@ def _settings_for(layer: LayerStats, eps: EpsResult, s: AnalyzeSettings) -> dict
             if total_active else 0.0,
             "max_abs": float(max(np.asarray(layer.max_abs)[seen])),
             "backward_flops": fl,
+            **layer_causes(layer, eps.eps),
         },
     }
 
@@ -170,7 +173,7 @@ def _totals(layers: dict[str, dict]) -> dict:
     fl = {k: sum(e["stats"]["backward_flops"][k] for e in layers.values()) for k in ("dense", "threshold", "topk")}
     dense = fl["dense"] or 1.0
     return {"backward_flops": fl, "saving_threshold": 1 - fl["threshold"] / dense,
-            "saving_topk": 1 - fl["topk"] / dense}
+            "saving_topk": 1 - fl["topk"] / dense, **cause_totals(layers)}
 
 
 def _global_setting(stats: GradientStats, names: list[str], s: AnalyzeSettings) -> dict:
@@ -230,8 +233,9 @@ def summarize(stats: GradientStats, settings: AnalyzeSettings = AnalyzeSettings(
     }
 
 
-def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict) -> dict:
-    """Wrap a :func:`summarize` result with identities into a schema-versioned report."""
+def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict, layouts: dict | None) -> dict:
+    """Wrap a :func:`summarize` result with identities and the layout advice
+    (:func:`sebp_probe.causes.layout_advice`; None without token lengths) into a schema-versioned report."""
     from . import __version__
 
     return {
@@ -243,13 +247,14 @@ def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: d
         "dataset": dataset_info,
         "padding": padding,
         **summary,
+        "layouts": layouts,
     }
 
 
 def layer_type_rows(report: dict) -> list[dict]:
     """One row per layer type for the tables: zero elements / zero rows (avg, max, min over batches and the
-    layers of that type), eps range, the largest N, how many layers have a knee, and the share of backward
-    GEMM FLOPs the per-layer settings save."""
+    layers of that type), rows by cause, eps range, the largest N, how many layers have a knee, and the share
+    of backward GEMM FLOPs the per-layer settings save."""
     groups: dict[str, list[str]] = {}
     for name in report["layers"]:
         groups.setdefault(layer_type(name), []).append(name)
@@ -268,6 +273,7 @@ def layer_type_rows(report: dict) -> list[dict]:
                           else (max if k == "max" else min)(s["zero_row_fraction"][k] for s in st)
                           for k in ("avg", "max", "min")},
             "active_rows": float(np.mean([s["active_row_fraction"]["avg"] for s in st])),
+            "rows_by_cause": type_causes(st),
             **{f"saving_{k}": 1 - sum(s["backward_flops"][k] for s in st) / max(sum(s["backward_flops"]["dense"]
                                                                                      for s in st), 1.0)
                for k in ("threshold", "topk")},
@@ -331,10 +337,13 @@ def _report_for(loaded, data, cfg, settings: AnalyzeSettings, progress: Progress
     from .assets import make_loader, model_identity
 
     loader = make_loader(loaded, data, cfg)
-    stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress)
+    stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress, task=loaded.task)
     model_info = {"name": loaded.name, "source": loaded.source, "task": loaded.task,
                   **model_identity(loaded.model)}
-    return build_report(summarize(stats, settings), model_info, data.identity, padding_info(loaded, cfg))
+    summary = summarize(stats, settings)
+    layouts = layout_advice(summary, np.concatenate(stats.lengths), cfg.batch_size, cfg.max_length,
+                            packed_issue(loaded.model, loaded.task)) if stats.lengths else None
+    return build_report(summary, model_info, data.identity, padding_info(loaded, cfg), layouts)
 
 
 def analyze(
@@ -360,101 +369,6 @@ def analyze_for_finetune(loaded, data_cfg, settings: AnalyzeSettings = AnalyzeSe
     return _report_for(loaded, load_text_data(cfg, loaded.task), cfg, settings, progress)
 
 
-# -------------------------------------------------------------------------------------------- heatmaps
-
-
-def match_layers(model: nn.Module, pattern: str) -> list[str]:
-    """Logical names of the nn.Linear layers matching a glob (``*.11.*.query``), an exact name, a dotted
-    suffix or a regex. Raises ValueError when none matches."""
-    names = [_logical_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) or name_matches(n, pattern)]
-    if not hits:
-        sample = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
-        raise ValueError(f"layer pattern {pattern!r} matches no linear layer (they are named like {sample})")
-    return hits
-
-
-@dataclass
-class LayerPicture:
-    """What one heatmap figure row shows for a layer."""
-
-    name: str
-    samples: list[np.ndarray]  # |dL/dY| per sample: (padded tokens, features)
-    lengths: list[int]  # real tokens of each sample
-    padding_side: str
-    element_hist: np.ndarray
-    row_hist: np.ndarray
-    eps: EpsResult
-    zero_elements: float  # exact fractions over the analysed batches
-    zero_rows: float
-    labels: list[str] = field(default_factory=list)
-
-
-def heatmap_data(model: nn.Module, batches: list[dict], sample_batch: dict, layers: list[str],
-                 settings: AnalyzeSettings, padding_side: str = "right",
-                 progress: Progress | None = None) -> list[LayerPicture]:
-    """Statistics over ``batches`` and the full |dL/dY| of the (small) ``sample_batch`` for ``layers``."""
-    s = AnalyzeSettings(**{**asdict(settings), "target_modules": tuple(layers), "exclude_modules": None})
-    stats = collect(model, batches, s, total=len(batches), progress=progress)
-    device = next(model.parameters()).device
-    sample_batch = _to_device(sample_batch, device)
-    was_training = model.training
-    model.train(settings.train_mode)
-    try:
-        with capture_output_grads(model, layers) as dy:
-            model(**sample_batch).loss.backward()
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-    lengths = sample_batch["attention_mask"].sum(dim=1).tolist()
-    out = []
-    for name in layers:
-        lay = stats.layers[name]
-        g = dy[name].abs().numpy()
-        g = g.reshape(len(lengths), -1, g.shape[-1])
-        out.append(LayerPicture(name=name, samples=[g[i] for i in range(len(lengths))], lengths=lengths,
-                                padding_side=padding_side, element_hist=lay.element_hist, row_hist=lay.row_hist,
-                                eps=detect_eps(lay.row_hist, min_gap_decades=settings.min_gap_decades),
-                                zero_elements=sum(lay.zero_elements) / max(sum(lay.elements), 1),
-                                zero_rows=sum(lay.zero_rows) / max(sum(lay.rows), 1)))
-    return out
-
-
-MAX_HEATMAP_LAYERS = 6
-
-
-def heatmaps(
-    model_name: str,
-    data_cfg,
-    layer_pattern: str,
-    settings: AnalyzeSettings = AnalyzeSettings(max_batches=4),
-    task: str | None = None,
-    device: str | None = None,
-    progress: Progress | None = None,
-) -> tuple[list[LayerPicture], dict]:
-    """Pictures of the layers matching ``layer_pattern``: the shortest and the longest of the analysed
-    samples, and the statistics of ``settings.max_batches`` batches. Returns (pictures, model info)."""
-    from .assets import make_loader, tokenize
-
-    loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
-    layers = match_layers(loaded.model, layer_pattern)
-    if len(layers) > MAX_HEATMAP_LAYERS:
-        raise ValueError(f"layer pattern {layer_pattern!r} matches {len(layers)} layers; narrow it to at most "
-                         f"{MAX_HEATMAP_LAYERS} (e.g. add a layer index)")
-    loaded.model.to(resolve_device(device))
-    loader = make_loader(loaded, data, cfg)
-    items = tokenize(loaded, data, cfg.max_length)
-    lengths = [len(it["input_ids"]) for it in items]
-    pick = [int(np.argmin(lengths)), int(np.argmax(lengths))]
-    sample_batch = loader.collate_fn([items[i] for i in pick])
-    batches = [b for _, b in zip(range(settings.max_batches or len(loader)), loader)]
-    side = padding_info(loaded, cfg)["padding_side"]
-    pictures = heatmap_data(loaded.model, batches, sample_batch, layers, settings, side, progress)
-    for p in pictures:
-        p.labels = ["shortest", "longest"]
-    return pictures, {"name": loaded.name, "data": cfg.dataset, "padding": padding_info(loaded, cfg)}
-
-
 # ------------------------------------------------------------------------------------------ cost check
 
 
@@ -478,9 +392,10 @@ def measure_overhead(model: nn.Module, batches: list[dict], rounds: int = 3,
         loss.backward()
 
     plain, collected = [], []
+    groups = grouper(model, None)  # as collect() does: the row groups are part of the cost
     with GradientStatsCollector(model, settings.target_modules, settings.exclude_modules) as col:
         step(batches[0])  # warm-up
-        with col.batch(batches[0].get("attention_mask")):
+        with col.batch(batches[0].get("attention_mask"), groups(batches[0])):
             step(batches[0])
         for _ in range(rounds):
             for b in batches:
@@ -490,7 +405,7 @@ def measure_overhead(model: nn.Module, batches: list[dict], rounds: int = 3,
                 sync()
                 plain.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                with col.batch(b.get("attention_mask")):
+                with col.batch(b.get("attention_mask"), groups(b)):
                     step(b)
                 sync()
                 collected.append(time.perf_counter() - t)

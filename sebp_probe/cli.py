@@ -442,7 +442,8 @@ def heatmap_cmd(
     """
     import torch
 
-    from .analyze import AnalyzeSettings, heatmaps
+    from .analyze import AnalyzeSettings
+    from .heatmap import heatmaps
     from .plots import check_image_path, plot_heatmaps
 
     check_image_path(output)

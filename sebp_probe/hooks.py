@@ -22,6 +22,10 @@ and torch's own reductions do not preserve them consistently.
 The per-row statistics are exact; the histogram of single elements is taken on a strided sample of rows
 when a gradient holds more than ``ELEMENT_SAMPLE`` values (see :func:`reduce_grad`).
 
+Told which rows of a batch are padding and which are label-less (``row_groups``, one int8 per token, see
+:mod:`sebp_probe.causes`), the collector also keeps, per layer and batch, the octave histogram of the row max
+of each group, in the same reduction; it applies the groups to every hook call with one row per token.
+
 Usage::
 
     with GradientStatsCollector(model) as collector:
@@ -43,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, octave_histogram
+from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT, octave_histogram
 from .patch import _logical_name, find_targets
 
 _ABS_MASK = 0x7FFFFFFF
@@ -52,6 +56,12 @@ _ABS_MASK = 0x7FFFFFFF
 # fine-bucket histogram of the rows' max |g| (its bucket 0 counts the zero rows).
 _NONZERO, _NONFINITE_ROWS, _MAX_BITS = range(3)
 _N_SCALARS = 3
+# The row groups a batch can name (values 1, 2 of its int8 ``row_groups``; 0 is every other row). Each has an
+# octave histogram of its rows' max |g| after the fine one: a batch's row of statistics is _WIDTH wide.
+ROW_GROUPS = ("padding", "label_less")
+N_GROUPS = len(ROW_GROUPS)
+_GROUPS_AT = _N_SCALARS + N_FINE
+_WIDTH = _GROUPS_AT + N_GROUPS * N_OCTAVE
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton then runs on CPU tensors
 
 
@@ -72,6 +82,7 @@ class LayerStats:
     zero_elements: list[int] = field(default_factory=list)
     max_abs: list[float] = field(default_factory=list)
     row_octaves: list[np.ndarray] = field(default_factory=list)  # per batch, row max|g| per octave bucket
+    group_octaves: list[np.ndarray] = field(default_factory=list)  # per batch, (N_GROUPS, N_OCTAVE): the same per group
     element_hist: np.ndarray = field(default_factory=lambda: np.zeros(N_FINE, dtype=np.int64))
     row_hist: np.ndarray = field(default_factory=lambda: np.zeros(N_FINE, dtype=np.int64))
 
@@ -93,6 +104,11 @@ class LayerStats:
         """(batches, N_OCTAVE) row-max histograms of the seen batches."""
         rows = [o for o, s in zip(self.row_octaves, self.seen) if s]
         return np.stack(rows) if rows else np.zeros((0, N_OCTAVE), dtype=np.int64)
+
+    def group_octaves_seen(self) -> np.ndarray:
+        """(batches, N_GROUPS, N_OCTAVE) row-max histograms of each row group, seen batches."""
+        rows = [o for o, s in zip(self.group_octaves, self.seen) if s]
+        return np.stack(rows) if rows else np.zeros((0, N_GROUPS, N_OCTAVE), dtype=np.int64)
 
 
 @dataclass
@@ -151,9 +167,10 @@ class GradCall:
     row_max: torch.Tensor  # (rows,) max |g| of each row, on the device
     nonzero: torch.Tensor  # (rows,) count of non-zero elements of each row, on the device
     sample: torch.Tensor  # a copy of every ``step``-th row (all rows when small), for the element histogram
+    groups: torch.Tensor | None = None  # (rows,) int8 row group of each row, when the batch named them
 
 
-def summarize_grad(grad: torch.Tensor) -> GradCall:
+def summarize_grad(grad: torch.Tensor, groups: torch.Tensor | None = None) -> GradCall:
     """The per-call work of the hook: two row reductions over dL/dY and a small copy; no host sync.
 
     Everything else (bucketing, histograms) happens once per batch for all layers together in
@@ -168,7 +185,7 @@ def summarize_grad(grad: torch.Tensor) -> GradCall:
     else:  # on the CPU these are ~10x faster than the norms
         row_max = g2.abs().amax(dim=1)
         nonzero = (g2 != 0).sum(dim=1)
-    return GradCall(rows, rows * cols, row_max, nonzero, g2[::_sample_step(g2)].clone())
+    return GradCall(rows, rows * cols, row_max, nonzero, g2[::_sample_step(g2)].clone(), groups)
 
 
 def _sample_step(grad2d: torch.Tensor) -> int:
@@ -204,12 +221,25 @@ def _per_layer(layer: torch.Tensor, counts: list[int], total: int) -> torch.Tens
     return torch.repeat_interleave(layer, torch.tensor(counts, device=layer.device), output_size=total)
 
 
+def _group_hist(calls: list[GradCall], row_layer: torch.Tensor, rbits: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """(L, N_GROUPS * N_OCTAVE) octave histograms of the rows' max |g| per layer and row group."""
+    size = n_layers * N_GROUPS * N_OCTAVE
+    if all(c.groups is None for c in calls):
+        return torch.zeros(n_layers, N_GROUPS * N_OCTAVE, dtype=torch.int64, device=rbits.device)
+    group = torch.cat([c.groups if c.groups is not None else
+                       torch.zeros(c.rows, dtype=torch.int8, device=rbits.device) for c in calls]).to(torch.int64)
+    octave = (rbits.to(torch.int64) + ((1 << OCTAVE_SHIFT) - 1)) >> OCTAVE_SHIFT
+    ids = torch.where(group > 0, row_layer * (N_GROUPS * N_OCTAVE) + (group - 1) * N_OCTAVE + octave, size)
+    return bucket_counts(ids, size + 1)[:size].view(n_layers, N_GROUPS * N_OCTAVE)  # the last bin: no group
+
+
 def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int):
-    """Per-layer statistics of a batch's calls, on the device: (batch (L, 3 + N_FINE), element hist
+    """Per-layer statistics of a batch's calls, on the device: (batch (L, _WIDTH), element hist
     (L, N_FINE)), int64.
 
     A row of ``batch``: non-zero elements, non-finite rows, float32 bits of the largest |g| (0: no call),
-    then the histogram of the rows' max |g| (bucket 0: zero rows). The row statistics are exact; the
+    then the histogram of the rows' max |g| (bucket 0: zero rows), then that of each row group in octave
+    buckets (zeros where the calls named no groups). The row statistics are exact; the
     element histogram counts every value of a gradient of at most ``ELEMENT_SAMPLE`` values and otherwise
     an evenly strided sample of its rows (it only draws the CDF of |g|; every decision uses the exact row
     statistics).
@@ -230,7 +260,8 @@ def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int)
     sample_layer = _per_layer(layer, sizes, sum(sizes))
     ebits = _abs_bits(torch.cat(samples))
     element_hist = bucket_counts(sample_layer * N_FINE + _buckets(ebits), n_layers * N_FINE).view(n_layers, N_FINE)
-    return torch.cat([torch.stack([nonzero, nonfinite, max_bits], dim=1), row_hist], dim=1), element_hist
+    scalars = torch.stack([nonzero, nonfinite, max_bits], dim=1)
+    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers)], dim=1), element_hist
 
 
 def _rows_view(grad: torch.Tensor) -> torch.Tensor:
@@ -247,34 +278,35 @@ def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tenso
     if kernel is None:
         batch, element_hist = reduce_calls([summarize_grad(g2)], [0], 1)
     else:
-        batch = torch.zeros(1, _N_SCALARS + N_FINE, dtype=torch.int64, device=g2.device)
+        batch = torch.zeros(1, _WIDTH, dtype=torch.int64, device=g2.device)
         element_hist = torch.zeros(1, N_FINE, dtype=torch.int64, device=g2.device)
         kernel.row_stats_(g2, batch, element_hist, 0, _sample_step(g2), FINE_SHIFT)
     b = batch[0]
     scalars = torch.stack([b[_N_SCALARS], b[_NONFINITE_ROWS], elements - b[_NONZERO], b[_MAX_BITS]])
-    return rows, elements, scalars, element_hist[0], b[_N_SCALARS:]
+    return rows, elements, scalars, element_hist[0], b[_N_SCALARS:_GROUPS_AT]
 
 
 class _DeviceBuffers:
     """Where the row-statistics kernel accumulates a batch, on one device (allocated once per collector).
 
-    One int64 allocation holds ``stats`` (layers, 3 + N_FINE; the layout of :func:`reduce_calls`) and
+    One int64 allocation holds ``stats`` (layers, _WIDTH; the layout of :func:`reduce_calls`) and
     ``sample`` (layers, N_FINE, this batch's element histogram), so discarding a batch is one memset;
     ``element_acc`` sums the element histograms of the kept batches.
     """
 
     def __init__(self, n_layers: int, device: torch.device, kernel) -> None:
-        width = _N_SCALARS + N_FINE
         self._kernel = kernel
-        self._flat = torch.zeros(n_layers * (width + N_FINE), dtype=torch.int64, device=device)
-        self.stats = self._flat[: n_layers * width].view(n_layers, width)
-        self.sample = self._flat[n_layers * width:].view(n_layers, N_FINE)
+        self._flat = torch.zeros(n_layers * (_WIDTH + N_FINE), dtype=torch.int64, device=device)
+        self.stats = self._flat[: n_layers * _WIDTH].view(n_layers, _WIDTH)
+        self.groups = self.stats[:, _GROUPS_AT:]  # the kernel's group histograms: in ``stats``, one transfer
+        self.sample = self._flat[n_layers * _WIDTH:].view(n_layers, N_FINE)
         self.element_acc = torch.zeros(n_layers, N_FINE, dtype=torch.int64, device=device)
         self._host: torch.Tensor | None = None  # pinned on CUDA: the copy is one DMA, reused every batch
 
-    def add(self, layer: int, grad2d: torch.Tensor) -> None:
+    def add(self, layer: int, grad2d: torch.Tensor, groups: torch.Tensor | None) -> None:
         """One launch, no host sync."""
-        self._kernel.row_stats_(grad2d, self.stats, self.sample, layer, _sample_step(grad2d), FINE_SHIFT)
+        self._kernel.row_stats_(grad2d, self.stats, self.sample, layer, _sample_step(grad2d), FINE_SHIFT,
+                                groups, self.groups, N_GROUPS, OCTAVE_SHIFT)
 
     def take(self) -> np.ndarray:
         """This batch's ``stats`` on the host (valid until the next call); the device side starts over."""
@@ -292,7 +324,7 @@ class _DeviceBuffers:
 def _merge(parts: list[np.ndarray], n_layers: int) -> np.ndarray:
     """Batch statistics from several sources (devices, paths) in one array: sums, and the max of max bits."""
     if not parts:
-        return np.zeros((n_layers, _N_SCALARS + N_FINE), dtype=np.int64)
+        return np.zeros((n_layers, _WIDTH), dtype=np.int64)
     out = parts[0]
     for p in parts[1:]:
         top = np.maximum(out[:, _MAX_BITS], p[:, _MAX_BITS])
@@ -331,6 +363,7 @@ class GradientStatsCollector:
         self._lengths: list[np.ndarray] = []
         self._padded: list[int] = []
         self._batches = 0
+        self._groups: dict[torch.device, torch.Tensor] = {}  # the open batch's row groups, per device
         self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]  # made once: hooks run every step
 
     def __enter__(self) -> "GradientStatsCollector":
@@ -357,10 +390,20 @@ class GradientStatsCollector:
         self._elements[index] += rows * cols
         key = (g.get_device(), g.dtype)
         buffers = self._route[key] if key in self._route else self._add_route(key, g)
+        groups = self._groups_for(g) if self._groups else None
         if buffers is None:
-            self._pending.append((index, summarize_grad(g)))
+            self._pending.append((index, summarize_grad(g, groups)))
         else:
-            buffers.add(index, g)
+            buffers.add(index, g, groups)
+
+    def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor | None:
+        """The batch's row groups on the gradient's device, where it has one row per token (else None: a
+        pooler's or classifier's rows are sequences)."""
+        groups = self._groups.get(grad2d.device)
+        if groups is None:
+            groups = self._groups[grad2d.device] = next(iter(self._groups.values())).to(grad2d.device,
+                                                                                       non_blocking=True)
+        return groups if groups.shape[0] == grad2d.shape[0] else None
 
     def _add_route(self, key, grad2d: torch.Tensor) -> _DeviceBuffers | None:
         kernel = _kernel_for(grad2d)
@@ -373,11 +416,12 @@ class GradientStatsCollector:
         return buffers
 
     @contextlib.contextmanager
-    def batch(self, attention_mask: torch.Tensor | None = None):
+    def batch(self, attention_mask: torch.Tensor | None = None, row_groups: torch.Tensor | None = None):
         """Collect the forward + backward run inside the block as one batch.
 
         ``attention_mask`` (batch x seq, 1 on real tokens) gives the token lengths for the padding
-        statistics. If the block raises, the batch is discarded.
+        statistics; ``row_groups`` (int8, one per token, flattened as the rows of dL/dY: 1 padding,
+        2 label-less, 0 other) splits each layer's rows by group. If the block raises, the batch is discarded.
         """
         if not self._handles:
             raise RuntimeError("use the collector inside its `with` block")
@@ -386,6 +430,7 @@ class GradientStatsCollector:
         self._pending = []
         n = len(self.names)
         self._rows, self._elements = [0] * n, [0] * n
+        self._groups = {} if row_groups is None else {row_groups.device: row_groups.reshape(-1).to(torch.int8)}
         try:
             yield self
             self._flush(attention_mask)
@@ -395,6 +440,7 @@ class GradientStatsCollector:
             raise
         finally:
             self._pending = None
+            self._groups = {}
 
     def _flush(self, attention_mask) -> None:
         n = len(self.names)
@@ -407,7 +453,8 @@ class GradientStatsCollector:
                 self._element_acc += element_hist
             parts.append(batch.cpu().numpy())  # the one transfer of the torch path
         host = _merge(parts, n)
-        fine = host[:, _N_SCALARS:]
+        fine = host[:, _N_SCALARS:_GROUPS_AT]
+        groups = host[:, _GROUPS_AT:].reshape(n, N_GROUPS, N_OCTAVE).astype(np.int32)
         zero_rows = fine[:, 0].tolist()
         nonfinite = host[:, _NONFINITE_ROWS].tolist()
         zero_elements = (np.asarray(self._elements, dtype=np.int64) - host[:, _NONZERO]).tolist()
@@ -422,6 +469,7 @@ class GradientStatsCollector:
             layer.zero_elements.append(zero_elements[i])
             layer.max_abs.append(max_abs[i])
             layer.row_octaves.append(octaves[i])
+            layer.group_octaves.append(groups[i])
             layer.row_hist = self._row_hist[i]
         if attention_mask is not None:
             mask = attention_mask.reshape(attention_mask.shape[0], -1)
@@ -439,29 +487,3 @@ class GradientStatsCollector:
                 layer.element_hist = acc[i]
         return GradientStats(layers=dict(self._layers), lengths=list(self._lengths),
                              padded_lengths=list(self._padded), batches=self._batches)
-
-
-@contextlib.contextmanager
-def capture_output_grads(model: nn.Module, names: list[str]):
-    """Copy dL/dY of the named linears to the host (float32), for pictures of small batches only.
-
-    Yields a dict name -> tensor of shape (*output shape), filled during the backward.
-    """
-    modules = dict(model.named_modules())
-    captured: dict[str, torch.Tensor] = {}
-    handles = []
-
-    def on_forward(name, module, args, output):
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda g: captured.__setitem__(name, g.detach().float().cpu()))
-
-    try:
-        for name in names:
-            real = name if isinstance(modules.get(name), nn.Linear) else f"{name}.base_layer"
-            if real not in modules:
-                raise ValueError(f"layer {name!r} is not in this model")
-            handles.append(modules[real].register_forward_hook(partial(on_forward, name)))
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()

@@ -100,7 +100,7 @@ def plot_heatmaps(pictures: list, path: str | Path, title: str | None = None) ->
     """One row per layer: |dL/dY| of a short and of a long sample (rows = tokens, columns = features, log
     colour scale, exact zeros grey) and the CDF of |dL/dY| with the knee, gap and eps marked.
 
-    ``pictures``: :class:`sebp_probe.analyze.LayerPicture` objects.
+    ``pictures``: :class:`sebp_probe.heatmap.LayerPicture` objects.
     """
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure

@@ -1,9 +1,9 @@
 """The JSON report: the one contract between ``analyze`` and ``finetune``.
 
-A report (schema version 1) is a JSON object::
+A report (schema version 2) is a JSON object::
 
     {
-      "schema": "sebp-probe/report", "schema_version": 1, "created": ISO time, "tool_version": "0.1.0",
+      "schema": "sebp-probe/report", "schema_version": 2, "created": ISO time, "tool_version": "0.1.0",
       "model":   {"name", "source", "task", "model_type", "architecture", "linear_fingerprint", ...},
       "dataset": {"name", "source", "split", "num_samples", "columns", ...},
       "padding": {"padding", "max_length", "padding_side", "batch_size"},
@@ -11,11 +11,18 @@ A report (schema version 1) is a JSON object::
       "tokens":  {per-sample lengths and padding waste},
       "global":  {"eps", "top_n", "knee_found", "reason", ...},     # one setting for every layer
       "layers":  {"<full module name>": {"mode", "eps", "top_n", "stats": {...}}, ...},
-      "totals":  {backward GEMM FLOPs, dense vs the recommended settings}
+      "totals":  {backward GEMM FLOPs, dense vs the recommended settings, and by cause},
+      "layouts": {per padding layout: padding left and what SEBP skips on top; "recommendation"} or null
     }
 
 Per layer, ``mode``/``eps``/``top_n`` are exactly what :class:`sebp_kernels.SEBPConfig` takes; ``stats``
-holds the measurements behind them, including ``shape`` = [in_features, out_features].
+holds the measurements behind them, including ``shape`` = [in_features, out_features] and the rows of
+dL/dY by cause (``rows_by_cause``: padding, label_less, other_zero, near_zero, active; see
+:mod:`sebp_probe.causes`).
+
+Version 2 added ``layouts`` (required), the per-layer ``rows_by_cause``, ``label_less_positions``,
+``padding_not_zero`` and ``backward_flops_by_cause``, and the totals' ``backward_flops_by_cause`` and
+``share_by_cause``. Version 1 reports still load: what ``finetune`` takes from a report is in both.
 
 Consumers need four functions: :func:`load_report`, :func:`check_report_for_model`,
 :func:`layer_configs_from_report` (-> ``patch_model(model, layer_configs=...)``) and :func:`save_report`.
@@ -32,8 +39,9 @@ from torch import nn
 from sebp_kernels import SEBPConfig
 
 SCHEMA = "sebp-probe/report"
-SCHEMA_VERSION = 1
-REQUIRED = ("model", "dataset", "padding", "global", "layers")
+SCHEMA_VERSION = 2
+REQUIRED = {1: ("model", "dataset", "padding", "global", "layers"),
+            2: ("model", "dataset", "padding", "global", "layers", "layouts")}  # by schema version: all it reads
 MODES = ("recommended", "exact", "threshold", "topk")
 
 
@@ -62,10 +70,10 @@ def validate_report(report: object, where: str = "report") -> dict:
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise ReportError(f"{where} is not a sebp-probe report (no \"schema\": \"{SCHEMA}\")")
     version = report.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ReportError(f"{where} has schema version {version!r}; this sebp-probe reads version "
-                          f"{SCHEMA_VERSION}: run `sebp-probe analyze` again")
-    missing = [k for k in REQUIRED if k not in report]
+    if version not in REQUIRED or isinstance(version, bool):
+        raise ReportError(f"{where} has schema version {version!r}; this sebp-probe reads versions "
+                          f"{', '.join(map(str, REQUIRED))}: run `sebp-probe analyze` again")
+    missing = [k for k in REQUIRED[version] if k not in report]
     if missing:
         raise ReportError(f"{where} lacks {', '.join(repr(k) for k in missing)}")
     layers = report["layers"]

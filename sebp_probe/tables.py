@@ -236,6 +236,7 @@ def print_analysis(report: dict, per_layer: bool) -> None:
         t.add_row(r["type"], str(r["layers"]), f"{_pct(ze['avg'])} / {_pct(ze['max'])} / {_pct(ze['min'])}",
                   f"{_pct(zr['avg'])} / {_pct(zr['max'])} / {_pct(zr['min'])}")
     console.print(t)
+    _print_causes(rows, report["totals"])
     t = Table(title="Recommended SEBP settings per layer type", box=box.SIMPLE_HEAD)
     for col in ("layer type", "knee", "eps", "rows\n> eps %", "N", "FLOPs saved %\nthr. / topk"):
         t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
@@ -248,13 +249,15 @@ def print_analysis(report: dict, per_layer: bool) -> None:
         # (a narrow table would cut them, and piped output is 80 columns wide).
         wide = console.width >= WIDE_CONSOLE
         t = Table(title="Per layer", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for col in ("layer", "mode", "eps", "N", "zero\nrows %", "rows\n> eps %", *(("why",) if wide else ())):
+        for col in ("layer", "mode", "eps", "N", "zero\nrows %", "label-\nless %", "rows\n> eps %",
+                    *(("why",) if wide else ())):
             t.add_column(col, justify="left" if col in ("layer", "mode", "why") else "right",
                          no_wrap=col not in ("layer", "why"), overflow="fold")
         for name, e in report["layers"].items():
             s = e["stats"]
             t.add_row(name, e["mode"], f"{e['eps']:.3g}", str(e["top_n"]), _pct(s["zero_row_fraction"]["avg"]),
-                      _pct(s["active_row_fraction"]["avg"]), *((s["reason"],) if wide else ()))
+                      _pct(s["rows_by_cause"]["label_less"]), _pct(s["active_row_fraction"]["avg"]),
+                      *((s["reason"],) if wide else ()))
         console.print(t)
         if not wide:
             console.print("why, per layer:", highlight=False)
@@ -265,3 +268,42 @@ def print_analysis(report: dict, per_layer: bool) -> None:
     console.print(f"backward GEMM FLOPs (dX, dW) saved, all layers: threshold {_pct(tot['saving_threshold'])}%, "
                   f"topk {_pct(tot['saving_topk'])}% with the per-layer settings; {_pct(g['saving_threshold'])}% "
                   f"/ {_pct(g['saving_topk'])}% with the global one", highlight=False)
+    if report.get("layouts"):
+        _print_layouts(report["layouts"])
+
+
+_CAUSES = {"padding": "padding", "label_less": "label-less", "other_zero": "other zero", "near_zero": "near zero",
+           "active": "active"}
+_CAUSE_COLUMNS = ("padding", "label-\nless", "other\nzero", "near zero\n(<= eps)", "active")
+
+
+def _print_causes(rows: list[dict], totals: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="Rows of dL/dY by cause per layer type, % (avg over batches)", box=box.SIMPLE_HEAD)
+    for col in ("layer type", *_CAUSE_COLUMNS):
+        t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(r["type"], *(_pct(r["rows_by_cause"][c]) for c in _CAUSES))
+    console.print(t)
+    share = totals["share_by_cause"]
+    console.print("backward GEMM FLOPs by cause, all layers: " + ", ".join(
+        f"{text} {_pct(share[c])}%" for c, text in _CAUSES.items()), highlight=False)
+
+
+def _print_layouts(advice: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=f"Padding layouts ({advice['samples']} samples, batches of {advice['batch_size']}, max "
+                    f"{advice['max_length']})", box=box.SIMPLE_HEAD)
+    for col in ("layout", "padding %", "dense backward\n% of max_length", "SEBP still\nskips %"):
+        t.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
+    for name, a in advice["layouts"].items():
+        if a["applies"]:
+            t.add_row(name, _pct(a["padding_share"]), _pct(a["dense_backward_vs_max_length"]), _pct(a["sebp_skips"]))
+        else:
+            t.add_row(name, "n/a", "n/a", "n/a")
+    console.print(t)
+    console.print(f"recommended layout: {advice['recommendation']}", highlight=False)

@@ -71,15 +71,17 @@ class LinearStack(torch.nn.Module):
         self.proj = torch.nn.ModuleList(torch.nn.Linear(i, o, dtype=dtype, device=device) for i, o in shapes)
 
 
-def collect_with_grads(model: LinearStack, steps, **collector_kw):
+def collect_with_grads(model: LinearStack, steps, groups=None, **collector_kw):
     """Run the collector over ``steps``: each a list of (layer index, leading shape, dL/dY) calls of one
-    batch; the gradients reach the hooks exactly as given."""
+    batch; the gradients reach the hooks exactly as given. ``groups``: per step, the batch's row groups (the
+    calls with that many rows get them) or None."""
     from sebp_probe.hooks import GradientStatsCollector
 
     p = next(model.parameters())
     with GradientStatsCollector(model, target_modules="all-linear", **collector_kw) as col:
-        for calls in steps:
-            with col.batch():
+        for i, calls in enumerate(steps):
+            g = groups[i] if groups is not None else None
+            with col.batch(row_groups=None if g is None else g.to(p.device)):
                 outs = [model.proj[i](torch.randn(*lead, model.proj[i].in_features, dtype=p.dtype, device=p.device))
                         for i, lead, _ in calls]
                 torch.autograd.backward(outs, [g.to(p.device) for _, _, g in calls])
@@ -109,6 +111,8 @@ def assert_same_stats(got, want):
         assert all(x.dtype == y.dtype for x, y in zip(a.row_octaves, b.row_octaves))
         x, y = a.octaves(), b.octaves()
         assert np.array_equal(x, y), _first_mismatches(x, y, f"{name}.row_octaves")
+        x, y = a.group_octaves_seen(), b.group_octaves_seen()
+        assert np.array_equal(x, y), _first_mismatches(x, y, f"{name}.group_octaves")
 
 
 def run_file_under_interpreter(test_file: str) -> None:

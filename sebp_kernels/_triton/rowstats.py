@@ -4,7 +4,9 @@ For a matrix ``g`` (rows x cols; float32, float16 or bfloat16) one kernel reads 
 adds into row ``slot`` of two caller-owned int64 buffers:
 
 * ``stats[slot]``: ``[non-zero elements, rows holding a NaN/Inf, max bits, row histogram (nb buckets)]``;
-* ``sample_hist[slot]``: histogram of the single elements of every ``row_step``-th row (rows 0, step, ...).
+* ``sample_hist[slot]``: histogram of the single elements of every ``row_step``-th row (rows 0, step, ...);
+* optionally, given a group per row (int8, 0 = none, 1..G), ``group_hist[slot]``: G histograms of the rows'
+  max ``|g|`` one after the other, in coarser buckets (``group_shift``), one per group.
 
 Magnitudes are bucketed by the float32 bit pattern of ``|g|`` (``bits``, an int32 in [0, 2**31)): bucket
 ``ceil(bits / 2**shift)``, so bucket 0 holds exact zeros and every bucket edge is an exact float32. bfloat16
@@ -53,10 +55,10 @@ def _abs_bits(x, KIND: tl.constexpr):
 # more variants of the kernel.
 @triton.jit(do_not_specialize=["slot", "row_step"])
 def _row_stats_kernel(
-    g_ptr, stats_ptr, sample_ptr,
+    g_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr,
     M, N, stride_m,
-    slot, stats_stride, sample_stride, row_step,
-    KIND: tl.constexpr, SHIFT: tl.constexpr,
+    slot, stats_stride, sample_stride, group_stride, row_step,
+    KIND: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -101,6 +103,16 @@ def _row_stats_kernel(
     tl.atomic_add(row_hist, n_zero_rows, mask=n_zero_rows > 0, sem="relaxed")
     if has_sample:
         tl.atomic_add(sample, tl.sum(sample_zero.to(tl.int64), axis=0), sem="relaxed")
+    if GROUPS > 0:  # zero rows summed per group first: pad rows would all hit one counter
+        group = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        hist = group_hist_ptr + slot * group_stride
+        n_buckets = (1 << (31 - GROUP_SHIFT)) + 1
+        at = (group - 1) * n_buckets + ((row_max - 1) >> GROUP_SHIFT) + 1
+        tl.atomic_add(hist + at, tl.full(at.shape, 1, tl.int64), mask=rmask & (group > 0) & (row_max != 0),
+                      sem="relaxed")
+        for k in tl.static_range(GROUPS):
+            zeros = tl.sum((rmask & (group == k + 1) & (row_max == 0)).to(tl.int64), axis=0)
+            tl.atomic_add(hist + k * n_buckets, zeros, mask=zeros > 0, sem="relaxed")
 
 
 _row_stats = FastLaunch(_row_stats_kernel)
@@ -125,18 +137,24 @@ def supported(g: torch.Tensor) -> bool:
 
 
 def row_stats_(g: torch.Tensor, stats: torch.Tensor, sample_hist: torch.Tensor, slot: int, row_step: int,
-               shift: int) -> None:
+               shift: int, groups: torch.Tensor | None = None, group_hist: torch.Tensor | None = None,
+               n_groups: int = 0, group_shift: int = 23) -> None:
     """Add the statistics of the rows of 2-D ``g`` into ``stats[slot]`` and ``sample_hist[slot]`` (see the
     module docstring for the layout); both int64 with unit column stride, on ``g``'s device, with at least
-    ``(1 << (31 - shift)) + 1`` buckets. Asynchronous: one kernel launch, no host sync."""
+    ``(1 << (31 - shift)) + 1`` buckets. With ``groups`` (int8, one per row of ``g``, values 0..n_groups), also
+    into ``group_hist[slot]`` (int64, unit column stride, ``n_groups`` histograms of
+    ``(1 << (31 - group_shift)) + 1`` buckets). Asynchronous: one kernel launch, no host sync."""
     m, n = g.shape
     if m == 0 or n == 0:
         return
     if g.stride(1) != 1 and n > 1:  # the kernel reads columns at unit stride
         g = g.contiguous()
+    if groups is None:  # the kernel never reads these: any tensor of the device will do
+        groups, group_hist, n_groups = stats, stats, 0
     block_r, block_c, grid = _blocks(m, n)
     _row_stats[(grid,)](
-        g, stats, sample_hist, m, n, g.stride(0), slot, stats.stride(0), sample_hist.stride(0), row_step,
-        KIND=_KIND[g.dtype], SHIFT=shift, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=1 if INTERPRET else 4,
+        g, stats, sample_hist, groups, group_hist, m, n, g.stride(0), slot, stats.stride(0), sample_hist.stride(0),
+        group_hist.stride(0), row_step,
+        KIND=_KIND[g.dtype], SHIFT=shift, GROUPS=n_groups, GROUP_SHIFT=group_shift, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=1 if INTERPRET else 4,
     )

@@ -42,9 +42,12 @@ def test_analyze_minilm_tweets_tables_report_and_json(tmp_path, monkeypatch):
     r = _run("analyze", "minilm", "tweets", *SMALL, "-o", str(out), "--per-layer")
     assert r.exit_code == 0, r.output
     for text in ("Tokens per sample", "Sparsity of dL/dY per layer type", "Recommended SEBP settings",
-                 "attention.self.query", "global setting", f"report written to {out}"):
+                 "attention.self.query", "global setting", f"report written to {out}",
+                 "Rows of dL/dY by cause per layer type", "backward GEMM FLOPs by cause, all layers: padding",
+                 "Padding layouts (16 samples, batches of 8, max 32)", "recommended layout: "):
         assert text in r.output
     report = load_report(out)
+    assert report["schema_version"] == 2
     assert report["model"]["name"] == "minilm" and report["model"]["model_type"] == "bert"
     assert report["dataset"]["name"] == "tweets" and report["dataset"]["num_samples"] == 16
     assert report["padding"] == {"padding": "max_length", "max_length": 32, "padding_side": "right",
@@ -59,12 +62,26 @@ def test_analyze_minilm_tweets_tables_report_and_json(tmp_path, monkeypatch):
     # the last layer of the CLS classifier: only the 8 CLS rows of each 8 x 32 batch are active
     last = report["layers"]["bert.encoder.layer.5.intermediate.dense"]["stats"]
     assert last["zero_row_fraction"]["avg"] == pytest.approx(1 - 8 / 256)
+    # ... by cause: the padding, then every real token but the CLS is label-less
+    assert last["rows_by_cause"] == pytest.approx({"padding": pad, "label_less": 1 - 8 / 256 - pad, "other_zero": 0,
+                                                   "near_zero": 0, "active": 8 / 256})
+    assert key["rows_by_cause"]["padding"] == pytest.approx(pad) and key["rows_by_cause"]["label_less"] == 0
+    advice = report["layouts"]
+    assert set(advice["layouts"]) == {"max_length", "longest", "bucket", "packed"}
+    assert advice["layouts"]["max_length"]["padding_share"] == pytest.approx(pad)  # as measured
+    assert advice["layouts"]["packed"]["applies"]  # a BERT classifier packs exactly
+    # most tweets fill the 32 tokens: no layout leaves a point less padding, so the simplest stays
+    assert advice["recommended"] == "max_length" and advice["stack_sebp"]
+    assert "label-less rows of the last layer" in advice["recommendation"]
+    assert advice["recommendation"] in " ".join(r.output.split())
 
     r = _run("analyze", "minilm", "tweets", *SMALL, "--json")
     assert r.exit_code == 0, r.output
     as_json = json.loads(r.stdout)
     assert as_json["layers"].keys() == report["layers"].keys()
     assert as_json["tokens"] == report["tokens"]
+    assert as_json["layouts"]["recommended"] == report["layouts"]["recommended"]
+    assert as_json["totals"]["share_by_cause"] == pytest.approx(report["totals"]["share_by_cause"])
 
 
 @pytest.mark.slow

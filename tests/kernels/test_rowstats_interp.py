@@ -109,17 +109,25 @@ else:
             steps.append(calls)
         return steps
 
+    def _groups(steps, seed: int):
+        """Per step, random row groups (0, 1, 2) as long as the step's first call has rows."""
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, hooks.N_GROUPS + 1, (calls[0][2].numel() // calls[0][2].shape[-1],), generator=g,
+                              dtype=torch.int8) for calls in steps]
+
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("sample", [1 << 14, 64])
     def test_collector_triton_path_equals_torch_path(dtype, sample, monkeypatch):
         monkeypatch.setattr(hooks, "ELEMENT_SAMPLE", sample)
         model = LinearStack(SHAPES, dtype)
         steps = _steps(dtype, seed=int(sample))
-        col = collect_with_grads(model, steps)
+        groups = _groups(steps, seed=int(sample))
+        col = collect_with_grads(model, steps, groups)
         assert len(col._buffers) == 1 and col._element_acc is None  # the kernel did all the work
         got = col.stats()
+        assert got.layers["proj.0"].group_octaves_seen().sum() == sum(len(g[g > 0]) for g in groups)
         with torch_path():
-            want_col = collect_with_grads(model, steps)
+            want_col = collect_with_grads(model, steps, groups)
         assert not want_col._buffers
         want = want_col.stats()
         assert_same_stats(got, want)
@@ -162,14 +170,17 @@ else:
     @pytest.mark.parametrize("arch, side", [("bert", "right"), ("llama", "left")])
     def test_tiny_models_triton_path_equals_torch_path(arch, side):
         """Real backward passes: pad rows, CLS-only rows, left-padding noise rows."""
+        from sebp_probe.causes import grouper
+
         model = tiny_model(arch)
         batches = [padded_batch(arch, (11, 4, 7, 9, 2), side=side, seed=s) for s in range(2)]
+        groups = grouper(model, None)
 
         def collect():
             with hooks.GradientStatsCollector(model) as col:
                 for b in batches:
                     model.zero_grad(set_to_none=True)
-                    with col.batch(b["attention_mask"]):
+                    with col.batch(b["attention_mask"], groups(b)):
                         model(**b).loss.backward()
             return col
 
@@ -180,3 +191,4 @@ else:
             want = collect().stats()
         assert_same_stats(got, want)
         assert got.lengths and all(np.array_equal(a, b) for a, b in zip(got.lengths, want.lengths))
+        assert all(lay.group_octaves_seen()[:, 0].sum() > 0 for lay in got.layers.values())  # pad rows counted

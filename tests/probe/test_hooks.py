@@ -10,7 +10,9 @@ import torch
 
 from sebp_kernels import SEBPConfig
 from sebp_probe import patch_model
-from sebp_probe.hooks import GradientStatsCollector, capture_output_grads, reduce_grad
+from sebp_probe.causes import grouper
+from sebp_probe.heatmap import capture_output_grads
+from sebp_probe.hooks import N_GROUPS, GradientStatsCollector, reduce_grad
 from sebp_probe.knee import detect_eps, fine_histogram, octave_histogram
 from tests.helpers import LinearStack, assert_same_stats, collect_with_grads, roundoff_first_queries, \
     special_rows_grad
@@ -69,9 +71,10 @@ def test_right_padded_llama_zero_rows_are_pads_plus_each_last_token():
 def test_device_reductions_equal_brute_force(arch, side):
     model = tiny_model(arch)
     batch = padded_batch(arch, LENGTHS, side=side)
+    groups = grouper(model, None)(batch)
     with GradientStatsCollector(model) as col:
         names = col.names
-        with capture_output_grads(model, names) as dy, col.batch(batch["attention_mask"]):
+        with capture_output_grads(model, names) as dy, col.batch(batch["attention_mask"], groups):
             model(**batch).loss.backward()
     stats = col.stats()
     for name in names:
@@ -85,6 +88,9 @@ def test_device_reductions_equal_brute_force(arch, side):
         np.testing.assert_array_equal(layer.element_hist, fine_histogram(g))
         np.testing.assert_array_equal(layer.row_hist, fine_histogram(row_max))
         np.testing.assert_array_equal(layer.octaves()[0], octave_histogram(fine_histogram(row_max)))
+        for k in range(N_GROUPS):  # each row group's own histogram
+            in_group = row_max[groups.numpy() == k + 1]
+            np.testing.assert_array_equal(layer.group_octaves_seen()[0, k], octave_histogram(fine_histogram(in_group)))
 
 
 def test_bfloat16_and_float16_gradients_bucket_like_float32():
@@ -231,7 +237,7 @@ def test_cuda_reduction_equals_cpu_and_backward_never_syncs(dtype):
     model = tiny_model("bert").cuda()
     batch = {k: v.cuda() for k, v in padded_batch("bert", LENGTHS).items()}
     with GradientStatsCollector(model) as col:
-        with col.batch(batch["attention_mask"]):
+        with col.batch(batch["attention_mask"], grouper(model, None)(batch)):
             loss = model(**batch).loss
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # any host sync in the hooks raises
@@ -240,7 +246,7 @@ def test_cuda_reduction_equals_cpu_and_backward_never_syncs(dtype):
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     layer = col.stats().layers["bert.encoder.layer.0.attention.self.query"]
-    assert layer.zero_rows == [_n_pad(batch)]
+    assert layer.zero_rows == [_n_pad(batch)] and layer.group_octaves[0][0, 0] == _n_pad(batch)
 
 
 @pytest.mark.gpu
@@ -259,7 +265,10 @@ def test_cuda_collector_equals_cpu_torch_path(dtype):
         if b != 1:
             calls.append((2, (7, 33), special_rows_grad((7, 33, 384), dtype, seed=10 * b + 4)))
         steps.append(calls)
-    cpu = collect_with_grads(LinearStack(shapes, dtype), steps)
-    gpu = collect_with_grads(LinearStack(shapes, dtype, "cuda"), steps)
+    # row groups for the calls with one row per token of a 32 x 128 batch (the 3-D ones)
+    groups = [torch.randint(0, N_GROUPS + 1, (32 * 128,), generator=torch.Generator().manual_seed(b),
+                            dtype=torch.int8) for b in range(3)]
+    cpu = collect_with_grads(LinearStack(shapes, dtype), steps, groups)
+    gpu = collect_with_grads(LinearStack(shapes, dtype, "cuda"), steps, groups)
     assert not cpu._buffers and list(gpu._buffers) and gpu._element_acc is None  # the kernel did the work
     assert_same_stats(gpu.stats(), cpu.stats())

@@ -13,6 +13,7 @@ from sebp_kernels import SEBPLinear
 from sebp_probe import patch_model, patched_layers
 from sebp_probe.analyze import AnalyzeSettings, build_report, collect, layer_type, layer_type_rows, summarize
 from sebp_probe.assets import model_identity
+from sebp_probe.causes import layout_advice
 from sebp_probe.report import (
     SCHEMA_VERSION,
     ReportError,
@@ -32,10 +33,12 @@ def _report(arch="llama", side="left", tile=8, n_batches=3):
     batches = [padded_batch(arch, LENGTHS, side=side, seed=s) for s in range(n_batches)]
     settings = AnalyzeSettings(max_batches=n_batches, tile=tile)
     with roundoff_first_queries(model):  # the noise rows a left-padded decoder's first queries hold on most CPUs
-        summary = summarize(collect(model, batches, settings), settings)
+        stats = collect(model, batches, settings)
+    summary = summarize(stats, settings)
     padding = {"padding": "longest", "max_length": 64, "padding_side": side, "batch_size": len(LENGTHS)}
+    layouts = layout_advice(summary, np.concatenate(stats.lengths), len(LENGTHS), 64, None)
     report = build_report(summary, {"name": f"tiny-{arch}", **model_identity(model)},
-                          {"name": "synthetic", "num_samples": n_batches * len(LENGTHS)}, padding)
+                          {"name": "synthetic", "num_samples": n_batches * len(LENGTHS)}, padding, layouts)
     return report, model, batches
 
 
@@ -172,6 +175,27 @@ def test_bad_report_files_give_one_clear_line(tmp_path, llama_report):
     with pytest.raises(ValueError):
         save_report(r, tmp_path / "nan.json")
     assert not (tmp_path / "nan.json").exists()
+
+
+def test_a_version_1_report_still_loads(tmp_path, llama_report):
+    """finetune --report takes reports of schema version 1 (before the rows by cause and the layouts)."""
+    report, model, _ = llama_report
+    old = copy.deepcopy(report)
+    old["schema_version"] = 1
+    del old["layouts"]
+    for entry in old["layers"].values():
+        for key in ("rows_by_cause", "label_less_positions", "padding_not_zero", "backward_flops_by_cause"):
+            del entry["stats"][key]
+    del old["totals"]["backward_flops_by_cause"], old["totals"]["share_by_cause"]
+    loaded = load_report(_write(tmp_path, old))
+    check_report_for_model(loaded, model)
+    assert layer_configs_from_report(loaded) == layer_configs_from_report(report)
+    with pytest.raises(ReportError, match="made for tiny-llama .llama., not for this bert model"):
+        check_report_for_model(loaded, tiny_model("bert"))
+    new = copy.deepcopy(report)
+    del new["layouts"]
+    with pytest.raises(ReportError, match="lacks 'layouts'"):
+        load_report(_write(tmp_path, new))
 
 
 def test_nan_gradients_and_frozen_models_are_refused():
