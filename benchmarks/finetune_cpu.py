@@ -1,0 +1,73 @@
+"""Fine-tuning step time on the CPU for every padding layout, dense and with SEBP, against --padding auto.
+
+    python benchmarks/finetune_cpu.py --out results/finetune_cpu/finetune_cpu.json
+
+The bundled all-MiniLM-L6-v2 on the bundled tweets (batch 32, max length 128, exact SEBP, the default
+labelled head), ``--steps`` optimizer steps per run, one run per (layout, method) and one ``auto`` run, all
+from the same seed and data, one after another in this process. A run's step time is its median over the
+steps after the warm-up ones (what ``summary.json`` reports); the auto run's table of what it timed before
+training is kept too. The JSON names the CPU, the versions, the date and this command.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
+
+from sebp_probe.config import PADDINGS, DataConfig, FinetuneConfig  # noqa: E402
+from sebp_probe.finetune import finetune  # noqa: E402
+from sebp_probe.rundir import versions  # noqa: E402
+
+
+def run(args, padding: str, method: str, out: Path) -> dict:
+    data = DataConfig(dataset="tweets", max_length=args.max_length, batch_size=args.batch_size, padding=padding,
+                      max_samples=args.train_samples)
+    cfg = FinetuneConfig(model="minilm", data=data, method=method, output_dir=str(out / f"{padding}-{method}"),
+                         max_steps=args.steps, eval_steps=args.steps, eval_samples=args.eval_samples, seed=0)
+    s = finetune(cfg)
+    row = {"padding": padding, "method": s["method"], "asked": method, "steps": s["steps"],
+           "median_step_ms": round(s["median_step_ms"], 2), "median_backward_ms": round(s["median_backward_ms"], 2),
+           "final_train_loss": round(s["final_train_loss"], 4), "run_padding": s["padding"],
+           "sebp_layers": len((s.get("calibration") or {}).get("layers", {})), "head": s["head"]}
+    if "padding_choice" in s:
+        row["padding_choice"] = s["padding_choice"]
+    print(json.dumps({k: v for k, v in row.items() if k != "padding_choice"}), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--train-samples", type=int, default=4000)
+    p.add_argument("--eval-samples", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for padding in PADDINGS:
+            for method in ("dense", "sebp"):
+                rows.append(run(args, padding, method, Path(tmp)))
+        rows.append(run(args, "auto", "sebp", Path(tmp)))
+    env = {"device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+           **versions(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "command": " ".join(["python", *sys.argv])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"environment": env, "settings": vars(args), "runs": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
