@@ -237,11 +237,12 @@ def block_mask(sequence_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill_(~same, torch.finfo(dtype).min)
 
 
-def packed_forward(model: torch.nn.Module, batch: dict, backend: str | None = None, **kwargs):
-    """The model's output on a packed batch (on the model's device): ``loss`` as for the same sequences padded;
-    ``logits`` per sequence in layout order (classifiers) or per token of the rows (``mask``) or of the
-    flattened row (``varlen``) for causal LMs. ``backend``: ``mask`` or ``varlen``, default
-    :func:`attention_backend`. ``kwargs`` go to the model."""
+@contextlib.contextmanager
+def packed_call(model: torch.nn.Module, batch: dict, backend: str | None = None, **kwargs) -> Iterator[dict]:
+    """The keyword arguments that run ``model`` on a packed batch (on the model's device), valid inside the block
+    (varlen: no mask is built; classifiers: the head reads each sequence's first token). ``labels`` among them
+    are per token of the rows (``mask``) or of the flattened row (``varlen``) for causal LMs. ``backend``:
+    ``mask`` or ``varlen``, default :func:`attention_backend`. ``kwargs`` go to the model."""
     base = unwrap(model)
     kind = _kind(base)
     backend = backend or attention_backend(model)
@@ -266,7 +267,15 @@ def packed_forward(model: torch.nn.Module, batch: dict, backend: str | None = No
     if kind == "decoder":
         kwargs["use_cache"] = False  # with a cache, transformers builds no per-sequence mask
     with ctx, _first_tokens(base, first if kind == "encoder" else None):
-        return model(input_ids=ids, position_ids=pos, labels=labels, **kwargs)
+        yield dict(input_ids=ids, position_ids=pos, labels=labels, **kwargs)
+
+
+def packed_forward(model: torch.nn.Module, batch: dict, backend: str | None = None, **kwargs):
+    """The model's output on a packed batch (on the model's device): ``loss`` as for the same sequences padded;
+    ``logits`` per sequence in layout order (classifiers) or per token of the rows (``mask``) or of the
+    flattened row (``varlen``) for causal LMs. ``backend`` and ``kwargs`` as for :func:`packed_call`."""
+    with packed_call(model, batch, backend, **kwargs) as inputs:
+        return model(**inputs)
 
 
 def packed_loss(model: torch.nn.Module, batch: dict, task: str) -> torch.Tensor:
