@@ -1,5 +1,6 @@
 """Whole-model benchmark cases: architectures, realistic lengths, the batches of every layout made from one pool
-of sequences, and the FLOP count behind each layout's limit. No timing here (:mod:`.bench_model`), no CLI.
+of sequences, the FLOP count behind each layout's limit, and what the results sum up to. No timing here
+(:mod:`.bench_model`), no CLI.
 
 Same data for every layout: a case samples one pool of ``batch x n_batches`` sequences (lengths from its
 distribution, random tokens, labels as fine-tuning has them), and every layout lays out that pool:
@@ -33,6 +34,7 @@ which takes the backward's time as spread over its FLOPs (norms, elementwise wor
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -196,12 +198,12 @@ def geometry(batch: dict, task: str, packed_backend: str) -> Geometry:
 
 
 def _layer_linears(cfg) -> tuple[list[tuple[str, int, int]], int]:
-    """(role, in, out) of one layer's linears (role: ``kv`` for keys/values, ``row`` for the rest) and the
-    attention width heads x head_dim."""
+    """(role, in, out) of one layer's linears (``q`` the queries, ``kv`` keys and values, ``row`` the rest) and
+    the attention width heads x head_dim."""
     d, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or d // heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    lin = [("row", d, heads * hd), ("kv", d, kv * hd), ("kv", d, kv * hd), ("row", heads * hd, d),
+    lin = [("q", d, heads * hd), ("kv", d, kv * hd), ("kv", d, kv * hd), ("row", heads * hd, d),
            ("row", d, inter), ("row", inter, d)]
     if getattr(cfg, "model_type", "") != "bert":
         lin.append(("row", d, inter))  # gate and up
@@ -211,8 +213,9 @@ def _layer_linears(cfg) -> tuple[list[tuple[str, int, int]], int]:
 def backward_flops(cfg, geo: Geometry, head: str, causal_kernel: bool) -> dict:
     """Backward matmul FLOPs of one batch: ``total`` (linears and attention), ``linear`` and ``inactive`` (the
     linears' FLOPs on rows whose dL/dY is zero), for ``head`` ``full`` (every row computed) or ``labelled``
-    (the last layer's queries and everything after them on the rows the loss reads only; the LM head on the
-    labelled rows). ``causal_kernel``: attention is causal without a mask (half the pairs)."""
+    (the last layer's queries and everything after them on the rows the loss reads only, the queries laid out
+    per sequence padded to the longest such list; the LM head on the labelled rows). ``causal_kernel``:
+    attention is causal without a mask (half the pairs)."""
     lin, width = _layer_linears(cfg)
     n_layers = cfg.num_hidden_layers
     slots, real, read = geo.rows * geo.length, sum(geo.seq_lens), sum(geo.read)
@@ -224,11 +227,10 @@ def backward_flops(cfg, geo: Geometry, head: str, causal_kernel: bool) -> dict:
     for layer in range(n_layers):
         last = layer == n_layers - 1
         for role, n_in, n_out in lin:
-            if last and role == "row":
-                m = q_rows if head == "labelled" else slots
+            m, active = slots, real
+            if last and role != "kv":
+                m = slots if head == "full" else q_rows if role == "q" else read
                 active = read
-            else:
-                m, active = slots, real
             total += 4 * m * n_in * n_out
             inactive += 4 * (m - active) * n_in * n_out
     if getattr(cfg, "model_type", "") != "bert":  # LM head
@@ -244,3 +246,54 @@ def backward_flops(cfg, geo: Geometry, head: str, causal_kernel: bool) -> dict:
 def limit_ms(forward_ms: float, backward_ms: float, inactive_share: float) -> float:
     """The step time with the backward's inactive-row GEMMs removed (see the module docstring)."""
     return forward_ms + backward_ms * (1.0 - inactive_share)
+
+
+def layout_limits(runs: dict, failed: dict, info: dict) -> list[dict]:
+    """Per layout, head and timing with both a dense and an SEBP entry: the limit (batch by batch, from dense's
+    forward/backward split of that batch) and SEBP's speedup and share of the limit's speedup. ``runs``:
+    (layout, method, head, timing) -> per-batch times; ``failed``: entries that did not finish; ``info``: the
+    layouts' ``flops`` per head and batch and their ``inactive_share``."""
+    out = []
+    for (layout, method, head, timing), dense in runs.items():
+        sebp = runs.get((layout, "sebp", head, timing))
+        if method != "dense" or not dense or not sebp or {(layout, m, head, timing) for m in ("dense", "sebp")} & {
+                *failed}:
+            continue
+        flops = info["layouts"][layout]["flops"][head]
+        lim = statistics.fmean(limit_ms(r["forward_ms"], r["backward_ms"], f["inactive"] / f["total"])
+                               for r, f in zip(dense, flops))
+        d_ms = statistics.fmean(r["step_ms"] for r in dense)
+        s_ms = statistics.fmean(r["step_ms"] for r in sebp)
+        out.append({"layout": layout, "head": head, "timing": timing,
+                    "inactive_share": info["layouts"][layout]["inactive_share"][head],
+                    "dense_ms": round(d_ms, 3), "sebp_ms": round(s_ms, 3), "limit_ms": round(lim, 3),
+                    "sebp_speedup": round(d_ms / s_ms, 3), "limit_speedup": round(d_ms / lim, 3),
+                    "sebp_of_limit": round(lim / s_ms, 3)})
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per timing: the fastest dense entry, the fastest non-SEBP one (dense or Liger), the fastest of all, and
+    what ``--padding auto`` would pick (dense or SEBP, the model's own head); each row also gets its speedup
+    over dense on its layout and head, and over the fastest non-SEBP entry."""
+    out = {}
+    for timing in ("eager", "graphs"):
+        rs = [r for r in rows if r["timing"] == timing]
+        if not rs:
+            continue
+
+        def best(keep):
+            pick = min((r for r in rs if keep(r)), key=lambda r: r["ms"], default=None)
+            return pick and {k: pick[k] for k in ("layout", "method", "head", "ms")}
+
+        out[timing] = {"fastest_dense": best(lambda r: r["method"] == "dense"),
+                       "fastest_baseline": best(lambda r: r["method"] != "sebp"),
+                       "fastest": best(lambda r: True),
+                       "auto_pick": best(lambda r: r["method"] != "liger" and r["head"] == "full")}
+        base = out[timing]["fastest_baseline"]
+        dense = {(r["layout"], r["head"]): r["ms"] for r in rs if r["method"] == "dense"}
+        for r in rs:
+            d = dense.get((r["layout"], r["head"]))
+            r["vs_dense_same_layout"] = round(d / r["ms"], 3) if d else None
+            r["vs_fastest_baseline"] = round(base["ms"] / r["ms"], 3) if base else None
+    return out

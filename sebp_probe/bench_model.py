@@ -36,8 +36,8 @@ from dataclasses import asdict
 
 import torch
 
-from .bench_cases import LAYOUTS, ModelCase, backward_flops, geometry, layout_batches, layout_padding, limit_ms, \
-    make_items, sample_lengths
+from .bench_cases import LAYOUTS, ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
+    layout_padding, make_items, sample_lengths, summarize
 
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"))
 # Decoders: every projection and the LM head (its rows at label -100 carry no gradient).
@@ -105,7 +105,7 @@ def liger_copy(case: ModelCase, dtype: torch.dtype, device: torch.device):
     import liger_kernel.transformers as lk
 
     model = build_model(case, dtype, device)
-    apply = {"llama": lk.apply_liger_kernel_to_llama, "qwen2": lk.apply_liger_kernel_to_qwen2}[case.arch]
+    apply = getattr(lk, f"apply_liger_kernel_to_{case.arch}")  # apply_liger_kernel_to_llama, ..._qwen2
     module = sys.modules[type(model.model.layers[0]).__module__]
     before = dict(vars(module))
     apply(model=model)  # defaults: rope, rms_norm, swiglu, fused_linear_cross_entropy
@@ -326,6 +326,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     kind. ``keep_dx``: the SEBP entries take dX from :mod:`sebp_kernels.zero_rows` (its buffers count in their
     peak; the pool is emptied after each). ``device``: ``cpu`` runs everything but the CUDA-only entries
     (a check of the run, not a timing)."""
+    from .graphs import CaptureError
     from .losses import batch_loss
     from .train_data import to_device
 
@@ -368,8 +369,9 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                         try:
                             runs[key].append(time_eager(m, loss_fn, repeats, warmup, cuda) if key[3] == "eager"
                                              else time_graphs(m, batch, repeats, warmup))
-                        except torch.OutOfMemoryError as e:  # the entry is out; the others go on
-                            failed[key] = "out of memory: " + " ".join(str(e).split())[:160]
+                        except (torch.OutOfMemoryError, CaptureError) as e:  # the entry is out, the others go on
+                            failed[key] = f"{type(e).__name__}: " + " ".join(str(e).split())[:160]
+                        if key in failed:  # the failed step's tensors are gone now: give their memory back
                             m.zero_grad(set_to_none=True)
                             torch.cuda.empty_cache()
                     if breakdown and cuda and bi == 0 and keys[0] not in failed:
@@ -381,7 +383,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             if rs and key not in failed]
     skipped = [{k: e[k] for k in ("layout", "method", "head", "timing", "reason")} for e in entries if e["reason"]]
     skipped += [dict(zip(("layout", "method", "head", "timing"), k), reason=r) for k, r in failed.items()]
-    limits = _limits(runs, failed, info)
+    limits = layout_limits(runs, failed, info)
     for lay in info["layouts"].values():
         del lay["flops"]
     result = {"case": asdict(case), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
@@ -402,52 +404,3 @@ def _row(key: tuple, rs: list[dict], padding: float) -> dict:
             "backward_ms": round(statistics.fmean(r["backward_ms"] for r in rs), 3),
             "peak_gib": round(max(peaks), 3) if peaks else None, "padding_share": padding,
             "per_batch_ms": [round(r["step_ms"], 3) for r in rs]}
-
-
-def _limits(runs: dict, failed: dict, info: dict) -> list[dict]:
-    """Per layout, head and timing with both a dense and an SEBP entry: the limit (batch by batch, from dense's
-    forward/backward split of that batch) and SEBP's speedup and share of the limit's speedup."""
-    out = []
-    for (layout, method, head, timing), dense in runs.items():
-        sebp = runs.get((layout, "sebp", head, timing))
-        if method != "dense" or not dense or not sebp or {(layout, m, head, timing) for m in ("dense", "sebp")} & {
-                *failed}:
-            continue
-        flops = info["layouts"][layout]["flops"][head]
-        lim = statistics.fmean(limit_ms(r["forward_ms"], r["backward_ms"], f["inactive"] / f["total"])
-                               for r, f in zip(dense, flops))
-        d_ms = statistics.fmean(r["step_ms"] for r in dense)
-        s_ms = statistics.fmean(r["step_ms"] for r in sebp)
-        out.append({"layout": layout, "head": head, "timing": timing,
-                    "inactive_share": info["layouts"][layout]["inactive_share"][head],
-                    "dense_ms": round(d_ms, 3), "sebp_ms": round(s_ms, 3), "limit_ms": round(lim, 3),
-                    "sebp_speedup": round(d_ms / s_ms, 3), "limit_speedup": round(d_ms / lim, 3),
-                    "sebp_of_limit": round(lim / s_ms, 3)})
-    return out
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Per timing: the fastest dense entry, the fastest non-SEBP one (dense or Liger), the fastest of all, and
-    what ``--padding auto`` would pick (dense or SEBP, the model's own head); each row also gets its speedup
-    over dense on its layout and head, and over the fastest non-SEBP entry."""
-    out = {}
-    for timing in ("eager", "graphs"):
-        rs = [r for r in rows if r["timing"] == timing]
-        if not rs:
-            continue
-
-        def best(keep):
-            pick = min((r for r in rs if keep(r)), key=lambda r: r["ms"], default=None)
-            return pick and {k: pick[k] for k in ("layout", "method", "head", "ms")}
-
-        out[timing] = {"fastest_dense": best(lambda r: r["method"] == "dense"),
-                       "fastest_baseline": best(lambda r: r["method"] != "sebp"),
-                       "fastest": best(lambda r: True),
-                       "auto_pick": best(lambda r: r["method"] != "liger" and r["head"] == "full")}
-        base = out[timing]["fastest_baseline"]
-        dense = {(r["layout"], r["head"]): r["ms"] for r in rs if r["method"] == "dense"}
-        for r in rs:
-            d = dense.get((r["layout"], r["head"]))
-            r["vs_dense_same_layout"] = round(d / r["ms"], 3) if d else None
-            r["vs_fastest_baseline"] = round(base["ms"] / r["ms"], 3) if base else None
-    return out

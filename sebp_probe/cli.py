@@ -328,10 +328,11 @@ def bench_cmd(
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(result, indent=1) + "\n")
     if figure and result["models"]:
-        console.print(f"figure written to {plot_bench_models(result['models'], figure)}", highlight=False)
+        console.print(f"figure written to {plot_bench_models(result['models'], figure)}", highlight=False,
+                      soft_wrap=True)
     bench_tables(result)
     if output:
-        console.print(f"results written to {output}", highlight=False)
+        console.print(f"results written to {output}", highlight=False, soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------ analyze, heatmap

@@ -174,8 +174,10 @@ def plot_training_curves(runs: dict, out_dir) -> list:
 
 
 # (method, head) of the benchmark's bars, in drawing order, with colour and hatch
-_BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""), (("dense", "labelled"), "dense, labelled head", "#bdbdbd", "//"),
-                 (("liger", "full"), "Liger-Kernel", "#ff7f0e", ""), (("sebp", "full"), "SEBP", "#1f77b4", ""),
+_BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""),
+                 (("dense", "labelled"), "dense, labelled head", "#bdbdbd", "//"),
+                 (("liger", "full"), "Liger-Kernel", "#ff7f0e", ""),
+                 (("sebp", "full"), "SEBP", "#1f77b4", ""),
                  (("sebp", "labelled"), "SEBP, labelled head", "#9ecae1", "//"))
 
 
@@ -194,6 +196,10 @@ def plot_bench_models(models: list[dict], path: str | Path) -> Path:
         layouts = list(m["layouts"])
         for ax, timing in zip(row, timings):
             rows = {(r["layout"], r["method"], r["head"]): r for r in m["rows"] if r["timing"] == timing}
+            if not rows:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"{m['case']['name']}: no {timing} entries", ha="center", transform=ax.transAxes)
+                continue
             series = [s for s in _BENCH_SERIES if any((lay, *s[0]) in rows for lay in layouts)]
             width = 0.8 / max(len(series), 1)
             best = m["summary"].get(timing, {}).get("fastest_baseline")
