@@ -19,7 +19,8 @@ Entries, one result row each, layout x method x head x timing:
 - timing ``eager``, and with ``graphs`` also ``graphs``: forward and backward replayed as CUDA graphs, where a
   batch has a fixed shape and the step no host sync.
 
-Entries that cannot run are listed in ``skipped`` with the reason. Derived per timing (``summary``): the fastest
+Entries that cannot run are listed in ``skipped`` with the reason; each row's ``loss_gap`` compares its loss with
+dense's under the full head on the same batches (all entries compute the same loss: a check of the run). Derived per timing (``summary``): the fastest
 ``dense`` entry, the fastest non-SEBP entry (dense or Liger: the bar SEBP must clear), the fastest entry, and what
 ``--padding auto`` would pick (dense or SEBP, full head); per layout and head (``limits``): SEBP's speedup over
 dense on that layout, the layout's limit (:mod:`.bench_cases`) and SEBP's share of the limit's speedup
@@ -74,8 +75,9 @@ def build_model(case: ModelCase, dtype: torch.dtype, device: torch.device):
 
 
 def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """How packed rows run on ``device`` (what :func:`~sebp_probe.packing.attention_backend` picks for the cases,
-    whose attention dropout is 0)."""
+    """How packed rows are expected to run on ``device`` without building the model (the plan): what
+    :func:`~sebp_probe.packing.attention_backend`, which the run asks, picks for the cases (attention dropout 0,
+    no sliding window)."""
     from .packing import VARLEN_KERNEL
 
     ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and VARLEN_KERNEL is not None
@@ -158,7 +160,8 @@ def plan_entries(case: ModelCase, graphs: bool, device: torch.device, liger: str
 # --------------------------------------------------------------------------------------------------- timing
 
 
-def _one_step(model, loss_fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[float, float]:
+def _one_step(model, loss_fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[float, float, torch.Tensor]:
+    """Forward and backward milliseconds of one step, and its loss (detached, not read: no sync)."""
     model.zero_grad(set_to_none=True)
     if cuda:
         e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -168,17 +171,17 @@ def _one_step(model, loss_fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[f
         loss.backward()
         e2.record()
         e2.synchronize()
-        return e0.elapsed_time(e1), e1.elapsed_time(e2)
+        return e0.elapsed_time(e1), e1.elapsed_time(e2), loss.detach()
     t0 = time.perf_counter()
     loss = loss_fn()
     t1 = time.perf_counter()
     loss.backward()
-    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, loss.detach()
 
 
 def time_eager(model, loss_fn: Callable[[], torch.Tensor], repeats: int, warmup: int, cuda: bool) -> dict:
-    """Median step, forward and backward milliseconds of ``repeats`` steps after ``warmup``, and the peak GiB
-    (CUDA only: the parameters plus the steps' peak above what was allocated before them)."""
+    """Median step, forward and backward milliseconds of ``repeats`` steps after ``warmup``, the peak GiB (CUDA
+    only: the parameters plus the steps' peak above what was allocated before them) and the last step's loss."""
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -187,8 +190,8 @@ def time_eager(model, loss_fn: Callable[[], torch.Tensor], repeats: int, warmup:
         _one_step(model, loss_fn, cuda)
     t = [_one_step(model, loss_fn, cuda) for _ in range(repeats)]
     model.zero_grad(set_to_none=True)
-    out = {"step_ms": statistics.median(f + b for f, b in t), "forward_ms": statistics.median(f for f, _ in t),
-           "backward_ms": statistics.median(b for _, b in t), "peak_gib": None}
+    out = {"step_ms": statistics.median(f + b for f, b, _ in t), "forward_ms": statistics.median(f for f, _, _ in t),
+           "backward_ms": statistics.median(b for _, b, _ in t), "peak_gib": None, "loss": float(t[-1][2])}
     if cuda:
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         out["peak_gib"] = (torch.cuda.max_memory_allocated() - base + params) / 2**30
@@ -204,7 +207,7 @@ def time_graphs(model, batch: dict, repeats: int, warmup: int) -> dict:
     finally:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    return {"step_ms": f + b, "forward_ms": f, "backward_ms": b, "peak_gib": None}
+    return {"step_ms": f + b, "forward_ms": f, "backward_ms": b, "peak_gib": None, "loss": None}
 
 
 @contextlib.contextmanager
@@ -328,13 +331,14 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     (a check of the run, not a timing)."""
     from .graphs import CaptureError
     from .losses import batch_loss
+    from .packing import attention_backend
     from .train_data import to_device
 
     check_pad_mask(case, pad_mask)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     model = build_model(case, dtype, dev)
-    backend = packed_backend(dev, dtype)
+    backend = attention_backend(model)
     batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask)
     why_liger = liger_reason(case, dev)
     liger = None if why_liger else liger_copy(case, dtype, dev)
@@ -379,8 +383,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     del model, liger
     if cuda:
         torch.cuda.empty_cache()
-    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"]) for key, rs in runs.items()
-            if rs and key not in failed]
+    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], runs.get((key[0], "dense", "full", "eager")))
+            for key, rs in runs.items() if rs and key not in failed]
     skipped = [{k: e[k] for k in ("layout", "method", "head", "timing", "reason")} for e in entries if e["reason"]]
     skipped += [dict(zip(("layout", "method", "head", "timing"), k), reason=r) for k, r in failed.items()]
     limits = layout_limits(runs, failed, info)
@@ -395,12 +399,17 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     return result
 
 
-def _row(key: tuple, rs: list[dict], padding: float) -> dict:
+def _row(key: tuple, rs: list[dict], padding: float, ref: list[dict] | None) -> dict:
+    """One entry's result; ``loss_gap``: the largest relative difference of its loss from dense's with the full
+    head on the same batches (every entry computes the same loss: a check of the run, bf16 rounding aside)."""
     layout, method, head, timing = key
     peaks = [r["peak_gib"] for r in rs if r["peak_gib"] is not None]
+    gaps = [abs(r["loss"] - d["loss"]) / max(abs(d["loss"]), 1e-12) for r, d in zip(rs, ref or [])
+            if r["loss"] is not None]
     return {"layout": layout, "method": method, "head": head, "timing": timing,
             "ms": round(statistics.fmean(r["step_ms"] for r in rs), 3),
             "forward_ms": round(statistics.fmean(r["forward_ms"] for r in rs), 3),
             "backward_ms": round(statistics.fmean(r["backward_ms"] for r in rs), 3),
             "peak_gib": round(max(peaks), 3) if peaks else None, "padding_share": padding,
+            "loss_gap": float(f"{max(gaps):.3g}") if gaps else None,
             "per_batch_ms": [round(r["step_ms"], 3) for r in rs]}

@@ -160,6 +160,12 @@ def _model_tables(m: dict) -> None:
                       fmt(first["peak_gib"] if e else None), fmt(100 * first["padding_share"], "{:.0f}"),
                       fmt(first.get("vs_dense_same_layout")), fmt(first.get("vs_fastest_baseline")))
     console.print(table)
+    gaps = [r for r in m["rows"] if r.get("loss_gap") is not None]
+    if gaps:
+        worst = max(gaps, key=lambda r: r["loss_gap"])
+        console.print(f"loss check: every entry's loss within {worst['loss_gap']:.2g} (relative, largest: "
+                      f"{_entry(worst)}) of dense's with the full head on the same batches", highlight=False,
+                      soft_wrap=True)
     for timing in ("eager", "graphs"):
         limits = [li for li in m["limits"] if li["timing"] == timing]
         if not limits:

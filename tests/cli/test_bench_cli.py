@@ -122,7 +122,7 @@ def test_tiny_whole_model_run_writes_json_figure_and_80_column_tables(tmp_path, 
     assert m["case"]["name"] == "llama-3.2-1b-sft (tiny)" and len(m["rows"]) >= 16
     assert fig.stat().st_size > 10_000
     lines = res.output.splitlines()
-    prose = ("llama-3.2-1b-sft (tiny), eager:", "not run (", "figure written", "results written")  # soft-wrapped
+    prose = ("llama-3.2-1b-sft (tiny), eager:", "not run (", "figure written", "results written", "loss check")
     assert "…" not in res.output and max(len(line) for line in lines if not line.startswith(prose)) <= 80
     assert "fastest dense" in res.output and "--padding auto would pick" in res.output
     assert any(line.split()[:3] == ["packed", "sebp", "labelled"] for line in lines)
@@ -189,7 +189,8 @@ def test_kernel_kinds_of_the_backward_breakdown():
 def _model_result() -> dict:
     """A whole-model result as bench_model gives it, with CUDA-graph times and a kernel breakdown (made up)."""
     rows = [dict(layout=lay, method=m, head=h, timing=t, ms=ms, forward_ms=ms / 3, backward_ms=2 * ms / 3,
-                 peak_gib=None if t == "graphs" else 12.5, padding_share=pad, per_batch_ms=[ms])
+                 peak_gib=None if t == "graphs" else 12.5, padding_share=pad, per_batch_ms=[ms],
+                 loss_gap=None if t == "graphs" else 0.002 if m == "sebp" else 0.0)
             for lay, pad, scale in (("max_length", 0.81, 3.0), ("longest", 0.55, 1.4), ("bucket", 0.12, 1.1),
                                     ("packed", 0.0, 1.0))
             for m, h, base in (("dense", "full", 100.0), ("dense", "labelled", 90.0), ("sebp", "full", 95.0),
@@ -231,8 +232,9 @@ def test_tables_render_results(capsys, monkeypatch, width):
     assert "longest dense full 140.0 112.0 12.50 55" in out  # eager, graphs, GiB, padding %
     assert "fastest dense packed dense labelled 90.00 ms" in out and "packed rows change shape" in out
     assert "eager: the limit of each layout" in out and "graphs: the limit" in out
+    assert "loss within 0.002 (relative, largest: max_length sebp full)" in out
     if width == 80:  # the summary and skipped lines are soft-wrapped prose
-        prose = ("llama-3.2-1b-sft, ", "not run (")
+        prose = ("llama-3.2-1b-sft, ", "not run (", "loss check")
         assert "…" not in raw and max(len(line) for line in raw.splitlines() if not line.startswith(prose)) <= 80
 
 

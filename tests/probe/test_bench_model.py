@@ -167,6 +167,7 @@ def test_whole_benchmark_on_a_cpu(tiny_results, name):
             if decoder or not (lay == "packed" and h == "labelled")}
     assert {(x["layout"], x["method"], x["head"]) for x in r["rows"]} == want
     assert all(x["timing"] == "eager" and x["ms"] > 0 and len(x["per_batch_ms"]) == 2 for x in r["rows"])
+    assert all(x["loss_gap"] < 0.05 for x in r["rows"])  # the same loss, bf16 rounding aside
     why = {(s["method"], s["timing"]): s["reason"] for s in r["skipped"] if s["layout"] == "max_length"}
     assert why[("dense", "graphs")] == "CUDA graphs need a GPU"
     assert ("Liger-Kernel's Triton kernels need a CUDA GPU" if decoder else "no patch for bert") in why[
@@ -195,3 +196,20 @@ def test_figure_of_the_results(tiny_results, tmp_path):
     assert path.stat().st_size > 10_000
     with pytest.raises(ValueError, match="unsupported image format"):
         plot_bench_models(models, tmp_path / "bench.txt")
+
+
+def test_packed_rows_by_varlen_as_on_a_gpu(monkeypatch):
+    """The packed entries as a GPU runs them (one flattened row, varlen attention; here a per-sequence sdpa in
+    place of flash attention): no padding, and the labelled-rows head through the varlen last layer."""
+    from sebp_probe import packing
+    from tests.probe.test_packing import reference_varlen
+
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", reference_varlen)
+    monkeypatch.setattr(packing, "attention_backend", lambda model: "varlen")
+    r = bench_model.bench_model(bench_cases.tiny(MODEL_CASES["qwen2.5-0.5b-sft"]), torch.float32, repeats=1,
+                                n_batches=1, device="cpu", warmup=0)
+    assert r["packed_backend"] == "varlen" and r["layouts"]["packed"]["padding_share"] == 0.0
+    packed = {(x["method"], x["head"]) for x in r["rows"] if x["layout"] == "packed"}
+    assert packed == {("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled")}
+    assert r["layouts"]["packed"]["shapes"][0][0] < r["case"]["batch"]  # fewer rows than sequences
+    assert max(x["loss_gap"] for x in r["rows"]) < 1e-5  # fp32: every layout, method and head, the same loss
