@@ -23,3 +23,11 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool = False)
         raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
     with packed_call(model, batch) as inputs:
         return head_loss(model, inputs, task, last_layer_rows_only=True).loss
+
+
+def token_counts(batch: dict) -> tuple[torch.Tensor, int]:
+    """(real tokens as a device tensor, token slots) of a batch: what the loop logs as tokens and rows."""
+    if "cu_seqlens" in batch:
+        return batch["cu_seqlens"][-1], batch["input_ids"].numel()
+    mask = batch["attention_mask"]
+    return mask.sum(), mask.numel()
