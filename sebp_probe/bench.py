@@ -383,9 +383,7 @@ def _require_cuda() -> None:
         raise RuntimeError("the benchmark needs a CUDA GPU (none is visible); use --dry-run to see the plan")
 
 
-def run_plan(shapes: Sequence[LayerShape], densities: Sequence[float], models: Sequence[str]) -> dict:
-    """What a run would do, without a GPU (for --dry-run)."""
-    from . import bench_model
-
-    return {"layers": [asdict(s) for s in shapes], "densities": list(densities),
-            "models": [asdict(bench_model.MODEL_CASES[m]) for m in models]}
+def run_plan(shapes: Sequence[LayerShape], densities: Sequence[float], models: Sequence[dict]) -> dict:
+    """What a run would do, without a GPU (for --dry-run); ``models``: the whole-model plans
+    (:func:`sebp_probe.bench_model.plan`)."""
+    return {"layers": [asdict(s) for s in shapes], "densities": list(densities), "models": list(models)}

@@ -210,7 +210,9 @@ def finetune_cmd(
 @one_line_errors
 def bench_cmd(
     model: str = typer.Argument("bert-base", help="Shape set (bert-base, llama-3.2-3b, llama-3.2-1b, "
-                                "qwen2.5-1.5b, qwen2.5-0.5b), local model directory or hub id."),
+                                "qwen2.5-1.5b, qwen2.5-0.5b), local model directory or hub id; with --scope "
+                                "model a whole-model case (bert-base, llama-3.2-1b-sft, qwen2.5-0.5b-sft, "
+                                "llama-3.2-3b, qwen2.5-1.5b)."),
     rows: int = typer.Option(None, "--rows", "-M", help="Rows of dL/dY (batch x seq tokens)."),
     in_features: int = typer.Option(None, "--in-features", help="One explicit layer (with --out-features)."),
     out_features: int = typer.Option(None, "--out-features"),
@@ -222,10 +224,16 @@ def bench_cmd(
     mode: str = typer.Option("exact", "--mode", help="exact | threshold | topk (N = active rows)."),
     repeats: int = typer.Option(30, "--repeats", help="Timed repeats per measurement (median)."),
     model_repeats: int = typer.Option(5, "--model-repeats", help="Timed steps per batch in the whole-model run."),
+    model_batches: int = typer.Option(8, "--model-batches", help="Whole model: batches in the pool of sequences "
+                                      "that every layout lays out."),
     output: str = typer.Option(None, "--output", "-o", help="Write the results (with GPU, versions, date, "
                                "command) to this JSON file."),
     graphs: bool = typer.Option(False, "--graphs", help="Whole model: also time each step as CUDA-graph "
-                                "replays (no host launch overhead)."),
+                                "replays (no host launch overhead) where the batch has a fixed shape."),
+    figure: str = typer.Option(None, "--figure", help="Whole model: draw step ms per layout, dense vs SEBP (vs "
+                               "Liger), to this image (.png, .pdf, .svg)."),
+    tiny: bool = typer.Option(False, "--tiny", help="Whole model: the case shrunk to hidden size 32 and 2 layers "
+                              "(same layouts and labels); runs on a CPU without a GPU (a check, not a timing)."),
     pad_mask: bool = typer.Option(True, "--pad-mask/--no-pad-mask", help="Whole model, decoders: pass the "
                                   "padding mask (default, as a data collator does) or leave it out (right "
                                   "padding: same loss and gradients, causal attention kernel)."),
@@ -248,22 +256,29 @@ def bench_cmd(
     - `sebp-probe bench llama-3.2-3b --densities 0.1,0.2,0.5 -o results.json`
     - `sebp-probe bench --rows 8192 --in-features 4096 --out-features 11008`
     - `sebp-probe bench ./my-model --rows 8192 --seq 256` : shapes read from a local config
-    - `sebp-probe bench bert-base --scope model --graphs` : whole model, padded vs SEBP vs padding trimmed
+    - `sebp-probe bench bert-base --scope model --graphs -o bert.json --figure bert.png` : whole model, every
+      layout (max_length, longest, bucket, packed), dense vs SEBP, eager and as CUDA graphs
+    - `sebp-probe bench llama-3.2-1b-sft --scope model --norms --acts` : SFT batches, the labelled-rows head
+      too, Liger-Kernel where it imports; SEBP on the norms and MLP activations as well
     - `sebp-probe bench llama-3.2-3b --scope model --no-pad-mask --breakdown` : causal attention without the
       padding mask, and where the backward's GPU time goes
-    - `sebp-probe bench bert-base --scope model --graphs --norms` : SEBP on the LayerNorms too
-    - `sebp-probe bench llama-3.2-3b --scope model --norms --acts` : and on the MLP activations
+    - `sebp-probe bench llama-3.2-1b-sft --scope model --tiny` : the whole run on a tiny model (CPU: seconds)
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; ideal +io =
     the ideal plus the bytes SEBP cannot skip (dY's inactive rows read, dX's zero rows written) at the fill
     bandwidth measured in the run; triton = the fused SEBP backward (selection included); torch ref = the
-    pure-torch SEBP. Exit code 1 without a GPU.
+    pure-torch SEBP. Whole model: step = forward + backward of one batch (median ms, mean over the batches every
+    layout forms from one pool of sequences); the limit of a layout = its step with the backward GEMMs of the
+    inactive rows removed (see sebp_probe/bench_cases.py). Exit code 1 without a GPU (unless --tiny).
     """
     import json
     import shlex
 
-    from . import bench, bench_model
+    import torch
+
+    from . import bench, bench_cases, bench_model
+    from .plots import check_image_path, plot_bench_models
 
     if scope not in ("layers", "model", "all"):
         raise UserError(f"--scope must be layers, model or all, got {scope!r}")
@@ -271,28 +286,35 @@ def bench_cmd(
         raise UserError(f"--dtype must be one of {', '.join(bench.DTYPES)}, got {dtype!r}")
     if mode not in ("exact", "threshold", "topk"):
         raise UserError(f"--mode must be exact, threshold or topk, got {mode!r}")
-    if repeats < 1 or model_repeats < 1:
-        raise UserError("--repeats and --model-repeats must be >= 1")
+    if repeats < 1 or model_repeats < 1 or model_batches < 1:
+        raise UserError("--repeats, --model-repeats and --model-batches must be >= 1")
     if mode == "topk" and scope != "layers":
         raise UserError("--mode topk needs an N per layer, which only the per-layer benchmark sets "
                         "(N = active rows); use --scope layers, or exact/threshold for the whole model")
     dens = bench.parse_densities(densities)
     shapes = bench.resolve_shapes(model, rows, in_features, out_features, seq) if scope != "model" else []
-    models = []
+    cases = []
     if scope != "layers":
-        if model.lower() not in bench_model.MODEL_CASES:
-            raise UserError(f"no whole-model case for {model!r}; choose one of {', '.join(bench_model.MODEL_CASES)}")
-        models = [model.lower()]
+        if model.lower() not in bench_cases.MODEL_CASES:
+            raise UserError(f"no whole-model case for {model!r}; choose one of {', '.join(bench_cases.MODEL_CASES)}")
+        case = bench_cases.MODEL_CASES[model.lower()]
+        cases = [bench_cases.tiny(case) if tiny else case]
         try:
-            bench_model.check_pad_mask(bench_model.MODEL_CASES[models[0]], pad_mask)
+            bench_model.check_pad_mask(case, pad_mask)
         except ValueError as e:
             raise UserError(f"--no-pad-mask: {e}") from None
-    elif not pad_mask or breakdown or norms or acts or keep_dx:
-        raise UserError("--no-pad-mask, --breakdown, --norms, --acts and --keep-dx are for the whole-model run "
-                        "(--scope model or all)")
+        if figure:
+            check_image_path(figure)
+    elif not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure:
+        raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --tiny and --figure are for the "
+                        "whole-model run (--scope model or all)")
     if dry_run:
-        console.print_json(json.dumps(bench.run_plan(shapes, dens, models)))
+        plans = [bench_model.plan(c, model_batches, graphs, pad_mask, bench.DTYPES[dtype]) for c in cases]
+        console.print_json(json.dumps(bench.run_plan(shapes, dens, plans)))
         return
+    device = "cpu" if tiny and not torch.cuda.is_available() else "cuda"
+    if device == "cuda":
+        bench._require_cuda()
     result = {"command": "sebp-probe " + shlex.join(sys.argv[1:]), "environment": bench.environment(),
               "dtype": dtype, "mode": mode, "densities": dens, "layers": [], "models": []}
     with console.status("benchmarking") as status:
@@ -302,18 +324,21 @@ def bench_cmd(
         for s in shapes:
             for r in bench.bench_layer(s, dens, bench.DTYPES[dtype], mode, repeats, progress=progress):
                 result["layers"].append(r.to_dict())
-        for name in models:
+        for case in cases:
             result["models"].append(bench_model.bench_model(
-                bench_model.MODEL_CASES[name], bench.DTYPES[dtype], model_repeats, mode=mode, graphs=graphs,
-                progress=progress, pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx))
+                case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
+                pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(result, indent=1) + "\n")
+    if figure and result["models"]:
+        console.print(f"figure written to {plot_bench_models(result['models'], figure)}", highlight=False,
+                      soft_wrap=True)
     bench_tables(result)
     if output:
-        console.print(f"results written to {output}", highlight=False)
+        console.print(f"results written to {output}", highlight=False, soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------ analyze, heatmap

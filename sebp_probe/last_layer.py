@@ -14,7 +14,8 @@ kept query positions. Exact: the same operations on the same values as the full 
 Attention dropout and hidden dropout draw other random numbers than the full layer (same distribution).
 
 Layers handled: Llama, Qwen2 and Qwen3 decoder layers; BERT and RoBERTa encoder layers; attention "sdpa" or
-"eager".
+"eager", and for decoders the varlen attention of packed batches (:mod:`sebp_probe.packing`): on its flattened
+row the kept queries attend, through sdpa, to the keys of their own sequence up to their position.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .packing import VARLEN
+
 DECODER_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 ENCODER_LAYERS = ("BertLayer", "RobertaLayer")
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "eager", VARLEN)
 
 
 class LastLayerError(ValueError):
@@ -102,6 +105,15 @@ class KeptRows:
                                          ).masked_fill_(~attention_mask, torch.finfo(dtype).min)
         return attention_mask[:, None]
 
+    def sequence_mask(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The (B, 1, Q, T) boolean mask of the kept queries of one flattened row of sequences starting at
+        ``cu_seqlens``: a key is visible when it is of the query's sequence and not after it."""
+        keys = torch.arange(self.length, device=self.pos.device)
+        seq = torch.bucketize(keys, cu_seqlens[1:].to(keys.device), right=True)
+        q_seq = seq[self.pos]
+        visible = (seq[None, None, :] == q_seq[:, :, None]) & (keys[None, None, :] <= self.pos[:, :, None])
+        return visible.masked_fill(~self.valid[:, :, None], True)[:, None]
+
 
 def last_layer(backbone: nn.Module) -> nn.Module:
     """The last layer of a decoder stack (``layers``) or a BERT-like encoder (``encoder.layer``)."""
@@ -124,7 +136,7 @@ def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
         raise LastLayerError(f"the kept-rows last layer knows {', '.join(DECODER_LAYERS + ENCODER_LAYERS)}, "
                              f"not {name}")
     if impl not in ATTENTION:
-        raise LastLayerError(f"the kept-rows last layer needs attention 'sdpa' or 'eager', not {impl!r}")
+        raise LastLayerError(f"the kept-rows last layer needs attention 'sdpa', 'eager' or varlen, not {impl!r}")
     if name in ENCODER_LAYERS and (getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention",
                                                                                     False)):
         raise LastLayerError(f"{name} is configured as a decoder; the kept-rows layer takes encoders only")
@@ -148,7 +160,7 @@ def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:
 
 
 def _decoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None,
-                     position_embeddings=None, cache=None, **_):
+                     position_embeddings=None, cache=None, **kwargs):
     if cache is not None:
         raise LastLayerError("the kept-rows last layer runs without a KV cache (pass use_cache=False)")
     if not kept.rows.numel():
@@ -168,14 +180,17 @@ def _decoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, atten
     # the rotation of queries and keys at different positions: one call each (the other half is unused)
     q = rotate(q, q, kept.queries(cos), kept.queries(sin))[0]
     k = rotate(k, k, cos, sin)[1]
-    mask = kept.mask(attention_mask, True, q.dtype, additive)
+    cu = kwargs.get("cu_seq_lens_q")  # a flattened packed row (varlen): its sequences, not a mask, part it
+    mask = kept.mask(attention_mask, True, q.dtype, additive) if cu is None else kept.sequence_mask(cu)
     out = attn.o_proj(kept.from_slots(_attend(attn, q, k, v, mask, attn.attention_dropout)))
     h = kept.of(hidden_states) + out
     h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h[None]
 
 
-def _encoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None, *_, **__):
+def _encoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None, *_, **kwargs):
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise LastLayerError("the kept-rows encoder layer takes padded batches, not a flattened packed row")
     if not kept.rows.numel():
         return kept.of(hidden_states)[None]
     attn = layer.attention.self

@@ -6,11 +6,12 @@ Two heads (``FinetuneConfig.head``):
 - ``full``: the model's own loss, ``model(**batch).loss`` (packed batches through
   :func:`~sebp_probe.packing.packed_forward`);
 - ``labelled``: the rows no loss reaches are left out where that is exact (:mod:`.heads`): causal LM and masked
-  LM run the head (and the last layer's position-wise work) on the labelled rows only; BERT/RoBERTa
-  classifiers run their last layer on the [CLS] rows only. The same loss and gradients.
+  LM run the head and the last layer's position-wise work on the labelled rows only; BERT/RoBERTa classifiers
+  run their last layer on the [CLS] rows only (padded batches; packed ones run the full last layer). The same
+  loss and gradients.
 
-The choice is set on the model (:func:`use_head`), so every caller of :func:`batch_loss` computes the loss the
-same way without passing it around.
+A run sets its choice on the model (:func:`set_head`), so every caller of :func:`batch_loss` computes the loss
+the same way without passing it around; ``labelled_head`` overrides it for one call (the benchmark).
 """
 from __future__ import annotations
 
@@ -18,23 +19,39 @@ import torch
 
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import ENCODER_LAYERS, last_layer
-from .packing import packed_forward, packed_inputs, unwrap
+from .packing import packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")
 _ATTR = "_sebp_head_task"
+_TASK_OF_CLASS = (("ForMaskedLM", "mlm"), ("ForCausalLM", "causal-lm"), ("ForSequenceClassification", "classification"))
 
 
-def batch_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The loss of ``batch``: the model's own, or the labelled-rows head path where :func:`use_head` set it."""
-    task = getattr(unwrap(model), _ATTR, None)
+def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None = None) -> torch.Tensor:
+    """The loss of ``batch``: the model's own, or the labelled-rows head path where :func:`set_head` chose it
+    (``labelled_head`` True or False: that head for this call; True on a packed classifier batch raises)."""
     packed = "cu_seqlens" in batch
-    if task is None or (packed and task == "classification"):
+    if labelled_head is None:
+        task = getattr(unwrap(model), _ATTR, None)
+        if packed and task == "classification":  # the [CLS]-rows last layer reads padded rows
+            task = None
+    else:
+        task = _task_of(model) if labelled_head else None
+    if task is None:
         return packed_forward(model, batch).loss if packed else model(**batch).loss
-    if packed:
-        inputs, ctx, backend = packed_inputs(model, batch)
-        with ctx:  # the kept-rows last layer reads a mask: varlen attention has none
-            return head_loss(model, inputs, task, last_layer_rows_only=backend == "mask").loss
-    return head_loss(model, batch, task, last_layer_rows_only=True).loss
+    if not packed:
+        return head_loss(model, batch, task, last_layer_rows_only=True).loss
+    if task == "classification":
+        raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
+    with packed_call(model, batch) as inputs:
+        return head_loss(model, inputs, task, last_layer_rows_only=True).loss
+
+
+def _task_of(model: torch.nn.Module) -> str:
+    name = type(unwrap(model)).__name__
+    task = next((t for suffix, t in _TASK_OF_CLASS if name.endswith(suffix)), None)
+    if task is None:
+        raise HeadError(f"the labelled-rows head knows causal LMs, masked LMs and classifiers, not {name}")
+    return task
 
 
 def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:

@@ -237,17 +237,17 @@ def block_mask(sequence_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill_(~same, torch.finfo(dtype).min)
 
 
-def packed_inputs(model: torch.nn.Module, batch: dict, backend: str | None = None
-                  ) -> tuple[dict, contextlib.AbstractContextManager, str]:
-    """(the model's keyword arguments for a packed batch, labels included; the context to call it in; the
-    attention backend used): the layout of :func:`packed_forward`, for callers that run the model their own
-    way (the labelled-rows head path, :mod:`.heads`)."""
+@contextlib.contextmanager
+def packed_call(model: torch.nn.Module, batch: dict, backend: str | None = None, **kwargs) -> Iterator[dict]:
+    """The keyword arguments that run ``model`` on a packed batch (on the model's device), valid inside the block
+    (varlen: no mask is built; classifiers: the head reads each sequence's first token). ``labels`` among them
+    are per token of the rows (``mask``) or of the flattened row (``varlen``) for causal LMs. ``backend``:
+    ``mask`` or ``varlen``, default :func:`attention_backend`. ``kwargs`` go to the model."""
     base = unwrap(model)
     kind = _kind(base)
     backend = backend or attention_backend(model)
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     cu, flat = batch["cu_seqlens"], batch["flat_index"]
-    kwargs = {}
     if base.config.model_type == "roberta":  # its positions count from padding_idx + 1
         pos = pos + (base.config.pad_token_id + 1)
     if backend == "varlen":
@@ -266,24 +266,16 @@ def packed_inputs(model: torch.nn.Module, batch: dict, backend: str | None = Non
         raise ValueError(f"unknown packed attention backend {backend!r}; choose 'mask' or 'varlen'")
     if kind == "decoder":
         kwargs["use_cache"] = False  # with a cache, transformers builds no per-sequence mask
-    inputs = {"input_ids": ids, "position_ids": pos, "labels": labels, **kwargs}
-    return inputs, _both(ctx, _first_tokens(base, first if kind == "encoder" else None)), backend
-
-
-@contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
-    with first, second:
-        yield
+    with ctx, _first_tokens(base, first if kind == "encoder" else None):
+        yield dict(input_ids=ids, position_ids=pos, labels=labels, **kwargs)
 
 
 def packed_forward(model: torch.nn.Module, batch: dict, backend: str | None = None, **kwargs):
     """The model's output on a packed batch (on the model's device): ``loss`` as for the same sequences padded;
     ``logits`` per sequence in layout order (classifiers) or per token of the rows (``mask``) or of the
-    flattened row (``varlen``) for causal LMs. ``backend``: ``mask`` or ``varlen``, default
-    :func:`attention_backend`. ``kwargs`` go to the model."""
-    inputs, ctx, _ = packed_inputs(model, batch, backend)
-    with ctx:
-        return model(**inputs, **kwargs)
+    flattened row (``varlen``) for causal LMs. ``backend`` and ``kwargs`` as for :func:`packed_call`."""
+    with packed_call(model, batch, backend, **kwargs) as inputs:
+        return model(**inputs)
 
 
 def packed_loss(model: torch.nn.Module, batch: dict, task: str) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Pictures: |dL/dY| heatmaps with the histogram/CDF and its knee (analysis side).
+"""Pictures: |dL/dY| heatmaps with the histogram/CDF and its knee (analysis side), fine-tuning curves, and the
+whole-model benchmark's step times per layout.
 
 matplotlib is imported inside the functions and used through ``matplotlib.figure.Figure`` (no pyplot), so
 importing sebp_probe never touches a display or switches anyone's backend. The file format follows the
@@ -170,3 +171,56 @@ def plot_training_curves(runs: dict, out_dir) -> list:
             a.grid(alpha=0.3)
         paths.append(save_figure(fig, out_dir / "eval.png"))
     return paths
+
+
+# (method, head) of the benchmark's bars, in drawing order, with colour and hatch
+_BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""),
+                 (("dense", "labelled"), "dense, labelled head", "#bdbdbd", "//"),
+                 (("liger", "full"), "Liger-Kernel", "#ff7f0e", ""),
+                 (("sebp", "full"), "SEBP", "#1f77b4", ""),
+                 (("sebp", "labelled"), "SEBP, labelled head", "#9ecae1", "//"))
+
+
+def plot_bench_models(models: list[dict], path: str | Path) -> Path:
+    """Step milliseconds per layout of each whole-model result (:func:`sebp_probe.bench_model.bench_model`), one
+    row of panels per model, one panel per timing (eager, CUDA graphs): grouped bars of dense, Liger-Kernel and
+    SEBP (full and labelled-rows head), a black tick at each layout's limit over its SEBP bar, and the fastest
+    non-SEBP entry starred with a dashed line across."""
+    from matplotlib.figure import Figure
+
+    path = check_image_path(path)
+    timings = [t for t in ("eager", "graphs") if any(r["timing"] == t for m in models for r in m["rows"])]
+    fig = Figure(figsize=(6.5 * max(len(timings), 1), 3.8 * len(models)), layout="constrained")
+    axes = fig.subplots(len(models), max(len(timings), 1), squeeze=False)
+    for row, m in zip(axes, models):
+        layouts = list(m["layouts"])
+        for ax, timing in zip(row, timings):
+            rows = {(r["layout"], r["method"], r["head"]): r for r in m["rows"] if r["timing"] == timing}
+            if not rows:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"{m['case']['name']}: no {timing} entries", ha="center", transform=ax.transAxes)
+                continue
+            series = [s for s in _BENCH_SERIES if any((lay, *s[0]) in rows for lay in layouts)]
+            width = 0.8 / max(len(series), 1)
+            best = m["summary"].get(timing, {}).get("fastest_baseline")
+            for i, ((method, head), label, color, hatch) in enumerate(series):
+                xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(layouts))]
+                ms = [rows[(lay, method, head)]["ms"] if (lay, method, head) in rows else np.nan for lay in layouts]
+                ax.bar(xs, ms, width, label=label, color=color, hatch=hatch, edgecolor="white" if not hatch else "#555")
+                for x, lay in zip(xs, layouts):
+                    lim = next((li["limit_ms"] for li in m["limits"] if (li["layout"], li["head"], li["timing"]) ==
+                                (lay, head, timing)), None)
+                    if method == "sebp" and lim is not None:
+                        ax.hlines(lim, x - width / 2, x + width / 2, color="black", lw=2,
+                                  label="limit" if lay == layouts[0] and head == "full" else None)
+                    if best and (lay, method, head) == (best["layout"], best["method"], best["head"]):
+                        ax.plot(x, best["ms"], marker="*", ms=14, color="#d62728", zorder=5,
+                                label=f"fastest non-SEBP ({best['ms']:.1f} ms)")
+                        ax.axhline(best["ms"], color="#d62728", lw=1, ls="--")
+            ax.set_xticks(range(len(layouts)), layouts)
+            ax.set_ylabel("step ms (forward + backward)")
+            ax.set_title(f"{m['case']['name']}: {timing}, batch {m['case']['batch']} x {m['case']['max_length']}",
+                         fontsize=10)
+            ax.legend(fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+            ax.grid(alpha=0.3, axis="y")
+    return save_figure(fig, path)

@@ -91,10 +91,6 @@ def print_finetune_summary(summary: dict) -> None:
         console.print(f"{label} vs dense: " + ", ".join(p for p in parts if p), highlight=False)
 
 
-_RUN_LABELS = {"dense_padded": "dense, padded", "sebp_padded": "SEBP, padded",
-               "dense_trimmed": "dense, padding trimmed"}
-
-
 def bench_tables(result: dict) -> None:
     from rich import box
     from rich.table import Table
@@ -145,47 +141,105 @@ def bench_tables(result: dict) -> None:
                 table.add_row(r["shape"]["name"], f"{r['density']:g}", *(cells[c] for c in cols))
             console.print(table)
     for m in result.get("models", []):
-        no_mask = ("" if m.get("pad_mask", True) else ", no padding mask") + (
-            f", SEBP on {m['sebp_norms']} norms too" if m.get("sebp_norms") else "") + (
-            f", SEBP on {m['sebp_acts']} MLP activations" if m.get("sebp_acts") else "") + (
-            ", dX zero rows kept" if m.get("sebp_keep_dx") else "")
-        table = Table(title=f"{m['case']['name']} forward+backward, batch {m['case']['batch']} x {m['case']['seq']}"
-                            f" (token density {m['token_density']:.3f}{no_mask}; median ms)")
-        for col in ("run", "forward", "backward", "step", "peak GiB"):
-            table.add_column(col, justify="left" if col == "run" else "right")
-        for key, label in _RUN_LABELS.items():
-            s = m["median"][key]
-            table.add_row(label, f"{s['forward_ms']:.1f}", f"{s['backward_ms']:.1f}", f"{s['step_ms']:.1f}",
-                          f"{s['peak_gib']:.2f}")
-            if "graphed_median" in m:
-                g = m["graphed_median"][key]
-                table.add_row(f"{label} (CUDA graph)", f"{g['forward_ms']:.1f}", f"{g['backward_ms']:.1f}",
-                              f"{g['step_ms']:.1f}", "")
+        _model_tables(m)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}" if v < 100 else f"{v:.1f}"
+
+
+def _entry(r: dict) -> str:
+    return f"{r['layout']} {r['method']} {r['head']}"
+
+
+def _model_tables(m: dict) -> None:
+    """One whole-model result: step times per entry, the limits, the summary and what was not run (fits 80
+    columns: piped output)."""
+    from rich import box
+    from rich.table import Table
+
+    c = m["case"]
+    extra = "".join((", no padding mask" if not m.get("pad_mask", True) else "",
+                     ", SEBP norms" if m.get("norms") else "", ", SEBP activations" if m.get("acts") else "",
+                     ", dX zero rows kept" if m.get("keep_dx") else ""))
+    pool = m["pool"]
+    table = Table(title=f"{c['name']}: step ms (forward+backward; median per batch, mean over {pool['batches']} "
+                        f"batches of {c['batch']} from one pool; max length {c['max_length']}; packed: "
+                        f"{m['packed_backend']}{extra}); x: speedup vs dense on the layout / vs the fastest "
+                        "non-SEBP entry", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("layout", "method", "head", "eager", "graphs", "peak\nGiB", "pad\n%", "x\nlayout", "x\nbest"):
+        table.add_column(col, justify="left" if col in ("layout", "method", "head") else "right", no_wrap=True)
+    timed: dict[tuple, dict] = {}
+    for r in m["rows"]:
+        timed.setdefault((r["layout"], r["method"], r["head"]), {})[r["timing"]] = r
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    for (layout, method, head), t in timed.items():
+        e, g = t.get("eager"), t.get("graphs")
+        first = e or g
+        table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]),
+                      fmt(first["peak_gib"] if e else None), fmt(100 * first["padding_share"], "{:.0f}"),
+                      fmt(first.get("vs_dense_same_layout")), fmt(first.get("vs_fastest_baseline")))
+    console.print(table)
+    gaps = [r for r in m["rows"] if r.get("loss_gap") is not None]
+    if gaps:
+        worst = max(gaps, key=lambda r: r["loss_gap"])
+        console.print(f"loss check: every entry's loss within {worst['loss_gap']:.2g} (relative, largest: "
+                      f"{_entry(worst)}) of dense's with the full head on the same batches", highlight=False,
+                      soft_wrap=True)
+    for timing in ("eager", "graphs"):
+        limits = [li for li in m["limits"] if li["timing"] == timing]
+        if not limits:
+            continue
+        table = Table(title=f"{c['name']}, {timing}: the limit of each layout (its step without the backward GEMMs "
+                            "of the inactive rows, whose share of the backward's FLOPs is 'inactive') and SEBP's "
+                            "share of the limit's speedup", box=box.SIMPLE_HEAD, pad_edge=False,
+                      collapse_padding=True)
+        for col in ("layout", "head", "dense", "SEBP", "limit", "x\nSEBP", "x\nlimit", "of\nlimit", "inactive\n%"):
+            table.add_column(col, justify="left" if col in ("layout", "head") else "right", no_wrap=True)
+        for li in limits:
+            table.add_row(li["layout"], li["head"], _ms(li["dense_ms"]), _ms(li["sebp_ms"]), _ms(li["limit_ms"]),
+                          f"{li['sebp_speedup']:.2f}", f"{li['limit_speedup']:.2f}", f"{li['sebp_of_limit']:.2f}",
+                          f"{100 * li['inactive_share']:.1f}")
         console.print(table)
-        if "graphed_median" in m:
-            console.print(f"as CUDA graphs: backward x{m['graphed_backward_speedup']:.2f}, step "
-                          f"x{m['graphed_step_speedup']:.2f}; padding trimmed: step "
-                          f"x{m['graphed_trimmed_step_speedup']:.2f}", highlight=False)
-        if "backward_kernels" in m:
-            _breakdown_table(m)
-        console.print(f"SEBP vs dense on the padded batch: backward x{m['backward_speedup']:.2f}, step "
-                      f"x{m['step_speedup']:.2f}, peak memory x{m['peak_memory_ratio']:.3f}; trimming the padding "
-                      f"instead: step x{m['trimmed_step_speedup']:.2f}", highlight=False)
+    for timing, s in m["summary"].items():
+        pick = lambda e: e and f"{_entry(e)} {e['ms']:.2f} ms"  # noqa: E731
+        base, best = s["fastest_baseline"], s["fastest"]
+        gain = f" (x{base['ms'] / best['ms']:.2f} vs the fastest non-SEBP)" if base and best else ""
+        console.print(f"{c['name']}, {timing}: fastest dense {pick(s['fastest_dense'])}; fastest non-SEBP "
+                      f"{pick(base)}; fastest {pick(best)}{gain}; --padding auto would pick {pick(s['auto_pick'])}",
+                      highlight=False, soft_wrap=True)
+    reasons: dict[str, list[str]] = {}
+    for sk in m["skipped"]:
+        reasons.setdefault(sk["reason"], []).append(f"{sk['layout']} {sk['method']} {sk['head']} {sk['timing']}")
+    for why, which in reasons.items():
+        console.print(f"not run ({len(which)}: {', '.join(which[:4])}{', ...' if len(which) > 4 else ''}): {why}",
+                      highlight=False, soft_wrap=True)
+    if m.get("backward_kernels"):
+        _breakdown_table(m)
+
+
+# kernel kinds of the breakdown table, the rest summed as "other" (fits 80 columns)
+_BREAKDOWN_COLUMNS = {"gemm": ("gemm",), "attention": ("attention",), "sebp": ("sebp", "sebp act"),
+                      "norm": ("norm",)}
 
 
 def _breakdown_table(m: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     runs = m["backward_kernels"]
-    kinds = sorted({k for r in runs.values() for k in r["by_kind_ms"]},
-                   key=lambda k: -runs.get("dense_padded", {"by_kind_ms": {}})["by_kind_ms"].get(k, 0.0))
-    table = Table(title=f"{m['case']['name']}: GPU kernel time of one backward by kind (ms)")
-    table.add_column("run")
-    for k in (*kinds, "total"):
-        table.add_column(k, justify="right")
-    for key, r in runs.items():
-        table.add_row(_RUN_LABELS.get(key, key), *(f"{r['by_kind_ms'].get(k, 0.0):.2f}" for k in kinds),
-                      f"{r['total_ms']:.2f}")
+    if "skipped" in runs:
+        console.print(f"kernel breakdown: {runs['skipped']}", highlight=False)
+        return
+    table = Table(title=f"{m['case']['name']}: GPU kernel time of one backward by kind (ms)", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
+    table.add_column("entry")
+    for k in (*_BREAKDOWN_COLUMNS, "other", "total"):
+        table.add_column(k, justify="right", no_wrap=True)
+    for entry, r in runs.items():
+        kinds = r["by_kind_ms"]
+        cols = [sum(kinds.get(k, 0.0) for k in ks) for ks in _BREAKDOWN_COLUMNS.values()]
+        table.add_row(entry, *(f"{v:.2f}" for v in cols), f"{r['total_ms'] - sum(cols):.2f}", f"{r['total_ms']:.2f}")
     console.print(table)
 
 

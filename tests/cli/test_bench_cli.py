@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from sebp_probe import bench, bench_model
+from sebp_probe import bench, bench_cases, bench_model
 from sebp_probe.cli import app
 
 runner = CliRunner()
@@ -31,7 +32,29 @@ def test_dry_run_plan_for_a_shape_set_and_the_whole_model():
     assert shapes == {(3072, 3072), (3072, 1024), (3072, 8192), (8192, 3072)}
     assert all(s["rows"] == 4096 for s in plan["layers"])
     assert plan["densities"] == [0.1, 0.5]
-    assert plan["models"][0]["seq"] == 4096 and plan["models"][0]["batch"] == 1
+    assert plan["models"][0]["case"]["max_length"] == 4096 and plan["models"][0]["case"]["batch"] == 1
+
+
+def test_dry_run_plan_of_the_sft_case():
+    """The whole-model plan without a GPU: one pool of 8 x 8 sequences, each layout's batches and padding, the
+    share of the backward's FLOPs on inactive rows per head, and every entry with why it would be skipped."""
+    res = _run("llama-3.2-1b-sft", "--scope", "model", "--graphs", "--dry-run")
+    assert res.exit_code == 0, res.output
+    (m,) = json.loads(res.output)["models"]
+    assert m["case"]["name"] == "llama-3.2-1b-sft" and m["case"]["prompt"] == 0.75
+    assert m["pool"]["sequences"] == 64 and len(m["pool"]["lengths"]) == 64
+    lay = m["layouts"]
+    assert lay["max_length"]["shapes"] == [[8, 2048]] * 8 and all(s[0] == 8 for s in lay["longest"]["shapes"])
+    assert lay["max_length"]["padding_share"] > lay["longest"]["padding_share"] > lay["bucket"]["padding_share"]
+    for layout in lay.values():
+        assert 0 < layout["inactive_share"]["labelled"] < layout["inactive_share"]["full"] < 1
+    entries = {(e["layout"], e["method"], e["head"], e["timing"]): e["reason"] for e in m["entries"]}
+    assert len(entries) == 4 * 5 * 2
+    assert "packed rows change shape" in entries[("packed", "dense", "full", "graphs")] or \
+        entries[("packed", "dense", "full", "graphs")] == "CUDA graphs need a GPU"
+    if not torch.cuda.is_available():
+        assert m["packed_backend"] == "mask" and "need a CUDA GPU" in entries[("longest", "liger", "full", "eager")]
+        assert entries[("longest", "sebp", "labelled", "eager")] is None
 
 
 def test_dry_run_explicit_layer():
@@ -61,7 +84,10 @@ def test_dry_run_explicit_layer():
      (["llama-3.2-3b", "--norms"], "are for the whole-model run"),
      (["llama-3.2-3b", "--acts", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--breakdown", "--dry-run"], "are for the whole-model run"),
-     (["bert-base", "--keep-dx", "--dry-run"], "are for the whole-model run")],
+     (["bert-base", "--keep-dx", "--dry-run"], "are for the whole-model run"),
+     (["bert-base", "--tiny", "--dry-run"], "are for the whole-model run"),
+     (["bert-base", "--scope", "model", "--figure", "f.txt", "--dry-run"], "unsupported image format"),
+     (["bert-base", "--scope", "model", "--model-batches", "0"], "--model-batches must be >= 1")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
     res = _run(*args)
@@ -71,20 +97,41 @@ def test_bad_arguments_are_one_line_errors(args, msg):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_refuses_clearly_without_a_gpu(tmp_path):
-    res = _run("--densities", "0.5", "-o", str(tmp_path / "r.json"))
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_refuses_clearly_without_a_gpu(tmp_path, scope):
+    res = _run("--densities", "0.5", "--scope", scope, "-o", str(tmp_path / "r.json"))
     assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
     assert not (tmp_path / "r.json").exists()
 
 
-def test_padded_rows_and_lengths():
+def test_tiny_whole_model_run_writes_json_figure_and_80_column_tables(tmp_path, monkeypatch):
+    """--tiny: the whole-model run of a shrunk case end to end (on a CPU without a GPU): one JSON with the
+    environment and command, one figure, and tables that fit the 80 columns of piped output."""
+    from sebp_probe import tables
+
+    monkeypatch.setattr(tables.console, "width", 80)
+    out, fig = tmp_path / "r.json", tmp_path / "r.png"
+    args = ("llama-3.2-1b-sft", "--scope", "model", "--tiny", "--model-batches", "1", "--model-repeats", "1",
+            "--graphs", "-o", str(out), "--figure", str(fig))
+    monkeypatch.setattr(sys, "argv", ["sebp-probe", "bench", *args])
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("sebp-probe bench llama-3.2-1b-sft") and "torch" in result["environment"]
+    (m,) = result["models"]
+    assert m["case"]["name"] == "llama-3.2-1b-sft (tiny)" and len(m["rows"]) >= 16
+    assert fig.stat().st_size > 10_000
+    lines = res.output.splitlines()
+    prose = ("llama-3.2-1b-sft (tiny), eager:", "not run (", "figure written", "results written", "loss check")
+    assert "…" not in res.output and max(len(line) for line in lines if not line.startswith(prose)) <= 80
+    assert "fastest dense" in res.output and "--padding auto would pick" in res.output
+    assert any(line.split()[:3] == ["packed", "sebp", "labelled"] for line in lines)
+
+
+def test_padded_rows():
     mask = bench.padded_rows(2048, 512, 0.1, "cpu")
     assert mask.view(4, 512)[:, :51].all() and not mask.view(4, 512)[:, 51:].any()
     assert bench.padded_rows(100, 512, 0.01, "cpu").sum() == 1  # never empty
-    sst2 = bench_model.sample_lengths("sst2", 4000, 512, seed=0)
-    assert 5 <= min(sst2) and max(sst2) <= 66 and 0.05 < sum(sst2) / (4000 * 512) < 0.075
-    short = bench_model.sample_lengths("short", 500, 4096, seed=1)
-    assert 64 <= min(short) and max(short) <= 512
 
 
 def test_shapes_from_a_local_config(tmp_path):
@@ -139,27 +186,56 @@ def test_kernel_kinds_of_the_backward_breakdown():
         assert bench_model.kernel_kind(name) == kind, name
 
 
-def test_tables_render_committed_results(capsys, monkeypatch):
-    """The result tables render for real result files (the layer and whole-model JSONs in results/), with the
-    kernel breakdown and the no-mask title too, so a table bug cannot cost a GPU run its output."""
+def _model_result() -> dict:
+    """A whole-model result as bench_model gives it, with CUDA-graph times and a kernel breakdown (made up)."""
+    rows = [dict(layout=lay, method=m, head=h, timing=t, ms=ms, forward_ms=ms / 3, backward_ms=2 * ms / 3,
+                 peak_gib=None if t == "graphs" else 12.5, padding_share=pad, per_batch_ms=[ms],
+                 loss_gap=None if t == "graphs" else 0.002 if m == "sebp" else 0.0)
+            for lay, pad, scale in (("max_length", 0.81, 3.0), ("longest", 0.55, 1.4), ("bucket", 0.12, 1.1),
+                                    ("packed", 0.0, 1.0))
+            for m, h, base in (("dense", "full", 100.0), ("dense", "labelled", 90.0), ("sebp", "full", 95.0),
+                               ("sebp", "labelled", 85.0), ("liger", "full", 88.0))
+            for t, ms in (("eager", base * scale), ("graphs", base * scale * 0.8))
+            if not (t == "graphs" and (lay == "packed" or h == "labelled" or m == "liger"))]
+    limits = [dict(layout=r["layout"], head=r["head"], timing=r["timing"], inactive_share=0.42, dense_ms=r["ms"],
+                   sebp_ms=r["ms"] * 0.9, limit_ms=r["ms"] * 0.7, sebp_speedup=1.111, limit_speedup=1.429,
+                   sebp_of_limit=0.778) for r in rows if r["method"] == "dense"]
+    return {"case": {"name": "llama-3.2-1b-sft", "batch": 8, "max_length": 2048}, "pad_mask": False, "norms": True,
+            "acts": True, "pool": {"batches": 8}, "packed_backend": "varlen", "rows": rows, "limits": limits,
+            "summary": bench_cases.summarize(rows),
+            "skipped": [dict(layout="packed", method="dense", head="full", timing="graphs",
+                             reason="packed rows change shape from batch to batch")],
+            "backward_kernels": {"longest dense full": {"total_ms": 3.0, "by_kind_ms": {"gemm": 2.0,
+                                                                                       "attention": 0.75}},
+                                 "longest sebp full": {"total_ms": 1.5, "by_kind_ms": {
+                                     "sebp": 0.5, "sebp act": 0.1, "attention": 0.75, "reduction": 0.15}}}}
+
+
+@pytest.mark.parametrize("width", [80, 250])
+def test_tables_render_results(capsys, monkeypatch, width):
+    """The result tables render the committed per-layer results and a whole-model result (every entry kind,
+    graphs, limits, breakdown, skipped reasons), and fit 80 columns when piped, so a table bug cannot cost a GPU
+    run its output."""
     from pathlib import Path
 
     from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
     result = json.loads((root / "h100_layers_bert-base.json").read_text())
-    model = json.loads((root / "h100_model_llama-3.2-3b.json").read_text())["models"][0]
-    model["pad_mask"] = False
-    model["backward_kernels"] = {
-        "dense_padded": {"total_ms": 3.0, "by_kind_ms": {"gemm": 2.0, "attention": 1.0}},
-        "sebp_padded": {"total_ms": 1.5, "by_kind_ms": {"sebp": 0.5, "attention": 1.0}}}
-    result["models"] = [model]
-    monkeypatch.setattr(tables.console, "width", 250)
+    result["models"] = [_model_result()]
+    monkeypatch.setattr(tables.console, "width", width)
     tables.bench_tables(result)
-    out = " ".join(capsys.readouterr().out.split())  # titles wrap to their table's width
-    assert "GPU kernel time of one backward by" in out and "no padding" in out
-    assert "│ SEBP, padded │ 0.00 │ 1.00 │ 0.50 │ 1.50 │" in out  # columns by the dense run's largest first
-    assert "as CUDA graphs" in out and "SEBP backward per layer" in out
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())  # titles wrap to their table's width
+    assert "GPU kernel time of one backward by kind" in out and "no padding mask" in out
+    assert "longest sebp full 0.00 0.75 0.60 0.00 0.15 1.50" in out  # sebp = sebp + sebp act; other = the rest
+    assert "longest dense full 140.0 112.0 12.50 55" in out  # eager, graphs, GiB, padding %
+    assert "fastest dense packed dense labelled 90.00 ms" in out and "packed rows change shape" in out
+    assert "eager: the limit of each layout" in out and "graphs: the limit" in out
+    assert "loss within 0.002 (relative, largest: max_length sebp full)" in out
+    if width == 80:  # the summary and skipped lines are soft-wrapped prose
+        prose = ("llama-3.2-1b-sft, ", "not run (", "loss check")
+        assert "…" not in raw and max(len(line) for line in raw.splitlines() if not line.startswith(prose)) <= 80
 
 
 def test_layer_tables_fit_80_columns(capsys, monkeypatch):

@@ -147,7 +147,7 @@ def test_refusals_leave_the_layer_as_it_was():
     batch = padded_batch("llama")
     layer = last_layer(model.model)
     model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(LastLayerError, match="^the kept-rows last layer needs attention 'sdpa' or 'eager'"):
+    with pytest.raises(LastLayerError, match="^the kept-rows last layer needs attention 'sdpa', 'eager' or varlen"):
         head_loss(model, batch, last_layer_rows_only=True)
     model.config._attn_implementation = "sdpa"
     kept = KeptRows.from_rows(torch.tensor([1, 2]), 3, 11)

@@ -215,6 +215,28 @@ def test_packed_under_autocast_and_eager_attention(arch, impl):
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("backend", ["mask", "varlen"])
+def test_labelled_rows_head_on_packed_batches(arch, backend, flash_stand_in, monkeypatch):
+    """batch_loss(labelled_head=True) on a packed batch: the head and the last layer on the labelled rows only
+    (varlen: the kept queries masked to their own sequence), same loss and gradients as the padded model."""
+    from sebp_probe.losses import batch_loss
+
+    monkeypatch.setattr(packing, "attention_backend", lambda model: backend)
+    model, items = tiny_model(arch), _items(arch)
+    ref = _grads(model, lambda: model(**_padded(arch, items)).loss)
+    _assert_same(ref, _grads(model, lambda: batch_loss(model, _packed(arch, items), labelled_head=True)))
+    _assert_same(ref, _grads(model, lambda: batch_loss(model, _padded(arch, items), labelled_head=True)))
+
+
+def test_labelled_rows_head_refuses_packed_classifiers():
+    from sebp_probe.heads import HeadError
+    from sebp_probe.losses import batch_loss
+
+    with pytest.raises(HeadError, match="padded batches only"):
+        batch_loss(tiny_model("bert"), _packed("bert", _items("bert")), labelled_head=True)
+
+
 def test_backend_is_the_mask_off_cuda():
     assert attention_backend(tiny_model("llama")) == "mask"
 

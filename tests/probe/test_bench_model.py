@@ -1,0 +1,215 @@
+"""The whole-model benchmark off the GPU: its cases (lengths, prompt masking, one pool of sequences for every
+layout), the limit's FLOP count on a hand-made example, the Liger patching's globals, the figure, and a CPU run
+of the whole thing on tiny BERT and Llama cases (every entry but the CUDA-only ones, which say why)."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sebp_probe import bench_cases, bench_model
+from sebp_probe.bench_cases import LAYOUTS, MODEL_CASES, Geometry
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_length_distributions():
+    sft = bench_cases.sample_lengths("sft", 4000, 2048, seed=0)
+    assert 16 <= min(sft) and max(sft) <= 2048 and 270 <= statistics.median(sft) <= 330
+    assert 0.003 < sum(n == 2048 for n in sft) / 4000 < 0.03  # a tail reaches the max length
+    sst2 = bench_cases.sample_lengths("sst2", 4000, 512, seed=0)
+    assert 5 <= min(sst2) and max(sst2) <= 66 and 0.05 < sum(sst2) / (4000 * 512) < 0.075
+    short = bench_cases.sample_lengths("short", 500, 4096, seed=1)
+    assert 64 <= min(short) and max(short) <= 512
+    assert min(bench_cases.sample_lengths("sft", 500, 64, seed=2)) >= 2  # tiny: still a labelled token
+    with pytest.raises(ValueError, match="unknown length distribution"):
+        bench_cases.sample_lengths("zipf", 4, 64, 0)
+
+
+def test_prompt_masking_and_classification_items():
+    case = MODEL_CASES["llama-3.2-1b-sft"]
+    lens = [2, 3, 8, 100]
+    for n, it in zip(lens, bench_cases.make_items(case, lens, 1000, seed=0)):
+        prompt = min(int(0.75 * n), n - 1)
+        assert len(it["input_ids"]) == n and min(it["input_ids"]) > bench_cases.PAD_ID
+        assert it["labels"][:prompt] == [-100] * prompt and it["labels"][prompt:] == it["input_ids"][prompt:]
+    bert = bench_cases.make_items(MODEL_CASES["bert-base"], [5, 9], 1000, seed=0)
+    assert all(it["label"] in (0, 1) and "labels" not in it for it in bert)
+
+
+def _sequences(layout: str, batch: dict) -> list[tuple]:
+    """The real tokens of each sequence of a collated batch."""
+    if layout == "packed":
+        flat, cu = batch["input_ids"].reshape(-1)[batch["flat_index"]], batch["cu_seqlens"].tolist()
+        return [tuple(flat[a:b].tolist()) for a, b in zip(cu[:-1], cu[1:])]
+    return [tuple(row[m.bool()].tolist()) for row, m in zip(batch["input_ids"], batch["attention_mask"])]
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b-sft", "bert-base"])
+def test_every_layout_lays_out_the_same_pool(name):
+    case = bench_cases.tiny(MODEL_CASES[name])
+    lens = bench_cases.sample_lengths(case.lengths, case.batch * 5, case.max_length, seed=0)
+    items = bench_cases.make_items(case, lens, 512, seed=0)
+    batches = bench_cases.layout_batches(case, items, seed=0)
+    pool = sorted(tuple(it["input_ids"]) for it in items)
+    for layout in LAYOUTS:
+        assert len(batches[layout]) == 5
+        assert sorted(s for b in batches[layout] for s in _sequences(layout, b)) == pool, layout
+    assert all(b["input_ids"].shape[1] == case.max_length for b in batches["max_length"])
+    spread = {lay: statistics.fmean(max(map(len, _sequences(lay, b))) - min(map(len, _sequences(lay, b)))
+                                    for b in batches[lay]) for lay in ("longest", "bucket")}
+    assert spread["bucket"] < spread["longest"]  # bucket groups similar lengths
+    share = bench_cases.layout_padding(lens, case, 0, "mask")
+    assert share["max_length"] > share["longest"] > max(share["bucket"], share["packed"])
+    assert bench_cases.layout_padding(lens, case, 0, "varlen")["packed"] == 0.0
+
+
+_CFG = SimpleNamespace(model_type="llama", hidden_size=4, intermediate_size=8, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=2, num_hidden_layers=2, vocab_size=10)
+
+
+def test_limit_formula_on_a_hand_made_batch():
+    """Two sequences of 4 and 2 tokens padded to 4, one labelled token each, 2 decoder layers.
+
+    Per layer sum(in x out): queries 4x4 = 16, keys and values 4x2 + 4x2 = 16, the rest (o 16, gate/up 2 x 32,
+    down 32) 112. Layer 0: 8 rows, 6 active: 4 x 8 x 144 = 4608 FLOPs, 4 x 2 x 144 = 1152 inactive. Last layer:
+    keys/values 4 x 8 x 16 = 512 (128 inactive); queries and the rest 4 x 8 x 128 = 4096, 2 rows active (3072
+    inactive); LM head 4 x 8 x 40 = 1280 (960 inactive). Attention 10 x width 4 x (32 + 32 pairs) = 2560."""
+    geo = Geometry(rows=2, length=4, seq_lens=[4, 2], read=[1, 1])
+    f = bench_cases.backward_flops(_CFG, geo, "full", causal_kernel=False)
+    assert f == {"linear": 10496, "inactive": 5312, "total": 13056}
+    s = 5312 / 13056
+    assert bench_cases.limit_ms(10.0, 20.0, s) == pytest.approx(10 + 20 * (1 - s))
+    # labelled head: the last layer's queries (2 sequences x 1 slot), the rest and the LM head on the 2 rows
+    lab = bench_cases.backward_flops(_CFG, geo, "labelled", causal_kernel=False)
+    assert lab == {"linear": 4608 + 4 * 2 * 16 + 512 + 4 * 2 * 112 + 4 * 2 * 40, "inactive": 1152 + 128,
+                   "total": 6464 + 10 * 4 * (32 + 2 * 4)}
+    causal = bench_cases.backward_flops(_CFG, geo, "full", causal_kernel=True)
+    assert causal["total"] == 10496 + 10 * 4 * (16 + 16)
+    varlen = bench_cases.backward_flops(_CFG, Geometry(1, 6, [4, 2], [1, 1], varlen=True), "full", True)
+    assert varlen["inactive"] == 4 * 4 * 128 + 4 * 4 * 40  # no padding: only the unread rows
+    assert varlen["total"] == varlen["linear"] + 10 * 4 * 2 * (16 + 4) / 2
+
+
+def test_layout_limits_and_summary():
+    flops = [{"inactive": 1.0, "total": 4.0}, {"inactive": 1.0, "total": 2.0}]
+    dense = [{"step_ms": 30.0, "forward_ms": 10.0, "backward_ms": 20.0}] * 2
+    sebp = [{"step_ms": 25.0, "forward_ms": 10.0, "backward_ms": 15.0}] * 2
+    info = {"layouts": {"longest": {"flops": {"full": flops}, "inactive_share": {"full": 0.333}}}}
+    runs = {("longest", "dense", "full", "eager"): dense, ("longest", "sebp", "full", "eager"): sebp}
+    (li,) = bench_cases.layout_limits(runs, {}, info)
+    lim = (10 + 20 * 0.75 + 10 + 20 * 0.5) / 2
+    assert li["limit_ms"] == pytest.approx(lim) and li["sebp_speedup"] == pytest.approx(1.2)
+    assert li["sebp_of_limit"] == pytest.approx(round(lim / 25, 3))
+    assert bench_cases.layout_limits(runs, {("longest", "sebp", "full", "eager"): "oom"}, info) == []
+    rows = [dict(layout=lay, method=m, head="full", timing="eager", ms=ms) for lay, m, ms in
+            (("longest", "dense", 30.0), ("longest", "sebp", 25.0), ("packed", "dense", 20.0),
+             ("packed", "liger", 18.0), ("packed", "sebp", 19.0))]
+    s = bench_cases.summarize(rows)["eager"]
+    assert (s["fastest_dense"]["layout"], s["fastest_baseline"]["method"], s["fastest"]["method"],
+            s["auto_pick"]["method"]) == ("packed", "liger", "liger", "sebp")
+    assert rows[1]["vs_dense_same_layout"] == 1.2 and rows[4]["vs_fastest_baseline"] == round(18 / 19, 3)
+
+
+def test_liger_patch_is_confined_to_its_model(monkeypatch):
+    """Liger's apply functions also set globals of the transformers module (RoPE, classes): the copy's context
+    sets them for its steps only; the dense model keeps its own."""
+    import transformers.models.llama.modeling_llama as ml
+
+    def fake_apply(model):  # as apply_liger_kernel_to_llama(model=...): module globals and the instance
+        ml.apply_rotary_pos_emb = "liger rope"
+        ml.LigerOnly = "new name"
+        model.forward = types.MethodType(lambda self, **kw: "liger forward", model)
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = fake_apply
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    rope = ml.apply_rotary_pos_emb
+    case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
+    model, context = bench_model.liger_copy(case, torch.float32, torch.device("cpu"))
+    assert ml.apply_rotary_pos_emb is rope and not hasattr(ml, "LigerOnly") and model() == "liger forward"
+    with context():
+        assert ml.apply_rotary_pos_emb == "liger rope" and ml.LigerOnly == "new name"
+    assert ml.apply_rotary_pos_emb is rope and not hasattr(ml, "LigerOnly")
+    assert bench_model.liger_reason(MODEL_CASES["bert-base"], torch.device("cuda")).startswith(
+        "Liger-Kernel has no patch for bert")
+
+
+@pytest.fixture(scope="module")
+def tiny_results() -> dict:
+    """The whole benchmark of the tiny BERT and Llama cases on the CPU: 2 batches, one timed step each."""
+    out = {}
+    for name in ("bert-base", "llama-3.2-1b-sft"):
+        out[name] = bench_model.bench_model(bench_cases.tiny(MODEL_CASES[name]), torch.bfloat16, repeats=1,
+                                            n_batches=2, graphs=True, breakdown=True, norms=True, acts=True,
+                                            device="cpu", warmup=0)
+    return out
+
+
+@pytest.mark.parametrize("name", ["bert-base", "llama-3.2-1b-sft"])
+def test_whole_benchmark_on_a_cpu(tiny_results, name):
+    r = tiny_results[name]
+    json.dumps(r)  # one JSON
+    decoder = name != "bert-base"
+    want = {(lay, m, h) for lay in LAYOUTS for m in ("dense", "sebp") for h in ("full", "labelled")
+            if decoder or not (lay == "packed" and h == "labelled")}
+    assert {(x["layout"], x["method"], x["head"]) for x in r["rows"]} == want
+    assert all(x["timing"] == "eager" and x["ms"] > 0 and len(x["per_batch_ms"]) == 2 for x in r["rows"])
+    assert all(x["loss_gap"] < 0.05 for x in r["rows"])  # the same loss, bf16 rounding aside
+    why = {(s["method"], s["timing"]): s["reason"] for s in r["skipped"] if s["layout"] == "max_length"}
+    assert why[("dense", "graphs")] == "CUDA graphs need a GPU"
+    assert ("Liger-Kernel's Triton kernels need a CUDA GPU" if decoder else "no patch for bert") in why[
+        ("liger", "eager")]
+    assert r["packed_backend"] == "mask" and r["layouts"]["packed"]["padding_share"] > 0
+    assert r["backward_kernels"] == {"skipped": "the kernel breakdown needs a CUDA GPU"}
+    assert r["sebp_layers"]["full"]["norms"] > 0 and r["sebp_layers"]["full"]["acts"] > 0
+    if decoder:  # the labelled head keeps the LM head a plain linear
+        assert r["sebp_layers"]["full"]["linears"] == r["sebp_layers"]["labelled"]["linears"] + 1
+    assert {(li["layout"], li["head"]) for li in r["limits"]} == {(lay, h) for lay, _, h in want}
+    for li in r["limits"]:
+        assert 0 < li["inactive_share"] < 1 and li["limit_ms"] < li["dense_ms"]
+    assert set(r["summary"]) == {"eager"} and r["summary"]["eager"]["auto_pick"]["head"] == "full"
+    assert r["pool"]["sequences"] == 2 * r["case"]["batch"] == len(r["pool"]["lengths"])
+
+
+def test_figure_of_the_results(tiny_results, tmp_path):
+    from sebp_probe.plots import plot_bench_models
+
+    models = list(tiny_results.values())
+    graphed = json.loads(json.dumps(models[0]))
+    graphed["rows"] += [dict(r, timing="graphs", ms=r["ms"] / 2) for r in graphed["rows"]
+                        if r["layout"] != "packed" and r["head"] == "full"]
+    graphed["summary"] = bench_cases.summarize(graphed["rows"])
+    path = plot_bench_models([graphed, models[1]], tmp_path / "bench.png")
+    assert path.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="unsupported image format"):
+        plot_bench_models(models, tmp_path / "bench.txt")
+
+
+def test_packed_rows_by_varlen_as_on_a_gpu(monkeypatch):
+    """The packed entries as a GPU runs them (one flattened row, varlen attention; here a per-sequence sdpa in
+    place of flash attention): no padding, and the labelled-rows head through the varlen last layer."""
+    from sebp_probe import packing
+    from tests.probe.test_packing import reference_varlen
+
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", reference_varlen)
+    monkeypatch.setattr(packing, "attention_backend", lambda model: "varlen")
+    r = bench_model.bench_model(bench_cases.tiny(MODEL_CASES["qwen2.5-0.5b-sft"]), torch.float32, repeats=1,
+                                n_batches=1, device="cpu", warmup=0)
+    assert r["packed_backend"] == "varlen" and r["layouts"]["packed"]["padding_share"] == 0.0
+    packed = {(x["method"], x["head"]) for x in r["rows"] if x["layout"] == "packed"}
+    assert packed == {("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled")}
+    assert r["layouts"]["packed"]["shapes"][0][0] < r["case"]["batch"]  # fewer rows than sequences
+    assert max(x["loss_gap"] for x in r["rows"]) < 1e-5  # fp32: every layout, method and head, the same loss
