@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md. Run from the repository root on a CUDA machine:
+#
+#   STEPS="bert head resprop" OUT=/tmp/out bash benchmarks/gpu_session.sh
+#
+# Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute), bert, llama,
+# qwen (the whole-model bench of that case, one JSON and one figure), head (benchmarks/head_bench.py), resprop
+# (benchmarks/resprop_bench.py), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
+# the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
+# cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
+set -u
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton}"
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+fi
+nvidia-smi -L | tee "$OUT/env.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  | tee -a "$OUT/env.txt"
+bench() {  # case, then extra options
+  local case=$1; shift
+  python3 -m sebp_probe bench "$case" --scope model --graphs -o "$OUT/model_$case.json" --figure "$OUT/model_$case.png" \
+    "$@" 2>&1 | tee "$OUT/model_$case.txt" | tail -60
+}
+for s in ${STEPS:-smoke}; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    smoke) python3 -m sebp_probe bench llama-3.2-1b-sft --scope model --tiny --graphs --breakdown -o "$OUT/tiny.json" \
+             2>&1 | tail -40 ;;
+    bert) bench bert-base ;;
+    llama) bench llama-3.2-1b-sft ;;
+    qwen) bench qwen2.5-0.5b-sft ;;
+    head) python3 benchmarks/head_bench.py --out "$OUT/head.json" 2>&1 | grep -v Warning | tail -40 ;;
+    resprop) python3 benchmarks/resprop_bench.py --output "$OUT/resprop.json" 2>&1 | grep -v Warning | tail -20 ;;
+    gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
+      python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1
+      grep -B2 -A12 "^E  " "$OUT/$s.txt" | head -80; tail -3 "$OUT/$s.txt" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
