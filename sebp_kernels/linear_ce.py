@@ -15,8 +15,9 @@ arithmetic runs as torch ops on an fp32 copy of the chunk: the reference the ker
 Memory: a chunk holds ``chunk_rows x V`` logits (on the torch path in fp32, plus a copy in the compute dtype
 under autocast); the default keeps that working set near ``CHUNK_BYTES`` (512 MiB): 2048 rows for V = 128256
 in bf16 on the kernel's path. The gradients live from the forward until the backward: dL/dh of the labelled
-rows and, with several chunks and a 16-bit weight, an fp32 accumulator of dL/dW (V x d x 4 bytes), cast to
-the weight's dtype at the end.
+rows and dL/dW, summed over the chunks in the weight's dtype on the kernel's path (cuBLAS adds each chunk's
+product in fp32 and rounds once) and, for a 16-bit weight, in an fp32 accumulator (V x d x 4 bytes) on the
+torch path.
 """
 from __future__ import annotations
 
@@ -141,8 +142,11 @@ def _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk, need_dh, 
     b_c = bias.to(compute) if bias is not None else None
     scale = 1.0 / n if (reduction == "mean" and n) else 1.0
     n_chunks = -(-n // chunk)
-    # one chunk: dW straight in the product's dtype, as the dense path; several: an fp32 (or wider) sum
-    dw_dtype = weight.dtype if n_chunks <= 1 else torch.promote_types(weight.dtype, torch.float32)
+    # one chunk: dW straight in the product's dtype, as the dense path; several: an fp32 (or wider) sum, except
+    # on the kernel's path with a 16-bit weight, where cuBLAS adds each chunk's product in fp32 into the weight's
+    # dtype (one rounding a chunk; a V x d fp32 sum would cost its memory and a pass over it per chunk)
+    wide = n_chunks > 1 and (fused is None or weight.dtype.itemsize >= 4)
+    dw_dtype = torch.promote_types(weight.dtype, torch.float32) if wide else weight.dtype
     dh = torch.empty(n, d, dtype=compute, device=h.device) if need_dh else None
     dw = db = None
     total = torch.zeros((), dtype=acc, device=h.device)
