@@ -19,7 +19,7 @@ import torch
 from .registry import register
 
 # Take the dense backward when at least this share of rows was active last time. H100, bf16, the seven
-# BERT-base / Llama-3.2-3B shapes (results/h100_dense_gap.json): the SEBP kernels are 1-13% faster than
+# BERT-base / Llama-3.2-3B shapes (results/tuning/dense_gap_h100.json): the SEBP kernels are 1-13% faster than
 # cuBLAS at 0.75 (one shape 1.5% slower), 5% faster to 10% slower at 0.9, and 2-16% slower at 1.0.
 DENSE_ABOVE = 0.85
 PROBE_EVERY = 16  # while dense, every PROBE_EVERY-th backward re-measures through the SEBP path

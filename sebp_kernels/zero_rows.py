@@ -2,7 +2,7 @@
 
 The SEBP backward writes every row of dX: its active rows, and zeros on all the others, because autograd takes
 the whole (M, in) tensor. At low density the zeros are most of the bytes it writes (on an H100 they set the
-floor of the per-layer backward, ``results/h100_layers_io/``). A :class:`ZeroRowBuffer` keeps dX's storage
+floor of the per-layer backward: "ideal +io" in docs/kernels.md). A :class:`ZeroRowBuffer` keeps dX's storage
 between backwards with a per-row mark (``dirty``) of the rows that may hold non-zeros. The Triton backward
 then writes the rows active now and zeros only the rows marked dirty (those active the last time), so its
 writes scale with k instead of M. The SEBP norms and activations take their input gradients from the pool
@@ -19,7 +19,7 @@ output's memory) never uses it.
 
 Memory: the pool keeps up to :data:`MAX_PER_SHAPE` buffers of each gradient shape alive between steps
 (BERT-base at 32 x 512 tokens, bf16: 25 MiB for each 768-wide one, 100 MiB for each 3072-wide one); a
-BERT-base step's peak rose from 0.986 to 1.015 of dense with it (H100, ``results/h100_zero_rows/``).
+BERT-base step's peak rose from 0.986 to 1.015 of dense with it (H100).
 """
 from __future__ import annotations
 

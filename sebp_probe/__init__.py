@@ -1,11 +1,11 @@
 """sebp-probe: find and exploit gradient sparsity in Transformer fine-tuning."""
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm
 
+from ._version import __version__
 from .patch import (PatchError, find_targets, patch_activations, patch_model, patch_norms, patched_activations,
                     patched_layers, unpatch_activations, unpatch_model)
 from .resprop import ReuseDropCollector, patch_resprop, reset_resprop, resprop_layers, unpatch_resprop
 
-__version__ = "0.1.0"
 __all__ = [
     "SEBPConfig", "SEBPLinear", "SEBPNorm", "PatchError", "find_targets", "patch_activations", "patch_model",
     "patch_norms", "patched_activations", "patched_layers", "unpatch_activations", "unpatch_model",

@@ -236,7 +236,7 @@ def summarize(stats: GradientStats, settings: AnalyzeSettings = AnalyzeSettings(
 def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict, layouts: dict | None) -> dict:
     """Wrap a :func:`summarize` result with identities and the layout advice
     (:func:`sebp_probe.causes.layout_advice`; None without token lengths) into a schema-versioned report."""
-    from . import __version__
+    from ._version import __version__
 
     return {
         "schema": SCHEMA,

@@ -23,7 +23,7 @@ rows of each sequence are real), the backward of one linear is timed as:
   GPU's fill bandwidth, measured in the same run (a 256 MiB ``zero_``): the dY rows that have to be read in
   full to find the active ones (the inactive rows; every row in topk mode) and the zero rows of dX (autograd
   takes all of dX). It is the floor when that traffic cannot run beside the GEMMs; on an H100 it did not,
-  whatever wrote the zeros (``results/h100_zero_fill/``).
+  whatever wrote the zeros (docs/kernels.md).
 
 Times are medians over repeats with CUDA events, with the L2 cache flushed before each repeat; within a
 repeat the methods take turns, so clock drift over the run falls on all of them alike. Methods that

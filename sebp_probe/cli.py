@@ -55,7 +55,7 @@ def _main(
 ) -> None:
     """sebp-probe: where does your backward pass waste work, and how much of it can SEBP get back?"""
     if version:
-        from . import __version__
+        from ._version import __version__
 
         console.print(f"sebp-probe {__version__}")
         raise typer.Exit()

@@ -34,7 +34,7 @@ _SIDE: dict = {}  # device index -> the one warm-up stream
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One warm-up stream per device for every capture: torch keeps a cuBLAS workspace for each stream a
     matmul ever ran on, for as long as the process lives (65 MiB a stream on an H100, measured with
-    ``scripts/graph_leak_probe.py``), so a fresh stream per capture leaked that much each time."""
+    measured with a capture loop), so a fresh stream per capture leaked that much each time."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIDE:
         _SIDE[idx] = torch.cuda.Stream(idx)

@@ -52,7 +52,7 @@ def wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.n
 def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
     """AdamW; on a GPU its fused implementation (one kernel per parameter group and dtype, as Hugging Face's
     ``Trainer`` uses by default): the multi-tensor one took 6-7 ms of host time a step for BERT-base on the
-    device machine, longer than the GPU needed for it (``scripts/gpu_finetune.py`` with PROFILE_STEPS). Same
+    device machine, longer than the GPU needed for it (torch.profiler over training steps). Same
     update rule; the CPU keeps the default implementation."""
     fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
     if fused:

@@ -122,7 +122,7 @@ def versions() -> dict:
     import accelerate
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     v = {"sebp_probe": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
          "accelerate": accelerate.__version__, "python": platform.python_version()}

@@ -165,8 +165,8 @@ _PLANS = Plans(_fwd, _bwd, _compact)
 
 
 def _row_blocks(n: int, interpret: bool) -> tuple[int, int, int]:
-    """(rows per program, columns per tile, warps): 4 x up to 1024, 4 warps. From ``scripts/act_sweep.py`` on
-    an H100 (``results/h100_acts/act_sweep.json``, 9 settings): at the Llama-3.2-3B SwiGLU shape the forward
+    """(rows per program, columns per tile, warps): 4 x up to 1024, 4 warps. From a sweep on
+    an H100 (``results/tuning/act_sweep_h100.json``, 9 settings): at the Llama-3.2-3B SwiGLU shape the forward
     took 79.6 us and the backward 95.0 us against 94.0 / 105.0 with the selection pass's 8 x 512, 8 warps; at
     the BERT-base GELU shape both were within 2% of each other (46.8 / 103.5 against 47.0 / 101.6 us)."""
     if interpret:

@@ -83,7 +83,7 @@ def _dx_work(count, N, K, FILL, EXTRA, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     t_div = tl.maximum(t_act, 1)
     # T * S stays within FILL: one more piece than the free SMs hold starts a second wave (measured on an
     # H100 with dX alone, where FILL is every SM: cdiv(FILL, T) here made k/v 3072 -> 1024 at d = 0.2 take
-    # 35 us instead of 15, results/h100_dx_only_splits.json).
+    # 35 us instead of 15, results/tuning/dx_only_splits_h100.json).
     n_split = tl.minimum(tl.minimum(1 + EXTRA // t_div, FILL // t_div),
                          tl.minimum(tl.maximum(K // MIN_K, 1), MAX_SPLIT))
     return t_act, tl.maximum(n_split, 1)
@@ -196,10 +196,10 @@ MIN_K = 512  # K per dX split at least (8 steps of BLOCK_K = 64), beside the dW 
 # on an H100 (k/v 3072 -> 1024 at d = 0.05: 22.8 us in 2 pieces of 512, 14.3 us whole; Llama down at d = 0.05:
 # 54.0 in 2 pieces of 1536, 51.3 whole), longer ones won (gate/up at d = 0.05: 51.1 in 5 pieces of 1638, 77.4
 # whole). With 1600 the rule picks the faster of the two measured choices at all 21 points of
-# results/h100_dx_only_splits.json (this value itself not re-run there).
+# results/tuning/dx_only_splits_h100.json (this value itself not re-run there).
 MIN_K_ALONE = 1600
 MAX_SPLIT = 16
-ZERO_PROGRAMS_PER_SM = 1  # programs that zero a kept dX's dirty rows: 1-8 a SM, 1 best (results/h100_zero_rows)
+ZERO_PROGRAMS_PER_SM = 1  # programs that zero a kept dX's dirty rows: 1-8 a SM, 1 best (results/tuning/zero_programs_sweep_h100.json)
 
 
 def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: bool, busy: int = 0):

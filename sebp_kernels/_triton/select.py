@@ -10,7 +10,7 @@ Two small kernels, no host sync:
    them into a permutation of ``0..M-1``: active rows first in row order, then the inactive rows (in reverse
    order) at the back. The number of active rows ``k`` goes to a one-element device tensor.
 
-Measured on an H100 (2026-11-22, ``results/h100_select_one_vs_two_launches.txt`` and
+Measured on an H100 (2026-11-22, ``results/tuning/select_one_vs_two_launches_h100.txt`` and
 ``results/select_h100/select_probe.json``), two one-launch variants were slower than these two launches at
 every BERT-base and Llama-3.2-3B shape: each block finding its offset by a decoupled look-back over earlier blocks
 (6-13 us more), and the last block to finish compacting all rows alone (1-60 us more). The compact pass
@@ -125,7 +125,7 @@ def _row_sumsq_kernel(
 def _row_blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) of the sum-of-squares pass (topk mode): 8 rows x up to 512 columns, 8
     warps, the tiles the flags pass used until 2026-11-22 (chosen then for it by the earlier
-    ``scripts/flags_sweep.py``, ``results/h100_flags_sweep.json``); this pass reads every column anyway."""
+    ``results/tuning/flags_sweep_h100.json``); this pass reads every column anyway."""
     if interpret:
         return 8, 16, 1
     return 8, max(64, min(triton.next_power_of_2(n), 512)), 8
@@ -134,8 +134,8 @@ def _row_blocks(n: int, interpret: bool) -> tuple[int, int, int]:
 @functools.lru_cache(maxsize=None)
 def _flag_blocks(n: int, interpret: bool) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_C, UNROLL, num_warps) of the flags pass: 4 rows x up to 256 columns, 2 column blocks a
-    step, 4 warps. From ``scripts/flags_sweep.py`` on an H100 with the L2 cache flushed, as the bench times
-    (``results/h100_flags_sweep_flushed.json``, 2026-11-22, 36 settings): over BERT-base and Llama-3.2-3B dY
+    step, 4 warps. From a sweep on an H100 with the L2 cache flushed, as the bench times
+    (``results/tuning/flags_sweep_flushed_h100.json``, 2026-11-22, 36 settings): over BERT-base and Llama-3.2-3B dY
     shapes at densities 0.1, 0.5 and 1.0 it was within 0.6% of each case's best on average, and up to 30%
     faster than the early-exit kernel before it (8 rows x 512 columns, 8 warps; e.g. 16384 x 768 at d = 0.5:
     14.9 -> 12.6 us; 16384 x 3072 at d = 1.0: 12.9 -> 9.1 us), at one of the 15 points 0.5% slower (4096 x 1024

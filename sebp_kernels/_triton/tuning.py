@@ -2,11 +2,11 @@
 
 The row count k lives on the device, so a runtime autotuner would tune on whatever density its first call
 had (and pay Python work on every call). Instead the tile shapes come from the config sweep of
-``scripts/gpu_diag.py`` on an H100 and an H200 (bf16; BERT-base and Llama-3.2-3B projection shapes,
+a sweep on an H100 and an H200 (bf16; BERT-base and Llama-3.2-3B projection shapes,
 densities 0.2 and 1.0): one config won or came within a few percent of the best for every shape, for each
-kernel (``results/h200_kernel_sweep.json``). In the fused gradient kernel, which takes the dW tiles for both
-roles, ``scripts/grads_sweep.py`` on an H100 found it within 1.1% of the best of 8 settings on average over the
-same shapes at densities 0.1-0.5 (``results/h100_grads_sweep.json``).
+kernel (``results/tuning/kernel_sweep_h200.json``). In the fused gradient kernel, which takes the dW tiles for both
+roles, a sweep on an H100 found it within 1.1% of the best of 8 settings on average over the
+same shapes at densities 0.1-0.5 (``results/tuning/grads_sweep_h100.json``).
 """
 from __future__ import annotations
 

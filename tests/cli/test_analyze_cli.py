@@ -120,6 +120,7 @@ def _csv(tmp_path: Path, name: str, text: str) -> str:
 
 @pytest.mark.parametrize("case", ["unknown model", "missing column", "empty dataset", "layer glob", "image format",
                                   "padding side", "tile", "max batches", "missing data file"])
+@pytest.mark.slow
 def test_bad_input_gives_one_clear_line(tmp_path, case):
     args, words = {
         "unknown model": (["analyze", "./no/such/model"], "does not exist"),

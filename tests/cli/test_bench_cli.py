@@ -221,7 +221,7 @@ def test_tables_render_results(capsys, monkeypatch, width):
     from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
-    result = json.loads((root / "h100_layers_bert-base.json").read_text())
+    result = json.loads((root / "layers_h100" / "layers_bert-base.json").read_text())
     result["models"] = [_model_result()]
     monkeypatch.setattr(tables.console, "width", width)
     tables.bench_tables(result)
@@ -247,8 +247,12 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
-    result = json.loads((root / "h100_layers_llama-3.2-3b.json").read_text())
+    result = json.loads((root / "layers_h100" / "layers_llama-3.2-3b.json").read_text())
     result["models"] = []
+    for key in ("triton_fraction_of_ideal_io_speedup", "triton_reuse_fraction_of_ideal_speedup",
+                "triton_rows_reuse_fraction_of_ideal_speedup"):  # the first layer as a file from before ideal +io
+        result["layers"][0].pop(key, None)
+    result["layers"][0]["ms"].pop("ideal_io", None)
     result["layers"][1]["ms"]["ideal_io"] = 0.0512
     result["layers"][1]["triton_fraction_of_ideal_io_speedup"] = 0.876
     result["layers"][1]["triton_reuse_fraction_of_ideal_speedup"] = 0.912
@@ -270,7 +274,7 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
                                           "triton_rows_reuse_fraction_of_ideal_speedup")):
             assert cell == (f"{layer[key]:.2f}" if key in layer else "-"), row
     assert rows[1].split()[-3] == "0.051" and rows[2 * n + 1].split()[-3:] == ["0.88", "0.91", "0.95"]
-    assert rows[0].split()[-3] == "-"  # no ideal +io time in this file's first layer
+    assert rows[0].split()[-3] == "-"  # no ideal +io time in the first layer
     result["layers"][0].pop("triton_rows_fraction_of_ideal_speedup")  # a file from before that timing
     tables.bench_tables(result)
     first = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llama-3.2-3b")]

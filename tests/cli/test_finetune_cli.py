@@ -75,6 +75,7 @@ def test_help_has_examples():
         assert word in r.output
 
 
+@pytest.mark.slow
 def test_compare_run_writes_outputs_and_guards_its_directory(tiny, tmp_path):
     out = tmp_path / "run"
     args = [tiny, "tweets", *FAST, "--max-steps", "6", "--compare", "--always-sebp", "--dense-fallback", "1",
@@ -116,6 +117,7 @@ def _forced_sebp_compare(tiny, out, flag: str) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_sebp_norms_compare_matches_dense_and_saves_plain_norms(tiny, tmp_path):
     out = tmp_path / "norms"
     summary = _forced_sebp_compare(tiny, out, "--sebp-norms")
@@ -127,6 +129,7 @@ def test_sebp_norms_compare_matches_dense_and_saves_plain_norms(tiny, tmp_path):
     assert json.loads((out / "run_config.json").read_text())["config"]["sebp_norms"] is True
 
 
+@pytest.mark.slow
 def test_sebp_acts_compare_matches_dense(tiny, tmp_path):
     out = tmp_path / "acts"
     summary = _forced_sebp_compare(tiny, out, "--sebp-acts")
@@ -195,6 +198,7 @@ def test_dataset_without_labels_is_refused(tiny, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_report_for_another_model_is_refused(tiny, tmp_path):
     from sebp_probe.analyze import AnalyzeSettings, analyze_for_finetune
     from sebp_probe.assets import load_model
@@ -211,6 +215,7 @@ def test_report_for_another_model_is_refused(tiny, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_a_clear_message(tiny, tmp_path):
     out = tmp_path / "run"
     line = _error_line(_run([tiny, *FAST, "--max-steps", "20", "--lr", "1e30", "--save-steps", "1",

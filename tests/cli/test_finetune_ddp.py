@@ -1,6 +1,6 @@
 """Data parallel through torchrun, on the CPU (2 processes, gloo; accelerate sees ACCELERATE_USE_CPU=1):
 exact SEBP gives dense's losses, one process writes the files, and SIGTERM + --resume equals an
-uninterrupted run. The same code runs NCCL DDP on GPUs (scripts/gpu_finetune.sh with NPROC=2)."""
+uninterrupted run. The same code runs NCCL DDP on GPUs (under accelerate launch on GPUs)."""
 from __future__ import annotations
 
 import json

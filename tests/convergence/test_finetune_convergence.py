@@ -42,6 +42,7 @@ def _train_losses(path):
     return [json.loads(x)["loss"] for x in open(path) if '"train"' in x]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,accum", [("bert", 1), ("bert", 2), ("llama", 1)])
 def test_exact_sebp_reproduces_dense_losses(tmp_path, arch, accum):
     data = synthetic_data("classification" if arch in ENCODERS else "causal-lm")
@@ -66,6 +67,7 @@ def test_exact_sebp_reproduces_dense_losses(tmp_path, arch, accum):
     assert (tmp_path / "run" / "eval.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode_kw", [dict(mode="topk", top_n=64), dict(eps=1e-4)])
 def test_lossy_modes_skip_rows_and_still_learn(tmp_path, mode_kw):
     data = synthetic_data("classification", n=128)
@@ -85,6 +87,7 @@ def test_lossy_modes_skip_rows_and_still_learn(tmp_path, mode_kw):
     assert abs(sum(s_loss[-8:]) - sum(d_loss[-8:])) / 8 < 0.15
 
 
+@pytest.mark.slow
 def test_dense_fallback_keeps_dense_rows_dense(tmp_path):
     # Every sequence is full length: all rows are active except where only the CLS row gets gradient
     # (the last layer's query, attention output and MLP): only those are worth SEBP. (With the labelled head
@@ -119,6 +122,7 @@ def test_sebp_slower_than_dense_falls_back_to_dense(monkeypatch):
     assert len(c.layers) == 12 and sum(isinstance(x, SEBPLinear) for x in model.modules()) == 12
 
 
+@pytest.mark.slow
 def test_lora_sebp_matches_dense_and_saves_a_plain_model(tmp_path):
     pytest.importorskip("peft")
     cfg = _cfg(tmp_path, compare=True, lora=True, max_steps=8)
@@ -145,6 +149,7 @@ def test_frozen_base_layers_compute_no_weight_gradient():
     assert lin.weight.grad is None and x.grad is not None
 
 
+@pytest.mark.slow
 def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path):
     data = synthetic_data("classification", n=40)  # 5 batches per epoch: the run crosses epochs
     kw = dict(max_steps=12, grad_accum=2, eval_steps=4)
@@ -174,6 +179,7 @@ def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, lr=1e30, max_grad_norm=None, save_steps=1, max_steps=10)
     with pytest.raises(ft.FinetuneError, match="non-finite") as e:
@@ -188,6 +194,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert not (tmp_path / "run" / "model").exists()
 
 
+@pytest.mark.slow
 def test_causal_lm_model_saved_loads_without_sebp(tmp_path):
     s = ft.finetune(_cfg(tmp_path, max_steps=4), load_fn=_loader("llama"), data=synthetic_data("causal-lm"))
     assert s["final_eval"]["eval_perplexity"] > 1
@@ -197,6 +204,7 @@ def test_causal_lm_model_saved_loads_without_sebp(tmp_path):
     assert cfgjson["config"]["max_steps"] == 4 and "torch" in cfgjson["versions"]
 
 
+@pytest.mark.slow
 def test_epochs_and_dynamic_padding(tmp_path):
     data = synthetic_data("classification", n=96)  # 12 batches of 8: half an epoch is 6 steps
     s = ft.finetune(_cfg(tmp_path, max_steps=None, epochs=0.5, data=DataConfig(max_length=24, batch_size=8,
@@ -232,6 +240,7 @@ def test_calibration_times_both_backends_on_cuda_only():
     assert _backend_variants(pinned, torch.device("cuda")) == [pinned]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_compare_frees_the_first_run_before_the_second(tmp_path, precision):
     """The dense run's model must be gone when the SEBP run starts, or its memory inflates SEBP's peak."""
@@ -248,6 +257,7 @@ def test_compare_frees_the_first_run_before_the_second(tmp_path, precision):
     assert alive["n"] == 1
 
 
+@pytest.mark.slow
 def test_training_loop_waits_for_the_device_only_at_boundaries(tmp_path, monkeypatch):
     """The loop's one wait per step is the loss; it synchronizes the device besides only before the first step
     and after steps that something else follows (evaluation, checkpoint): the optimizer's work and the next
@@ -282,6 +292,7 @@ def test_optimizer_is_fused_on_gpu_only(tmp_path):
         assert gpu.defaults["fused"] is True
 
 
+@pytest.mark.slow
 def test_sebp_first_trains_the_same_two_runs_in_the_other_order(tmp_path):
     """--sebp-first only swaps the order: each run (dropout on) gives the losses it gives in the usual order,
     bit for bit on the CPU, and the summary lists dense first and says the order."""

@@ -36,6 +36,7 @@ def _losses(summary_dir) -> list[float]:
     return [json.loads(x)["loss"] for x in open(summary_dir / "metrics.jsonl") if '"train"' in x]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,task", [("bert", "classification"), ("llama", "causal-lm")])
 def test_packed_trains_as_the_same_batches_padded(tmp_path, arch, task):
     torch.manual_seed(0)
@@ -46,6 +47,7 @@ def test_packed_trains_as_the_same_batches_padded(tmp_path, arch, task):
     assert len(packed) == 6 and max(abs(a - b) for a, b in zip(longest, packed)) < 1e-5
 
 
+@pytest.mark.slow
 def test_bucket_trains_and_resumes_to_the_same_losses(tmp_path):
     data = synthetic_data("classification")
     full = ft.finetune(_cfg(tmp_path, "a", "bucket", method="dense"), load_fn=_loader("bert"), data=data)
@@ -63,6 +65,7 @@ def test_bucket_trains_and_resumes_to_the_same_losses(tmp_path):
     assert _losses(tmp_path / "a") == pytest.approx(_losses(tmp_path / "b"), abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,task", [("llama", "causal-lm"), ("bert", "classification"), ("bert-mlm", "mlm")])
 def test_labelled_head_trains_as_the_full_head(tmp_path, arch, task):
     data = synthetic_data(task, prompt=0.6)
@@ -77,6 +80,7 @@ def test_labelled_head_trains_as_the_full_head(tmp_path, arch, task):
         assert runs["labelled"]["final_eval"]["eval_perplexity"] > 1
 
 
+@pytest.mark.slow
 def test_auto_times_every_layout_and_trains_with_the_fastest(tmp_path):
     events = []
     data = synthetic_data("causal-lm", prompt=0.5)
@@ -94,6 +98,7 @@ def test_auto_times_every_layout_and_trains_with_the_fastest(tmp_path):
     assert stored["config"]["data"]["padding"] == "auto" and stored["padding_choice"] == choice
 
 
+@pytest.mark.slow
 def test_auto_skips_packed_where_it_cannot_run_exactly(tmp_path):
     s = ft.finetune(_cfg(tmp_path, "mlm", "auto", method="dense", max_steps=2), load_fn=_loader("bert-mlm"),
                     data=synthetic_data("mlm"))
@@ -101,6 +106,7 @@ def test_auto_skips_packed_where_it_cannot_run_exactly(tmp_path):
     assert "skipped" in packed and "padding 'packed'" in packed["skipped"]
 
 
+@pytest.mark.slow
 def test_resprop_at_reuse_zero_trains_as_dense(tmp_path):
     data = synthetic_data("classification")
     s = ft.finetune(_cfg(tmp_path, "r", "longest", method="resprop", reuse=0.0, compare=True),

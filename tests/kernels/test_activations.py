@@ -22,6 +22,7 @@ DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.
 BACKEND = "triton" if INTERPRET else "torch"
 
 if not INTERPRET:
+    @pytest.mark.slow
     def test_interpreter_suite():
         from tests.helpers import run_file_under_interpreter
 

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_gradients_equal_dense(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     if shutil.which("torchrun") is None:

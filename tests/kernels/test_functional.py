@@ -202,6 +202,7 @@ def test_only_fp32_takes_the_full_precision_kernel_loops():
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+@pytest.mark.slow
 def test_tf32_setting_is_read_when_both_apis_set_it():
     """torch >= 2.9 raises on reading the legacy TF32 flag once the new API (fp32_precision) set it too (an HF
     Trainer run on a GPU did this). The SEBP backward then follows the new setting instead of failing. In a

@@ -119,6 +119,7 @@ def test_nan_rows_stay_active():
 
 if not INTERPRET:
 
+    @pytest.mark.slow
     def test_interpreter_suite():
         from tests.helpers import run_file_under_interpreter
 

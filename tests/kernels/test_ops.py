@@ -32,6 +32,7 @@ def _patched(arch):
 
 @pytest.mark.parametrize("arch,backend", [("bert", "aot_eager"), ("llama", "aot_eager"), ("qwen3", "aot_eager"),
                                           ("llama", "inductor")])
+@pytest.mark.slow
 def test_compiled_model_is_one_graph_with_the_eager_gradients(arch, backend, monkeypatch):
     """No graph break: every SEBP linear, norm and activation is one op in Dynamo's graph, and each linear's
     backward ran the SEBP backward (counted) with its module's settings."""
@@ -140,6 +141,7 @@ def test_a_hint_is_taken_once_and_copies_start_empty():
 @pytest.mark.parametrize("backend,device", [("aot_eager", "cpu"), ("inductor", "cpu"),
                                             pytest.param("inductor", "cuda", marks=pytest.mark.gpu),
                                             pytest.param("reduce-overhead", "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.slow
 def test_functional_calls_compile_in_one_graph_with_their_settings(backend, device):
     """sebp_linear / sebp_layer_norm / sebp_rms_norm called as functions (no module) compile without a graph
     break too: the op carries the config's own key, so threshold mode drops the small rows as in eager. On a
@@ -186,6 +188,7 @@ def test_functional_calls_compile_in_one_graph_with_their_settings(backend, devi
         torch.testing.assert_close(g, w, atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "llama"])
 def test_compiled_forward_is_traced_and_only_the_backward_is_opaque(arch):
     """The linears' and norms' forward is plain torch code in the compiled graph (Inductor can fuse around it);

@@ -13,6 +13,7 @@ import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
 
+    @pytest.mark.slow
     def test_interpreter_suite():
         from tests.helpers import run_file_under_interpreter
 

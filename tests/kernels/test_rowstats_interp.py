@@ -17,6 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRET:
 
+    @pytest.mark.slow
     def test_interpreter_suite():
         from tests.helpers import run_file_under_interpreter
 

@@ -112,6 +112,7 @@ def test_pool_is_off_by_default_and_off_on_cpu():
 
 if not INTERPRET:
 
+    @pytest.mark.slow
     def test_interpreter_suite():
         from tests.helpers import run_file_under_interpreter
 

@@ -32,7 +32,8 @@ def test_docs_match_the_results(make_docs, capsys):
     """Docs and results cannot drift: every block equals what its generator makes from the committed JSON."""
     assert make_docs.main(["--check"]) == 0, capsys.readouterr().err
     used = {m.group(2) for p in make_docs.pages(ROOT) for m in make_docs.MARKER.finditer(p.read_text())}
-    assert {"layers_share_h100", "layers_share_h200", "read_hide", "model_trim_h100"} <= used
+    assert {"layers_share_h100", "layers_share_h200", "read_hide", "layouts_summary",
+            "head_h100", "finetune_cpu"} <= used
 
 
 def test_unknown_block_fails_clearly(make_docs, tmp_path, capsys):

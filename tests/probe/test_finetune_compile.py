@@ -59,6 +59,7 @@ def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
     assert json.loads((tmp_path / "compiled" / rundir.RUN_CONFIG).read_text())["config"]["compile"] == mode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_compiled_finetune_trains_as_the_eager_one_on_the_cpu(tmp_path, monkeypatch, lora):
     _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4, lora=lora)

@@ -224,6 +224,7 @@ def test_norms_too_exact_gradients_equal_dense(arch, side):
     assert not any(isinstance(m, (SEBPLinear, SEBPNorm)) for m in sebp.modules())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "llama"])
 def test_torch_compile_gives_the_eager_gradients(arch):
     """torch.compile of a model with SEBP linears, norms and activations (Dynamo + AOTAutograd, the eager

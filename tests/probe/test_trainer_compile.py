@@ -73,6 +73,7 @@ def _train(arch, tmp_path, compiled, device, monkeypatch):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("arch", ["bert", "llama"])
 def test_trainer_torch_compile_gives_the_uncompiled_losses_in_one_graph(arch, device, tmp_path, monkeypatch):

@@ -1,0 +1,204 @@
+"""Blocks of README.md, docs/benchmarks.md and docs/finetune.md: the whole-model layouts, the labelled-rows
+head against its peers, fine-tuning on the CPU, gradient reuse."""
+from __future__ import annotations
+
+from docgen import Page, Source, block, captioned, f1, f2, table, times
+
+LAYOUT_FILES = ("layouts_h100/model_bert-base.json", "layouts_h100/model_llama-3.2-1b-sft.json")
+LAYOUTS = ("max_length", "longest", "bucket", "packed")
+HEAD = "head_h100/head.json"
+FINETUNE_CPU = "finetune_cpu/finetune_cpu.json"
+
+
+# ------------------------------------------------------------------------------ whole model, every layout
+
+def _models(page: Page) -> list[tuple[Source, dict]]:
+    return [(src, m) for src in (page.load(rel) for rel in LAYOUT_FILES) for m in src.rows("models")]
+
+
+def _case(m: dict) -> str:
+    c = m["case"]
+    return f"{c['name']} ({c['batch']} x {c['seq']})"
+
+
+def _variant(r: dict) -> str:
+    head = ", labelled head" if r["head"] == "labelled" else ""
+    return f"{r['timing']}{head}"
+
+
+def _best(rows: list[dict], layout: str, method: str) -> dict | None:
+    mine = [r for r in rows if r["layout"] == layout and r["method"] == method]
+    return min(mine, key=lambda r: r["ms"]) if mine else None
+
+
+@block("layouts_summary")
+def layouts_summary(page: Page) -> str:
+    """One row per model and layout: the fastest dense and the fastest SEBP entry (any head, eager or graphs)."""
+    body, sources = [], []
+    for src, m in _models(page):
+        sources.append(src)
+        rows = m["rows"]
+        fastest = min(rows, key=lambda r: r["ms"])
+        for layout in LAYOUTS:
+            dense, sebp = _best(rows, layout, "dense"), _best(rows, layout, "sebp")
+            if dense is None:
+                continue
+            mark = lambda r: f"**{f1(r['ms'])}**" if r is fastest else f1(r["ms"])  # noqa: E731
+            body.append([_case(m), layout, f1(100 * m["layouts"][layout]["padding_share"]),
+                         f"{mark(dense)} ({_variant(dense)})",
+                         f"{mark(sebp)} ({_variant(sebp)})" if sebp else "-",
+                         times(dense["ms"] / sebp["ms"]) if sebp else "-"])
+    header = ["model (batch x max length)", "layout", "padding %", "dense: step ms", "SEBP: step ms",
+              "SEBP vs dense"]
+    note = ("Step: forward + backward of one batch (median, mean over 8 batches drawn from one pool of "
+            "sequences), the fastest of each method's variants (model's own or labelled-rows head, eager or "
+            "CUDA graphs); bold: the fastest entry of the model.")
+    return captioned(page, sources, table(header, body, "llrrrr") + "\n\n" + note)
+
+
+@block("layouts_trim")
+def layouts_trim(page: Page) -> str:
+    """SEBP on the padded batch against dense with the padding removed (CUDA graphs where measured)."""
+    body, sources = [], []
+    for src, m in _models(page):
+        sources.append(src)
+        timing = "graphs" if any(r["timing"] == "graphs" for r in m["rows"]) else "eager"
+        rows = [r for r in m["rows"] if r["timing"] == timing and r["head"] == "full"]
+        dense, sebp = (next(r for r in rows if r["layout"] == "max_length" and r["method"] == method)
+                       for method in ("dense", "sebp"))
+        best = min((r for r in rows if r["method"] == "dense"), key=lambda r: r["ms"])
+        body.append([_case(m), timing, f1(100 * m["layouts"]["max_length"]["padding_share"]), f1(dense["ms"]),
+                     f1(sebp["ms"]), f"{f1(best['ms'])} ({best['layout']})", times(dense["ms"] / sebp["ms"]),
+                     times(dense["ms"] / best["ms"])])
+    header = ["model", "timing", "padding %", "dense, padded: step ms", "SEBP, padded",
+              "dense, padding removed", "SEBP x padded dense", "removal x padded dense"]
+    return captioned(page, sources, table(header, body, "llrrrrrr"))
+
+
+@block("layouts_full")
+def layouts_full(page: Page) -> str:
+    """Every entry of every model: layout, method, head, eager and graphs ms, peak memory."""
+    parts = []
+    for src, m in _models(page):
+        graphs = {(r["layout"], r["method"], r["head"]): r for r in m["rows"] if r["timing"] == "graphs"}
+        body = []
+        for r in (r for r in m["rows"] if r["timing"] == "eager"):
+            g = graphs.get((r["layout"], r["method"], r["head"]))
+            body.append([r["layout"], r["method"], r["head"], f1(r["ms"]), f1(g["ms"]) if g else "-",
+                         f2(r["peak_gib"]), times(r["vs_dense_same_layout"])])
+        header = ["layout", "method", "head", "eager ms", "graphs ms", "peak GiB", "vs dense, same layout"]
+        parts.append(f"**{_case(m)}**\n\n" + captioned(page, [src], table(header, body, "lllrrrr")))
+    return "\n\n".join(parts)
+
+
+@block("layouts_limits")
+def layouts_limits(page: Page) -> str:
+    """SEBP against the limit of each layout (the step without the backward GEMMs of the inactive rows)."""
+    parts = []
+    for src, m in _models(page):
+        body = [[r["layout"], r["head"], r["timing"], f1(100 * r["inactive_share"]), f1(r["dense_ms"]),
+                 f1(r["sebp_ms"]), f1(r["limit_ms"]), times(r["sebp_speedup"]), times(r["limit_speedup"]),
+                 f2(r["sebp_of_limit"])] for r in m["limits"]]
+        header = ["layout", "head", "timing", "inactive %", "dense ms", "SEBP ms", "limit ms", "SEBP x",
+                  "limit x", "share of limit"]
+        parts.append(f"**{_case(m)}**\n\n" + captioned(page, [src], table(header, body, "lllrrrrrrr")))
+    return "\n\n".join(parts)
+
+
+@block("layouts_verdict")
+def layouts_verdict(page: Page) -> str:
+    """Per model: the fastest dense entry, the fastest entry, and the best SEBP gain on a layout that is not
+    reordered or packed (the mixed-length batches SEBP is for)."""
+    lines = []
+    for _, m in _models(page):
+        rows = m["rows"]
+        dense = min((r for r in rows if r["method"] == "dense"), key=lambda r: r["ms"])
+        fastest = min(rows, key=lambda r: r["ms"])
+        mixed = [r for r in rows if r["method"] == "sebp" and r["layout"] == "longest"]
+        gain = max(mixed, key=lambda r: r["vs_dense_same_layout"])
+        who = "SEBP" if fastest["method"] == "sebp" else fastest["method"]
+        lines.append(f"- **{m['case']['name']}**: the fastest dense entry is {dense['layout']} "
+                     f"({_variant(dense)}), {f1(dense['ms'])} ms; the fastest of all is {who} on "
+                     f"{fastest['layout']} ({_variant(fastest)}), {f1(fastest['ms'])} ms. On `longest` "
+                     f"(batches neither reordered nor packed) SEBP is {times(gain['vs_dense_same_layout'])} "
+                     f"dense's step ({_variant(gain)}).")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ the labelled head
+
+HEAD_METHODS = {"hf": "full head (model's own loss)", "gather": "gather labelled rows, then plain CE",
+                "ours": "labelled-rows head (fused CE)", "ours+last_layer": "labelled-rows head + last layer",
+                "cce": "Cut-Cross-Entropy", "liger": "Liger-Kernel fused linear CE"}
+
+
+@block("head_h100")
+def head_h100(page: Page) -> str:
+    src = page.load(HEAD)
+    rows = [r for r in src.rows("results") if r["scope"] == "model" and "ms" in r]
+    body = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = {r["method"]: r for r in rows if r["shape"] == shape}
+        full = mine["hf"]
+        for method, r in mine.items():
+            body.append([shape, HEAD_METHODS.get(method, method), f1(r["ms"]), times(full["ms"] / r["ms"]),
+                         f2(r["peak_gib"])])
+    header = ["shape", "loss computed by", "step ms", "vs full head", "peak GiB"]
+    s = src.data["settings"]
+    note = (f"Forward + backward of the whole model (bf16, random weights); causal shapes: {s['batch']} x "
+            f"{s['seq']} tokens, the first {round(100 * s['prompt'])}% of each sequence a prompt (label -100); "
+            "masked LM: the standard 15% masking. Median of the timed steps, methods taking turns.")
+    return captioned(page, [src], table(header, body, "llrrr") + "\n\n" + note)
+
+
+# ------------------------------------------------------------------------------------ fine-tuning, CPU
+
+@block("finetune_cpu")
+def finetune_cpu(page: Page) -> str:
+    src = page.load(FINETUNE_CPU)
+    runs = src.rows("runs")
+    base = next(r for r in runs if r["padding"] == "longest" and r["asked"] == "dense")
+    body = []
+    for r in runs:
+        what = r["padding"] if r["padding"] != "auto" else f"auto (chose {r['run_padding']}, {r['method']})"
+        body.append([what, r["asked"] if r["padding"] != "auto" else "auto", str(r["sebp_layers"]),
+                     f1(r["median_step_ms"]), times(base["median_step_ms"] / r["median_step_ms"]),
+                     f"{r['final_train_loss']:.4f}"])
+    header = ["layout", "method", "layers on SEBP", "step ms (median)", "vs dense longest", "train loss"]
+    s = src.data["settings"]
+    note = (f"The bundled all-MiniLM-L6-v2 on the bundled tweets, batch {s['batch_size']}, max length "
+            f"{s['max_length']}, {s['steps']} steps a run; SEBP runs calibrate first and keep dense any layer "
+            "SEBP does not speed up (\"layers on SEBP\").")
+    return captioned(page, [src], table(header, body, "llrrrr") + "\n\n" + note)
+
+
+@block("finetune_cpu_auto")
+def finetune_cpu_auto(page: Page) -> str:
+    """What --padding auto timed before training in the CPU run."""
+    src = page.load(FINETUNE_CPU)
+    auto = next(r for r in src.rows("runs") if r["padding"] == "auto")["padding_choice"]
+    body = [[r["padding"], f1(100 * r["padding_share"]), f1(r["dense_ms"]) if "dense_ms" in r else "-",
+             f1(r["sebp_ms"]) if "sebp_ms" in r else "-", r.get("skipped", "")] for r in auto["table"]]
+    header = ["layout", "padding %", "dense ms", "SEBP ms", "note"]
+    chosen = f"Chosen: {auto['padding']}, {auto['method']}."
+    return captioned(page, [src], table(header, body, "lrrrl") + "\n\n" + chosen)
+
+
+# ----------------------------------------------------------------------------------- example outputs
+
+def _example(page: Page, name: str, keep) -> str:
+    src = page.load(f"examples/{name}.json")
+    lines = [line.rstrip() for line in src.data["stdout"].splitlines()]
+    shown = [line for line in lines if keep(line)]
+    return (captioned(page, [src], "```\n$ " + src.data["command"] + "\n" + "\n".join(shown).strip("\n") +
+                      "\n```"))
+
+
+@block("example_analyze")
+def example_analyze(page: Page) -> str:
+    return _example(page, "analyze", lambda line: True)
+
+
+@block("example_finetune")
+def example_finetune(page: Page) -> str:
+    return _example(page, "finetune", lambda line: True)
