@@ -4,8 +4,12 @@ fastest.
 Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
 measured on top of each layout, never only against padded dense. Each applicable layout (:data:`PADDINGS`;
 ``packed`` only where :func:`~sebp_probe.packing.check_packable` allows it and the batch shapes may change) is
-timed on a few batches spread over the first epoch: one untimed forward+backward per batch (kernel
-compilation, allocator), then the median of ``reps``. The SEBP entry patches the candidate layers whose
+timed on a few batches from inside the first epoch: one untimed forward+backward per batch (kernel
+compilation, allocator), then the median of ``reps``. Batches of one layout differ in size (under ``bucket``
+by far: its first batch holds the longest sequences), so a few of them would say little about an epoch; a
+layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
+of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
+candidate layers whose
 share of active rows on those batches is at most ``dense_fallback``, as a run's calibration would. The choice
 is the smallest time measured, so it is never slower than the fastest dense layout measured. The RNG is
 forked and the gradients are dropped: training is untouched.
@@ -49,17 +53,21 @@ class PaddingChoice:
     def from_dict(cls, d: dict) -> "PaddingChoice":
         return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])))
 
-    def padding_of(self, method: str) -> str:
-        return self.best[method]
-
 
 def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, n: int) -> list[dict]:
-    """``n`` batches of epoch 0 at evenly spaced places (under ``bucket`` the first batch is the longest)."""
+    """``n`` batches of epoch 0 at evenly spaced places inside it (not the first: under ``bucket`` it holds the
+    longest sequences)."""
     loader, _, sampler = make_loaders(cfg, data)
     sampler.set_epoch(0)
     total = len(loader)
-    want = sorted({round(i * (total - 1) / max(n - 1, 1)) for i in range(n)}) if total else []
+    want = {min(total - 1, (i + 1) * total // (n + 1)) for i in range(n)}
     return [to_device(b, device) for i, b in enumerate(loader) if i in want]
+
+
+def _epoch_ms(model, batches: list[dict], mean_slots: float, device, autocast, graphs: bool, reps: int) -> float:
+    """A layout's milliseconds per batch over an epoch: measured ms per token slot times the epoch's mean slots."""
+    per_slot = [_step_ms(model, b, device, autocast, graphs, reps) / b["input_ids"].numel() for b in batches]
+    return statistics.fmean(per_slot) * mean_slots
 
 
 def _step_ms(model, batch: dict, device: torch.device, autocast, graphs: bool, reps: int) -> float:
@@ -102,6 +110,8 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     from .patch import unpatch_model
 
     lens = lengths(data.train)
+    real = sum(min(n, cfg.data.max_length) for n in lens)
+    n_batches = -(-len(lens) // cfg.data.batch_size)
     methods = ("dense", "sebp") if candidates else ("dense",)
     table = []
     with torch.random.fork_rng(devices=rng_devices(device)):
@@ -114,8 +124,8 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                 continue
             pcfg = replace(cfg, data=replace(cfg.data, padding=padding))
             batches = _spread_batches(pcfg, data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
-            row["dense_ms"] = round(statistics.fmean(_step_ms(model, b, device, autocast, graphs, reps)
-                                                     for b in batches), 3)
+            slots = real / (1.0 - row["padding_share"]) / n_batches  # the epoch's mean padded batch size
+            row["dense_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps), 3)
             if "sebp" in methods:
                 density = measure_density(model, batches, candidates, device, autocast)
                 layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
@@ -123,8 +133,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                 if layers:
                     apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
                     try:
-                        row["sebp_ms"] = round(statistics.fmean(
-                            _step_ms(model, b, device, autocast, graphs, reps) for b in batches), 3)
+                        row["sebp_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps), 3)
                     finally:
                         unpatch_model(model)
             table.append(row)
