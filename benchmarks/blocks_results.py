@@ -184,6 +184,40 @@ def finetune_cpu_auto(page: Page) -> str:
     return captioned(page, [src], table(header, body, "lrrrl") + "\n\n" + chosen)
 
 
+# ------------------------------------------------------------------------------------ gradient reuse
+
+RESPROP_CPU = "resprop_cpu/resprop_cpu.json"
+
+
+@block("resprop_cpu")
+def resprop_cpu(page: Page) -> str:
+    src = page.load(RESPROP_CPU)
+    levels = src.data["levels"]
+    dense = levels["dense"]
+    body = []
+    for level, r in levels.items():
+        body.append(["dense" if level == "dense" else f"reuse {level}",
+                     " / ".join(f"{x:.3f}" for x in r["train_loss"]),
+                     " / ".join(f"{100 * x:.1f}" for x in r["val_accuracy"]),
+                     f"{100 * (r['val_accuracy'][-1] - dense['val_accuracy'][-1]):+.1f}"])
+    s = src.data["settings"]
+    header = ["run", "training loss per epoch", "validation accuracy % per epoch", "last epoch vs dense, points"]
+    note = (f"The bundled MiniLM on {s['train_samples']} bundled tweets ({s['eval_samples']} held out), batch "
+            f"{s['batch']}, {s['padding']} padding, AdamW lr {s['lr']:g}, {s['epochs']} epochs; every run from the "
+            "same weights, batches and dropout masks.")
+    drop = dense.get("reuse_drop") or {}
+    if drop:
+        kinds = list(drop)
+        reuse = list(drop[kinds[0]]["dropped"])
+        rows = [[k, f2(d["residual"]), *(f"{f2(d['dropped'][r])} / {f2(d['topk_dropped'][r])}" for r in reuse)]
+                for k, d in drop.items()]
+        note += ("\n\nWhat each reuse level drops of dL/dY (relative norm, mean over layers and the first dense "
+                 "steps), against dropping as many of dY's own smallest rows; \"residual\" is |dY - P| / |dY|:\n\n"
+                 + table(["layer type", "residual", *(f"reuse {r}: reuse / smallest rows" for r in reuse)], rows,
+                         "l" + "r" * (1 + len(reuse))))
+    return captioned(page, [src], table(header, body, "llll") + "\n\n" + note)
+
+
 # ----------------------------------------------------------------------------------- example outputs
 
 def _example(page: Page, name: str, keep) -> str:

@@ -94,7 +94,7 @@ def command(text: str) -> str:
 
 def _setting(src: Source) -> str:
     env = src.env()
-    parts = [env.get("gpu") or env.get("device") or "unknown device"]
+    parts = [env.get("gpu") or env.get("device") or env.get("cpu") or "unknown device"]
     versions = [f"{name} {env[key]}" for key, name in (("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"),
                                                         ("transformers", "transformers")) if env.get(key)]
     date = str(env.get("date", ""))[:10]

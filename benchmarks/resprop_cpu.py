@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 from sebp_probe import ReuseDropCollector, __version__, patch_resprop  # noqa: E402
 from sebp_probe.analyze import layer_type  # noqa: E402
-from sebp_probe.assets import PadCollator, load_model, load_text_data, padding_side, tokenize  # noqa: E402
+from sebp_probe.assets import load_model, tokenize  # noqa: E402
+from sebp_probe.textdata import PadCollator, load_text_data, padding_side
 from sebp_probe.config import DataConfig  # noqa: E402
 
 LEVELS = "dense,0,0.5,0.7,0.9,0.95,0.99"
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
                           padding_side(lm, cfg))
     items, val_items = tokenize(lm, train, a.max_length), tokenize(lm, val, a.max_length)
     eval_batches = [collate(val_items[s:s + a.batch]) for s in range(0, len(val_items), a.batch)]
-    result = {"experiment": "resprop_cpu", "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    result = {"experiment": "resprop_cpu", "command": " ".join(["python benchmarks/resprop_cpu.py"] + sys.argv[1:]),
               "environment": environment(),
               "settings": {"model": "minilm", "dataset": "tweets", "train_samples": len(items),
                            "eval_samples": len(val_items), "epochs": a.epochs, "batch": a.batch,

@@ -316,7 +316,8 @@ def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | 
     The task decides how the data is read and the data decides the classifier's size, so the task is
     guessed from the model's config first.
     """
-    from .assets import load_model, load_text_data, model_task
+    from .assets import load_model, model_task
+    from .textdata import load_text_data
 
     cfg = _limit_samples(data_cfg, max_batches)
     task = model_task(model_name, task)
@@ -326,7 +327,7 @@ def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | 
 
 
 def padding_info(loaded, cfg) -> dict:
-    from .assets import padding_side
+    from .textdata import padding_side
 
     return {"padding": cfg.padding, "max_length": cfg.max_length,
             "padding_side": padding_side(loaded, cfg),
@@ -334,7 +335,8 @@ def padding_info(loaded, cfg) -> dict:
 
 
 def _report_for(loaded, data, cfg, settings: AnalyzeSettings, progress: Progress | None) -> dict:
-    from .assets import make_loader, model_identity
+    from .assets import model_identity
+    from .textdata import make_loader
 
     loader = make_loader(loaded, data, cfg)
     stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress, task=loaded.task)
@@ -363,7 +365,7 @@ def analyze(
 def analyze_for_finetune(loaded, data_cfg, settings: AnalyzeSettings = AnalyzeSettings(),
                          progress: Progress | None = None) -> dict:
     """The report for an already loaded model (on its current device), as ``finetune --auto-eps`` needs."""
-    from .assets import load_text_data
+    from .textdata import load_text_data
 
     cfg = _limit_samples(data_cfg, settings.max_batches)
     return _report_for(loaded, load_text_data(cfg, loaded.task), cfg, settings, progress)

@@ -5,7 +5,7 @@ Under ``max_length``, ``longest`` and ``packed`` a step trains on the same ``bat
 training sampler draws them); the strategy only lays them out, so the step's loss is the same. ``bucket``
 draws other batches: sequences of similar length together.
 
-Training loader per strategy (``items`` from :func:`~sebp_probe.assets.tokenize`)::
+Training loader per strategy (``items`` from :func:`~sebp_probe.textdata.tokenize`)::
 
     max_length, longest: DataLoader(items, batch_size=bs, sampler=EpochSampler(len(items), seed),
                                     collate_fn=PadCollator(pad_id, task, padding, max_length, side))

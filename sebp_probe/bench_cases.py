@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .assets import PadCollator
+from .textdata import PadCollator
 from .batching import PackedCollator, length_grouped_batches, padding_share, random_batches
 
 LAYOUTS = ("max_length", "longest", "bucket", "packed")
@@ -124,7 +124,7 @@ def sample_lengths(kind: str, n: int, max_length: int, seed: int) -> list[int]:
 
 
 def make_items(case: ModelCase, lengths: list[int], vocab: int, seed: int) -> list[dict]:
-    """Tokenized examples as :func:`~sebp_probe.assets.tokenize` gives them: random ids (never the pad id);
+    """Tokenized examples as :func:`~sebp_probe.textdata.tokenize` gives them: random ids (never the pad id);
     classification a random label of 2, causal LM labels -100 on the first ``prompt`` share of the tokens."""
     g = torch.Generator().manual_seed(seed + 1)
     items = []

@@ -115,7 +115,7 @@ def heatmaps(
 ) -> tuple[list[LayerPicture], dict]:
     """Pictures of the layers matching ``layer_pattern``: the shortest and the longest of the analysed
     samples, and the statistics of ``settings.max_batches`` batches. Returns (pictures, model info)."""
-    from .assets import make_loader, tokenize
+    from .textdata import make_loader, tokenize
 
     loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
     layers = match_layers(loaded.model, layer_pattern)

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .assets import BUNDLED_DATASETS, AssetError, LoadedModel, PadCollator, load_text_data, padding_side, tokenize
+from .assets import AssetError, LoadedModel
+
+from .textdata import BUNDLED_DATASETS, PadCollator, load_text_data, padding_side, tokenize
 from .batching import LengthGroupedBatchSampler, PackedCollator, lengths
 from .config import PADDINGS, FinetuneConfig, FinetuneError
 from .mlm import MLMCollator

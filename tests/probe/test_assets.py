@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from sebp_probe.assets import AssetError, PadCollator, load_model, load_text_data, make_loader, model_identity
+from sebp_probe.assets import AssetError, load_model, model_identity
+
+from sebp_probe.textdata import PadCollator, load_text_data, make_loader
 from sebp_probe.config import DataConfig
 
 
@@ -190,7 +192,7 @@ def test_hub_dataset_names_reach_the_loader(monkeypatch):
     import sys
     import types
 
-    from sebp_probe.assets import hub_candidates
+    from sebp_probe.textdata import hub_candidates
 
     assert hub_candidates("imdb") == [("imdb", None)]
     assert hub_candidates("glue/sst2") == [("glue", "sst2"), ("glue/sst2", None)]

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sebp_probe.assets import PadCollator
+from sebp_probe.textdata import PadCollator
 from sebp_probe.batching import (STRATEGIES, LengthGroupedBatchSampler, PackedCollator, PackingError,
                                  length_grouped_batches, pack_rows, padding_share, random_batches)
 

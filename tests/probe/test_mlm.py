@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from sebp_probe.assets import PadCollator, load_model, load_text_data, make_loader
+from sebp_probe.assets import load_model
+
+from sebp_probe.textdata import PadCollator, load_text_data, make_loader
 from sebp_probe.config import DataConfig
 from sebp_probe.heads import head_loss
 from sebp_probe.mlm import MLMCollator, mask_tokens
