@@ -1,7 +1,9 @@
 """Worker of test_fsdp.py (run under torchrun, gloo, CPU): the same small model with and without SEBP linears,
 each sharded with torch FSDP2 (``fully_shard``), on right-padded batches; writes ``<argv[1]>/rank<r>.json``
 with the largest gradient difference per parameter, relative to the gradient's largest magnitude (a file per
-process: lines two processes print to one stdout can interleave)."""
+process: lines two processes print to one stdout can interleave). ``argv[2] == "lora"``: a tiny Llama with
+peft LoRA adapters, SEBP on its frozen base projections, every decoder layer sharded; the adapters' gradients
+are compared."""
 import json
 import sys
 from pathlib import Path
@@ -26,9 +28,50 @@ def build(sebp: bool) -> torch.nn.Module:
     return m
 
 
+def build_lora(sebp: bool) -> torch.nn.Module:
+    import peft
+
+    from sebp_probe import patch_model
+    from tests.tiny_models import tiny_model
+
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0,
+        init_lora_weights=False))  # B random too: at the usual B = 0 the gradient of A is zero
+    if sebp:
+        patch_model(model, SEBPConfig("exact"))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def lora_grads(rank: int) -> dict:
+    from tests.tiny_models import padded_batch
+
+    dense, sebp = build_lora(False), build_lora(True)
+    for step in range(2):  # each process its own data, two steps of gradient accumulation
+        batch = padded_batch("llama", lengths=(11, 4, 7), side="right", seed=10 * rank + step)
+        for m in (dense, sebp):
+            m(**batch, use_cache=False).loss.backward()
+    diffs = {}
+    for (name, a), (_, b) in zip(dense.named_parameters(), sebp.named_parameters()):
+        if a.requires_grad:
+            ga, gb = a.grad.full_tensor(), b.grad.full_tensor()
+            scale = float(ga.abs().max())
+            assert scale > 0, name
+            diffs[name] = float((ga - gb).abs().max()) / scale
+    return diffs
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if len(sys.argv) > 2 and sys.argv[2] == "lora":
+        result = {"rank": rank, "diffs": lora_grads(rank)}
+        (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     dense, sebp = build(False), build(True)
     g = torch.Generator().manual_seed(1 + rank)  # each process its own data, as in data parallel
     for _ in range(2):  # two steps of gradient accumulation

@@ -1,6 +1,7 @@
 """SEBP linears under torch FSDP2 (``fully_shard``), 2 processes on the CPU (gloo): the sharded gradients
-equal those of the same model without SEBP. (Fine-tuning under `accelerate launch --use_fsdp` needs GPUs:
-accelerate runs CPU processes as plain DDP.)"""
+equal those of the same model without SEBP, for a plain stack and for a peft LoRA model whose frozen base
+projections run SEBP. (Fine-tuning under `accelerate launch --use_fsdp` needs GPUs: accelerate runs CPU
+processes as plain DDP.)"""
 from __future__ import annotations
 
 import json
@@ -15,20 +16,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_fsdp2_sharded_gradients_equal_dense(tmp_path):
+def _two_processes(tmp_path, *args) -> list[dict]:
     pytest.importorskip("torch.distributed.fsdp")
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun not installed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(Path(__file__).with_name("fsdp_worker.py")), str(tmp_path)],
+                           str(Path(__file__).with_name("fsdp_worker.py")), str(tmp_path), *args],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     errors = [x for x in proc.stderr.splitlines() if "Error" in x and "Warning" not in x]
     assert proc.returncode == 0, "\n".join(errors[:20]) or proc.stderr[-3000:]
     lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in lines) == [0, 1]
+    return lines
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_gradients_equal_dense(tmp_path):
+    lines = _two_processes(tmp_path)
     for r in lines:
         assert r["sharded"] == "DTensor"
         assert len(r["diffs"]) == 6 and max(r["diffs"].values()) <= 1e-6, r["diffs"]
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_adapters_get_dense_gradients_with_sebp_base_layers(tmp_path):
+    """A peft LoRA model (tiny Llama) with SEBP on its frozen base projections, every decoder layer sharded with
+    FSDP2: the adapters' sharded gradients equal those without SEBP."""
+    pytest.importorskip("peft")
+    for r in _two_processes(tmp_path, "lora"):
+        assert len(r["diffs"]) == 16 and max(r["diffs"].values()) <= 1e-5, r["diffs"]  # 2 layers x 4 x (A, B)
