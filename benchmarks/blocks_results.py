@@ -220,19 +220,27 @@ def resprop_cpu(page: Page) -> str:
 
 # ----------------------------------------------------------------------------------- example outputs
 
-def _example(page: Page, name: str, keep) -> str:
+def _example(page: Page, name: str, sections: tuple[tuple[str, str | None], ...]) -> str:
+    """The command and the parts of its output from each ``(first line's start, line after the part's start)``
+    (``None``: to the end), "..." between them."""
     src = page.load(f"examples/{name}.json")
     lines = [line.rstrip() for line in src.data["stdout"].splitlines()]
-    shown = [line for line in lines if keep(line)]
-    return (captioned(page, [src], "```\n$ " + src.data["command"] + "\n" + "\n".join(shown).strip("\n") +
-                      "\n```"))
+    parts = []
+    for first, after in sections:
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith(first))
+        end = next((i for i, line in enumerate(lines) if i > start and after and line.strip().startswith(after)),
+                   len(lines))
+        parts.append("\n".join(lines[start:end]).strip("\n"))
+    body = "\n...\n".join(parts)
+    return captioned(page, [src], "```\n$ " + src.data["command"] + "\n" + body + "\n```")
 
 
 @block("example_analyze")
 def example_analyze(page: Page) -> str:
-    return _example(page, "analyze", lambda line: True)
+    return _example(page, "analyze", (("Rows of dL/dY by cause", "Recommended SEBP settings"),
+                                      ("Padding layouts", None)))
 
 
 @block("example_finetune")
 def example_finetune(page: Page) -> str:
-    return _example(page, "finetune", lambda line: True)
+    return _example(page, "finetune", (("--padding auto", None),))

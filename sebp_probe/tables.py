@@ -64,19 +64,23 @@ def padding_table(choice: dict):
 
 
 def print_finetune_summary(summary: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     runs = summary.get("runs") or {summary.get("method", "run"): summary}
-    table = Table(title=f"fine-tuning: {summary['output_dir']}")
-    for col in ("run", "status", "steps", "loss\n(last 10)", "held-out", "bwd ms", "step ms", "MiB"):
-        table.add_column(col, justify="left" if col in ("run", "status", "held-out") else "right", no_wrap=True)
-    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    table = Table(title=f"fine-tuning: {summary['output_dir']}", box=box.SIMPLE_HEAD)
+    for col in ("run", "layout", "steps", "loss\n(last 10)", "held-out", "bwd ms", "step ms", "peak\nMiB"):
+        table.add_column(col, justify="left" if col in ("run", "layout", "held-out") else "right",
+                         no_wrap=col not in ("run", "held-out"), overflow="fold")
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     short = {"eval_accuracy": "acc", "eval_perplexity": "ppl", "eval_loss": "loss"}
     for name, s in runs.items():
         ev = s.get("final_eval", {})
         held = " ".join(f"{short.get(k, k)} {v:.4f}" for k, v in ev.items() if k != "eval_loss")
-        table.add_row(name, s["status"], str(s.get("steps", 0)), fmt(s.get("final_train_loss"), "{:.4f}"), held,
-                      fmt(s.get("mean_backward_ms")), fmt(s.get("mean_step_ms")), fmt(s.get("peak_mem_mb"), "{:.0f}"))
+        label = name if s["status"] == "completed" else f"{name} ({s['status']})"
+        table.add_row(label, s.get("padding", "-"), str(s.get("steps", 0)), fmt(s.get("final_train_loss"), "{:.4f}"),
+                      held, fmt(s.get("mean_backward_ms")), fmt(s.get("mean_step_ms")),
+                      fmt(s.get("peak_mem_mb"), "{:.0f}"))
     console.print(table)
     cmp = summary.get("comparison")
     if cmp:
