@@ -30,9 +30,9 @@ import torch  # noqa: E402
 
 from sebp_probe import ReuseDropCollector, __version__, patch_resprop  # noqa: E402
 from sebp_probe.analyze import layer_type  # noqa: E402
-from sebp_probe.assets import load_model, tokenize  # noqa: E402
-from sebp_probe.textdata import PadCollator, load_text_data, padding_side
+from sebp_probe.assets import load_model  # noqa: E402
 from sebp_probe.config import DataConfig  # noqa: E402
+from sebp_probe.textdata import PadCollator, load_text_data, padding_side, tokenize  # noqa: E402
 
 LEVELS = "dense,0,0.5,0.7,0.9,0.95,0.99"
 

@@ -10,10 +10,10 @@ import torch
 
 from .assets import AssetError, LoadedModel
 
-from .textdata import BUNDLED_DATASETS, PadCollator, load_text_data, padding_side, tokenize
 from .batching import LengthGroupedBatchSampler, PackedCollator, lengths
 from .config import PADDINGS, FinetuneConfig, FinetuneError
 from .mlm import MLMCollator
+from .textdata import BUNDLED_DATASETS, PadCollator, load_text_data, padding_side, tokenize
 
 
 @dataclass
