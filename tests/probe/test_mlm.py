@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from sebp_probe.assets import load_model
-
 from sebp_probe.config import DataConfig
 from sebp_probe.heads import head_loss
 from sebp_probe.mlm import MLMCollator, mask_tokens
