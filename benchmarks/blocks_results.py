@@ -18,7 +18,7 @@ def _models(page: Page) -> list[tuple[Source, dict]]:
 
 def _case(m: dict) -> str:
     c = m["case"]
-    return f"{c['name']} ({c['batch']} x {c['seq']})"
+    return f"{c['name']} ({c['batch']} x {c['max_length']})"
 
 
 def _variant(r: dict) -> str:

@@ -108,7 +108,8 @@ def caption(page: Page, *sources: Source) -> str:
         groups.setdefault(_setting(src), []).append(src)
     lines = []
     for setting, group in groups.items():
-        runs = "; ".join(f"`{command(s.data.get('command', '?'))}` → {page.link(s.rel)}" for s in group)
+        runs = "; ".join(f"`{command(s.data.get('command') or s.env().get('command', '?'))}` → {page.link(s.rel)}"
+                         for s in group)
         lines.append(f"*Measured on {setting}: {runs}.*")
     return "\n\n".join(lines)
 

@@ -1,6 +1,8 @@
 """SEBPLinear: an nn.Linear whose backward skips inactive rows of dL/dY."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,6 +34,23 @@ def _take_over(new: nn.Module, old: nn.Module) -> None:
             setattr(new, key, value)
 
 
+def with_parameters_of(linear: nn.Linear, make: Callable[[], nn.Linear]) -> nn.Linear:
+    """``make()``, built on the meta device (no memory), then given *the same* Parameter objects as ``linear``
+    (state-dict keys and data pointers unchanged) and its mode and hooks."""
+    with torch.device("meta"):
+        new = make()
+    new.weight = linear.weight
+    new.bias = linear.bias
+    _take_over(new, linear)
+    return new
+
+
+def plain_linear(linear: nn.Linear) -> nn.Linear:
+    """A plain nn.Linear holding the same Parameters as ``linear``."""
+    return with_parameters_of(linear, lambda: nn.Linear(linear.in_features, linear.out_features,
+                                                         bias=linear.bias is not None))
+
+
 class SEBPLinear(nn.Linear):
     """Drop-in nn.Linear with the SEBP backward. Build it with :meth:`from_linear` to share Parameters."""
 
@@ -53,21 +72,12 @@ class SEBPLinear(nn.Linear):
         """A SEBPLinear holding *the same* Parameter objects as ``linear`` (keys and data pointers unchanged)."""
         if type(linear) is not nn.Linear and not isinstance(linear, SEBPLinear):
             raise TypeError(f"expected a plain nn.Linear, got {type(linear).__name__}")
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        _take_over(new, linear)
-        return new
+        return with_parameters_of(linear, lambda: cls(linear.in_features, linear.out_features,
+                                                      bias=linear.bias is not None, config=config))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear holding the same Parameters."""
-        with torch.device("meta"):
-            lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        lin.weight = self.weight
-        lin.bias = self.bias
-        _take_over(lin, self)
-        return lin
+        return plain_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, self._sebp_hint,

@@ -33,7 +33,7 @@ from torch import nn
 
 from .config import BACKENDS, SEBPConfig
 from .functional import linear_grads, resolve_backend, sebp_linear
-from .modules import _take_over
+from .modules import plain_linear, with_parameters_of
 from .reference import backward_over_rows, records_grad, sebp_backward_torch
 
 KEEP_SCALE = 1_000_000  # reuse is taken to 6 decimals: the kept count is integer arithmetic on the device
@@ -258,22 +258,12 @@ class ReSpropLinear(nn.Linear):
         """A ReSpropLinear holding *the same* Parameter objects as the plain nn.Linear ``linear``."""
         if type(linear) is not nn.Linear:
             raise TypeError(f"expected a plain nn.Linear, got {type(linear).__name__}")
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, reuse=reuse,
-                      backend=backend)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        _take_over(new, linear)
-        return new
+        return with_parameters_of(linear, lambda: cls(linear.in_features, linear.out_features,
+                                                      bias=linear.bias is not None, reuse=reuse, backend=backend))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear holding the same Parameters."""
-        with torch.device("meta"):
-            lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        lin.weight = self.weight
-        lin.bias = self.bias
-        _take_over(lin, self)
-        return lin
+        return plain_linear(self)
 
     def reset_resprop(self) -> None:
         """Forget P: the next training backward is exact."""
