@@ -31,12 +31,9 @@ def synthetic_data(task: str, n: int = 96, n_eval: int = 32, max_len: int = 24, 
 
 @pytest.fixture(autouse=True)
 def isolated_accelerate():
-    """One thread (stable timings on a shared CPU) and a fresh accelerate state per test."""
+    """A fresh accelerate state per test (tests/conftest.py already runs one torch thread)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

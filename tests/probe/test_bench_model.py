@@ -16,13 +16,6 @@ from sebp_probe import bench_cases, bench_model
 from sebp_probe.bench_cases import LAYOUTS, MODEL_CASES, Geometry
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def test_length_distributions():
     sft = bench_cases.sample_lengths("sft", 4000, 2048, seed=0)

@@ -85,14 +85,6 @@ def reference_varlen_causal_flag(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_c
     return reference_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0) if is_causal else (-1, -1))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine their spinning costs seconds a step."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture
 def flash_stand_in(monkeypatch):
