@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from sebp_probe.train_data import TrainData
 
