@@ -32,6 +32,11 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
+def _done(fig, path: Path | None):
+    """What the plot functions return: the path written, or the Figure when no path was given."""
+    return fig if path is None else save_figure(fig, path)
+
+
 def _short(name: str, keep: int = 4) -> str:
     parts = name.split(".")
     return ".".join(parts[-keep:]) if len(parts) > keep else name
@@ -97,16 +102,17 @@ def _wrap(text: str, width: int = 48) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def plot_heatmaps(pictures: list, path: str | Path, title: str | None = None) -> Path:
+def plot_heatmaps(pictures: list, path: str | Path | None = None, title: str | None = None):
     """One row per layer: |dL/dY| of a short and of a long sample (rows = tokens, columns = features, log
     colour scale, exact zeros grey) and the CDF of |dL/dY| with the knee, gap and eps marked.
 
-    ``pictures``: :class:`sebp_probe.heatmap.LayerPicture` objects.
+    ``pictures``: :class:`sebp_probe.heatmap.LayerPicture` objects. Returns the path written, or without
+    ``path`` the Figure itself (a notebook shows it inline).
     """
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
 
-    path = check_image_path(path)
+    path = check_image_path(path) if path is not None else None
     fig = Figure(figsize=(16, 4.2 * len(pictures)), layout="constrained")
     axes = fig.subplots(len(pictures), 3, squeeze=False, width_ratios=[1, 1, 1.1])
     for row, pic in zip(axes, pictures):
@@ -122,7 +128,7 @@ def plot_heatmaps(pictures: list, path: str | Path, title: str | None = None) ->
         _cdf_panel(row[2], pic)
     if title:
         fig.suptitle(title, fontsize=11)
-    return save_figure(fig, path)
+    return _done(fig, path)
 
 
 def plot_training_curves(runs: dict, out_dir) -> list:
@@ -181,14 +187,14 @@ _BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""),
                  (("sebp", "labelled"), "SEBP, labelled head", "#9ecae1", "//"))
 
 
-def plot_bench_models(models: list[dict], path: str | Path) -> Path:
+def plot_bench_models(models: list[dict], path: str | Path | None = None):
     """Step milliseconds per layout of each whole-model result (:func:`sebp_probe.bench_model.bench_model`), one
     row of panels per model, one panel per timing (eager, CUDA graphs): grouped bars of dense, Liger-Kernel and
     SEBP (full and labelled-rows head), a black tick at each layout's limit over its SEBP bar, and the fastest
-    non-SEBP entry starred with a dashed line across."""
+    non-SEBP entry starred with a dashed line across. Returns the path written, or without ``path`` the Figure."""
     from matplotlib.figure import Figure
 
-    path = check_image_path(path)
+    path = check_image_path(path) if path is not None else None
     timings = [t for t in ("eager", "graphs") if any(r["timing"] == t for m in models for r in m["rows"])]
     fig = Figure(figsize=(6.5 * max(len(timings), 1), 3.8 * len(models)), layout="constrained")
     axes = fig.subplots(len(models), max(len(timings), 1), squeeze=False)
@@ -223,4 +229,4 @@ def plot_bench_models(models: list[dict], path: str | Path) -> Path:
                          fontsize=10)
             ax.legend(fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
             ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, path)
+    return _done(fig, path)

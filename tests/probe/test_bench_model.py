@@ -189,6 +189,9 @@ def test_figure_of_the_results(tiny_results, tmp_path):
     assert path.stat().st_size > 10_000
     with pytest.raises(ValueError, match="unsupported image format"):
         plot_bench_models(models, tmp_path / "bench.txt")
+    from matplotlib.figure import Figure
+
+    assert isinstance(plot_bench_models(models), Figure)  # no path: the Figure, for a notebook to show
 
 
 def test_packed_rows_by_varlen_as_on_a_gpu(monkeypatch):
