@@ -4,6 +4,7 @@
     python3 bootstrap.py analyze            # the main job: sebp-probe analyze on the bundled MiniLM and tweets
     python3 bootstrap.py test               # the tests (CPU; GPU tests skip without CUDA)
     python3 bootstrap.py test -m "not slow" # the fast set
+    python3 bootstrap.py test -n 0 tests/probe/test_docs.py   # pytest arguments pass through
     python3 bootstrap.py finetune --help    # any other sebp-probe command, with its arguments
 
 Setup installs torch (``--torch SPEC``, default the pinned CPU-capable release below; the project accepts
@@ -57,6 +58,14 @@ def _setup(py: str, torch_spec: str, extras: str) -> None:
     stamp.touch()
 
 
+def _workers(args: list[str]) -> list[str]:
+    """One pytest-xdist worker per core (at most 8; every test runs one thread), whole files per worker so a
+    file's shared fixtures load once; none when the caller chose ``-n`` or names a single test."""
+    if any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in args) or any("::" in a for a in args):
+        return []
+    return ["-n", str(min(os.cpu_count() or 1, 8)), "--dist", "loadfile"]
+
+
 def main(argv: list[str]) -> int:
     use_venv, torch_spec = True, TORCH
     while argv and argv[0].startswith("--"):
@@ -78,7 +87,7 @@ def main(argv: list[str]) -> int:
     py = _python(use_venv)
     _setup(py, torch_spec, "assets,lora,test" if testing else "assets,lora")
     env = {**os.environ, **OFFLINE} if testing else dict(os.environ)
-    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv[1:]] if testing else \
+    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_workers(argv[1:]), *argv[1:]] if testing else \
         [py, "-m", "sebp_probe", *argv]
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 

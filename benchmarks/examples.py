@@ -2,7 +2,7 @@
 
     python benchmarks/examples.py            # writes results/examples/{analyze,finetune}.json
 
-Each file holds the command, the machine, the versions, the date and the command's standard output (80
+Each file holds the command, the machine, the versions, the date and the command's standard output (100
 columns, as piped); `python benchmarks/make_docs.py` puts it into README.md.
 """
 from __future__ import annotations
@@ -31,18 +31,19 @@ EXAMPLES = {
 def main() -> None:
     out_dir = ROOT / "results" / "examples"
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "COLUMNS": "80", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "COLUMNS": "100", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for name, args in EXAMPLES.items():
         with tempfile.TemporaryDirectory() as tmp:
             args = [a.format(tmp=tmp) for a in args]
             proc = subprocess.run([sys.executable, "-m", "sebp_probe", *args], capture_output=True, text=True,
                                   env=env, cwd=ROOT, check=True)
+            stdout = proc.stdout.replace(f"{tmp}/run", "runs/example")
         shown = [a if not a.startswith("/") else "runs/example" for a in args]
         record = {"command": "sebp-probe " + " ".join(shown),
                   "environment": {"device": f"CPU ({platform.processor() or platform.machine()}, "
                                             f"{os.cpu_count()} cores)", **versions(),
                                   "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")},
-                  "stdout": proc.stdout}
+                  "stdout": stdout}
         (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote results/examples/{name}.json")
 

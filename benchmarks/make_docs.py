@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # docgen and the block
 
 import blocks_kernels  # noqa: E402,F401  (registers its blocks)
 import blocks_results  # noqa: E402,F401
-from docgen import MARKER, ROOT, DocsError, Page, pages, render  # noqa: E402,F401
+from docgen import GENERATORS, MARKER, ROOT, DocsError, Page, pages, render  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

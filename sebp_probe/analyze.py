@@ -4,6 +4,7 @@ No CLI code here; :mod:`sebp_probe.cli` only parses, calls and prints.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from .knee import (
     rows_above,
 )
 from .report import SCHEMA, SCHEMA_VERSION
+from .resprop import ReuseDropCollector
 
 Progress = Callable[[int, int], None]
 
@@ -43,6 +45,8 @@ class AnalyzeSettings:
     multiple of tile (the kernels' row block).
     min_gap_decades: the narrowest noise/signal gap that counts as a knee (see :mod:`sebp_probe.knee`).
     train_mode: run the model in train mode (dropout on), as fine-tuning does.
+    reuse: also measure, per layer, what gradient reuse (``finetune --method resprop``) would drop of dL/dY at
+    each reuse level, with P from the previous batch's dL/dY (:class:`sebp_probe.ReuseDropCollector`).
     """
 
     max_batches: int | None = 16
@@ -53,6 +57,7 @@ class AnalyzeSettings:
     tile: int = 64
     min_gap_decades: float = 1.0
     train_mode: bool = True
+    reuse: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batches is not None and (not isinstance(self.max_batches, int) or self.max_batches < 1):
@@ -339,13 +344,43 @@ def _report_for(loaded, data, cfg, settings: AnalyzeSettings, progress: Progress
     from .textdata import make_loader
 
     loader = make_loader(loaded, data, cfg)
-    stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress, task=loaded.task)
+    reuse = ReuseDropCollector(loaded.model, settings.target_modules, settings.exclude_modules) \
+        if settings.reuse else None
+    with reuse or contextlib.nullcontext():
+        stats = collect(loaded.model, loader, settings, total=len(loader), progress=progress, task=loaded.task)
     model_info = {"name": loaded.name, "source": loaded.source, "task": loaded.task,
                   **model_identity(loaded.model)}
     summary = summarize(stats, settings)
     layouts = layout_advice(summary, np.concatenate(stats.lengths), cfg.batch_size, cfg.max_length,
                             packed_issue(loaded.model, loaded.task)) if stats.lengths else None
-    return build_report(summary, model_info, data.identity, padding_info(loaded, cfg), layouts)
+    report = build_report(summary, model_info, data.identity, padding_info(loaded, cfg), layouts)
+    if reuse is not None:
+        report["reuse"] = reuse_report(reuse)
+    return report
+
+
+def reuse_report(collector: ReuseDropCollector) -> dict:
+    """The report's ``reuse`` section: per layer, the mean over batch pairs of |dY - P| / |dY| (``residual``)
+    and, per reuse level, the relative norm of dL/dY that ReSprop drops (``dropped``) against dropping as many
+    of dY's own smallest rows (``topk_dropped``)."""
+    layers = collector.summary()
+    if not any(v["steps"] for v in layers.values()):
+        raise AnalysisError("--reuse compares each batch's dL/dY with the previous batch's: analyse at least 2 "
+                            "batches")
+    return {"levels": list(collector.levels), "p_from": "previous batch", "layers": layers}
+
+
+def reuse_type_rows(reuse: dict) -> list[dict]:
+    """The ``reuse`` section per layer type (means over its layers): ``type``, ``layers``, ``residual``,
+    ``dropped`` and ``topk_dropped`` per level (keys as in the report: the level as a string)."""
+    groups: dict[str, list[dict]] = {}
+    for name, entry in reuse["layers"].items():
+        if entry["steps"]:
+            groups.setdefault(layer_type(name), []).append(entry)
+    mean = lambda values: float(np.mean(values))  # noqa: E731
+    return [{"type": t, "layers": len(es), "residual": mean([e["residual"] for e in es]),
+             **{k: {lv: mean([e[k][lv] for e in es]) for lv in es[0][k]} for k in ("dropped", "topk_dropped")}}
+            for t, es in groups.items()]
 
 
 def analyze(

@@ -390,6 +390,8 @@ def analyze_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed for dropout."),
     output: str = typer.Option(None, "--output", "-o", help="Write the JSON report here (finetune --report)."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Also print a table row per layer."),
+    reuse: bool = typer.Option(False, "--reuse", help="Also measure what gradient reuse (finetune --method "
+                               "resprop) would drop per layer, P from the previous batch (needs >= 2 batches)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout (for programs)."),
 ) -> None:
     """Measure gradient sparsity layer by layer; recommend eps and N for SEBP.
@@ -418,7 +420,7 @@ def analyze_cmd(
                        padding_side, batch_size, max_samples, seed)
     settings = AnalyzeSettings(max_batches=max_batches, target_modules=_patterns(targets),
                                exclude_modules=_patterns(exclude), quantile=quantile, margin=margin, tile=tile,
-                               min_gap_decades=min_gap)
+                               min_gap_decades=min_gap, reuse=reuse)
     torch.manual_seed(seed)
     progress, on_batch = batch_progress(err_console if as_json else console, "analyzing")
     with progress:

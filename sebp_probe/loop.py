@@ -50,15 +50,16 @@ def wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.n
 
 
 def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
-    """AdamW; on a GPU its fused implementation (one kernel per parameter group and dtype, as Hugging Face's
-    ``Trainer`` uses by default): the multi-tensor one took 6-7 ms of host time a step for BERT-base on the
-    device machine, longer than the GPU needed for it (torch.profiler over training steps). Same
-    update rule; the CPU keeps the default implementation."""
-    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
-    if fused:
+    """AdamW in its fused implementation (one kernel per parameter group and dtype, on the GPU and the CPU), as
+    Hugging Face's ``Trainer`` uses by default; the same update rule as the default multi-tensor one. On the GPU
+    the multi-tensor one took 6-7 ms of host time a step for BERT-base, longer than the GPU needed for it
+    (torch.profiler over training steps); on the CPU it took several times the fused one's time for MiniLM's
+    22.7M parameters (``benchmarks/adamw_cpu.py``). A torch without the fused kernel for these parameters
+    gets the default."""
+    if params and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params):
         try:
             return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-        except (RuntimeError, ValueError):  # a parameter kind the fused kernel does not take
+        except (RuntimeError, ValueError):  # a parameter kind or torch the fused kernel does not take
             pass
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 

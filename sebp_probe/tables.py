@@ -328,6 +328,8 @@ def print_analysis(report: dict, per_layer: bool) -> None:
                   f"/ {_pct(g['saving_topk'])}% with the global one", highlight=False)
     if report.get("layouts"):
         _print_layouts(report["layouts"])
+    if report.get("reuse"):
+        _print_reuse(report["reuse"])
 
 
 _CAUSES = {"padding": "padding", "label_less": "label-less", "other_zero": "other zero", "near_zero": "near zero",
@@ -348,6 +350,31 @@ def _print_causes(rows: list[dict], totals: dict) -> None:
     share = totals["share_by_cause"]
     console.print("backward GEMM FLOPs by cause, all layers: " + ", ".join(
         f"{text} {_pct(share[c])}%" for c, text in _CAUSES.items()), highlight=False)
+
+
+_REUSE_SHOWN = ("0.5", "0.9", "0.99")
+
+
+def _print_reuse(reuse: dict) -> None:
+    """What gradient reuse would drop, per layer type (``analyze --reuse``)."""
+    from rich import box
+    from rich.table import Table
+
+    from .analyze import reuse_type_rows
+
+    rows = reuse_type_rows(reuse)
+    shown = [lv for lv in _REUSE_SHOWN if rows and lv in rows[0]["dropped"]]
+    t = Table(title="Gradient reuse (--method resprop): error left in dL/dY, % of |dL/dY|",
+              box=box.SIMPLE_HEAD)
+    for col in ("layer type", "|dY - P|\n/ |dY|", *(f"reuse {lv}:\nReSprop / top-k" for lv in shown)):
+        t.add_column(col, justify="left" if col == "layer type" else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(r["type"], f"{r['residual']:.2f}",
+                  *(f"{_pct(r['dropped'][lv])} / {_pct(r['topk_dropped'][lv])}" for lv in shown))
+    console.print(t)
+    console.print("P: the previous batch's dL/dY. ReSprop drops the smallest rows of dY - P; top-k drops as many "
+                  "of dY's own smallest rows instead. Reuse pays only where its error is below top-k's (|dY - P| well below |dY|).",
+                  highlight=False)
 
 
 def _print_layouts(advice: dict) -> None:

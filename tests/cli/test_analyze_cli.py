@@ -102,6 +102,25 @@ def test_analyze_smollm2_left_padded_report_patches_the_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_analyze_reuse_table_and_report(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    import sebp_probe.cli as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=100))
+    out = tmp_path / "report.json"
+    r = _run("analyze", "minilm", "tweets", *SMALL, "--targets", "query,output.dense", "--reuse", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "Gradient reuse (--method resprop)" in r.output and "reuse 0.9:" in r.output
+    reuse = load_report(out)["reuse"]
+    assert len(reuse["layers"]) == 18 and all(e["steps"] == 1 for e in reuse["layers"].values())
+    assert "attention.self.query " in r.output.split("Gradient reuse")[1]
+    r = _run("analyze", "minilm", "tweets", "--max-batches", "1", "--batch-size", "8", "--max-length", "32",
+             "--reuse")
+    assert r.exit_code == 1 and "at least 2 batches" in r.output
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ext, magic", [(".png", b"\x89PNG\r\n\x1a\n"), (".pdf", b"%PDF"), (".svg", b"<?xml")])
 def test_heatmap_writes_a_picture_in_the_extensions_format(tmp_path, ext, magic):
     out = tmp_path / f"q0{ext}"

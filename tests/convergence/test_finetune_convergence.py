@@ -282,14 +282,31 @@ def test_training_loop_waits_for_the_device_only_at_boundaries(tmp_path, monkeyp
     assert all(r["tokens"] <= r["rows"] for r in recs)
 
 
-def test_optimizer_is_fused_on_gpu_only(tmp_path):
+def test_optimizer_is_fused_and_steps_as_the_default_adamw(tmp_path):
     cfg = _cfg(tmp_path)
     cpu = loop.make_optimizer([torch.nn.Parameter(torch.ones(3))], cfg)
-    assert isinstance(cpu, torch.optim.AdamW) and not cpu.defaults.get("fused")
+    assert isinstance(cpu, torch.optim.AdamW) and cpu.defaults.get("fused") is True
     assert cpu.defaults["lr"] == cfg.lr and cpu.defaults["weight_decay"] == cfg.weight_decay
     if torch.cuda.is_available():
         gpu = loop.make_optimizer([torch.nn.Parameter(torch.ones(3, device="cuda"))], cfg)
         assert gpu.defaults["fused"] is True
+    # the same update rule as torch's default AdamW, step after step
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(5)]
+    runs = []
+    for make in (lambda ps: loop.make_optimizer(ps, cfg),
+                 lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = make(ps)
+        for step in grads:
+            for p, g in zip(ps, step):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(ps)
+    for a, b in zip(*runs):
+        assert not torch.equal(a, start[0] if a.dim() == 2 else start[1])
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow
