@@ -52,13 +52,16 @@ def padding_table(choice: dict):
     from rich import box
     from rich.table import Table
 
-    table = Table(title="--padding auto: forward+backward per batch on your data (ms)", box=box.SIMPLE_HEAD)
+    table = Table(title="--padding auto: ms per batch (fwd+bwd)", box=box.SIMPLE_HEAD)
     for col in ("layout", "padding %", "dense", "SEBP", "note"):
         table.add_column(col, justify="left" if col in ("layout", "note") else "right")
     fmt = lambda r, k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
     for r in choice["table"]:
-        chosen = r["padding"] == choice["padding"]
-        note = r.get("skipped") or (f"chosen: {'SEBP' if choice['method'] == 'sebp' else 'dense'}" if chosen else "")
+        notes = [f"chosen: {'SEBP' if choice['method'] == 'sebp' else 'dense'}"] \
+            if r["padding"] == choice["padding"] else []
+        if r.get("sebp_layers") == 0:
+            notes.append("no layer sparse enough for SEBP")
+        note = r.get("skipped") or "; ".join(notes)
         table.add_row(r["padding"], f"{100 * r['padding_share']:.1f}", fmt(r, "dense_ms"), fmt(r, "sebp_ms"), note)
     return table
 

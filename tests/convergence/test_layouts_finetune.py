@@ -120,3 +120,23 @@ def test_resprop_at_reuse_zero_trains_as_dense(tmp_path):
 def test_packed_with_cuda_graphs_is_refused():
     with pytest.raises(ValueError, match="packed rows change"):
         FinetuneConfig(data=DataConfig(padding="packed"), cuda_graphs=True, precision="bf16")
+
+
+def test_auto_table_says_chosen_skipped_and_where_no_layer_runs_sebp():
+    from rich.console import Console
+
+    from sebp_probe.tables import padding_table
+
+    choice = {"padding": "packed", "method": "dense", "table": [
+        {"padding": "longest", "padding_share": 0.387, "dense_ms": 576.4, "sebp_layers": 32, "sebp_ms": 516.4},
+        {"padding": "bucket", "padding_share": 0.019, "dense_ms": 541.1, "sebp_layers": 0},
+        {"padding": "packed", "padding_share": 0.137, "dense_ms": 476.0, "sebp_layers": 4, "sebp_ms": 558.0},
+        {"padding": "max_length", "padding_share": 0.48, "skipped": "needs a fixed shape"}]}
+    console = Console(width=100, record=True)
+    console.print(padding_table(choice))
+    lines = {line.split()[0]: line for line in console.export_text().splitlines()
+             if line.strip() and line.split()[0] in ("longest", "bucket", "packed", "max_length")}
+    assert "516.4" in lines["longest"] and "chosen" not in lines["longest"]
+    assert lines["bucket"].split()[3] == "-" and "no layer sparse enough for SEBP" in lines["bucket"]
+    assert "chosen: dense" in lines["packed"]
+    assert "needs a fixed shape" in lines["max_length"]
