@@ -59,11 +59,12 @@ def _setup(py: str, torch_spec: str, extras: str) -> None:
 
 
 def _workers(args: list[str]) -> list[str]:
-    """One pytest-xdist worker per core (at most 8; every test runs one thread), whole files per worker so a
-    file's shared fixtures load once; none when the caller chose ``-n`` or names a single test."""
+    """One pytest-xdist worker per core (at most 8; every test runs one thread); a worker that runs out of
+    tests takes some from another ("worksteal"), so one long file does not leave the other cores idle at the
+    end. None when the caller chose ``-n`` or names a single test."""
     if any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in args) or any("::" in a for a in args):
         return []
-    return ["-n", str(min(os.cpu_count() or 1, 8)), "--dist", "loadfile"]
+    return ["-n", str(min(os.cpu_count() or 1, 8)), "--dist", "worksteal"]
 
 
 def main(argv: list[str]) -> int:
