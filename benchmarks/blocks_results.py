@@ -159,16 +159,22 @@ def finetune_cpu(page: Page) -> str:
     runs = src.rows("runs")
     base = next(r for r in runs if r["padding"] == "longest" and r["asked"] == "dense")
     body = []
+    repeats = src.data["settings"].get("repeats", 1)
     for r in runs:
-        what = r["padding"] if r["padding"] != "auto" else f"auto (chose {r['run_padding']}, {r['method']})"
+        chose = "; ".join(dict.fromkeys(r.get("choices") or [f"{r['run_padding']}, {r['method']}"]))
+        what = r["padding"] if r["padding"] != "auto" else f"auto (chose {chose})"
+        spread = r.get("runs_step_ms") or [r["median_step_ms"]]
         body.append([what, r["asked"] if r["padding"] != "auto" else "auto", str(r["sebp_layers"]),
-                     f1(r["median_step_ms"]), times(base["median_step_ms"] / r["median_step_ms"]),
-                     f"{r['final_train_loss']:.4f}"])
-    header = ["layout", "method", "layers on SEBP", "step ms (median)", "vs dense longest", "train loss"]
+                     f1(r["median_step_ms"]) + (f" ({f1(min(spread))}-{f1(max(spread))})" if repeats > 1 else ""),
+                     times(base["median_step_ms"] / r["median_step_ms"]), f"{r['final_train_loss']:.4f}"])
+    header = ["layout", "method", "layers on SEBP", "step ms" + (f" (range of {repeats} runs)" if repeats > 1 else ""),
+              "vs dense longest", "train loss"]
     s = src.data["settings"]
     note = (f"The bundled all-MiniLM-L6-v2 on the bundled tweets, batch {s['batch_size']}, max length "
-            f"{s['max_length']}, {s['steps']} steps a run; SEBP runs calibrate first and keep dense any layer "
-            "SEBP does not speed up (\"layers on SEBP\").")
+            f"{s['max_length']}, {s['steps']} steps a run; step ms: the median over a run's steps"
+            + (f", the mean over {repeats} runs of each configuration, run in the listed order and then reversed"
+               if repeats > 1 else "")
+            + "; SEBP runs calibrate first and keep dense any layer SEBP does not speed up (\"layers on SEBP\").")
     return captioned(page, [src], table(header, body, "llrrrr") + "\n\n" + note)
 
 

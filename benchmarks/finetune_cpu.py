@@ -6,7 +6,9 @@ The bundled all-MiniLM-L6-v2 on the bundled tweets (batch 32, max length 128, ex
 labelled head), ``--steps`` optimizer steps per run, one run per (layout, method) and one ``auto`` run, all
 from the same seed and data, one after another in this process. A run's step time is its median over the
 steps after the warm-up ones (what ``summary.json`` reports); the auto run's table of what it timed before
-training is kept too. The JSON names the CPU, the versions, the date and this command.
+training is kept too (the first run's). With ``--repeats R`` each configuration runs R times, the order
+reversed every other round, and the table gives the mean. The JSON names the CPU, the versions, the date and
+this command.
 """
 from __future__ import annotations
 
@@ -43,6 +45,19 @@ def run(args, padding: str, method: str, out: Path) -> dict:
     return row
 
 
+def combine(rs: list[dict]) -> dict:
+    """One row per configuration: the first run's fields, ``median_step_ms`` and ``median_backward_ms`` the mean
+    over the runs (each a median over its steps), every run's step time in ``runs_step_ms`` and, for auto, every
+    run's choice in ``choices``."""
+    row = dict(rs[0])
+    for key in ("median_step_ms", "median_backward_ms"):
+        row[key] = round(sum(r[key] for r in rs) / len(rs), 2)
+    row["runs_step_ms"] = [r["median_step_ms"] for r in rs]
+    if "padding_choice" in row:
+        row["choices"] = [f"{r['run_padding']}, {r['method']}" for r in rs]
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -52,15 +67,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-samples", type=int, default=4000)
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration, in the listed order, then "
+                   "reversed, and so on: a steady drift of the machine's speed cancels in the mean")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = []
+    configs = [(padding, method) for padding in PADDINGS for method in ("dense", "sebp")] + [("auto", "sebp")]
+    runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
-        for padding in PADDINGS:
-            for method in ("dense", "sebp"):
-                rows.append(run(args, padding, method, Path(tmp)))
-        rows.append(run(args, "auto", "sebp", Path(tmp)))
+        for r in range(args.repeats):
+            for padding, method in (configs if r % 2 == 0 else configs[::-1]):
+                runs[(padding, method)].append(run(args, padding, method, Path(tmp) / str(r)))
+    rows = [combine(rs) for rs in runs.values()]
     env = {"device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
            **versions(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": " ".join(["python", *sys.argv])}
