@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import torch  # noqa: E402
 
 from sebp_probe.assets import load_model  # noqa: E402
-from sebp_probe.rundir import versions  # noqa: E402
+from sebp_probe.rundir import device_name, versions  # noqa: E402
 
 
 def step_ms(params: list[torch.nn.Parameter], repeats: int, **kwargs) -> float:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, kwargs in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
         rows[name] = step_ms([torch.nn.Parameter(p.detach().clone()) for p in params], args.repeats, **kwargs)
         print(f"{name:8s} {rows[name]:8.1f} ms")
-    env = {"device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+    env = {"device": device_name(torch.device("cpu")),
            **versions(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": "python benchmarks/adamw_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

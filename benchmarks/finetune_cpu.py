@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from sebp_probe.config import PADDINGS, DataConfig, FinetuneConfig  # noqa: E402
 from sebp_probe.finetune import finetune  # noqa: E402
-from sebp_probe.rundir import versions  # noqa: E402
+from sebp_probe.rundir import device_name, versions  # noqa: E402
 
 
 def run(args, padding: str, method: str, out: Path) -> dict:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             for padding, method in (configs if r % 2 == 0 else configs[::-1]):
                 runs[(padding, method)].append(run(args, padding, method, Path(tmp) / str(r)))
     rows = [combine(rs) for rs in runs.values()]
-    env = {"device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+    env = {"device": device_name(torch.device("cpu")),
            **versions(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": " ".join(["python", *sys.argv])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -133,6 +133,14 @@ def layer_type(name: str) -> str:
     return ".".join(parts[idx[-1] + 1:]) if idx and idx[-1] + 1 < len(parts) else name
 
 
+def by_layer_type(layers: dict) -> dict[str, list]:
+    """The values of ``layers`` (keyed by module name) grouped by :func:`layer_type`, in first-seen order."""
+    groups: dict[str, list] = {}
+    for name, value in layers.items():
+        groups.setdefault(layer_type(name), []).append(value)
+    return groups
+
+
 def _spread(values: np.ndarray) -> dict:
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
@@ -260,17 +268,13 @@ def layer_type_rows(report: dict) -> list[dict]:
     """One row per layer type for the tables: zero elements / zero rows (avg, max, min over batches and the
     layers of that type), rows by cause, eps range, the largest N, how many layers have a knee, and the share
     of backward GEMM FLOPs the per-layer settings save."""
-    groups: dict[str, list[str]] = {}
-    for name in report["layers"]:
-        groups.setdefault(layer_type(name), []).append(name)
     rows = []
-    for t, names in groups.items():
-        entries = [report["layers"][n] for n in names]
+    for t, entries in by_layer_type(report["layers"]).items():
         st = [e["stats"] for e in entries]
         eps = sorted(e["eps"] for e in entries)
         rows.append({
             "type": t,
-            "layers": len(names),
+            "layers": len(entries),
             "zero_elements": {k: float(np.mean([s["zero_element_fraction"][k] for s in st])) if k == "avg"
                               else (max if k == "max" else min)(s["zero_element_fraction"][k] for s in st)
                               for k in ("avg", "max", "min")},
@@ -373,14 +377,11 @@ def reuse_report(collector: ReuseDropCollector) -> dict:
 def reuse_type_rows(reuse: dict) -> list[dict]:
     """The ``reuse`` section per layer type (means over its layers): ``type``, ``layers``, ``residual``,
     ``dropped`` and ``topk_dropped`` per level (keys as in the report: the level as a string)."""
-    groups: dict[str, list[dict]] = {}
-    for name, entry in reuse["layers"].items():
-        if entry["steps"]:
-            groups.setdefault(layer_type(name), []).append(entry)
+    measured = {name: e for name, e in reuse["layers"].items() if e["steps"]}
     mean = lambda values: float(np.mean(values))  # noqa: E731
     return [{"type": t, "layers": len(es), "residual": mean([e["residual"] for e in es]),
              **{k: {lv: mean([e[k][lv] for e in es]) for lv in es[0][k]} for k in ("dropped", "topk_dropped")}}
-            for t, es in groups.items()]
+            for t, es in by_layer_type(measured).items()]
 
 
 def analyze(

@@ -9,10 +9,9 @@ compilation, allocator), then the median of ``reps``. Batches of one layout diff
 by far: its first batch holds the longest sequences), so a few of them would say little about an epoch; a
 layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
 of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
-candidate layers whose
-share of active rows on those batches is at most ``dense_fallback``, as a run's calibration would. The choice
-is the smallest time measured, so it is never slower than the fastest dense layout measured. The RNG is
-forked and the gradients are dropped: training is untouched.
+candidate layers whose share of active rows on those batches is at most ``dense_fallback``, as a run's
+calibration would. The choice is the smallest time measured, so it is never slower than the fastest dense
+layout measured. The RNG is forked and the gradients are dropped: training is untouched.
 """
 from __future__ import annotations
 

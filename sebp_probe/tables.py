@@ -376,8 +376,8 @@ def _print_reuse(reuse: dict) -> None:
                   *(f"{_pct(r['dropped'][lv])} / {_pct(r['topk_dropped'][lv])}" for lv in shown))
     console.print(t)
     console.print("P: the previous batch's dL/dY. ReSprop drops the smallest rows of dY - P; top-k drops as many "
-                  "of dY's own smallest rows instead. Reuse pays only where its error is below top-k's (|dY - P| well below |dY|).",
-                  highlight=False)
+                  "of dY's own smallest rows instead. Reuse pays only where its error is below top-k's "
+                  "(|dY - P| well below |dY|).", highlight=False)
 
 
 def _print_layouts(advice: dict) -> None:
