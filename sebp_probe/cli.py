@@ -111,6 +111,10 @@ def finetune_cmd(
                                    "SEBP activations (exact; the linears before them skip their row selection)."),
     sebp_norms: bool = typer.Option(False, "--sebp-norms", help="Also give the LayerNorms/RMSNorms the SEBP "
                                     "backward (exact; calibrated together with the linear layers)."),
+    head: str = typer.Option("labelled", "--head", help="labelled: the loss without the rows no loss reaches "
+                             "(LM head and last layer on the labelled rows; a classifier's last layer on [CLS]) "
+                             "where that is exact, and under --padding auto timed against the model's own head | "
+                             "full: the model's own loss."),
     cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="Replay each micro-step's forward and backward "
                                      "as CUDA graphs, one pair per batch shape (one GPU): no host launch overhead, "
                                      "in calibration too."),
@@ -181,7 +185,7 @@ def finetune_cmd(
         mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
+        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
         compile=compile_mode,
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,

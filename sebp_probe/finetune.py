@@ -247,12 +247,13 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
             return PaddingChoice.from_dict(stored)
     model = wrap_lora(first.model, first.task, cfg) if cfg.lora else first.model
     model.to(acc.device).train()
-    set_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None)
+    head, _ = set_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None)
     cands = candidate_layers(model, cfg, report_layers) if "sebp" in cfg.methods() else {}
     payload = [None]
     if acc.is_main_process:
         graphs = cfg.cuda_graphs or graphed_compile(cfg, acc)
-        payload = [choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs).to_dict()]
+        heads = ("labelled", "full") if head == "labelled" else (None,)  # the labelled path may lose: time both
+        payload = [choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads).to_dict()]
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -263,12 +264,14 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
 def _run_plan(cfg: FinetuneConfig, choice: PaddingChoice | None) -> list[tuple[str, FinetuneConfig]]:
     """(method, its run's settings) in training order. Under ``auto`` each run takes a measured layout: with
     ``--compare`` dense its fastest and SEBP its fastest; otherwise the run is whichever was fastest (dense
-    too, if SEBP did not beat it on any layout)."""
+    too, if SEBP did not beat it on any layout). Each run takes the head its entry was timed with."""
     if choice is None:
         return [(m, cfg) for m in cfg.methods()]
     methods = cfg.methods() if cfg.compare or cfg.method == "resprop" else (choice.method,)
-    return [(m, replace(cfg, data=replace(cfg.data, padding=choice.best.get(m, choice.best["dense"]))))
-            for m in methods]  # resprop (approximate gradients, not timed by auto) takes dense's fastest layout
+    timed = lambda m: m if m in choice.best else "dense"  # noqa: E731 - resprop (approximate, not timed by auto)
+    return [(m, replace(cfg, data=replace(cfg.data, padding=choice.best[timed(m)]),
+                        head=choice.best_head.get(timed(m)) or cfg.head))
+            for m in methods]  # resprop takes dense's fastest layout and head
 
 
 def _check_graphs_possible(cfg: FinetuneConfig, acc, what: str = "--cuda-graphs") -> None:

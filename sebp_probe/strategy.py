@@ -10,8 +10,11 @@ by far: its first batch holds the longest sequences), so a few of them would say
 layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
 of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
 candidate layers whose share of active rows on those batches is at most ``dense_fallback``, as a run's
-calibration would. The choice is the smallest time measured, so it is never slower than the fastest dense
-layout measured. The RNG is forked and the gradients are dropped: training is untouched.
+calibration would. Where the run's head is the labelled-rows path (:mod:`sebp_probe.losses`), every layout is
+also timed with the model's own (full) head: which of the two is faster depends on the layout and on the
+host's launch overhead, so measurement chooses it as well. The choice is the smallest time measured, so it is
+never slower than the fastest dense entry measured. The RNG is forked and the gradients are dropped: training
+is untouched.
 """
 from __future__ import annotations
 
@@ -37,20 +40,24 @@ SAMPLE_BATCHES = 3
 
 @dataclass
 class PaddingChoice:
-    """What ``auto`` measured (``table``: one row per layout) and chose; ``best``: the fastest layout of each
-    method measured."""
+    """What ``auto`` measured (``table``: one row per layout and head) and chose: ``padding``, ``method`` and
+    ``head``; ``best``: the fastest layout of each method measured, ``best_head``: the head it was timed with
+    (None: the run's own, when only one head was timed)."""
 
     padding: str
     method: str
     best: dict[str, str]
     table: list[dict] = field(default_factory=list)
+    head: str | None = None
+    best_head: dict[str, str | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "PaddingChoice":
-        return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])))
+        return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
+                   dict(d.get("best_head") or {}))
 
 
 def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, n: int) -> list[dict]:
@@ -103,9 +110,11 @@ def _why_not(model, cfg: FinetuneConfig, task: str, padding: str, graphs: bool) 
 
 def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
                    device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
-                   reps: int = 2) -> PaddingChoice:
+                   reps: int = 2, heads: tuple[str | None, ...] = (None,)) -> PaddingChoice:
     """Time each layout dense and (with ``candidates``) with SEBP on ``model``; see the module docstring.
-    ``model`` is left unpatched, without gradients."""
+    ``heads``: the heads to time each layout with (:func:`~sebp_probe.losses.use_head`; None: the one set on
+    ``model``); the head set last stays. ``model`` is left unpatched, without gradients."""
+    from .losses import use_head
     from .patch import unpatch_model
 
     lens = lengths(data.train)
@@ -115,30 +124,35 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     table = []
     with torch.random.fork_rng(devices=rng_devices(device)):
         for padding in PADDINGS:
-            row = {"padding": padding, "padding_share": round(padding_share(
-                lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed), 4)}
+            share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed), 4)
             reason = _why_not(model, cfg, data.task, padding, graphs)
             if reason:
-                table.append({**row, "skipped": reason})
+                table.append({"padding": padding, "padding_share": share, "skipped": reason})
                 continue
             pcfg = replace(cfg, data=replace(cfg.data, padding=padding))
             batches = _spread_batches(pcfg, data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
-            slots = real / (1.0 - row["padding_share"]) / n_batches  # the epoch's mean padded batch size
-            row["dense_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps), 3)
-            if "sebp" in methods:
-                density = measure_density(model, batches, candidates, device, autocast)
-                layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
-                row["sebp_layers"] = len(layers)
-                if layers:
-                    apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
-                    try:
-                        row["sebp_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps), 3)
-                    finally:
-                        unpatch_model(model)
-            table.append(row)
+            slots = real / (1.0 - share) / n_batches  # the epoch's mean padded batch size
+            for head in heads:
+                row = {"padding": padding, **({"head": head} if head else {}), "padding_share": share}
+                if head:
+                    use_head(model, data.task, head)
+                row["dense_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps), 3)
+                if "sebp" in methods:
+                    density = measure_density(model, batches, candidates, device, autocast)
+                    layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
+                    row["sebp_layers"] = len(layers)
+                    if layers:
+                        apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
+                        try:
+                            row["sebp_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps),
+                                                   3)
+                        finally:
+                            unpatch_model(model)
+                table.append(row)
         model.zero_grad(set_to_none=True)
-    measured = [(r[f"{m}_ms"], m, r["padding"]) for r in table for m in methods if f"{m}_ms" in r]
-    best = {m: min((t, p) for t, mm, p in measured if mm == m)[1] for m in methods
-            if any(mm == m for _, mm, _ in measured)}
-    _, method, padding = min(measured)
-    return PaddingChoice(padding, method, best, table)
+    measured = [(r[f"{m}_ms"], m, r["padding"], r.get("head")) for r in table for m in methods if f"{m}_ms" in r]
+    best = {m: min((t, p, h or "") for t, mm, p, h in measured if mm == m) for m in methods
+            if any(mm == m for _, mm, _, _ in measured)}
+    _, method, padding, head = min(measured, key=lambda e: e[0])
+    return PaddingChoice(padding, method, {m: b[1] for m, b in best.items()}, table, head,
+                         {m: b[2] or None for m, b in best.items()})

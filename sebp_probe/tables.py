@@ -53,16 +53,18 @@ def padding_table(choice: dict):
     from rich.table import Table
 
     table = Table(title="--padding auto: ms per batch (fwd+bwd)", box=box.SIMPLE_HEAD)
-    for col in ("layout", "padding %", "dense", "SEBP", "note"):
-        table.add_column(col, justify="left" if col in ("layout", "note") else "right")
+    heads = any("head" in r for r in choice["table"])  # the labelled-rows head timed against the full one
+    for col in ("layout", *(("head",) if heads else ()), "padding %", "dense", "SEBP", "note"):
+        table.add_column(col, justify="left" if col in ("layout", "head", "note") else "right")
     fmt = lambda r, k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
     for r in choice["table"]:
-        notes = [f"chosen: {'SEBP' if choice['method'] == 'sebp' else 'dense'}"] \
-            if r["padding"] == choice["padding"] else []
+        chosen = r["padding"] == choice["padding"] and r.get("head") == choice.get("head") and "skipped" not in r
+        notes = [f"chosen: {'SEBP' if choice['method'] == 'sebp' else 'dense'}"] if chosen else []
         if r.get("sebp_layers") == 0:
             notes.append("no layer sparse enough for SEBP")
         note = r.get("skipped") or "; ".join(notes)
-        table.add_row(r["padding"], f"{100 * r['padding_share']:.1f}", fmt(r, "dense_ms"), fmt(r, "sebp_ms"), note)
+        table.add_row(r["padding"], *((r.get("head", "-"),) if heads else ()), f"{100 * r['padding_share']:.1f}",
+                      fmt(r, "dense_ms"), fmt(r, "sebp_ms"), note)
     return table
 
 

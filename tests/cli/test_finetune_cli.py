@@ -174,6 +174,7 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--compile", "fast"], "unknown compile mode 'fast'"),
     (["--compile", "reduce-overhead", "--cuda-graphs"], "--cuda-graphs and --compile exclude each other"),
     (["--sebp-first"], "--sebp-first orders the two runs of --compare: add --compare"),
+    (["--head", "middle"], "unknown head 'middle'; choose labelled or full"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"
@@ -315,3 +316,12 @@ def test_processes_that_accelerate_does_not_join_are_refused(tiny, tmp_path, mon
     line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out)]))
     assert "WORLD_SIZE=2" in line and "ACCELERATE_USE_CPU=1" in line
     assert not out.exists()
+
+
+def test_head_option_reaches_the_run(tiny, tmp_path):
+    for head in ("full", "labelled"):
+        out = tmp_path / head
+        result = _run([tiny, *FAST, "--max-steps", "2", "--method", "dense", "--head", head, "-o", str(out),
+                       "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "summary.json").read_text())["head"] == head

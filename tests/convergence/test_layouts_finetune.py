@@ -87,12 +87,15 @@ def test_auto_times_every_layout_and_trains_with_the_fastest(tmp_path):
     cfg = _cfg(tmp_path, "auto", "auto", compare=True)
     s = ft.finetune(cfg, load_fn=_loader("llama"), data=data, on_event=lambda k, p: events.append((k, p)))
     choice = s["padding_choice"]
-    table = {r["padding"]: r for r in choice["table"]}
-    assert list(table) == list(PADDINGS) and all("dense_ms" in r and "sebp_ms" in r for r in table.values())
-    every = [(r[f"{m}_ms"], m, p) for p, r in table.items() for m in ("dense", "sebp")]
-    assert (choice["method"], choice["padding"]) == min(every)[1:]  # never slower than the fastest dense
+    table = {(r["padding"], r["head"]): r for r in choice["table"]}  # the labelled head timed against the full
+    assert list(table) == [(p, h) for p in PADDINGS for h in ("labelled", "full")]
+    assert all("dense_ms" in r and "sebp_ms" in r for r in table.values())
+    every = [(r[f"{m}_ms"], m, p, h) for (p, h), r in table.items() for m in ("dense", "sebp")]
+    assert (choice["method"], choice["padding"], choice["head"]) == min(every)[1:]  # never slower than any dense
     for m in ("dense", "sebp"):
-        assert s["runs"][m]["padding"] == choice["best"][m] == min((t, p) for t, mm, p in every if mm == m)[1]
+        fastest = min((t, p, h) for t, mm, p, h in every if mm == m)
+        assert (s["runs"][m]["padding"], s["runs"][m]["head"]) == (choice["best"][m], choice["best_head"][m]) \
+            == fastest[1:]
     assert [k for k, _ in events].count("padding") == 1
     stored = json.loads((tmp_path / "auto" / "run_config.json").read_text())
     assert stored["config"]["data"]["padding"] == "auto" and stored["padding_choice"] == choice
@@ -140,3 +143,21 @@ def test_auto_table_says_chosen_skipped_and_where_no_layer_runs_sebp():
     assert lines["bucket"].split()[3] == "-" and "no layer sparse enough for SEBP" in lines["bucket"]
     assert "chosen: dense" in lines["packed"]
     assert "needs a fixed shape" in lines["max_length"]
+
+
+def test_auto_table_with_both_heads_marks_the_chosen_pair():
+    from rich.console import Console
+
+    from sebp_probe.tables import padding_table
+
+    choice = {"padding": "longest", "method": "sebp", "head": "full", "table": [
+        {"padding": "longest", "head": "labelled", "padding_share": 0.3, "dense_ms": 50.0, "sebp_ms": 45.0},
+        {"padding": "longest", "head": "full", "padding_share": 0.3, "dense_ms": 48.0, "sebp_ms": 40.0},
+        {"padding": "packed", "padding_share": 0.0, "skipped": "an encoder"}]}
+    console = Console(width=100, record=True)
+    console.print(padding_table(choice))
+    lines = [line.split() for line in console.export_text().splitlines() if line.strip()]
+    rows = {tuple(w[:2]): w for w in lines if w[0] in ("longest", "packed")}
+    assert "head" in next(w for w in lines if w[0] == "layout")
+    assert "chosen:" not in rows[("longest", "labelled")] and rows[("longest", "full")][-2:] == ["chosen:", "SEBP"]
+    assert rows[("packed", "-")][-2:] == ["an", "encoder"]

@@ -113,6 +113,10 @@ def test_layout_limits_and_summary():
     assert (s["fastest_dense"]["layout"], s["fastest_baseline"]["method"], s["fastest"]["method"],
             s["auto_pick"]["method"]) == ("packed", "liger", "liger", "sebp")
     assert rows[1]["vs_dense_same_layout"] == 1.2 and rows[4]["vs_fastest_baseline"] == round(18 / 19, 3)
+    rows.append(dict(layout="packed", method="dense", head="labelled", timing="eager", ms=17.0))
+    s = bench_cases.summarize(rows)["eager"]  # auto times both heads: the faster labelled head wins
+    assert s["auto_pick"] == s["fastest_dense"] == {"layout": "packed", "method": "dense", "head": "labelled",
+                                                    "ms": 17.0}
 
 
 def test_liger_patch_is_confined_to_its_model(monkeypatch):
@@ -173,7 +177,9 @@ def test_whole_benchmark_on_a_cpu(tiny_results, name):
     assert {(li["layout"], li["head"]) for li in r["limits"]} == {(lay, h) for lay, _, h in want}
     for li in r["limits"]:
         assert 0 < li["inactive_share"] < 1 and li["limit_ms"] < li["dense_ms"]
-    assert set(r["summary"]) == {"eager"} and r["summary"]["eager"]["auto_pick"]["head"] == "full"
+    pick = r["summary"]["eager"]["auto_pick"]
+    assert set(r["summary"]) == {"eager"} and pick["ms"] == min(
+        e["ms"] for e in r["rows"] if e["method"] != "liger" and e["timing"] == "eager")
     assert r["pool"]["sequences"] == 2 * r["case"]["batch"] == len(r["pool"]["lengths"])
 
 
