@@ -13,18 +13,19 @@ logits' gradient: the chunk's logits exist once, in the compute dtype. Elsewhere
 arithmetic runs as torch ops on an fp32 copy of the chunk: the reference the kernel is tested against.
 
 Memory: a chunk holds ``chunk_rows x V`` logits (on the torch path in fp32, plus a copy in the compute dtype
-under autocast); the default keeps that working set near ``CHUNK_BYTES`` (512 MiB): 2048 rows for V = 128256
-in bf16 on the kernel's path. The gradients live from the forward until the backward: dL/dh of the labelled
-rows and dL/dW, summed over the chunks in the weight's dtype on the kernel's path (cuBLAS adds each chunk's
-product in fp32 and rounds once) and, for a 16-bit weight, in an fp32 accumulator (V x d x 4 bytes) on the
-torch path.
+under autocast); the default keeps that working set near ``CHUNK_BYTES`` (320 MiB) and splits the rows in
+equal chunks: 4096 labelled rows of V = 128256 or 151936 in bf16 on the kernel's path run in 4 chunks of 1024.
+Chunk sizes from 512 to 1408 rows were timed on an H100 (``benchmarks/head_bench.py --extra-chunks``, under
+results/head_h100/): at 1408 rows the Qwen2.5-0.5B-shaped step's peak memory was above Cut-Cross-Entropy's,
+at 832 its head ran 1.2x slower than at 1024.
 """
 from __future__ import annotations
 
 import torch
 
-CHUNK_BYTES = 512 * 2**20  # the per-chunk working set the default chunk size aims at
-_ROW_MULTIPLE = 64  # chunks of whole tensor-core tiles
+CHUNK_BYTES = 320 * 2**20  # the per-chunk working set the default chunk size aims at
+_ROW_MULTIPLE = 128  # chunks of whole 128-row tiles (on an H100, 832 rows a chunk ran the head 1.2x slower
+#                       than 1024 or 1408: results/head_h100/head.json)
 
 
 def default_chunk_rows(vocab: int, compute_dtype: torch.dtype, fused: bool = False) -> int:
@@ -34,6 +35,17 @@ def default_chunk_rows(vocab: int, compute_dtype: torch.dtype, fused: bool = Fal
                        4 + (compute_dtype.itemsize if compute_dtype.itemsize < 4 else 0))
     rows = max(1, CHUNK_BYTES // per_row)
     return rows if rows < _ROW_MULTIPLE else rows // _ROW_MULTIPLE * _ROW_MULTIPLE
+
+
+def balanced_chunk_rows(n: int, most: int) -> int:
+    """Rows per chunk for ``n`` rows and at most ``most`` a chunk: as few chunks as ``most`` allows, of equal
+    size (whole tiles of 128 rows where ``most`` allows), so that no last chunk runs a thin product."""
+    if n <= most:
+        return max(n, 1)
+    per = -(-n // -(-n // most))
+    if most >= _ROW_MULTIPLE:
+        per = min(most // _ROW_MULTIPLE * _ROW_MULTIPLE, -(-per // _ROW_MULTIPLE) * _ROW_MULTIPLE)
+    return per
 
 
 def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100) -> torch.Tensor:
@@ -66,8 +78,8 @@ def linear_cross_entropy(
     (fp32 accumulation) and the softmax and loss in fp32, like the autocast dense path; the loss is fp32 (fp64
     for fp64 inputs). A weight that needs no gradient (frozen, LoRA) costs no dW product; a weight shared with
     the input embeddings gets the sum of both gradients through autograd as usual.
-    ``chunk_rows``: default :func:`default_chunk_rows`; smaller lowers the peak memory, larger runs fewer and
-    bigger products.
+    ``chunk_rows``: default :func:`default_chunk_rows` at most, the rows split in equal chunks
+    (:func:`balanced_chunk_rows`); smaller lowers the peak memory, larger runs fewer and bigger products.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -93,7 +105,8 @@ def linear_cross_entropy(
     else:
         compute = weight.dtype
     fused = _fused_ce(h, compute)
-    chunk = chunk_rows or default_chunk_rows(weight.shape[0], compute, fused is not None)
+    chunk = chunk_rows or balanced_chunk_rows(h.shape[0], default_chunk_rows(weight.shape[0], compute,
+                                                                            fused is not None))
     return _LinearCrossEntropy.apply(h, weight, bias, y, compute, float(label_smoothing), reduction, chunk, fused)
 
 

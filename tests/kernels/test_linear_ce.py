@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sebp_kernels import linear_cross_entropy
-from sebp_kernels.linear_ce import default_chunk_rows
+from sebp_kernels.linear_ce import balanced_chunk_rows, default_chunk_rows
 from tests.helpers import assert_within_torch_error
 
 RTOL = 1e-6
@@ -201,9 +201,11 @@ def test_largest_intermediate_is_one_chunk_of_logits():
 
 
 def test_default_chunk_rows():
-    assert default_chunk_rows(128256, torch.bfloat16) == 640  # ~512 MiB: fp32 + bf16 logits of the chunk
-    assert default_chunk_rows(151936, torch.float32) == 832
-    assert default_chunk_rows(120, torch.float32) > 10**6
+    assert default_chunk_rows(128256, torch.bfloat16) == 384  # ~320 MiB: fp32 + bf16 logits of the chunk
+    assert default_chunk_rows(151936, torch.float32) == 512
+    assert default_chunk_rows(128256, torch.bfloat16, fused=True) == 1280  # the kernel's path: bf16 logits only
+    assert balanced_chunk_rows(4096, default_chunk_rows(151936, torch.bfloat16, fused=True)) == 1024
+    assert default_chunk_rows(120, torch.float32) > 5 * 10**5  # one chunk for a small vocabulary
 
 
 @pytest.mark.gpu
@@ -231,3 +233,11 @@ def test_gpu_autocast_and_peak_memory(dtype):
             err, own = ((x.double() - e).abs().max().item() for x in (a, t))
             assert err <= 2 * own + RTOL * e.abs().max().item(), f"fp32: {err:.3g} vs the dense path's {own:.3g}"
     assert peaks["chunked"][1] * 2 < peaks["dense"][1]
+
+
+@pytest.mark.parametrize("n,most", [(4096, 1728), (4096, 4096), (10, 1728), (1000, 7), (0, 64), (4097, 2048)])
+def test_balanced_chunks_cover_the_rows_evenly(n, most):
+    per = balanced_chunk_rows(n, most)
+    chunks = -(-n // per) if n else 1
+    assert 1 <= per <= max(most, 1) and chunks == max(1, -(-n // most))  # no more chunks than the cap needs
+    assert n - (chunks - 1) * per <= per and (chunks == 1 or n - (chunks - 1) * per > per - 128 * chunks)
