@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from docgen import Page, Source, block, captioned, f1, f2, table, times
 
-LAYOUT_FILES = ("layouts_h100/model_bert-base.json", "layouts_h100/model_llama-3.2-1b-sft.json")
+LAYOUT_FILES = ("layouts_fused_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json")
+LINEARS_ONLY = {"bert-base": "layouts_h100/model_bert-base.json",
+                "llama-3.2-1b-sft": "layouts_h100/model_llama-3.2-1b-sft.json"}  # SEBP on the linears alone
 LAYOUTS = ("max_length", "longest", "bucket", "packed")
 HEAD = "head_h100/head.json"
 FINETUNE_CPU = "finetune_cpu/finetune_cpu.json"
@@ -125,30 +127,98 @@ def layouts_verdict(page: Page) -> str:
     return "\n".join(lines)
 
 
+@block("layouts_fused_gain")
+def layouts_fused_gain(page: Page) -> str:
+    """SEBP on the linears alone (an earlier run) against SEBP with the norms and activations as well, each
+    next to the dense entry of its own run: same layout, head and timing."""
+    body, sources = [], []
+    for src, m in _models(page):
+        plain_src = page.load(LINEARS_ONLY[m["case"]["name"]])
+        sources += [plain_src, src]
+        plain = {(r["layout"], r["method"], r["head"], r["timing"]): r for mm in plain_src.rows("models")
+                 for r in mm["rows"]}
+        for r in m["rows"]:
+            key = (r["layout"], "sebp", r["head"], r["timing"])
+            if r["method"] != "dense" or key not in plain:
+                continue
+            fused = next(x for x in m["rows"] if (x["layout"], x["method"], x["head"], x["timing"]) == key)
+            old_dense = plain[(r["layout"], "dense", r["head"], r["timing"])]
+            body.append([m["case"]["name"], r["layout"], _variant(r), times(plain[key]["vs_dense_same_layout"]),
+                         times(fused["vs_dense_same_layout"]),
+                         f"{f1(old_dense['ms'])} / {f1(r['ms'])}"])
+    header = ["model", "layout", "timing", "SEBP linears: x dense", "SEBP linears + norms + activations: x dense",
+              "dense ms (each run)"]
+    return captioned(page, sources, table(header, body, "lllrrr"))
+
+
 # ------------------------------------------------------------------------------------ the labelled head
 
 HEAD_METHODS = {"hf": "full head (model's own loss)", "gather": "gather labelled rows, then plain CE",
                 "ours": "labelled-rows head (fused CE)", "ours+last_layer": "labelled-rows head + last layer",
+                "ours+last_layer+sebp": "labelled-rows head + last layer + SEBP (linears, norms, activations)",
                 "cce": "Cut-Cross-Entropy", "liger": "Liger-Kernel fused linear CE"}
+
+
+def head_limit_share(shape: dict, tokens: int, labelled: int, seq: int) -> float:
+    """The share of the full-head step's matmul FLOPs (forward and backward, attention included) that the rows
+    no loss reads cost in the head and in the last layer's position-wise work (query, attention output, MLP,
+    and their queries' attention): what the limit removes."""
+    d, n_layers, inter, vocab = (shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                    "vocab_size"))
+    mlm = shape["arch"] == "bert-mlm"
+    kv = d * shape.get("num_key_value_heads", shape["num_attention_heads"]) // shape["num_attention_heads"]
+    mlp = 2 * (2 if mlm else 3) * d * inter
+    attention = (4 if mlm else 2) * d * seq  # per query: scores and values over its keys (causal: half)
+    layer = 2 * d * (d + 2 * kv) + 2 * d * d + mlp + attention
+    head = 2 * d * vocab + (2 * d * d if mlm else 0)  # masked LM: the head's transform too
+    removed = (tokens - labelled) * (head + 2 * d * d + 2 * d * d + mlp + attention)
+    return removed / (tokens * (n_layers * layer + head))
 
 
 @block("head_h100")
 def head_h100(page: Page) -> str:
     src = page.load(HEAD)
-    rows = [r for r in src.rows("results") if r["scope"] == "model" and "ms" in r]
+    rows = [r for r in src.rows("results") if r["scope"] == "model" and "ms" in r and "@" not in r["method"]]
+    s = src.data["settings"]
     body = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = {r["method"]: r for r in rows if r["shape"] == shape}
         full = mine["hf"]
+        cfg = src.data["shapes"][shape]
+        share = head_limit_share(cfg, full["tokens"], full["labelled_rows"], cfg.get("seq", s["seq"]))
+        limit = full["ms"] * (1 - share)
         for method, r in mine.items():
             body.append([shape, HEAD_METHODS.get(method, method), f1(r["ms"]), times(full["ms"] / r["ms"]),
-                         f2(r["peak_gib"])])
-    header = ["shape", "loss computed by", "step ms", "vs full head", "peak GiB"]
-    s = src.data["settings"]
+                         f2(r["peak_gib"]), f2(limit / r["ms"])])
+        body.append([shape, "*limit*: full head without the label-less rows' head and last-layer work",
+                     f1(limit), times(full["ms"] / limit), "", ""])
+    header = ["shape", "loss computed by", "step ms", "vs full head", "peak GiB", "share of limit"]
     note = (f"Forward + backward of the whole model (bf16, random weights); causal shapes: {s['batch']} x "
             f"{s['seq']} tokens, the first {round(100 * s['prompt'])}% of each sequence a prompt (label -100); "
-            "masked LM: the standard 15% masking. Median of the timed steps, methods taking turns.")
-    return captioned(page, [src], table(header, body, "llrrr") + "\n\n" + note)
+            "masked LM: the standard 15% masking. Median of the timed steps, methods taking turns. The limit: "
+            "the full-head step less the matmul FLOPs (forward and backward) of the rows no loss reads in the "
+            "head and in the last layer's position-wise work, taking the step's time as spread over its FLOPs; "
+            "share of limit = limit ms / step ms (above 1: faster than removing that work alone, as the SEBP "
+            "entry's fused norm and activation kernels are).")
+    return captioned(page, [src], table(header, body, "llrrrr") + "\n\n" + note)
+
+
+@block("head_chunks")
+def head_chunks(page: Page) -> str:
+    """The labelled-rows head at other chunk sizes than its default, on the decoders (same run as the head
+    table)."""
+    src = page.load(HEAD)
+    rows = [r for r in src.rows("results") if "ms" in r and r["method"].split("@")[0] in ("ours", "ours+last_layer")]
+    body = []
+    for shape in dict.fromkeys(r["shape"] for r in rows if r["scope"] == "head"):
+        mine = {(r["scope"], r["method"]): r for r in rows if r["shape"] == shape}
+        for tag in ("", *sorted({"@" + m.split("@")[1] for _, m in mine if "@" in m}, key=lambda t: int(t[1:]))):
+            head, step = mine[("head", "ours" + tag)], mine[("model", "ours+last_layer" + tag)]
+            body.append([shape, tag[1:] or "default", f2(head["ms"]), f2(head["peak_gib"]), f1(step["ms"]),
+                         f2(step["peak_gib"])])
+    header = ["shape", "rows a chunk", "head alone: ms", "head alone: peak GiB", "step (+ last layer): ms",
+              "step: peak GiB"]
+    return captioned(page, [src], table(header, body, "llrrrr"))
 
 
 # ------------------------------------------------------------------------------------ fine-tuning, CPU
@@ -224,6 +294,25 @@ def resprop_cpu(page: Page) -> str:
                  + table(["layer type", "residual", *(f"reuse {r}: reuse / smallest rows" for r in reuse)], rows,
                          "l" + "r" * (1 + len(reuse))))
     return captioned(page, [src], table(header, body, "llll") + "\n\n" + note)
+
+
+RESPROP_GPU = "resprop_h100/resprop.json"
+
+
+@block("resprop_h100")
+def resprop_h100(page: Page) -> str:
+    """GPU backward and step time of each reuse level against dense and exact SEBP."""
+    src = page.load(RESPROP_GPU)
+    body = [[name.replace("resprop_", "reuse ").replace("sebp_exact", "SEBP (exact)"), f1(r["backward_ms"]),
+             times(1 / r["backward_vs_dense"]), f1(r["step_ms"]), times(1 / r["step_vs_dense"])]
+            for name, r in src.data["variants"].items()]
+    st = src.data["settings"]
+    header = ["run", "backward ms", "backward x dense", "step ms", "step x dense"]
+    note = (f"{st['model']}, bf16, AdamW; {len(st['lengths'])} batches of {st['batch']} sequences (log-normal "
+            f"lengths, median {st['median_length']}, max {st['max_length']}) padded to their longest (real tokens "
+            f"{round(100 * st['token_density'])}% of the slots), cycled over {st['repeats']} timed steps after "
+            f"{st['warmup']} warm-up steps; medians, eager.")
+    return captioned(page, [src], table(header, body, "lrrrr") + "\n\n" + note)
 
 
 # ----------------------------------------------------------------------------------- example outputs

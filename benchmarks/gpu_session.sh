@@ -4,8 +4,11 @@
 #   STEPS="bert head resprop" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
 # Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute), bert, llama,
-# qwen (the whole-model bench of that case, one JSON and one figure), head (benchmarks/head_bench.py), resprop
-# (benchmarks/resprop_bench.py), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
+# qwen (the whole-model bench of that case, one JSON and one figure; llama-fused, bert-fused: with SEBP
+# norms and activations), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
+# a kernel breakdown), head (benchmarks/head_bench.py), resprop
+# (benchmarks/resprop_bench.py), breakdown (Llama SFT eager, GPU kernel time by kind, with and
+# without the padding mask), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
 # cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
 set -u
@@ -30,9 +33,18 @@ for s in ${STEPS:-smoke}; do
              2>&1 | tail -40 ;;
     bert) bench bert-base ;;
     llama) bench llama-3.2-1b-sft ;;
+    llama-fused) bench llama-3.2-1b-sft --norms --acts ;;  # SEBP on the norms and activations too
+    bert-fused) bench bert-base --norms --acts ;;
     qwen) bench qwen2.5-0.5b-sft ;;
-    head) python3 benchmarks/head_bench.py --out "$OUT/head.json" 2>&1 | grep -v Warning | tail -40 ;;
+    breakdown) for m in pad-mask no-pad-mask; do  # where the backward's time goes, eager, 2 batches a layout
+        python3 -m sebp_probe bench llama-3.2-1b-sft --scope model --breakdown --$m --model-batches 2 --model-repeats 2 \
+          -o "$OUT/breakdown_$m.json" 2>&1 | tail -45; done ;;
+    head) python3 benchmarks/head_bench.py --sebp --extra-chunks 832 1408 --out "$OUT/head.json" 2>&1 | grep -v Warning | tail -40 ;;
     resprop) python3 benchmarks/resprop_bench.py --output "$OUT/resprop.json" 2>&1 | grep -v Warning | tail -20 ;;
+    resprop-profile) python3 benchmarks/resprop_bench.py --levels 0.9 --repeats 4 --breakdown \
+                       --output "$OUT/resprop_profile.json" 2>&1 | grep -v Warning | tail -20 ;;
+    head-qwen) python3 benchmarks/head_bench.py --shapes qwen2.5-0.5b --extra-chunks 1024 704 512 --repeats 30 \
+                 --out "$OUT/head_qwen.json" 2>&1 | grep -v Warning | tail -30 ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1
       grep -B2 -A12 "^E  " "$OUT/$s.txt" | head -80; tail -3 "$OUT/$s.txt" ;;

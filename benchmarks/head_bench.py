@@ -16,6 +16,10 @@ sequences of 512 tokens with 15% of the positions chosen (the standard masking),
   gather           hidden[labelled] @ W^T, then cross-entropy
   ours             sebp_kernels.linear_cross_entropy (model scope: sebp_probe.heads.head_loss)
   ours+last_layer  head_loss(last_layer_rows_only=True) (model scope only)
+  ours+last_layer+sebp  the same on a copy of the model (same weights) whose linears, norms and MLP
+                   activations run the SEBP backward (exact; model scope, ``--sebp``): their fused Triton
+                   kernels, and in the last layers the rows no loss reaches skipped
+  ours@N, ours+last_layer@N   the same with N rows a chunk (``--extra-chunks N ...``)
   cce              cut_cross_entropy.linear_cross_entropy on all rows (if importable)
   liger            Liger-Kernel's fused linear cross-entropy on all rows (if importable)
 
@@ -232,6 +236,26 @@ def mlm_methods(chunk_rows: int | None) -> dict:
                                                               last_layer_rows_only=True).loss}
 
 
+def sebp_method(model, task: str, chunk_rows: int | None):
+    """Model scope: ``ours+last_layer`` on a copy of ``model`` with the SEBP linears (exact), norms and MLP
+    activations; the copy's gradients are dropped at the start of each step, as the model's are."""
+    import copy
+
+    from sebp_kernels import SEBPConfig
+    from sebp_probe.patch import patch_activations, patch_model, patch_norms
+
+    twin = copy.deepcopy(model)
+    patch_model(twin, SEBPConfig("exact"))
+    patch_activations(twin)
+    patch_norms(twin)
+
+    def run(_, batch):
+        for p in twin.parameters():
+            p.grad = None
+        return head_loss(twin, batch, task, chunk_rows=chunk_rows, last_layer_rows_only=True).loss
+    return run
+
+
 def bench_shape(name: str, shape: dict, args, device: torch.device, timer: Timer, extra: dict) -> list[dict]:
     param_dtype = torch.float32 if args.autocast else torch.bfloat16
     model = build_model(shape, param_dtype, device)
@@ -268,6 +292,14 @@ def bench_shape(name: str, shape: dict, args, device: torch.device, timer: Timer
     scopes = [("model", mlm_methods(args.chunk_rows), model_step)] if mlm else [
         ("head", head_methods(args.chunk_rows, extra), head_step),
         ("model", model_methods(args.chunk_rows, extra), model_step)]
+    if args.sebp:
+        for scope, methods, _ in scopes:
+            if scope == "model":
+                methods["ours+last_layer+sebp"] = sebp_method(model, "mlm" if mlm else "causal-lm", args.chunk_rows)
+    for n in args.extra_chunks:  # the same methods at other chunk sizes
+        for scope, methods, _ in scopes:
+            more = head_methods(n, {}) if scope == "head" else mlm_methods(n) if mlm else model_methods(n, {})
+            methods.update({f"{m}@{n}": fn for m, fn in more.items() if m.startswith("ours")})
     for scope, methods, wrap in scopes:
         steps = {m: fn if isinstance(fn, str) else wrap(fn) for m, fn in methods.items()}
         for method, r in run_methods(steps, timer, args.warmup, args.repeats).items():
@@ -298,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; --tiny 64)")
     p.add_argument("--prompt", type=float, default=0.75, help="share of each sequence labelled -100")
     p.add_argument("--chunk-rows", type=int, default=None, help="linear_cross_entropy's chunk (default: its own)")
+    p.add_argument("--extra-chunks", type=int, nargs="*", default=[],
+                   help="also time the ours methods with these chunk sizes (rows)")
+    p.add_argument("--sebp", action="store_true", help="also ours+last_layer+sebp (model scope)")
     p.add_argument("--autocast", action="store_true", help="fp32 parameters under autocast bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=None, help="timed steps per method (default 20; --tiny 3)")
@@ -323,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         rows += bench_shape(name, table[name], args, device, timer, extra)
     out = {"environment": environment(device),
-           "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows}
+           "settings": {k: v for k, v in vars(args).items() if k != "out"},
+           "shapes": {n: table[n] for n in names}, "results": rows}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -117,6 +117,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default="runs/resprop_bench.json")
+    ap.add_argument("--breakdown", action="store_true", help="also one profiled backward per variant on a GPU: "
+                    "kernel time by kind and the slowest kernels (a backward's wall time far above its kernel "
+                    "time means the host's launches bound it)")
     a = ap.parse_args(argv)
     levels = [float(v) for v in a.levels.split(",") if v.strip()]
     if a.tiny:
@@ -152,6 +155,11 @@ def main(argv=None) -> dict:
         elif reuse is not None:
             patch_resprop(model, reuse)
         r = time_variant(model, opt, batches, a.warmup, a.repeats, device)
+        if a.breakdown and device.type == "cuda":
+            from sebp_probe.bench_model import backward_breakdown
+
+            r["breakdown"] = backward_breakdown(model, lambda: model(**batches[0]).loss, top=12)
+            print(json.dumps(r["breakdown"]), flush=True)
         unpatch_model(model)
         unpatch_resprop(model)
         result["variants"][name] = r
