@@ -13,13 +13,14 @@ def test_tiny_run_writes_json(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
     bench.main(["--out", str(out), "--tiny", "--device", "cpu", "--shapes", "tiny-llama", "--seq", "32",
-                "--warmup", "1", "--repeats", "1"])
+                "--warmup", "1", "--repeats", "1", "--sebp", "--extra-chunks", "8"])
     data = json.loads(out.read_text())
     assert {"device", "torch", "transformers", "date", "command"} <= set(data["environment"])
     rows = data["results"]
     for scope in ("head", "model"):
         timed = {r["method"]: r for r in rows if r["scope"] == scope and "ms" in r}
-        expected = {"hf", "gather", "ours"} | ({"ours+last_layer"} if scope == "model" else set())
+        expected = {"hf", "gather", "ours", "ours@8"} | (
+            {"ours+last_layer", "ours+last_layer@8", "ours+last_layer+sebp"} if scope == "model" else set())
         assert set(timed) == expected
         losses = [r["loss"] for r in timed.values()]
         assert max(losses) - min(losses) < 1e-2 * max(losses)  # bf16 throughout
