@@ -127,11 +127,11 @@ def backend_variants(layers: dict[str, SEBPConfig], device: torch.device,
 
 
 def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: bool = False) -> list[str]:
-    """Patch ``layers`` into ``model``, and with ``norms`` (and any layer at all) its norms too, with ``acts``
-    its MLP activations; return the names of the model's SEBP norms (patched now or before)."""
-    if not layers:
-        return []
-    patch_model(model, layer_configs=layers)
+    """Patch ``layers`` into ``model``, with ``norms`` its norms too, with ``acts`` its MLP activations (also
+    without any SEBP linear: their fused kernels can pay where every row is active); return the names of the
+    model's SEBP norms (patched now or before)."""
+    if layers:
+        patch_model(model, layer_configs=layers)
     if acts:
         patch_activations(model)
     if not norms:
@@ -147,7 +147,8 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
     1. One dense backward per batch measures each layer's share of active rows under its setting; layers
-       above ``fallback`` stay dense (gathering nearly every row costs more than it saves).
+       above ``fallback`` stay dense (gathering nearly every row costs more than it saves). With ``norms`` or
+       ``acts``, those are timed even where no linear layer qualifies.
     2. Dense and SEBP backward are timed interleaved on the same batches (median of ``reps`` rounds); on CUDA
        with backend ``auto`` the Triton and the torch implementations are both timed and the faster kept.
        With ``if_slower``, SEBP slower than dense leaves the whole model dense: SEBP never costs backward
@@ -167,9 +168,9 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     with torch.random.fork_rng(devices=rng_devices(device)):
         density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
-        if layers:
+        if layers or norms or acts:
             best = None
-            for cfgs in backend_variants(layers, device, graphs):
+            for cfgs in backend_variants(layers, device, graphs) if layers else [{}]:
                 apply_sebp(model, cfgs, norms, acts)
                 for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
                     timed_backward(model, b, device, autocast)

@@ -146,8 +146,10 @@ class Run:
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
                 layers = {n: SEBPConfig.from_dict(d) for n, d in state["layers"].items()}
-                apply_sebp(model, layers, self.cfg.sebp_norms, self.cfg.sebp_acts)
                 calib = state.get("calibration")
+                kept = calib or {"norms": layers, "activations": layers}  # what the start patched
+                apply_sebp(model, layers, self.cfg.sebp_norms and bool(kept.get("norms")),
+                           self.cfg.sebp_acts and bool(kept.get("activations")))
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
@@ -174,11 +176,12 @@ class Run:
 
             from .patch import unpatch_model
 
-            chosen = broadcast_object_list([{n: sc.to_dict() for n, sc in c.layers.items()}])[0]
+            chosen = broadcast_object_list([{"layers": {n: sc.to_dict() for n, sc in c.layers.items()},
+                                             "norms": bool(c.norms), "acts": bool(patched_activations(model))}])[0]
             unpatch_model(model)
-            c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen.items()}
+            c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen["layers"].items()}
             c.fallback = sorted(n for n in cands if n not in c.layers)
-            c.norms = apply_sebp(model, c.layers, self.cfg.sebp_norms, self.cfg.sebp_acts)
+            c.norms = apply_sebp(model, c.layers, chosen["norms"], chosen["acts"])
         c.acts = patched_activations(model)
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})

@@ -141,7 +141,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                     density = measure_density(model, batches, candidates, device, autocast)
                     layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
                     row["sebp_layers"] = len(layers)
-                    if layers:
+                    if layers or cfg.sebp_norms or cfg.sebp_acts:
                         apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
                         try:
                             row["sebp_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps),

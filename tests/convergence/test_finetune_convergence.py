@@ -330,3 +330,30 @@ def test_sebp_first_trains_the_same_two_runs_in_the_other_order(tmp_path):
     assert swapped["comparison"]["max_abs_loss_gap"] == usual["comparison"]["max_abs_loss_gap"]
     with pytest.raises(ValueError, match="add --compare"):
         _cfg(tmp_path / "c", sebp_first=True)
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_norms_and_activations_run_where_no_linear_qualifies(monkeypatch, arch):
+    """Every row active (no linear under the fallback density): the SEBP norms and activations are still timed
+    and kept when not slower, dropped with everything else when slower; either way the gradients are dense's."""
+    from sebp_kernels import SEBPNorm
+    from sebp_probe.patch import patched_activations
+
+    task = "causal-lm" if arch == "llama" else "classification"
+    batch = next(iter(train_data.make_loaders(FinetuneConfig(data=DataConfig(max_length=24, batch_size=8)),
+                                              synthetic_data(task))[0]))
+    model = tiny_model(arch)
+    cands = calibration.candidate_layers(model, FinetuneConfig(), None)
+    c = calibration.calibrate(model, [batch], cands, 0.0, torch.device("cpu"), if_slower=False, norms=True,
+                              acts=True)
+    assert c.layers == {} and not any(isinstance(x, SEBPLinear) for x in model.modules())
+    assert c.norms and c.norms == [n for n, m in model.named_modules() if isinstance(m, SEBPNorm)]
+    assert patched_activations(model) and c.sebp_backward_ms is not None
+    real = calibration.timed_backward
+    monkeypatch.setattr(calibration, "timed_backward", lambda m, b, d, a: real(m, b, d, a) + (
+        1.0 if any(isinstance(x, SEBPNorm) for x in m.modules()) else 0.0))  # the fused kernels measure slower
+    model = tiny_model(arch)
+    c = calibration.calibrate(model, [batch], cands, 0.0, torch.device("cpu"), if_slower=True, norms=True,
+                              acts=True)
+    assert c.norms == [] and c.reason and not any(isinstance(x, SEBPNorm) for x in model.modules())
+    assert not patched_activations(model)
