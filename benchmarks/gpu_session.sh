@@ -8,7 +8,7 @@
 # norms and activations), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
 # a kernel breakdown), head (benchmarks/head_bench.py), resprop
 # (benchmarks/resprop_bench.py), breakdown (Llama SFT eager, GPU kernel time by kind, with and
-# without the padding mask), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
+# without the padding mask; breakdown-bert: BERT-base, SEBP with norms and activations), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
 # cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
 set -u
@@ -39,6 +39,8 @@ for s in ${STEPS:-smoke}; do
     breakdown) for m in pad-mask no-pad-mask; do  # where the backward's time goes, eager, 2 batches a layout
         python3 -m sebp_probe bench llama-3.2-1b-sft --scope model --breakdown --$m --model-batches 2 --model-repeats 2 \
           -o "$OUT/breakdown_$m.json" 2>&1 | tail -45; done ;;
+    breakdown-bert) python3 -m sebp_probe bench bert-base --scope model --breakdown --norms --acts --model-batches 2 \
+        --model-repeats 2 -o "$OUT/breakdown_bert.json" 2>&1 | tail -40 ;;
     head) python3 benchmarks/head_bench.py --sebp --extra-chunks 832 1408 --out "$OUT/head.json" 2>&1 | grep -v Warning | tail -40 ;;
     resprop) python3 benchmarks/resprop_bench.py --output "$OUT/resprop.json" 2>&1 | grep -v Warning | tail -20 ;;
     resprop-profile) python3 benchmarks/resprop_bench.py --levels 0.9 --repeats 4 --breakdown \

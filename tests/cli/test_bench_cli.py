@@ -232,7 +232,11 @@ def test_tables_render_results(capsys, monkeypatch, width):
     assert "longest dense full 140.0 112.0 12.50 55" in out  # eager, graphs, GiB, padding %
     assert "fastest dense packed dense labelled 90.00 ms" in out and "packed rows change shape" in out
     assert "eager: the limit of each layout" in out and "graphs: the limit" in out
-    assert "loss within 0.002 (relative, largest: max_length sebp full)" in out
+    assert "loss within 0.002 (relative, largest: max_length sebp full)" in out and "dropout" not in out
+    bert = _model_result()
+    bert["case"] = dict(bert["case"], name="bert-base", arch="bert", config={})  # BERT's hidden dropout: 0.1
+    tables.bench_tables({**result, "models": [bert]})
+    assert "hidden dropout 0.1 draws other masks in every entry" in " ".join(capsys.readouterr().out.split())
     if width == 80:  # the summary and skipped lines are soft-wrapped prose
         prose = ("llama-3.2-1b-sft, ", "not run (", "loss check")
         assert "…" not in raw and max(len(line) for line in raw.splitlines() if not line.startswith(prose)) <= 80
