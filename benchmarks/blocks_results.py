@@ -253,13 +253,13 @@ def finetune_cpu_auto(page: Page) -> str:
     """What --padding auto timed before training in the CPU run."""
     src = page.load(FINETUNE_CPU)
     auto = next(r for r in src.rows("runs") if r["padding"] == "auto")["padding_choice"]
-    body = [[r["padding"], f1(100 * r["padding_share"]), f1(r["dense_ms"]) if "dense_ms" in r else "-",
-             f1(r["sebp_ms"]) if "sebp_ms" in r else "-",
+    body = [[r["padding"], r.get("head", "-"), f1(100 * r["padding_share"]),
+             f1(r["dense_ms"]) if "dense_ms" in r else "-", f1(r["sebp_ms"]) if "sebp_ms" in r else "-",
              r.get("skipped") or ("no layer sparse enough for SEBP" if r.get("sebp_layers") == 0 else "")]
             for r in auto["table"]]
-    header = ["layout", "padding %", "dense ms", "SEBP ms", "note"]
-    chosen = f"Chosen: {auto['padding']}, {auto['method']}."
-    return captioned(page, [src], table(header, body, "lrrrl") + "\n\n" + chosen)
+    header = ["layout", "head", "padding %", "dense ms", "SEBP ms", "note"]
+    chosen = f"Chosen: {auto['padding']}, {auto['method']}" + (f", {auto['head']} head." if auto.get("head") else ".")
+    return captioned(page, [src], table(header, body, "llrrrl") + "\n\n" + chosen)
 
 
 # ------------------------------------------------------------------------------------ gradient reuse
