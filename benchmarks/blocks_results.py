@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from docgen import Page, Source, block, captioned, f1, f2, table, times
 
-LAYOUT_FILES = ("layouts_fused_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json")
+LAYOUT_FILES = ("layouts_fused_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json",
+                "layouts_fused_h100/model_qwen2.5-0.5b-sft.json")
 LINEARS_ONLY = {"bert-base": "layouts_h100/model_bert-base.json",
                 "llama-3.2-1b-sft": "layouts_h100/model_llama-3.2-1b-sft.json"}  # SEBP on the linears alone
 LAYOUTS = ("max_length", "longest", "bucket", "packed")
@@ -133,6 +134,8 @@ def layouts_fused_gain(page: Page) -> str:
     next to the dense entry of its own run: same layout, head and timing."""
     body, sources = [], []
     for src, m in _models(page):
+        if m["case"]["name"] not in LINEARS_ONLY:
+            continue
         plain_src = page.load(LINEARS_ONLY[m["case"]["name"]])
         sources += [plain_src, src]
         plain = {(r["layout"], r["method"], r["head"], r["timing"]): r for mm in plain_src.rows("models")

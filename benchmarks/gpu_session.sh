@@ -5,7 +5,7 @@
 #
 # Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute), bert, llama,
 # qwen (the whole-model bench of that case, one JSON and one figure; llama-fused, bert-fused: with SEBP
-# norms and activations), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
+# norms and activations; qwen-fused likewise), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
 # a kernel breakdown), head (benchmarks/head_bench.py), resprop
 # (benchmarks/resprop_bench.py), breakdown (Llama SFT eager, GPU kernel time by kind, with and
 # without the padding mask; breakdown-bert: BERT-base, SEBP with norms and activations), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
@@ -35,6 +35,7 @@ for s in ${STEPS:-smoke}; do
     llama) bench llama-3.2-1b-sft ;;
     llama-fused) bench llama-3.2-1b-sft --norms --acts ;;  # SEBP on the norms and activations too
     bert-fused) bench bert-base --norms --acts ;;
+    qwen-fused) bench qwen2.5-0.5b-sft --norms --acts ;;
     qwen) bench qwen2.5-0.5b-sft ;;
     breakdown) for m in pad-mask no-pad-mask; do  # where the backward's time goes, eager, 2 batches a layout
         python3 -m sebp_probe bench llama-3.2-1b-sft --scope model --breakdown --$m --model-batches 2 --model-repeats 2 \
