@@ -20,7 +20,7 @@ from .tiles import _split_rows
 from . import dx as _dx_module
 from .dx import MAX_SPLIT, _dx_program, _dx_work, dx_split_args
 from .launch import FastLaunch, Plans, fit_to_device, plan_ids
-from .tuning import LEVELS, cdiv, gemm_config
+from .tuning import LEVELS, cdiv, few_rows, gemm_config
 
 
 @triton.jit
@@ -88,7 +88,8 @@ _N_TENSORS = 14  # the kernel's leading tensor arguments
 def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
           dy_stride, xs_stride, w_stride, level, zero_programs=0) -> _Plan:
     reuse = zero_programs > 0  # dX kept between backwards: ZERO_PROGRAMS programs zero its dirty rows
-    cfg = dict(gemm_config("dw", dtype, interpret, level))
+    small = few_rows(m, n_in, n_sm)
+    cfg = dict(gemm_config("dw", dtype, interpret, level, small))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages", None)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dw_tiles = cdiv(n_out, bm) * cdiv(n_in, bn)
@@ -119,7 +120,7 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         DO_DX=need_dx, DO_DW=need_dw, DO_DB=need_db, IEEE=ieee, BIG=big, EVEN_K=n_out % cfg["BLOCK_K"] == 0,
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
-        DX_STAGES=gemm_config("dx", dtype, interpret, level).get("num_stages", 1), DX_MIN_K=dx_min_k,
+        DX_STAGES=gemm_config("dx", dtype, interpret, level, small).get("num_stages", 1), DX_MIN_K=dx_min_k,
         DX_MAX_SPLIT=MAX_SPLIT, DX_REUSE=reuse, DX_ZERO_PROGRAMS=max(zero_programs, 1), **cfg, **opts)
     plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
     return plan

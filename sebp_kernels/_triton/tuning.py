@@ -17,6 +17,14 @@ DX_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_w
 # tile of out_features x in_features, reduction over the gathered rows
 DW_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
+# Few rows (a trimmed batch of short sequences): the default tiles leave most SMs idle. Measured on an H100
+# (results/tuning/small_m_h100.json, benchmarks/small_m_probe.py: BERT-base `longest` batches, 2112 rows, 897
+# and 1175 of them active), 128 x 128 tiles with 4 warps ran the fused kernel in 10.7 / 12.5 us instead of
+# 14.7 / 17.0 us at 768->768 and 25.8 / 30.8 instead of 30.6 / 31.3 at 768->3072; at 3072->768, whose dX has
+# four times the tiles, the default stayed faster. :func:`few_rows` draws that line.
+SMALL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4}
+SMALL_STAGES = {"dw": 3, "dx": 4}
+
 # fp32 (full-precision FMA dots unless TF32 is allowed) is a correctness path, not a speed target: one small
 # config, so that it costs one compile.
 FP32_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -42,13 +50,22 @@ FALLBACK_CONFIGS = [
 LEVELS = 1 + len(FALLBACK_CONFIGS)
 
 
-def gemm_config(kind: str, dtype, interpret: bool, level: int = 0) -> dict:
+def few_rows(m: int, n_in: int, n_sm: int) -> bool:
+    """Whether a backward of ``m`` rows into ``n_in`` input features takes :data:`SMALL_CONFIG`: the default
+    dX tiles (128 x 256) over all ``m`` rows would fill fewer than half the SMs."""
+    return cdiv(m, DX_CONFIG["BLOCK_M"]) * cdiv(n_in, DX_CONFIG["BLOCK_N"]) < n_sm // 2
+
+
+def gemm_config(kind: str, dtype, interpret: bool, level: int = 0, small: bool = False) -> dict:
     """Launch kwargs (tile sizes, warps, stages) for ``kind`` in ("dx", "dw"); ``level`` > 0: the
-    ``level``-th fallback setting (fp16/bf16 only: the fp32 and interpreter settings are small already)."""
+    ``level``-th fallback setting (fp16/bf16 only: the fp32 and interpreter settings are small already);
+    ``small``: the setting for few rows (:func:`few_rows`)."""
     if interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float32:
         return FP32_CONFIG
+    if level == 0 and small:
+        return dict(SMALL_CONFIG, num_stages=SMALL_STAGES[kind])
     if level == 0:
         return DX_CONFIG if kind == "dx" else DW_CONFIG
     cfg, dx_stages = FALLBACK_CONFIGS[level - 1]

@@ -643,9 +643,10 @@ def test_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones(monkeypatch):
     from sebp_kernels._triton import grads, tuning
 
     big = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "num_stages": 4}
-    for cfg in (tuning.DW_CONFIG, tuning.DX_CONFIG):
+    for cfg in (tuning.DW_CONFIG, tuning.DX_CONFIG, tuning.SMALL_CONFIG):
         for k, v in big.items():
             monkeypatch.setitem(cfg, k, v)
+    monkeypatch.setattr(tuning, "SMALL_STAGES", {"dw": 4, "dx": 4})
     monkeypatch.setattr(grads, "_LEVEL", {})
     dy, x, w = _inputs(2048, 1024, 768, torch.bfloat16, 0.3, seed=4)
     try:
@@ -673,3 +674,19 @@ def test_bf16_takes_the_torch_path_where_tensor_cores_lack_it(monkeypatch):
     got = _triton()(dy, x, w, SEBPConfig("exact"))
     want = sebp_backward_torch(dy, x, w, SEBPConfig("exact"))
     assert all(torch.equal(g, t) for g, t in zip(got, want))
+
+
+@pytest.mark.parametrize("n_out,n_in", [(768, 768), (3072, 768), (768, 3072)])
+def test_few_rows_tiles_give_the_dense_gradients(n_out, n_in):
+    """A trimmed batch of short sequences (2112 rows, about half active: BERT-base `longest`) takes the
+    few-rows tiles where :func:`~sebp_kernels._triton.tuning.few_rows` says so; either way the gradients are
+    the dense ones within torch's own bf16 error."""
+    from sebp_kernels._triton.tuning import few_rows
+
+    dy, x, w = _inputs(2112, n_out, n_in, torch.bfloat16, 0.45, seed=11)
+    assert few_rows(2112, n_in, 132) == (n_in == 768)
+    got = _triton()(dy, x, w, SEBPConfig("exact"))
+    want = sebp_backward_torch(dy.double(), x.double(), w.double(), SEBPConfig("exact"))
+    same = sebp_backward_torch(dy, x, w, SEBPConfig("exact"))
+    for g, r, t, name in zip(got, want, same, ("dX", "dW", "db")):
+        assert_within_torch_error(g, r, t, torch.bfloat16, name)
