@@ -5,7 +5,8 @@
 #
 # Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute), bert, llama,
 # qwen (the whole-model bench of that case, one JSON and one figure; llama-fused, bert-fused: with SEBP
-# norms and activations; qwen-fused likewise), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
+# norms and activations; qwen-fused likewise; bert-linears, bert-norms, bert-select: BERT-base with SEBP on the
+# linears only, with the norms, and with norms and activations but rows selected, not taken from the mask), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
 # a kernel breakdown), head (benchmarks/head_bench.py), resprop
 # (benchmarks/resprop_bench.py), breakdown (Llama SFT eager, GPU kernel time by kind, with and
 # without the padding mask; breakdown-bert: BERT-base, SEBP with norms and activations), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
@@ -21,10 +22,12 @@ fi
 nvidia-smi -L | tee "$OUT/env.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   | tee -a "$OUT/env.txt"
-bench() {  # case, then extra options
+bench() {  # case, then extra options; TAG: a suffix of the output names (then no figure)
   local case=$1; shift
-  python3 -m sebp_probe bench "$case" --scope model --graphs -o "$OUT/model_$case.json" --figure "$OUT/model_$case.png" \
-    "$@" 2>&1 | tee "$OUT/model_$case.txt" | tail -60
+  local fig=(--figure "$OUT/model_$case.png")
+  [ -n "${TAG:-}" ] && fig=()
+  python3 -m sebp_probe bench "$case" --scope model --graphs -o "$OUT/model_$case${TAG:-}.json" "${fig[@]}" \
+    "$@" 2>&1 | tail -60
 }
 for s in ${STEPS:-smoke}; do
   echo "=== $s $(date +%T)"
@@ -35,6 +38,11 @@ for s in ${STEPS:-smoke}; do
     llama) bench llama-3.2-1b-sft ;;
     llama-fused) bench llama-3.2-1b-sft --norms --acts ;;  # SEBP on the norms and activations too
     bert-fused) bench bert-base --norms --acts ;;
+    bert-linears) TAG=_linears bench bert-base ;;  # SEBP variants for the BERT breakdown of docs/method.md
+    bert-norms) TAG=_norms bench bert-base --norms ;;
+    bert-select) TAG=_select bench bert-base --norms --acts --no-pad-rows ;;
+    gpu-pad) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu \
+        tests/kernels/test_pad_rows.py tests/kernels/test_triton_gpu.py -k "pad or few_rows or fall_back" 2>&1 | tail -15 ;;
     qwen-fused) bench qwen2.5-0.5b-sft --norms --acts ;;
     qwen) bench qwen2.5-0.5b-sft ;;
     breakdown) for m in pad-mask no-pad-mask; do  # where the backward's time goes, eager, 2 batches a layout

@@ -56,6 +56,8 @@ class SEBPLinear(nn.Linear):
 
     # set by sebp_probe.patch.patch_activations on the linears that read an SEBP activation's gradient
     _sebp_hint = None
+    # set by sebp_probe.patch.patch_model: the model's PadRows (sebp_kernels.pad_rows)
+    _sebp_pad_rows = None
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -80,7 +82,10 @@ class SEBPLinear(nn.Linear):
         return plain_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, self._sebp_hint,
+        hint, pad = self._sebp_hint, self._sebp_pad_rows
+        if pad is not None and self.sebp_config.mode == "exact" and not torch.compiler.is_compiling():
+            hint = pad.bind(hint)
+        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
                            _key=self._sebp_key)
 
     def extra_repr(self) -> str:

@@ -211,7 +211,8 @@ def time_graphs(model, batch: dict, repeats: int, warmup: int) -> dict:
 
 
 @contextlib.contextmanager
-def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts: bool, keep_dx: bool):
+def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts: bool, keep_dx: bool,
+                 pad_rows: bool = True):
     """``model`` with the SEBP entry's layers (see the module docstring) within the block; yields their counts.
     The labelled head computes its LM head itself (a plain nn.Linear is what it reads), so that one stays."""
     from sebp_kernels import SEBPConfig, zero_rows
@@ -220,13 +221,16 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
 
     targets = None if case.task == "classification" else tuple(
         t for t in DECODER_TARGETS if head == "full" or t != "lm_head")
-    counts = {"linears": len(patch_model(model, SEBPConfig(mode), target_modules=targets))}
+    counts = {"linears": len(patch_model(model, SEBPConfig(mode), target_modules=targets, pad_rows=pad_rows))}
     counts["norms"] = len(patch_norms(model)) if norms else 0
     counts["acts"] = len(patch_activations(model)) if acts else 0
     zero_rows.enable(keep_dx)
     try:
         yield counts
     finally:  # the graphs of the entry are gone: their buffers too, before the next entry's peak memory
+        pad = vars(model.base_model).get("_sebp_pad_rows") if pad_rows else None
+        if pad is not None:  # whether the padding rows passed their check, and how often they were taken
+            counts["pad_rows"] = {"state": pad.state, "taken": pad.taken}
         zero_rows.enable(False)
         zero_rows.forget_captured()
         unpatch_model(model)
@@ -322,7 +326,8 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, n_batches: int = 8,
                 mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None,
                 pad_mask: bool = True, breakdown: bool = False, norms: bool = False, acts: bool = False,
-                keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0) -> dict:
+                keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0,
+                pad_rows: bool = True) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
     decoders' padded layouts without the padding mask (right padding: same loss and gradients, the causal
     kernel). ``breakdown``: one backward of each eager entry on its layout's first batch, GPU kernel time by
@@ -361,7 +366,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                     progress(f"{case.name}: {layout}, {method}, {head} head, batch {bi + 1}/{len(batches[layout])}")
                 m = liger[0] if method == "liger" else model
                 ctx = (liger[1]() if method == "liger" else contextlib.nullcontext() if method == "dense" else
-                       sebp_patched(model, case, head, mode, norms, acts, keep_dx))
+                       sebp_patched(model, case, head, mode, norms, acts, keep_dx, pad_rows))
                 with ctx as patched:
                     if method == "sebp":
                         counts[head] = patched
@@ -391,7 +396,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     for lay in info["layouts"].values():
         del lay["flops"]
     result = {"case": asdict(case), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
-              "pad_mask": pad_mask, "norms": norms, "acts": acts, "keep_dx": keep_dx, "graphs": graphs,
+              "pad_mask": pad_mask, "norms": norms, "acts": acts, "keep_dx": keep_dx, "pad_rows": pad_rows,
+              "graphs": graphs,
               "repeats": repeats, "warmup": warmup, **info, "sebp_layers": counts, "rows": rows,
               "skipped": skipped, "limits": limits, "summary": summarize(rows)}
     if breakdown:

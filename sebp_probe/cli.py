@@ -250,6 +250,9 @@ def bench_cmd(
                               "before them skip their row selection)."),
     keep_dx: bool = typer.Option(False, "--keep-dx", help="Whole model: the SEBP run keeps each dX's zero rows "
                                  "between backwards (sebp_kernels.zero_rows)."),
+    pad_rows: bool = typer.Option(True, "--pad-rows/--no-pad-rows", help="Whole model: the SEBP linears take "
+                                  "a batch's padding rows from its attention mask (checked once) instead of "
+                                  "selecting them (sebp_kernels.pad_rows)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -309,9 +312,9 @@ def bench_cmd(
             raise UserError(f"--no-pad-mask: {e}") from None
         if figure:
             check_image_path(figure)
-    elif not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure:
-        raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --tiny and --figure are for the "
-                        "whole-model run (--scope model or all)")
+    elif not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure or not pad_rows:
+        raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --no-pad-rows, --tiny and --figure "
+                        "are for the whole-model run (--scope model or all)")
     if dry_run:
         plans = [bench_model.plan(c, model_batches, graphs, pad_mask, bench.DTYPES[dtype]) for c in cases]
         console.print_json(json.dumps(bench.run_plan(shapes, dens, plans)))
@@ -331,7 +334,8 @@ def bench_cmd(
         for case in cases:
             result["models"].append(bench_model.bench_model(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
-                pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device))
+                pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
+                pad_rows=pad_rows))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 

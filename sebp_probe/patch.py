@@ -11,11 +11,13 @@ import re
 import types
 from collections.abc import Callable, Iterable, Mapping
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
+from sebp_kernels.pad_rows import PadRows
 
 # Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
 DEFAULT_TARGETS: tuple[str, ...] = (
@@ -138,6 +140,7 @@ def patch_model(
     exclude_modules: Iterable[str] | str | None = None,
     filter_fn: FilterFn | None = None,
     layer_configs: Mapping[str, SEBPConfig | Mapping] | None = None,
+    pad_rows: bool = True,
 ) -> list[str]:
     """Swap matching nn.Linear modules of ``model`` for SEBPLinear, in place; return their names.
 
@@ -145,6 +148,10 @@ def patch_model(
     mode/eps/top_n) overrides it per layer, and only the layers it names are patched when no
     ``target_modules`` is given. Parameters are shared, so state_dict keys, data pointers and an optimizer
     built before patching stay valid. Patching an already patched layer only updates its config.
+
+    ``pad_rows``: the SEBP linears take the rows of a batch's padding from its attention mask instead of
+    selecting them, once a first backward has checked that those rows get no gradient
+    (:mod:`sebp_kernels.pad_rows`; exact mode only).
     """
     if config is not None and not isinstance(config, SEBPConfig):
         raise PatchError(f"config must be an SEBPConfig, got {type(config).__name__}")
@@ -179,7 +186,56 @@ def patch_model(
         else:
             _set_submodule(model, name, SEBPLinear.from_linear(module, cfg))
         patched.append(name)
+    if pad_rows and patched:
+        pad = install_pad_rows(model)
+        for name in patched:
+            model.get_submodule(name)._sebp_pad_rows = pad
     return patched
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The module that takes the batch's input_ids and attention_mask: the backbone of a Hugging Face model
+    (also inside a peft wrapper), which the labelled-rows head calls directly; ``model`` otherwise."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    base = getattr(inner, "base_model", None)
+    return base if isinstance(base, nn.Module) else inner
+
+
+def _pad_rows_hook(module, args, kwargs):
+    pad = vars(module).get("_sebp_pad_rows")
+    if pad is None or torch.compiler.is_compiling():
+        return
+    mask = kwargs.get("attention_mask")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if (torch.is_grad_enabled() and torch.is_tensor(mask) and torch.is_tensor(ids) and mask.dim() == 2
+            and mask.shape == ids.shape):
+        pad.set(mask)
+    else:
+        pad.clear()
+
+
+def install_pad_rows(model: nn.Module) -> PadRows:
+    """The :class:`~sebp_kernels.pad_rows.PadRows` of ``model``, with the forward pre-hook on its backbone
+    that sets it from each batch's attention mask. One made before (and its check's verdict) is kept."""
+    base = _backbone(model)
+    pad = vars(base).get("_sebp_pad_rows")
+    if pad is None:
+        pad = base._sebp_pad_rows = PadRows()
+    if _pad_rows_hook not in base._forward_pre_hooks.values():
+        base.register_forward_pre_hook(_pad_rows_hook, with_kwargs=True)
+    return pad
+
+
+def remove_pad_rows(model: nn.Module) -> None:
+    """Take the hook of :func:`install_pad_rows` off (the PadRows stays, with its verdict, for a later patch)."""
+    base = _backbone(model)
+    for key in [k for k, h in base._forward_pre_hooks.items() if h is _pad_rows_hook]:
+        del base._forward_pre_hooks[key]
+        base._forward_pre_hooks_with_kwargs.pop(key, None)
+    pad = vars(base).get("_sebp_pad_rows")
+    if pad is not None:
+        pad.clear()
 
 
 def unpatch_model(model: nn.Module) -> list[str]:
@@ -187,6 +243,7 @@ def unpatch_model(model: nn.Module) -> list[str]:
     modules in place of every SEBPNorm (:func:`patch_norms`), and the original activations into the MLPs
     (:func:`patch_activations`); return their names."""
     acts = unpatch_activations(model)
+    remove_pad_rows(model)
     names = [n for n, m in model.named_modules() if isinstance(m, (SEBPLinear, SEBPNorm))]
     for name in names:
         m = model.get_submodule(name)

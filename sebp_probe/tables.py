@@ -170,7 +170,8 @@ def _model_tables(m: dict) -> None:
     c = m["case"]
     extra = "".join((", no padding mask" if not m.get("pad_mask", True) else "",
                      ", SEBP norms" if m.get("norms") else "", ", SEBP activations" if m.get("acts") else "",
-                     ", dX zero rows kept" if m.get("keep_dx") else ""))
+                     ", dX zero rows kept" if m.get("keep_dx") else "",
+                     ", rows selected (no padding rows from the mask)" if m.get("pad_rows") is False else ""))
     pool = m["pool"]
     table = Table(title=f"{c['name']}: step ms (forward+backward; median per batch, mean over {pool['batches']} "
                         f"batches of {c['batch']} from one pool; max length {c['max_length']}; packed: "

@@ -1,0 +1,112 @@
+"""The rows padding fills, known before the forward: the SEBP linears take them instead of selecting rows.
+
+In a padded batch whose attention mask hides the padding, a padding position is never attended to and carries
+no loss, so dL/dY of every token-wise linear is exactly zero on its rows. Each SEBP linear would find that
+out again with its select pass (a pass over dY and a compaction, about 4 us a layer on an H100 at BERT-base
+`longest` sizes: a third of a millisecond over BERT-base's 72 linears). :class:`PadRows` works the rows out
+once per forward from the mask, in the select pass's form (a permutation with the real-token rows first, in
+order, and their count on the device), and hands them to every SEBP linear of that forward whose dY has the
+batch's row count; a row hint from an SEBP activation still comes first.
+
+Whether padding rows really get no gradient depends on the model and the labels (a collator that leaves
+labels on the padding breaks it, and so does left padding under a classifier that pools position 0), so only
+right-padded batches name padding rows (decided on the device: a batch with padding elsewhere names none),
+and nothing is taken on trust: the first backward after the rows are set
+only checks, on the device, that every non-zero row of each linear's dY is a real-token row, while the
+linears still select their rows. The next forward reads that count once (one host sync): zero turns the
+rows on, anything else turns them off for good with a warning. Only exact mode uses them (elsewhere rows are
+chosen by their values), only eagerly (a compiled model's linears select), and never while a CUDA graph is
+captured before the check was read.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+CHECKING, ON, OFF = "checking", "on", "off"
+
+
+class PadRows:
+    """The real-token rows of the current batch, shared by a model's SEBP linears (see the module docstring).
+
+    ``set(mask)`` before each forward (a forward pre-hook of the model does it); an SEBP linear's forward
+    calls :meth:`bind` and keeps what it returns as its row hint. ``state``: "checking", "on" or "off";
+    ``taken`` counts the backwards that used the rows."""
+
+    def __init__(self):
+        self.state = CHECKING
+        self.rows = None  # (perm, count, real-token flags, M) of the batch set last
+        self.violations = None  # device counter of non-zero padding rows seen while checking
+        self.checked = 0  # backwards checked since the counter was last read
+        self.taken = 0
+
+    def set(self, mask: torch.Tensor) -> None:
+        """The rows of a batch whose (batch, seq) attention mask is ``mask`` (non-zero = a real token). Only a
+        right-padded batch names padding rows; for any other every row counts as real."""
+        if self.state == CHECKING and self.checked and not _capturing(mask.device):
+            self._decide()
+        if self.state == OFF:
+            self.rows = None
+            return
+        real = mask != 0
+        if real.dim() == 2 and real.shape[1] > 1:  # right padding only (decided on the device): else every row
+            right = (real[:, 1:] <= real[:, :-1]).all()
+            real = real | ~right
+        flat = real.reshape(-1)
+        perm = torch.sort((~flat).to(torch.uint8), stable=True).indices.to(torch.int32)
+        self.rows = (perm, flat.sum(dtype=torch.int32).reshape(1), flat, flat.numel())
+
+    def clear(self) -> None:
+        """No rows for the next forward (a batch without a padding mask)."""
+        self.rows = None
+
+    def bind(self, hint):
+        """The row hint an SEBP linear's backward reads in this forward: ``hint`` (an activation's rows, or
+        None) backed by the padding rows set now."""
+        if self.rows is None or self.state == OFF:
+            return hint
+        return _Bound(self, hint, self.rows)
+
+    def _decide(self) -> None:
+        bad = int(self.violations.item())
+        self.checked = 0
+        if bad:
+            self.state = OFF
+            warnings.warn(f"sebp: {bad} padding row(s) of the linears' dL/dY were non-zero (the loss reaches the "
+                          "padding, e.g. labels left on it): the SEBP linears select their rows themselves",
+                          stacklevel=3)
+        else:
+            self.state = ON
+
+    def _check(self, t: torch.Tensor, flat: torch.Tensor) -> None:
+        bad = ((t.reshape(flat.numel(), -1) != 0).any(1) & ~flat).sum(dtype=torch.int32)
+        if self.violations is None or self.violations.device != bad.device:
+            self.violations = torch.zeros((), dtype=torch.int32, device=bad.device)
+        self.violations += bad
+        self.checked += 1
+
+
+class _Bound:
+    """A row hint of one forward: the activation's own first, then the padding rows (or, while checking,
+    none: the check only)."""
+
+    __slots__ = ("pad", "hint", "rows")
+
+    def __init__(self, pad: PadRows, hint, rows):
+        self.pad, self.hint, self.rows = pad, hint, rows
+
+    def take(self, t: torch.Tensor):
+        got = self.hint.take(t) if self.hint is not None else None
+        perm, count, flat, m = self.rows
+        if got is not None or t.dim() == 0 or t.numel() != m * t.shape[-1] or t.device != flat.device:
+            return got
+        if self.pad.state == CHECKING:
+            self.pad._check(t, flat)
+            return None
+        self.pad.taken += 1
+        return perm, count
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

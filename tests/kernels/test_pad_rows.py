@@ -1,0 +1,186 @@
+"""PadRows (sebp_kernels.pad_rows): the padding rows from the attention mask, checked before they are used.
+
+The host logic runs on the CPU directly; the whole path (a patched tiny model whose Triton backward takes the
+rows) runs under the Triton interpreter in a subprocess (TRITON_INTERPRET must be set before the kernels are
+decorated), and on a GPU where there is one.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+
+from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _mask():
+    return torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+
+
+def test_rows_are_the_select_pass_form():
+    """Real-token rows first in row order, then the padding rows; their count on the device, int32."""
+    pad = PadRows()
+    pad.set(_mask())
+    perm, count, flat, m = pad.rows
+    assert m == 12 and count.tolist() == [9] and perm.dtype == count.dtype == torch.int32
+    assert perm[:9].tolist() == [0, 1, 2, 4, 5, 8, 9, 10, 11]
+    assert sorted(perm.tolist()) == list(range(12))
+
+
+def test_left_or_inner_padding_names_no_rows():
+    """Only right padding names padding rows (left padding can put a pooled position on the padding): any
+    other mask gives every row, in order."""
+    pad = PadRows()
+    for mask in (_mask().flip(1), torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])):
+        pad.set(mask)
+        perm, count, flat, m = pad.rows
+        assert count.item() == m == mask.numel() and perm.tolist() == list(range(m)) and flat.all()
+
+
+def test_checks_first_then_turns_on():
+    """The first backward only checks (returns no rows, so the linear selects); the next forward reads the
+    check: no padding row had gradient, so the rows are handed out from then on."""
+    pad = PadRows()
+    pad.set(_mask())
+    dy = torch.randn(3, 4, 5) * _mask()[..., None]
+    assert pad.bind(None).take(dy) is None and pad.checked == 1 and pad.state == CHECKING
+    pad.set(_mask())
+    assert pad.state == ON
+    perm, count = pad.bind(None).take(dy)
+    assert count.tolist() == [9] and pad.taken == 1
+
+
+def test_gradient_on_padding_turns_it_off_with_a_warning():
+    pad = PadRows()
+    pad.set(_mask())
+    pad.bind(None).take(torch.randn(3, 4, 5))  # every row non-zero: the loss reaches the padding
+    with pytest.warns(UserWarning, match="padding row"):
+        pad.set(_mask())
+    assert pad.state == OFF and pad.rows is None and pad.bind("hint") == "hint"
+
+
+def test_other_row_counts_and_an_activation_hint_come_first():
+    class Hint:
+        def take(self, t):
+            return "activation rows" if t.shape[-1] == 7 else None
+
+    pad = PadRows()
+    pad.state = ON
+    pad.set(_mask())
+    bound = pad.bind(Hint())
+    assert bound.take(torch.zeros(3, 4, 7)) == "activation rows"
+    assert bound.take(torch.zeros(2, 4, 5)) is None  # another row count: not this batch's rows
+    assert bound.take(torch.zeros(12, 5))[1].tolist() == [9]  # the same rows flattened
+
+
+def test_patch_model_hooks_the_backbone_and_unpatch_removes_it():
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_model, unpatch_model
+    from tests.tiny_models import padded_batch, tiny_model
+
+    model = tiny_model("bert")
+    patch_model(model, SEBPConfig("exact"))
+    batch = padded_batch("bert", lengths=(5, 3, 7))
+    model(**batch)
+    pad = model.base_model._sebp_pad_rows
+    assert pad.rows[1].tolist() == [15] and pad.state == CHECKING
+    with torch.no_grad():
+        model(**batch)
+    assert pad.rows is None  # no backward follows: nothing set
+    twin = copy.deepcopy(model)
+    twin(**batch)
+    assert twin.base_model._sebp_pad_rows.rows is not None and pad.rows is None  # each copy its own
+    unpatch_model(model)
+    assert not model.base_model._forward_pre_hooks
+    model(**batch)
+    assert pad.rows is None
+    patch_model(model, SEBPConfig("exact"), pad_rows=False)
+    assert not model.base_model._forward_pre_hooks
+
+
+def _grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_model(arch, device, dtype, backend, atol, rtol):
+    """SEBP with the padding rows against dense, over three steps (check, then the rows used twice), right and
+    left padding; returns the PadRows."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_activations, patch_model, patch_norms
+    from tests.helpers import assert_close_report
+    from tests.tiny_models import padded_batch, tiny_model
+
+    torch.manual_seed(0)
+    dense = tiny_model(arch).eval().to(device, dtype)
+    model = copy.deepcopy(dense)
+    patch_model(model, SEBPConfig("exact", backend=backend))
+    patch_norms(model, SEBPConfig("exact", backend=backend))
+    patch_activations(model)
+    pad = model.base_model._sebp_pad_rows
+    for step, (lengths, side) in enumerate((((11, 4, 7), "right"), ((9, 3, 5), "right"), ((6, 2, 8), "left"))):
+        batch = {k: v.to(device) for k, v in padded_batch(arch, lengths, side, seed=step).items()}
+        loss, got = _grads(model, batch)
+        want_loss, want = _grads(dense, batch)
+        assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
+        for n in want:
+            assert_close_report(got[n], want[n], atol=atol, rtol=rtol, name=n)
+    assert pad.state == ON and pad.taken > 0
+    return pad
+
+
+def _check_labels_on_padding(device, backend):
+    """A causal LM whose labels were left on the padding: the check turns the rows off, gradients stay
+    right."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_model
+    from tests.tiny_models import padded_batch, tiny_model
+
+    model = tiny_model("llama").eval().to(device)
+    patch_model(model, SEBPConfig("exact", backend=backend))
+    pad = model.base_model._sebp_pad_rows
+    batch = {k: v.to(device) for k, v in padded_batch("llama").items()}
+    batch["labels"] = batch["input_ids"].clone()  # the padding's labels kept: the loss reaches those rows
+    _grads(model, batch)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _grads(model, batch)
+    assert pad.state == OFF and pad.taken == 0 and any("padding row" in str(w.message) for w in seen)
+
+
+if not INTERPRET:
+
+    @pytest.mark.slow
+    def test_interpreter_suite():
+        from tests.helpers import run_file_under_interpreter
+
+        run_file_under_interpreter(__file__)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("arch", ["bert", "llama"])
+    def test_gpu_models_with_padding_rows_match_dense(arch):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        _check_model(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
+
+    @pytest.mark.gpu
+    def test_gpu_labels_on_padding_turn_the_rows_off():
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        _check_labels_on_padding("cuda", "triton")
+
+else:
+
+    @pytest.mark.parametrize("arch", ["bert", "llama"])
+    def test_interp_models_with_padding_rows_match_dense(arch):
+        _check_model(arch, "cpu", torch.float32, "triton", 1e-5, 1e-4)
+
+    def test_interp_labels_on_padding_turn_the_rows_off():
+        _check_labels_on_padding("cpu", "triton")
