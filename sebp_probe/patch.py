@@ -7,6 +7,7 @@ pattern ``"all-linear"`` matches every nn.Linear except the output head. A peft 
 """
 from __future__ import annotations
 
+import os
 import re
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -202,11 +203,20 @@ def _backbone(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else inner
 
 
+def _triton_backward_on(device: torch.device) -> bool:
+    """Whether the SEBP linears' backward on ``device`` can be the Triton one (which takes rows): a GPU, or
+    the CPU under the Triton interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _pad_rows_hook(module, args, kwargs):
     pad = vars(module).get("_sebp_pad_rows")
     if pad is None or torch.compiler.is_compiling():
         return
     mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and not _triton_backward_on(mask.device):
+        pad.clear()  # the torch backward (CPU) selects its rows itself: nothing to work out
+        return
     ids = kwargs.get("input_ids", args[0] if args else None)
     if (torch.is_grad_enabled() and torch.is_tensor(mask) and torch.is_tensor(ids) and mask.dim() == 2
             and mask.shape == ids.shape):

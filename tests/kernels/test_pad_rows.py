@@ -78,16 +78,22 @@ def test_other_row_counts_and_an_activation_hint_come_first():
     assert bound.take(torch.zeros(12, 5))[1].tolist() == [9]  # the same rows flattened
 
 
-def test_patch_model_hooks_the_backbone_and_unpatch_removes_it():
+def test_patch_model_hooks_the_backbone_and_unpatch_removes_it(monkeypatch):
     from sebp_kernels import SEBPConfig
     from sebp_probe import patch_model, unpatch_model
     from tests.tiny_models import padded_batch, tiny_model
 
+    from sebp_probe import patch as patch_module
+
+    monkeypatch.setattr(patch_module, "_triton_backward_on", lambda device: False)
     model = tiny_model("bert")
     patch_model(model, SEBPConfig("exact"))
     batch = padded_batch("bert", lengths=(5, 3, 7))
     model(**batch)
     pad = model.base_model._sebp_pad_rows
+    assert pad.rows is None  # a CPU batch: the torch backward selects its rows itself
+    monkeypatch.setattr(patch_module, "_triton_backward_on", lambda device: True)  # as under the interpreter
+    model(**batch)
     assert pad.rows[1].tolist() == [15] and pad.state == CHECKING
     with torch.no_grad():
         model(**batch)
