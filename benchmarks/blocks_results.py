@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from docgen import Page, Source, block, captioned, f1, f2, table, times
 
-LAYOUT_FILES = ("layouts_fused_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json",
+# The main tables: each model with the SEBP that pays on it (BERT-base: the linears alone, finetune's default;
+# the decoders: with the norms and activations as well, --sebp-norms --sebp-acts).
+LAYOUT_FILES = ("layouts_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json",
                 "layouts_fused_h100/model_qwen2.5-0.5b-sft.json")
 LINEARS_ONLY = {"bert-base": "layouts_h100/model_bert-base.json",
                 "llama-3.2-1b-sft": "layouts_h100/model_llama-3.2-1b-sft.json"}  # SEBP on the linears alone
+FUSED = {"bert-base": "layouts_fused_h100/model_bert-base.json",
+         "llama-3.2-1b-sft": "layouts_fused_h100/model_llama-3.2-1b-sft.json"}  # and on the norms and activations
+# BERT-base `longest` with each SEBP variant (one run: the same code), the last with its rows selected
+BERT_VARIANTS = (("linears", "layouts_h100/model_bert-base.json"),
+                 ("linears + norms", "pad_rows_h100/model_bert-base_norms.json"),
+                 ("linears + norms + activations", "layouts_fused_h100/model_bert-base.json"),
+                 ("linears + norms + activations, rows selected", "pad_rows_h100/model_bert-base_select.json"))
 LAYOUTS = ("max_length", "longest", "bucket", "packed")
 HEAD = "head_h100/head.json"
 FINETUNE_CPU = "finetune_cpu/finetune_cpu.json"
@@ -130,28 +139,47 @@ def layouts_verdict(page: Page) -> str:
 
 @block("layouts_fused_gain")
 def layouts_fused_gain(page: Page) -> str:
-    """SEBP on the linears alone (an earlier run) against SEBP with the norms and activations as well, each
-    next to the dense entry of its own run: same layout, head and timing."""
+    """SEBP on the linears alone against SEBP with the norms and activations as well, each next to the dense
+    entry of its own run: same layout, head and timing."""
     body, sources = [], []
-    for src, m in _models(page):
-        if m["case"]["name"] not in LINEARS_ONLY:
-            continue
-        plain_src = page.load(LINEARS_ONLY[m["case"]["name"]])
-        sources += [plain_src, src]
+    for name, plain_rel in LINEARS_ONLY.items():
+        plain_src, fused_src = page.load(plain_rel), page.load(FUSED[name])
+        sources += [plain_src, fused_src]
         plain = {(r["layout"], r["method"], r["head"], r["timing"]): r for mm in plain_src.rows("models")
                  for r in mm["rows"]}
-        for r in m["rows"]:
-            key = (r["layout"], "sebp", r["head"], r["timing"])
-            if r["method"] != "dense" or key not in plain:
-                continue
-            fused = next(x for x in m["rows"] if (x["layout"], x["method"], x["head"], x["timing"]) == key)
-            old_dense = plain[(r["layout"], "dense", r["head"], r["timing"])]
-            body.append([m["case"]["name"], r["layout"], _variant(r), times(plain[key]["vs_dense_same_layout"]),
-                         times(fused["vs_dense_same_layout"]),
-                         f"{f1(old_dense['ms'])} / {f1(r['ms'])}"])
+        for m in fused_src.rows("models"):
+            for r in m["rows"]:
+                key = (r["layout"], "sebp", r["head"], r["timing"])
+                if r["method"] != "dense" or key not in plain:
+                    continue
+                fused = next(x for x in m["rows"] if (x["layout"], x["method"], x["head"], x["timing"]) == key)
+                old_dense = plain[(r["layout"], "dense", r["head"], r["timing"])]
+                body.append([name, r["layout"], _variant(r), times(plain[key]["vs_dense_same_layout"]),
+                             times(fused["vs_dense_same_layout"]), f"{f1(old_dense['ms'])} / {f1(r['ms'])}"])
     header = ["model", "layout", "timing", "SEBP linears: x dense", "SEBP linears + norms + activations: x dense",
               "dense ms (each run)"]
     return captioned(page, sources, table(header, body, "lllrrr"))
+
+
+@block("bert_variants")
+def bert_variants(page: Page) -> str:
+    """BERT-base on `longest` as CUDA graphs (model's own head): dense against each SEBP variant, with its
+    share of the limit."""
+    body, sources = [], []
+    for what, rel in BERT_VARIANTS:
+        src = page.load(rel)
+        sources.append(src)
+        for m in src.rows("models"):
+            pick = lambda method: next(r for r in m["rows"] if (r["layout"], r["method"], r["head"], r["timing"])  # noqa: E731
+                                       == ("longest", method, "full", "graphs"))
+            dense, sebp = pick("dense"), pick("sebp")
+            limit = next(r for r in m["limits"] if (r["layout"], r["head"], r["timing"]) == ("longest", "full",
+                                                                                              "graphs"))
+            rows = "selected by each layer" if m.get("pad_rows") is False else "padding rows from the mask"
+            body.append([what, rows, f2(dense["ms"]), f2(sebp["ms"]), times(sebp["vs_dense_same_layout"]),
+                         f2(limit["limit_ms"]), f2(limit["sebp_of_limit"])])
+    header = ["SEBP on", "inactive rows", "dense ms", "SEBP ms", "SEBP x dense", "limit ms", "share of limit"]
+    return captioned(page, sources, table(header, body, "llrrrrr"))
 
 
 # ------------------------------------------------------------------------------------ the labelled head

@@ -38,7 +38,8 @@ for s in ${STEPS:-smoke}; do
     llama) bench llama-3.2-1b-sft ;;
     llama-fused) bench llama-3.2-1b-sft --norms --acts ;;  # SEBP on the norms and activations too
     bert-fused) bench bert-base --norms --acts ;;
-    bert-linears) TAG=_linears bench bert-base ;;  # SEBP variants for the BERT breakdown of docs/method.md
+    bert-linears) TAG=_linears bench bert-base ;;
+    llama-linears) TAG=_linears bench llama-3.2-1b-sft ;;  # SEBP on the linears alone  # SEBP variants for the BERT breakdown of docs/method.md
     bert-norms) TAG=_norms bench bert-base --norms ;;
     bert-select) TAG=_select bench bert-base --norms --acts --no-pad-rows ;;
     gpu-pad) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu \
