@@ -84,7 +84,7 @@ class SEBPLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hint, pad = self._sebp_hint, self._sebp_pad_rows
         if pad is not None and self.sebp_config.mode == "exact" and not torch.compiler.is_compiling():
-            hint = pad.bind(hint)
+            hint = pad.bind(hint, x.shape)
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
                            _key=self._sebp_key)
 

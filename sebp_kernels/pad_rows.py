@@ -37,6 +37,7 @@ class PadRows:
     def __init__(self):
         self.state = CHECKING
         self.rows = None  # (perm, count, real-token flags, M) of the batch set last
+        self.shape = None  # its (batch, seq)
         self.violations = None  # device counter of non-zero padding rows seen while checking
         self.checked = 0  # backwards checked since the counter was last read
         self.taken = 0
@@ -56,15 +57,18 @@ class PadRows:
         flat = real.reshape(-1)
         perm = torch.sort((~flat).to(torch.uint8), stable=True).indices.to(torch.int32)
         self.rows = (perm, flat.sum(dtype=torch.int32).reshape(1), flat, flat.numel())
+        self.shape = tuple(mask.shape)
 
     def clear(self) -> None:
         """No rows for the next forward (a batch without a padding mask)."""
         self.rows = None
 
-    def bind(self, hint):
+    def bind(self, hint, x_shape: tuple):
         """The row hint an SEBP linear's backward reads in this forward: ``hint`` (an activation's rows, or
-        None) backed by the padding rows set now."""
-        if self.rows is None or self.state == OFF:
+        None), backed by the padding rows set now where the linear's input ``x_shape`` is the batch's tokens
+        (batch, seq, features): not, say, the tokens routed to one expert of a mixture, whose count may match
+        by chance."""
+        if self.rows is None or self.state == OFF or tuple(x_shape[:-1]) != self.shape:
             return hint
         return _Bound(self, hint, self.rows)
 

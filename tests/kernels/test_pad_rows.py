@@ -48,20 +48,20 @@ def test_checks_first_then_turns_on():
     pad = PadRows()
     pad.set(_mask())
     dy = torch.randn(3, 4, 5) * _mask()[..., None]
-    assert pad.bind(None).take(dy) is None and pad.checked == 1 and pad.state == CHECKING
+    assert pad.bind(None, (3, 4, 8)).take(dy) is None and pad.checked == 1 and pad.state == CHECKING
     pad.set(_mask())
     assert pad.state == ON
-    perm, count = pad.bind(None).take(dy)
+    perm, count = pad.bind(None, (3, 4, 8)).take(dy)
     assert count.tolist() == [9] and pad.taken == 1
 
 
 def test_gradient_on_padding_turns_it_off_with_a_warning():
     pad = PadRows()
     pad.set(_mask())
-    pad.bind(None).take(torch.randn(3, 4, 5))  # every row non-zero: the loss reaches the padding
+    pad.bind(None, (3, 4, 8)).take(torch.randn(3, 4, 5))  # every row non-zero: the loss reaches the padding
     with pytest.warns(UserWarning, match="padding row"):
         pad.set(_mask())
-    assert pad.state == OFF and pad.rows is None and pad.bind("hint") == "hint"
+    assert pad.state == OFF and pad.rows is None and pad.bind("hint", (3, 4, 8)) == "hint"
 
 
 def test_other_row_counts_and_an_activation_hint_come_first():
@@ -72,7 +72,9 @@ def test_other_row_counts_and_an_activation_hint_come_first():
     pad = PadRows()
     pad.state = ON
     pad.set(_mask())
-    bound = pad.bind(Hint())
+    assert pad.bind("hint", (12, 8)) == "hint"  # an input of other leading dims (an expert's routed tokens)
+    assert pad.bind("hint", (4, 3, 8)) == "hint"
+    bound = pad.bind(Hint(), (3, 4, 8))
     assert bound.take(torch.zeros(3, 4, 7)) == "activation rows"
     assert bound.take(torch.zeros(2, 4, 5)) is None  # another row count: not this batch's rows
     assert bound.take(torch.zeros(12, 5))[1].tolist() == [9]  # the same rows flattened
@@ -138,7 +140,9 @@ def _check_model(arch, device, dtype, backend, atol, rtol):
         assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
         for n in want:
             assert_close_report(got[n], want[n], atol=atol, rtol=rtol, name=n)
-    assert pad.state == ON and pad.taken > 0
+    # from the second step on every token-wise linear takes the rows (q, k, v, o and the MLP's output; the
+    # MLP's input linears take the activation's rows first)
+    assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers
     return pad
 
 
