@@ -217,7 +217,7 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
     The labelled head computes its LM head itself (a plain nn.Linear is what it reads), so that one stays."""
     from sebp_kernels import SEBPConfig, zero_rows
 
-    from .patch import patch_activations, patch_model, patch_norms, unpatch_model
+    from .patch import pad_rows_summary, patch_activations, patch_model, patch_norms, unpatch_model
 
     targets = None if case.task == "classification" else tuple(
         t for t in DECODER_TARGETS if head == "full" or t != "lm_head")
@@ -228,9 +228,8 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
     try:
         yield counts
     finally:  # the graphs of the entry are gone: their buffers too, before the next entry's peak memory
-        pad = vars(model.base_model).get("_sebp_pad_rows") if pad_rows else None
-        if pad is not None:  # whether the padding rows passed their check, and how often they were taken
-            counts["pad_rows"] = {"state": pad.state, "taken": pad.taken}
+        if pad_rows and pad_rows_summary(model):  # whether the padding rows passed their check, and how often
+            counts["pad_rows"] = pad_rows_summary(model)  # they were taken
         zero_rows.enable(False)
         zero_rows.forget_captured()
         unpatch_model(model)

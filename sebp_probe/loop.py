@@ -31,7 +31,7 @@ from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, Fi
 from .graphs import StepGraphs, shape_key
 from .losses import batch_loss, has_no_target, set_head, token_counts
 from .metrics import evaluate, peak_memory_mb, summarize_records
-from .patch import find_targets, patched_activations
+from .patch import find_targets, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from .train_data import TrainData, first_batches, make_loaders
 
@@ -433,6 +433,9 @@ class Run:
                    "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes,
                    "peak_mem_kind": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
                    "process max RSS (CPU: grows over the runs of one process)"}
+        padding_rows = pad_rows_summary(model)
+        if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
+            summary["padding_rows"] = padding_rows
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks}

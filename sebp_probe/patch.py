@@ -237,6 +237,21 @@ def install_pad_rows(model: nn.Module) -> PadRows:
     return pad
 
 
+def pad_rows_of(model: nn.Module) -> PadRows | None:
+    """The :class:`~sebp_kernels.pad_rows.PadRows` of ``model`` (also inside a DDP wrapper), or None."""
+    return vars(_backbone(getattr(model, "module", model))).get("_sebp_pad_rows")
+
+
+def pad_rows_summary(model: nn.Module) -> dict | None:
+    """Whether ``model``'s padding rows passed their check (``state``: on / off / checking), and how many linear
+    backwards took them (``taken``); None where it has none or never checked them (the CPU's torch backward,
+    batches without a padding mask)."""
+    pad = pad_rows_of(model)
+    if pad is None or (pad.state == "checking" and pad.violations is None):
+        return None
+    return {"state": pad.state, "taken": pad.taken}
+
+
 def remove_pad_rows(model: nn.Module) -> None:
     """Take the hook of :func:`install_pad_rows` off (the PadRows stays, with its verdict, for a later patch)."""
     base = _backbone(model)

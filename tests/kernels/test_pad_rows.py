@@ -103,6 +103,11 @@ def test_patch_model_hooks_the_backbone_and_unpatch_removes_it(monkeypatch):
     twin = copy.deepcopy(model)
     twin(**batch)
     assert twin.base_model._sebp_pad_rows.rows is not None and pad.rows is None  # each copy its own
+    from sebp_probe.patch import pad_rows_summary
+
+    assert pad_rows_summary(model) is None  # never checked (no backward here)
+    pad.state, pad.taken = ON, 7
+    assert pad_rows_summary(model) == {"state": "on", "taken": 7}
     unpatch_model(model)
     assert not model.base_model._forward_pre_hooks
     model(**batch)
