@@ -242,12 +242,10 @@ def sebp_method(model, task: str, chunk_rows: int | None):
     import copy
 
     from sebp_kernels import SEBPConfig
-    from sebp_probe.patch import patch_activations, patch_model, patch_norms
+    from sebp_probe.patch import patch_sebp
 
     twin = copy.deepcopy(model)
-    patch_model(twin, SEBPConfig("exact"))
-    patch_activations(twin)
-    patch_norms(twin)
+    patch_sebp(twin, SEBPConfig("exact"), norms=True, acts=True)
 
     def run(_, batch):
         for p in twin.parameters():

@@ -217,13 +217,12 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
     The labelled head computes its LM head itself (a plain nn.Linear is what it reads), so that one stays."""
     from sebp_kernels import SEBPConfig, zero_rows
 
-    from .patch import pad_rows_summary, patch_activations, patch_model, patch_norms, unpatch_model
+    from .patch import pad_rows_summary, patch_sebp, unpatch_model
 
     targets = None if case.task == "classification" else tuple(
         t for t in DECODER_TARGETS if head == "full" or t != "lm_head")
-    counts = {"linears": len(patch_model(model, SEBPConfig(mode), target_modules=targets, pad_rows=pad_rows))}
-    counts["norms"] = len(patch_norms(model)) if norms else 0
-    counts["acts"] = len(patch_activations(model)) if acts else 0
+    names = patch_sebp(model, SEBPConfig(mode), target_modules=targets, norms=norms, acts=acts, pad_rows=pad_rows)
+    counts = {kind: len(names[kind]) for kind in ("linears", "norms", "acts")}
     zero_rows.enable(keep_dx)
     try:
         yield counts

@@ -19,7 +19,7 @@ from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 from .config import FinetuneConfig, FinetuneError
 from .graphs import replay_ms
 from .losses import batch_loss
-from .patch import find_targets, patch_activations, patch_model, patch_norms
+from .patch import find_targets, patch_sebp
 
 
 def _linear_name(modules: dict, name: str) -> str:
@@ -130,14 +130,8 @@ def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: 
     """Patch ``layers`` into ``model``, with ``norms`` its norms too, with ``acts`` its MLP activations (also
     without any SEBP linear: their fused kernels can pay where every row is active); return the names of the
     model's SEBP norms (patched now or before)."""
-    if layers:
-        patch_model(model, layer_configs=layers)
-    if acts:
-        patch_activations(model)
-    if not norms:
-        return []
-    patch_norms(model)
-    return [n for n, m in model.named_modules() if isinstance(m, SEBPNorm)]
+    patch_sebp(model, layer_configs=layers, norms=norms, acts=acts)
+    return [n for n, m in model.named_modules() if isinstance(m, SEBPNorm)] if norms else []
 
 
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,

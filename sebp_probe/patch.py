@@ -194,6 +194,20 @@ def patch_model(
     return patched
 
 
+def patch_sebp(model: nn.Module, config: SEBPConfig | None = None, *,
+               target_modules: Iterable[str] | str | None = None,
+               layer_configs: Mapping[str, SEBPConfig | Mapping] | None = None, norms: bool = False,
+               acts: bool = False, pad_rows: bool = True) -> dict[str, list[str]]:
+    """Everything SEBP puts into ``model``, in the order it needs: the linears (:func:`patch_model`; none when
+    ``layer_configs`` is given but empty), the MLP activations (:func:`patch_activations`, which hand their
+    rows to the SEBP linears present), the norms (:func:`patch_norms`). Returns the names patched now, by
+    kind ("linears", "acts", "norms")."""
+    linears = [] if layer_configs is not None and not layer_configs else patch_model(
+        model, config, target_modules, layer_configs=layer_configs, pad_rows=pad_rows)
+    return {"linears": linears, "acts": patch_activations(model) if acts else [],
+            "norms": patch_norms(model) if norms else []}
+
+
 def _backbone(model: nn.Module) -> nn.Module:
     """The module that takes the batch's input_ids and attention_mask: the backbone of a Hugging Face model
     (also inside a peft wrapper), which the labelled-rows head calls directly; ``model`` otherwise."""

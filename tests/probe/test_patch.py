@@ -253,3 +253,22 @@ def test_torch_compile_gives_the_eager_gradients(arch):
             torch.testing.assert_close(g_c[k], g_e[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
     torch._dynamo.reset()
+
+
+def test_patch_sebp_puts_in_linears_activations_and_norms():
+    """patch_sebp patches every kind asked for, in order (the activations hand rows to the linears present);
+    an empty per-layer dict patches no linear, the norms and activations still go in."""
+    from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
+    from sebp_probe.patch import patch_sebp, patched_activations, unpatch_model
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    names = patch_sebp(model, SEBPConfig("exact"), norms=True, acts=True)
+    assert names["linears"] and names["acts"] == patched_activations(model) and names["norms"]
+    mlp = model.get_submodule(names["acts"][0])
+    assert mlp.gate_proj._sebp_hint is mlp._sebp_act_hint  # the activation hands its rows to gate and up
+    unpatch_model(model)
+    names = patch_sebp(model, layer_configs={}, norms=True)
+    assert names == {"linears": [], "acts": [], "norms": names["norms"]} and names["norms"]
+    assert not any(isinstance(m, SEBPLinear) for m in model.modules())
+    assert sum(isinstance(m, SEBPNorm) for m in model.modules()) == len(names["norms"])
