@@ -36,7 +36,7 @@ class PadRows:
 
     def __init__(self):
         self.state = CHECKING
-        self.rows = None  # (perm, count, real-token flags, M) of the batch set last
+        self.rows = None  # (perm, count, real-token flags) of the batch set last
         self.shape = None  # its (batch, seq)
         self.violations = None  # device counter of non-zero padding rows seen while checking
         self.checked = 0  # backwards checked since the counter was last read
@@ -56,7 +56,7 @@ class PadRows:
             real = real | ~right
         flat = real.reshape(-1)
         perm = torch.sort((~flat).to(torch.uint8), stable=True).indices.to(torch.int32)
-        self.rows = (perm, flat.sum(dtype=torch.int32).reshape(1), flat, flat.numel())
+        self.rows = (perm, flat.sum(dtype=torch.int32).reshape(1), flat)
         self.shape = tuple(mask.shape)
 
     def clear(self) -> None:
@@ -85,9 +85,9 @@ class PadRows:
 
     def _check(self, t: torch.Tensor, flat: torch.Tensor) -> None:
         bad = ((t.reshape(flat.numel(), -1) != 0).any(1) & ~flat).sum(dtype=torch.int32)
-        if self.violations is None or self.violations.device != bad.device:
+        if self.violations is None:
             self.violations = torch.zeros((), dtype=torch.int32, device=bad.device)
-        self.violations += bad
+        self.violations += bad.to(self.violations.device)  # one counter, whichever device a layer is on
         self.checked += 1
 
 
@@ -102,8 +102,8 @@ class _Bound:
 
     def take(self, t: torch.Tensor):
         got = self.hint.take(t) if self.hint is not None else None
-        perm, count, flat, m = self.rows
-        if got is not None or t.dim() == 0 or t.numel() != m * t.shape[-1] or t.device != flat.device:
+        perm, count, flat = self.rows
+        if got is not None or t.dim() == 0 or t.numel() != flat.numel() * t.shape[-1] or t.device != flat.device:
             return got
         if self.pad.state == CHECKING:
             self.pad._check(t, flat)

@@ -26,8 +26,8 @@ def test_rows_are_the_select_pass_form():
     """Real-token rows first in row order, then the padding rows; their count on the device, int32."""
     pad = PadRows()
     pad.set(_mask())
-    perm, count, flat, m = pad.rows
-    assert m == 12 and count.tolist() == [9] and perm.dtype == count.dtype == torch.int32
+    perm, count, flat = pad.rows
+    assert flat.numel() == 12 and count.tolist() == [9] and perm.dtype == count.dtype == torch.int32
     assert perm[:9].tolist() == [0, 1, 2, 4, 5, 8, 9, 10, 11]
     assert sorted(perm.tolist()) == list(range(12))
 
@@ -38,8 +38,9 @@ def test_left_or_inner_padding_names_no_rows():
     pad = PadRows()
     for mask in (_mask().flip(1), torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])):
         pad.set(mask)
-        perm, count, flat, m = pad.rows
-        assert count.item() == m == mask.numel() and perm.tolist() == list(range(m)) and flat.all()
+        perm, count, flat = pad.rows
+        m = mask.numel()
+        assert count.item() == m == flat.numel() and perm.tolist() == list(range(m)) and flat.all()
 
 
 def test_checks_first_then_turns_on():
