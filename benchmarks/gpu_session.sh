@@ -3,13 +3,15 @@
 #
 #   STEPS="bert head resprop" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute), bert, llama,
-# qwen (the whole-model bench of that case, one JSON and one figure; llama-fused, bert-fused: with SEBP
-# norms and activations; qwen-fused likewise; bert-linears, bert-norms, bert-select: BERT-base with SEBP on the
-# linears only, with the norms, and with norms and activations but rows selected, not taken from the mask), head-qwen (the Qwen shape at several chunk sizes), resprop-profile (one level, with
-# a kernel breakdown), head (benchmarks/head_bench.py), resprop
-# (benchmarks/resprop_bench.py), breakdown (Llama SFT eager, GPU kernel time by kind, with and
-# without the padding mask; breakdown-bert: BERT-base, SEBP with norms and activations), gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
+# Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute); bert, llama,
+# qwen (the whole-model bench of that case, one JSON and one figure); llama-fused, bert-fused, qwen-fused (the
+# same with SEBP norms and activations); bert-linears, llama-linears, bert-norms, bert-select (SEBP on the
+# linears only; BERT-base with the norms; with norms and activations but rows selected, not taken from the
+# mask); head (benchmarks/head_bench.py); head-qwen (the Qwen shape at several chunk sizes); resprop
+# (benchmarks/resprop_bench.py); resprop-profile (one level, with a kernel breakdown); breakdown (Llama SFT
+# eager, GPU kernel time by kind, with and without the padding mask); breakdown-bert (BERT-base, SEBP with
+# norms and activations); gpu-pad (the padding-rows and tile tests); gpu1 / gpu2 (every GPU-marked test:
+# tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
 # cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
 set -u
@@ -38,8 +40,8 @@ for s in ${STEPS:-smoke}; do
     llama) bench llama-3.2-1b-sft ;;
     llama-fused) bench llama-3.2-1b-sft --norms --acts ;;  # SEBP on the norms and activations too
     bert-fused) bench bert-base --norms --acts ;;
-    bert-linears) TAG=_linears bench bert-base ;;
-    llama-linears) TAG=_linears bench llama-3.2-1b-sft ;;  # SEBP on the linears alone  # SEBP variants for the BERT breakdown of docs/method.md
+    bert-linears) TAG=_linears bench bert-base ;;  # SEBP on the linears alone (bert-base: the docs' main run)
+    llama-linears) TAG=_linears bench llama-3.2-1b-sft ;;
     bert-norms) TAG=_norms bench bert-base --norms ;;
     bert-select) TAG=_select bench bert-base --norms --acts --no-pad-rows ;;
     gpu-pad) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu \

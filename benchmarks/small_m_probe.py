@@ -5,7 +5,8 @@ BERT-base on `--padding longest` (batch 32 of SST-2-like lengths, padded to the 
 dense (cuBLAS dX, dW and the bias sum on all rows), the SEBP backward (select + fused kernel), the fused kernel
 alone over a given permutation, the select pass alone, cuBLAS on the active rows gathered (index_select, two
 GEMMs, bias sum, dX scattered into zeros; the active rows known on the host), and the fused kernel with other
-tile settings (``--configs``). Totals weight the shapes as a BERT layer has them (4, 1, 1).
+tile settings (``--configs``), each forced on every shape (over the few-rows rule of ``tuning.few_rows``);
+``sebp`` runs with the 128 x 256 tiles. Totals weight the shapes as a BERT layer has them (4, 1, 1).
 
     python benchmarks/small_m_probe.py OUT.json [--batches 2]
 """
@@ -25,7 +26,7 @@ from dense_gap import bench, write_rows
 
 SHAPES = (("attn 768->768", 768, 768, 4), ("ffn up 768->3072", 768, 3072, 1), ("ffn down 3072->768", 3072, 768, 1))
 
-# (name, dW/dX tile, warps, dW stages, dX stages)
+# name -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, dW stages, dX stages)
 CONFIGS = {
     "128x256w8": (128, 256, 64, 8, 3, 4),
     "128x128w8": (128, 128, 64, 8, 3, 4),
@@ -37,9 +38,12 @@ CONFIGS = {
 
 
 def set_config(bm, bn, bk, warps, dw_stages, dx_stages):
+    """This tile setting for every shape: the default and the few-rows one alike."""
     base = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps}
     tuning.DW_CONFIG = dict(base, num_stages=dw_stages)
     tuning.DX_CONFIG = dict(base, num_stages=dx_stages)
+    tuning.SMALL_CONFIG = base
+    tuning.SMALL_STAGES = {"dw": dw_stages, "dx": dx_stages}
     _grads_mod._PLANS._plans.clear()
     _grads_mod._grads.clear()
 
@@ -61,7 +65,6 @@ def main(out, n_batches, configs):
     n_sm = _sm_count(dev)
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    default = tuning.DW_CONFIG, tuning.DX_CONFIG
     for b, mask in enumerate(longest_masks(n_batches, dev)):
         m = mask.numel()
         act = mask.nonzero().squeeze(1)
@@ -84,7 +87,6 @@ def main(out, n_batches, configs):
             dyk, xk = dy.index_select(0, act), x.index_select(0, act)
             r["cublas_active_only"] = bench(lambda: (dyk @ w, dyk.t() @ xk, dyk.sum(0)))
             r["select"] = bench(lambda: select_rows_device(dy, "exact"))
-            tuning.DW_CONFIG, tuning.DX_CONFIG = default
             set_config(*CONFIGS["128x256w8"])
             r["sebp"] = bench(lambda: sebp_backward_triton(dy, x, w, SEBPConfig("exact"), True, True, True))
             for c in configs:

@@ -227,8 +227,9 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
     try:
         yield counts
     finally:  # the graphs of the entry are gone: their buffers too, before the next entry's peak memory
-        if pad_rows and pad_rows_summary(model):  # whether the padding rows passed their check, and how often
-            counts["pad_rows"] = pad_rows_summary(model)  # they were taken
+        checked = pad_rows_summary(model) if pad_rows else None
+        if checked:  # whether the padding rows passed their check, and how often they were taken
+            counts["pad_rows"] = checked
         zero_rows.enable(False)
         zero_rows.forget_captured()
         unpatch_model(model)

@@ -18,7 +18,7 @@ from torch import nn
 
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
-from sebp_kernels.pad_rows import PadRows
+from sebp_kernels.pad_rows import CHECKING, PadRows
 
 # Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
 DEFAULT_TARGETS: tuple[str, ...] = (
@@ -261,7 +261,7 @@ def pad_rows_summary(model: nn.Module) -> dict | None:
     backwards took them (``taken``); None where it has none or never checked them (the CPU's torch backward,
     batches without a padding mask)."""
     pad = pad_rows_of(model)
-    if pad is None or (pad.state == "checking" and pad.violations is None):
+    if pad is None or (pad.state == CHECKING and pad.violations is None):
         return None
     return {"state": pad.state, "taken": pad.taken}
 
