@@ -101,9 +101,15 @@ def reuse_source(dy: torch.Tensor, active: torch.Tensor | None = None) -> torch.
     return p.masked_fill(~torch.isfinite(p).all(-1, keepdim=True), 0)
 
 
+def row_norms(d2: torch.Tensor) -> torch.Tensor:
+    """Norms of the rows of ``d2`` (M, n), in float32 or wider (float64 input stays float64)."""
+    return torch.linalg.vector_norm(d2, dim=1, dtype=torch.promote_types(d2.dtype, torch.float32))
+
+
 def _scores(d2: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """Row norms of D for ranking (fp32): non-finite rows +inf (always first), inactive rows -1 (never kept)."""
-    s = torch.linalg.vector_norm(d2, dim=1, dtype=torch.float32)
+    """Row norms of D for ranking (fp32 or wider): non-finite rows +inf (always first), inactive rows -1 (never
+    kept)."""
+    s = row_norms(d2)
     s = s.masked_fill(~torch.isfinite(s), math.inf)
     return s.masked_fill(~active, -1.0)
 
@@ -321,8 +327,8 @@ def drop_stats(p: torch.Tensor | None, dy: torch.Tensor, levels=DEFAULT_LEVELS) 
     d2 = torch.addcmul(dy3, active.unsqueeze(-1).to(dy.dtype), pa, value=-1).reshape(-1, n_out)
     a = active.reshape(-1)
     kept = torch.stack([kept_count(check_reuse(r), a) for r in levels])
-    d_scores = torch.linalg.vector_norm(d2, dim=1, dtype=torch.float32).masked_fill(~a, -1)
-    y_scores = torch.linalg.vector_norm(dy3.reshape(-1, n_out), dim=1, dtype=torch.float32).masked_fill(~a, -1)
+    d_scores = row_norms(d2).masked_fill(~a, -1)
+    y_scores = row_norms(dy3.reshape(-1, n_out)).masked_fill(~a, -1)
     total = y_scores.double().clamp_min(0).square().sum().sqrt().clamp_min(torch.finfo(torch.float64).tiny)
     d_total = d_scores.double().clamp_min(0).square().sum().sqrt()
     return torch.cat([_dropped_norms(d_scores, kept) / total, _dropped_norms(y_scores, kept) / total,

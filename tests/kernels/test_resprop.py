@@ -72,6 +72,19 @@ def test_formula_matches_direct_reference(b, t, n_in, n_out, reuse, p_len):
     assert next_p.shape == (t, n_out)
 
 
+def test_float64_matches_direct_reference():
+    """A float64 model: the row norms are taken in float64 (a float32 request on float64 input is an error)."""
+    x, w, _, dy = (v.double() for v in _inputs(3, 7, 5, 6))
+    p = torch.randn(7, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    dx, dw, _, next_p = resprop_grads(dy, x, w, p, 0.5)
+    want_dx, want_dw, _ = reference(dy, x, w, p, 0.5)
+    torch.testing.assert_close(dx, want_dx)
+    torch.testing.assert_close(dw, want_dw)
+    assert next_p.dtype == torch.float64
+    drop = reuse_drop(dy, dy, levels=(0.5,))
+    assert drop.residual >= 0
+
+
 def test_reuse_zero_is_exact_sebp_and_dense():
     x, w, bias, dy = _inputs(3, 11, 9, 7)
     layers = {"resprop": ReSpropLinear.from_linear(_linear(w, bias), reuse=0.0),
