@@ -298,23 +298,38 @@ def finetune_cpu_auto(page: Page) -> str:
 RESPROP_CPU = "resprop_cpu/resprop_cpu.json"
 
 
-@block("resprop_cpu")
-def resprop_cpu(page: Page) -> str:
-    src = page.load(RESPROP_CPU)
+def _reuse_runs(src, what: dict[str, str] | None = None) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of a resprop_cpu.py result: loss and accuracy per epoch, the last epoch against dense;
+    with ``what``, a column saying what each run's variant changes."""
     levels = src.data["levels"]
     dense = levels["dense"]
     body = []
     for level, r in levels.items():
-        body.append(["dense" if level == "dense" else f"reuse {level}",
-                     " / ".join(f"{x:.3f}" for x in r["train_loss"]),
-                     " / ".join(f"{100 * x:.1f}" for x in r["val_accuracy"]),
-                     f"{100 * (r['val_accuracy'][-1] - dense['val_accuracy'][-1]):+.1f}"])
+        reuse, _, name = level.partition(":")
+        run = "dense" if level == "dense" else f"reuse {reuse}" + (f" ({name})" if name else "")
+        cells = [" / ".join(f"{x:.3f}" for x in r["train_loss"]),
+                 " / ".join(f"{100 * x:.1f}" for x in r["val_accuracy"]),
+                 f"{100 * (r['val_accuracy'][-1] - dense['val_accuracy'][-1]):+.1f}"]
+        extra = [] if what is None else [what["dense" if level == "dense" else (name or "sample")]]
+        body.append([run, *extra, *cells])
+    header = ["run", *([] if what is None else ["P and kept rows"]), "training loss per epoch",
+              "validation accuracy % per epoch", "last epoch vs dense, points"]
+    return header, body
+
+
+def _reuse_settings(src) -> str:
     s = src.data["settings"]
-    header = ["run", "training loss per epoch", "validation accuracy % per epoch", "last epoch vs dense, points"]
-    note = (f"The bundled MiniLM on {s['train_samples']} bundled tweets ({s['eval_samples']} held out), batch "
+    return (f"The bundled MiniLM on {s['train_samples']} bundled tweets ({s['eval_samples']} held out), batch "
             f"{s['batch']}, {s['padding']} padding, AdamW lr {s['lr']:g}, {s['epochs']} epochs; every run from the "
             "same weights, batches and dropout masks.")
-    drop = dense.get("reuse_drop") or {}
+
+
+@block("resprop_cpu")
+def resprop_cpu(page: Page) -> str:
+    src = page.load(RESPROP_CPU)
+    header, body = _reuse_runs(src)
+    note = _reuse_settings(src)
+    drop = src.data["levels"]["dense"].get("reuse_drop") or {}
     if drop:
         kinds = list(drop)
         reuse = list(drop[kinds[0]]["dropped"])
@@ -325,6 +340,26 @@ def resprop_cpu(page: Page) -> str:
                  + table(["layer type", "residual", *(f"reuse {r}: reuse / smallest rows" for r in reuse)], rows,
                          "l" + "r" * (1 + len(reuse))))
     return captioned(page, [src], table(header, body, "llll") + "\n\n" + note)
+
+
+RESPROP_VARIANTS = "resprop_cpu/variants.json"
+VARIANT_WHAT = {
+    "dense": "-",
+    "sample": "P: one sample of the last step (the product's rule); the largest rows of dY - P",
+    "mean": "P: the last step's dY averaged over its samples; the largest rows of dY - P",
+    "fitted": "P: one sample, scaled by its least-squares fit to this step's dY (0 to 1); the largest rows",
+    "none": "no P (no reuse): the largest rows of dY itself",
+    "sampled": "no P: rows drawn with probability in proportion to their norm, scaled by 1 / probability "
+               "(unbiased)",
+}
+
+
+@block("resprop_variants")
+def resprop_variants(page: Page) -> str:
+    """The reuse-0.9 ablations of benchmarks/resprop_variants.py against dense, in one run."""
+    src = page.load(RESPROP_VARIANTS)
+    header, body = _reuse_runs(src, VARIANT_WHAT)
+    return captioned(page, [src], table(header, body, "lllll") + "\n\n" + _reuse_settings(src))
 
 
 RESPROP_GPU = "resprop_h100/resprop.json"
@@ -344,6 +379,38 @@ def resprop_h100(page: Page) -> str:
             f"{round(100 * st['token_density'])}% of the slots), cycled over {st['repeats']} timed steps after "
             f"{st['warmup']} warm-up steps; medians, eager.")
     return captioned(page, [src], table(header, body, "lrrrr") + "\n\n" + note)
+
+
+RESPROP_PROFILE = "resprop_h100/resprop_profile.json"
+
+
+@block("resprop_profile")
+def resprop_profile(page: Page) -> str:
+    """Where the profiled backward's GPU time goes per run, and the most any change to the projections' backward
+    could give: dense's time with its projection GEMMs (its cuBLAS GEMMs less the LM head's, the GEMMs that stay
+    on cuBLAS under exact SEBP) taken out."""
+    src = page.load(RESPROP_PROFILE)
+    runs = src.data["variants"]
+    kinds = ["gemm", "sebp", "elementwise/other", "reduction", "attention"]
+    names = {"dense": "dense", "sebp_exact": "SEBP (exact)"}
+    body = [[names.get(n, n.replace("resprop_", "reuse ")), f1(r["backward_ms"]), f1(r["breakdown"]["total_ms"]),
+             *(f1(r["breakdown"]["by_kind_ms"].get(k, 0.0)) for k in kinds)] for n, r in runs.items()]
+    header = ["backward", "wall ms", "GPU kernels ms", "cuBLAS GEMMs", "SEBP kernels", "elementwise / other",
+              "reductions", "attention"]
+    dense = runs["dense"]["breakdown"]
+    head = runs["sebp_exact"]["breakdown"]["by_kind_ms"]["gemm"]
+    proj = dense["by_kind_ms"]["gemm"] - head
+    rest = dense["total_ms"] - proj
+    sebp = runs["sebp_exact"]["breakdown"]["by_kind_ms"]["sebp"]
+    budget = dense["total_ms"] / 1.5 - rest
+    note = (f"Kernel times summed over the profiled steps' backward, per step. The projections' GEMMs take "
+            f"{f1(proj)} ms of dense's {f1(dense['total_ms'])} ms ({f1(dense['by_kind_ms']['gemm'])} ms of cuBLAS "
+            f"GEMMs less the LM head's {f1(head)} ms, which stay on cuBLAS under SEBP); with them at no cost the "
+            f"backward would still take {f1(rest)} ms of kernels: at most {times(dense['total_ms'] / rest)} dense. "
+            f"For 1.5x, the reuse path of all projections would have to fit in {f1(budget)} ms; exact SEBP's "
+            f"projection kernels take {f1(sebp)} ms, and a tenth of them (reuse 0.9's kept rows, if time scaled with "
+            f"rows) is already {f1(sebp / 10)} ms, before D = dY - P is formed and ranked, which reads all of dY.")
+    return captioned(page, [src], table(header, body, "lrrrrrrr") + "\n\n" + note)
 
 
 # ----------------------------------------------------------------------------------- example outputs

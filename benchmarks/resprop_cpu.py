@@ -9,6 +9,8 @@ same share of dY's own smallest rows would.
 
 Usage: python benchmarks/resprop_cpu.py [--train-samples 160] [--eval-samples 160] [--epochs 3]
        [--levels dense,0,0.5,0.7,0.9,0.95,0.99] [--output runs/resprop_cpu.json]
+A level may name an ablation of the reuse rule, e.g. ``0.9:none`` (no P: the largest rows of dY); the
+variants are in ``benchmarks/resprop_variants.py``.
 Writes the JSON and a figure beside it (same name, .png): training loss and validation accuracy per epoch.
 """
 from __future__ import annotations
@@ -34,6 +36,8 @@ from sebp_probe.assets import load_model  # noqa: E402
 from sebp_probe.config import DataConfig  # noqa: E402
 from sebp_probe.textdata import PadCollator, load_text_data, padding_side, tokenize  # noqa: E402
 
+from resprop_variants import parse, variant  # noqa: E402
+
 LEVELS = "dense,0,0.5,0.7,0.9,0.95,0.99"
 
 
@@ -57,11 +61,16 @@ def environment() -> dict:
 
 
 def parse_levels(text: str) -> list[str]:
+    """'dense,0.9,0.9:none' -> the same strings, each checked (resprop_variants.parse)."""
     levels = [v.strip() for v in text.split(",") if v.strip()]
     for v in levels:
-        if v != "dense" and not 0 <= float(v) <= 1:
-            raise SystemExit(f"a level is 'dense' or a reuse in [0, 1], got {v!r}")
+        parse(v)
     return levels
+
+
+def label(level: str) -> str:
+    reuse, name = parse(level)
+    return "dense" if reuse == "dense" else f"reuse {reuse}" + ("" if name == "sample" else f" ({name})")
 
 
 def epoch_batches(items: list[dict], collate, batch: int, seed: int, epoch: int) -> list[dict]:
@@ -99,19 +108,22 @@ def drop_summary(collector: ReuseDropCollector) -> dict:
 
 def run_level(level: str, model0, items, collate, eval_batches, a) -> dict:
     model = copy.deepcopy(model0)
-    if level != "dense":
-        patch_resprop(model, float(level))
+    reuse, name = parse(level)
+    if reuse != "dense":
+        patch_resprop(model, float(reuse))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     torch.manual_seed(a.seed)  # the same dropout masks in every level
-    res = {"train_loss": [], "val_accuracy": [], "step_loss": [], "epoch_s": []}
+    res = {"variant": None if reuse == "dense" else name, "train_loss": [], "val_accuracy": [], "step_loss": [],
+           "epoch_s": []}
     step_s = []
     collector = ReuseDropCollector(model) if level == "dense" and a.drop_steps > 1 else None
     watch = contextlib.ExitStack()
+    ablation = variant(name, a.seed) if reuse != "dense" else contextlib.nullcontext()
     if collector is not None:
         watch.enter_context(collector)
     start = time.perf_counter()
     step = 0
-    with watch:
+    with ablation, watch:
         for epoch in range(a.epochs):
             t0 = time.perf_counter()
             model.train()
@@ -131,7 +143,7 @@ def run_level(level: str, model0, items, collate, eval_batches, a) -> dict:
             res["train_loss"].append(statistics.fmean(losses))
             res["val_accuracy"].append(accuracy(model, eval_batches))
             res["epoch_s"].append(round(time.perf_counter() - t0, 2))
-            print(f"  {level:>5} epoch {epoch + 1}: train loss {res['train_loss'][-1]:.4f}, "
+            print(f"  {level:>9} epoch {epoch + 1}: train loss {res['train_loss'][-1]:.4f}, "
                   f"val accuracy {res['val_accuracy'][-1]:.4f} ({res['epoch_s'][-1]:.0f} s)", flush=True)
     res["wall_s"] = round(time.perf_counter() - start, 2)
     res["median_step_s"] = round(statistics.median(step_s), 3)
@@ -147,11 +159,10 @@ def plot(result: dict, path: Path) -> None:
     ax_loss, ax_acc = fig.subplots(1, 2)
     for level, r in result["levels"].items():
         epochs = range(1, len(r["train_loss"]) + 1)
-        label = "dense" if level == "dense" else f"reuse {level}"
         # dense on top, dashed: reuse 0 gives the same curve underneath
         style = {"color": "black", "linestyle": "--", "zorder": 3} if level == "dense" else {}
-        ax_loss.plot(epochs, r["train_loss"], marker="o", label=label, **style)
-        ax_acc.plot(epochs, r["val_accuracy"], marker="o", label=label, **style)
+        ax_loss.plot(epochs, r["train_loss"], marker="o", label=label(level), **style)
+        ax_acc.plot(epochs, r["val_accuracy"], marker="o", label=label(level), **style)
     s = result["settings"]
     ax_loss.set(xlabel="epoch", ylabel="mean training loss", title="training loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title=f"validation accuracy ({s['eval_samples']} tweets)")
@@ -168,7 +179,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-samples", type=int, default=160)
     ap.add_argument("--eval-samples", type=int, default=160)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--levels", default=LEVELS, help="comma-separated: 'dense' and reuse levels in [0, 1]")
+    ap.add_argument("--levels", default=LEVELS, help="comma-separated: 'dense' and reuse levels in [0, 1], each "
+                    "optionally with ':VARIANT' (benchmarks/resprop_variants.py; default the product's rule)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--lr", type=float, default=5e-5)
@@ -203,9 +215,9 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    print(f"\n{'level':>6} {'final loss':>10} {'val acc':>8} {'wall s':>7} {'step s':>7}")
+    print(f"\n{'level':>10} {'final loss':>10} {'val acc':>8} {'wall s':>7} {'step s':>7}")
     for level, r in result["levels"].items():
-        print(f"{level:>6} {r['train_loss'][-1]:10.4f} {r['val_accuracy'][-1]:8.4f} {r['wall_s']:7.0f} "
+        print(f"{level:>10} {r['train_loss'][-1]:10.4f} {r['val_accuracy'][-1]:8.4f} {r['wall_s']:7.0f} "
               f"{r['median_step_s']:7.2f}")
     drop = result["levels"].get("dense", {}).get("reuse_drop")
     if drop:
