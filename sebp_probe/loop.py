@@ -264,9 +264,11 @@ class Run:
     def _train(self, loaded, model, calib, state) -> dict:
         cfg, acc, dev = self.cfg, self.acc, self.acc.device
         train_loader, eval_loader, sampler = make_loaders(cfg, self.data, pin=dev.type == "cuda")
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = make_optimizer(params, cfg)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         model, optimizer, train_loader, eval_loader = acc.prepare(model, optimizer, train_loader, eval_loader)
+        # after prepare: FSDP2 puts new (DTensor) Parameters in the model, and accelerate's clip_grad_norm_ finds
+        # its model by these very objects (stale ones fail there comparing a Tensor with a DTensor)
+        params = [p for p in model.parameters() if p.requires_grad]
         # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
         # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
         keep_grads = cfg.cuda_graphs or (graphed_compile(cfg, acc) and cfg.grad_accum > 1)
@@ -461,9 +463,15 @@ class Run:
 
         self.acc.wait_for_everyone()
         sharded = self.acc.distributed_type == DistributedType.FSDP
-        state_dict = self.acc.get_state_dict(model) if sharded and not self.cfg.lora else None  # gathered
+        state_dict = self.acc.get_state_dict(model) if sharded else None  # gathered: every rank takes part
         plain = self.acc.unwrap_model(model)
-        if self.cfg.lora:
+        if self.cfg.lora and sharded:  # the shards cannot merge in place: merge the gathered weights
+            from .lora_merge import lora_scalings, merge_lora_state
+
+            scalings = lora_scalings(plain)
+            state_dict = merge_lora_state(state_dict, scalings) if self.main else None
+            plain = plain.get_base_model()
+        elif self.cfg.lora:
             plain = plain.merge_and_unload()
         unpatch_model(plain)
         if self.main:

@@ -3,7 +3,9 @@ each sharded with torch FSDP2 (``fully_shard``), on right-padded batches; writes
 with the largest gradient difference per parameter, relative to the gradient's largest magnitude (a file per
 process: lines two processes print to one stdout can interleave). ``argv[2] == "lora"``: a tiny Llama with
 peft LoRA adapters, SEBP on its frozen base projections, every decoder layer sharded; the adapters' gradients
-are compared."""
+are compared. ``argv[2] == "merge"``: that LoRA model sharded, its full state dict gathered and merged as
+``finetune`` saves a sharded LoRA run (sebp_probe.lora_merge); rank 0 compares it with peft's
+``merge_and_unload`` of the same model unsharded."""
 import json
 import sys
 from pathlib import Path
@@ -63,9 +65,39 @@ def lora_grads(rank: int) -> dict:
     return diffs
 
 
+def merged_diffs(rank: int) -> dict:
+    import peft
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from sebp_probe.lora_merge import lora_scalings, merge_lora_state
+    from sebp_probe.patch import unpatch_model
+    from tests.tiny_models import tiny_model
+
+    sharded = build_lora(True)
+    state = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    scalings = lora_scalings(sharded)  # every rank, as finetune does
+    if rank != 0:
+        return {}
+    merged = merge_lora_state(state, scalings)
+    ref = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0,
+        init_lora_weights=False)).merge_and_unload()
+    unpatch_model(ref)
+    want = ref.state_dict()
+    assert sorted(merged) == sorted(want), (sorted(set(merged) ^ set(want)))[:6]
+    assert len(scalings) == 8
+    return {k: float((merged[k].float() - want[k].float()).abs().max()) for k in want}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if len(sys.argv) > 2 and sys.argv[2] == "merge":
+        result = {"rank": rank, "diffs": merged_diffs(rank)}
+        (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if len(sys.argv) > 2 and sys.argv[2] == "lora":
         result = {"rank": rank, "diffs": lora_grads(rank)}
         (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _two_processes(tmp_path, *args) -> list[dict]:
     pytest.importorskip("torch.distributed.fsdp")
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun not installed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -47,3 +44,13 @@ def test_fsdp2_lora_adapters_get_dense_gradients_with_sebp_base_layers(tmp_path)
     pytest.importorskip("peft")
     for r in _two_processes(tmp_path, "lora"):
         assert len(r["diffs"]) == 16 and max(r["diffs"].values()) <= 1e-5, r["diffs"]  # 2 layers x 4 x (A, B)
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_gathered_and_merged_equals_merge_and_unload(tmp_path):
+    """How finetune saves a sharded LoRA run: the full state dict gathered from the shards and merged key by key
+    (sebp_probe.lora_merge) equals peft's merge_and_unload of the same model unsharded, under the base keys."""
+    pytest.importorskip("peft")
+    lines = _two_processes(tmp_path, "merge")
+    diffs = next(r["diffs"] for r in lines if r["rank"] == 0)
+    assert len(diffs) > 20 and max(diffs.values()) <= 1e-6, diffs
