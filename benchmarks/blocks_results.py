@@ -2,7 +2,7 @@
 head against its peers, fine-tuning on the CPU, gradient reuse."""
 from __future__ import annotations
 
-from docgen import Page, Source, block, captioned, f1, f2, table, times
+from docgen import Page, Source, block, captioned, f1, f2, f3, table, times
 
 # The main tables: each model with the SEBP that pays on it (BERT-base: the linears alone, finetune's default;
 # the decoders: with the norms and activations as well, --sebp-norms --sebp-acts).
@@ -411,6 +411,36 @@ def resprop_profile(page: Page) -> str:
             f"projection kernels take {f1(sebp)} ms, and a tenth of them (reuse 0.9's kept rows, if time scaled with "
             f"rows) is already {f1(sebp / 10)} ms, before D = dY - P is formed and ranked, which reads all of dY.")
     return captioned(page, [src], table(header, body, "lrrrrrrr") + "\n\n" + note)
+
+
+FSDP = "fsdp_h200/fsdp.json"
+
+
+@block("fsdp_h200")
+def fsdp_h200(page: Page) -> str:
+    """accelerate FSDP2 on two GPUs against one GPU, and SEBP against dense inside each --compare."""
+    src = page.load(FSDP)
+    d = src.data
+    body = []
+    for step, run in d["runs"].items():
+        for method, m in run["methods"].items():
+            if step == "one":
+                gap = "reference"
+            elif method == "dense" and step == "fsdp":
+                gap = f"{f3(d['two_gpus_vs_one']['max_abs_loss_gap'])} vs one GPU"
+            elif method == "dense":
+                gap = "-"
+            else:
+                gap = f"{f3(run['comparison']['max_abs_loss_gap'])} vs dense"
+            sebp = f"{m['sebp_layers']} of {m['sebp_layers'] + m['dense_layers']}" if method != "dense" else "-"
+            body.append([run["label"], method, sebp, str(m["steps"]), f3(m["eval_loss"]), gap,
+                         f1(m["median_backward_ms"]), f1(m["peak_mem_mb_rank0"] / 1024)])
+    header = ["run", "method", "projections on SEBP", "steps", "held-out loss", "largest loss gap",
+              "median backward ms", "peak memory GiB (rank 0)"]
+    note = (f"{d['model']}; the bundled tweets as instruction pairs, bf16, `longest` padding, 8 sequences a GPU "
+            "a step (one GPU: 8 x 2 accumulated, the same 16 sequences a step); every run from seed 0. "
+            "FSDP2 through `accelerate launch --use_fsdp --fsdp_version 2`, full shard, each decoder layer a unit.")
+    return captioned(page, [src], table(header, body, "lllrrlrr") + "\n\n" + note)
 
 
 # ----------------------------------------------------------------------------------- example outputs
