@@ -92,14 +92,9 @@ def merged_diffs(rank: int) -> dict:
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if len(sys.argv) > 2 and sys.argv[2] == "merge":
-        result = {"rank": rank, "diffs": merged_diffs(rank)}
-        (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-        dist.destroy_process_group()
-        return
-    if len(sys.argv) > 2 and sys.argv[2] == "lora":
-        result = {"rank": rank, "diffs": lora_grads(rank)}
+    mode = {"merge": merged_diffs, "lora": lora_grads}.get(sys.argv[2] if len(sys.argv) > 2 else "")
+    if mode is not None:
+        result = {"rank": rank, "diffs": mode(rank)}
         (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()
         dist.destroy_process_group()
