@@ -31,7 +31,7 @@ from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, Fi
 from .graphs import StepGraphs, shape_key
 from .losses import batch_loss, has_no_target, set_head, token_counts
 from .metrics import evaluate, peak_memory_mb, summarize_records
-from .patch import find_targets, pad_rows_summary, patched_activations
+from .patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from .train_data import TrainData, first_batches, make_loaders
 
@@ -269,6 +269,8 @@ class Run:
         # after prepare: FSDP2 puts new (DTensor) Parameters in the model, and accelerate's clip_grad_norm_ finds
         # its model by these very objects (stale ones fail there comparing a Tensor with a DTensor)
         params = [p for p in model.parameters() if p.requires_grad]
+        pad = pad_rows_of(model)
+        taken_before = pad.taken if pad is not None else 0  # the calibration's backwards are not the run's
         # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
         # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
         keep_grads = cfg.cuda_graphs or (graphed_compile(cfg, acc) and cfg.grad_accum > 1)
@@ -437,6 +439,7 @@ class Run:
                    "process max RSS (CPU: grows over the runs of one process)"}
         padding_rows = pad_rows_summary(model)
         if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
+            padding_rows["taken"] -= taken_before
             summary["padding_rows"] = padding_rows
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), dynamo_before))
