@@ -56,7 +56,6 @@ def sampled_keep(generator: torch.Generator):
         finite = torch.isfinite(scores)
         s = scores.clamp_min(0).masked_fill(~finite, 0)
         k = R.kept_count(reuse, active).to(torch.float32)
-        q = torch.zeros_like(s)
         capped = torch.zeros_like(s, dtype=torch.bool)
         for _ in range(8):  # water-filling: rows whose share would pass 1 are kept for sure
             free = s.masked_fill(capped, 0)
