@@ -1,10 +1,11 @@
-"""Write a Llama-3.2-1B-shaped model with random weights (seed 0) and a tokenizer to a directory, for the
-two-GPU runs of benchmarks/fsdp_session.sh (the device machine has no hub access).
+"""Write a Llama model with random weights (seed 0) and a tokenizer to a directory, for the GPU fine-tuning runs
+of benchmarks/fsdp_session.sh and benchmarks/compare_session.sh (the device machine has no hub access).
 
-The shape is sebp_probe.bench_cases' Llama-3.2-1B except the vocabulary, which is the tokenizer's: the bundled
-MiniLM's (30522 word pieces), so that the bundled tweets tokenize without a download.
+Shapes: ``1b`` (default), sebp_probe.bench_cases' Llama-3.2-1B; ``small``, a ~120M Llama (12 layers of 768).
+The vocabulary is the tokenizer's: the bundled MiniLM's (30522 word pieces), so that the bundled tweets
+tokenize without a download.
 
-Usage: python benchmarks/fsdp_model.py TOKENIZER_DIR OUT_DIR
+Usage: python benchmarks/fsdp_model.py TOKENIZER_DIR OUT_DIR [1b|small]
 """
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noq
 from sebp_probe.bench_cases import _LLAMA_1B  # noqa: E402
 
 
+SHAPES = {"1b": _LLAMA_1B,
+          "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                        intermediate_size=2048, tie_word_embeddings=False)}
+
+
 def main(argv=None) -> None:
-    tok_dir, out = (argv or sys.argv[1:])[:2]
+    args = argv or sys.argv[1:]
+    tok_dir, out = args[:2]
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    shape = {**_LLAMA_1B, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "max_position_embeddings": 4096}
+    shape = {**SHAPES[args[2] if len(args) > 2 else "1b"], "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "max_position_embeddings": 4096}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**shape))
     model.save_pretrained(out)
