@@ -205,6 +205,11 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise AssetError(f"the tokenizer of {name_or_path!r} has {len(tokenizer)} tokens but the model embeds only "
+                         f"{rows}: it does not belong to this model (save the model's own tokenizer with it)")
     return LoadedModel(model=model, tokenizer=tokenizer, task=task, name=name_or_path, source=source)
 
 

@@ -268,16 +268,41 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
 # --------------------------------------------------------------------------------------------- batching
 
 
+UNKNOWN_SHARE = 0.9  # of a first batch's tokens: above it, the tokenizer cannot be the model's
+UNKNOWN_SAMPLE = 64  # examples looked at
+
+
+def check_unknown_tokens(loaded: LoadedModel, items: list[dict]) -> None:
+    """Refuse a tokenizer that maps nearly every token of the first examples to its unknown token: a model
+    folder without its tokenizer files gets a tokenizer built from nothing, and every word becomes [UNK]."""
+    tok = loaded.tokenizer
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:  # byte-level tokenizers have no unknown token: every text has its tokens
+        return
+    special = set(getattr(tok, "all_special_ids", ())) - {unk}
+    ids = [t for it in items[:UNKNOWN_SAMPLE] for t in it["input_ids"] if t not in special]
+    if len(ids) >= 8 and sum(t == unk for t in ids) >= UNKNOWN_SHARE * len(ids):
+        share = sum(t == unk for t in ids) / len(ids)
+        raise AssetError(f"the tokenizer of {loaded.name!r} maps {share:.0%} of the first examples' tokens to "
+                         f"{getattr(tok, 'unk_token', 'its unknown token')} ({len(tok)} tokens): it is not the "
+                         "model's own (a model folder without its tokenizer files?); save the model's tokenizer "
+                         "next to it")
+
+
 def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]:
-    """Token ids (truncated to ``max_length``) and labels per example, not yet padded."""
+    """Token ids (truncated to ``max_length``) and labels per example, not yet padded; a tokenizer that makes
+    nearly every token unknown is refused (:func:`check_unknown_tokens`)."""
     tok = loaded.tokenizer
     out = []
+    if not data.examples:
+        return out
     if data.task == "classification":
         texts = [e["text"] for e in data.examples]
         pairs = [e["text_pair"] for e in data.examples] if "text_pair" in data.examples[0] else None
         enc = tok(texts, pairs, truncation=True, max_length=max_length)
         for ids, e in zip(enc["input_ids"], data.examples):
             out.append({"input_ids": ids, "label": e["label"]})
+        check_unknown_tokens(loaded, out)
         return out
     eos = tok.eos_token_id
     for e in data.examples:
@@ -294,6 +319,7 @@ def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]
     if not out and data.examples:
         raise AssetError(f"max length {max_length} leaves no target token in any example (prompts this long "
                          "cut off every response): raise --max-length")
+    check_unknown_tokens(loaded, out)
     return out
 
 
