@@ -371,6 +371,12 @@ def _patterns(value: str | None) -> tuple[str, ...] | None:
     return tuple(p.strip() for p in value.split(",") if p.strip()) if value else None
 
 
+def _print_notes(notes: list[str], where: Console) -> None:
+    """What the data loading did that the user should know (labels mapped, rows dropped): a line each."""
+    for note in notes:
+        where.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
 @app.command("analyze")
 @one_line_errors
 def analyze_cmd(
@@ -433,6 +439,7 @@ def analyze_cmd(
     progress, on_batch = batch_progress(err_console if as_json else console, "analyzing")
     with progress:
         report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch)
+    _print_notes(report["dataset"].get("notes", []), err_console if as_json else console)
     if output:
         path = save_report(report, output)
         (err_console if as_json else console).print(f"report written to {path}", highlight=False, soft_wrap=True)
@@ -492,6 +499,7 @@ def heatmap_cmd(
     progress, on_batch = batch_progress(console, "collecting")
     with progress:
         pictures, info = heatmaps(model, cfg, layer, settings, task=task, device=device, progress=on_batch)
+    _print_notes(info["notes"], console)
     p = info["padding"]
     title = (f"{info['name']} on {info['data']}: |dL/dY|, padding {p['padding']} to {p['max_length']} "
              f"({p['padding_side']}), CDF over {max_batches} batches of {p['batch_size']}")

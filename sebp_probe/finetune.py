@@ -148,6 +148,9 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         first = load_fn()
         if data is None:
             data = load_train_data(cfg, first)
+    for note in dict.fromkeys(n for part in data.identity.values() if isinstance(part, dict)
+                              for n in part.get("notes", [])):
+        emit("note", {"text": note})
     if cfg.auto_eps and not resuming:
         first.model.to(acc.device)
     report = _load_report(cfg, first, out, resuming,

@@ -177,34 +177,50 @@ def _classification_examples(rows, cfg: DataConfig, name: str, known: list[str] 
     if text_col is None:
         raise AssetError(f"dataset {name!r} has no text column (columns: {', '.join(cols)}); pass --text-column")
     raw = [r[label_col] for r in rows]
-    if any(v is None or (isinstance(v, float) and (v != v or v != int(v))) for v in raw):
-        raise AssetError(f"label column {label_col!r} of {name!r} holds missing or non-integer values")
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
-        ints = [int(v) for v in raw]
-        if min(ints) < 0:
-            raise AssetError(f"label column {label_col!r} holds negative labels (unlabeled test split?)")
-        label_names = [str(i) for i in range(max(ints) + 1)]
-        labels = ints
-    else:
-        label_names = sorted({str(v) for v in raw})
-        labels = [str(v) for v in raw]
-    if known is not None:  # another split of the same data: its label ids must mean the same classes
-        unseen = sorted(set(label_names) - set(known), key=str)
-        if unseen:
-            raise AssetError(f"split of {name!r} has labels {unseen[:5]} that the training split does not have")
-        label_names = list(known)
-    if labels and isinstance(labels[0], str):
-        index = {n: i for i, n in enumerate(label_names)}
-        labels = [index[v] for v in labels]
+    missing = sum(v is None or (isinstance(v, float) and (v != v or v != int(v))) for v in raw)
+    if missing:
+        raise AssetError(f"label column {label_col!r} of {name!r} holds missing or non-integer values "
+                         f"({missing} of {len(raw)} rows)")
+    label_names, labels, notes = _label_classes(raw, label_col, name, known)
     if len(label_names) < 2:
-        raise AssetError(f"label column {label_col!r} of {name!r} has fewer than 2 classes")
+        found = f": every row is {label_names[0]!r}" if label_names else ""
+        raise AssetError(f"label column {label_col!r} of {name!r} has fewer than 2 classes{found}; a classifier "
+                         "needs at least two")
     examples = []
     for r, y in zip(rows, labels):
         ex = {"text": _text(r[text_col]), "label": y}
         if pair_col:
             ex["text_pair"] = _text(r[pair_col])
         examples.append(ex)
-    return examples, label_names, {"text_column": text_col, "text_pair_column": pair_col, "label_column": label_col}
+    columns = {"text_column": text_col, "text_pair_column": pair_col, "label_column": label_col}
+    return examples, label_names, columns, notes
+
+
+def _label_classes(raw: list, label_col: str, name: str, known: list[str] | None):
+    """(class names, class id per row, notes). Integer labels 0..K-1 are their own ids; other integers
+    ({0, 1000, 2000}) become classes 0..K-1 in increasing order, with a note saying so; anything else is a
+    class per distinct string, sorted. ``known``: the training split's classes, which another split must use."""
+    notes = []
+    if raw and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
+        values = sorted({int(v) for v in raw})
+        if values[0] < 0:
+            raise AssetError(f"label column {label_col!r} holds negative labels (unlabeled test split?)")
+        names = [str(v) for v in values]
+        keys = [str(int(v)) for v in raw]
+        if known is None and values != list(range(len(values))):
+            shown = ", ".join(f"{v} -> {i}" for i, v in enumerate(values[:4])) + (", ..." if len(values) > 4 else "")
+            notes.append(f"label column {label_col!r} of {name!r}: its {len(values)} integer labels are not "
+                         f"0..{len(values) - 1}; mapped in increasing order ({shown})")
+    else:
+        names = sorted({str(v) for v in raw})
+        keys = [str(v) for v in raw]
+    if known is not None:  # another split of the same data: its label ids must mean the same classes
+        unseen = sorted(set(names) - set(known), key=str)
+        if unseen:
+            raise AssetError(f"split of {name!r} has labels {unseen[:5]} that the training split does not have")
+        names = list(known)
+    index = {n: i for i, n in enumerate(names)}
+    return names, [index[k] for k in keys], notes
 
 
 def _causal_examples(rows, cfg: DataConfig, name: str):
@@ -256,12 +272,13 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
         raise AssetError(f"dataset {name!r} (split {split!r}) has no rows")
     if cfg.max_samples is not None and len(rows) > cfg.max_samples:
         rows = rows[: cfg.max_samples]
+    notes: list[str] = []
     if task == "classification":
-        examples, label_names, columns = _classification_examples(rows, cfg, name, label_names)
+        examples, label_names, columns, notes = _classification_examples(rows, cfg, name, label_names)
     else:
         (examples, columns), label_names = _causal_examples(rows, cfg, name), []
     identity = {"name": name, "source": source, "origin": origin, "split": split, "num_samples": len(examples),
-                "columns": columns}
+                "columns": columns, **({"notes": notes} if notes else {})}
     return TextData(examples=examples, task=task, label_names=label_names, identity=identity)
 
 

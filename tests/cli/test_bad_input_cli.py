@@ -59,3 +59,45 @@ def test_a_tokenizer_that_is_not_the_models_is_refused(tmp_path, command, folder
         line = _error_line(_analyze(str(model), "tweets", *ANALYZE, "-o", str(out / "r.json")))
     assert needle in line
     assert not out.exists()
+
+
+def _labelled_csv(path: Path, labels: list) -> str:
+    words = ["good", "bad", "fine", "awful", "great", "dull", "nice", "odd"]
+    rows = [f"{words[i % 8]} day number {i},{labels[i % len(labels)]}" for i in range(40)]
+    path.write_text("text,label\n" + "\n".join(rows) + "\n")
+    return str(path)
+
+
+# 2. labels: counted, sparse integers mapped to classes (said in one line), never range(max + 1)
+
+
+@pytest.mark.parametrize("labels", [[1], ["pos"]])
+def test_a_single_label_is_refused(tiny, tmp_path, labels):
+    out = tmp_path / "run"
+    line = _error_line(_run([tiny, _labelled_csv(tmp_path / "d.csv", labels), *FAST, "--max-steps", "2",
+                             "-o", str(out)]))
+    assert f"has fewer than 2 classes: every row is '{labels[0]}'" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("labels, mapped", [
+    ([0, 1000, 2000], "0 -> 0, 1000 -> 1, 2000 -> 2"),
+    ([3000000000, 7, 12], "7 -> 0, 12 -> 1, 3000000000 -> 2"),  # range(max + 1) would not fit in memory
+])
+@pytest.mark.parametrize("command", ["finetune", "analyze"])
+def test_sparse_integer_labels_become_classes_and_say_so(tiny, tmp_path, labels, mapped, command):
+    import json
+
+    out, data = tmp_path / "run", _labelled_csv(tmp_path / "d.csv", labels)
+    if command == "finetune":
+        r = _run([tiny, data, *FAST, "--max-steps", "2", "--method", "dense", "-o", str(out)])
+    else:
+        r = _analyze(tiny, data, *ANALYZE, "-o", str(out / "r.json"))
+    assert r.exit_code == 0, r.output
+    assert f"note: label column 'label' of '{data}': its {len(labels)} integer labels are not " \
+           f"0..{len(labels) - 1}; mapped in increasing order ({mapped})" in " ".join(r.output.split())
+    if command == "finetune":
+        config = json.loads((out / "model" / "config.json").read_text())
+        assert config["id2label"] == {str(i): str(v) for i, v in enumerate(sorted(labels))}
+    else:
+        assert json.loads((out / "r.json").read_text())["dataset"]["notes"][0].endswith(f"({mapped})")
