@@ -56,6 +56,9 @@ class TextData:
     def split_off(self, fraction: float, seed: int = 0) -> tuple["TextData", "TextData"]:
         """(rest, held-out) with a deterministic shuffle; used when a dataset has no eval split."""
         idx = list(range(len(self.examples)))
+        if len(idx) < 2:
+            raise AssetError(f"dataset {self.identity.get('name', '')!r} has {len(idx)} row(s): too few to hold out "
+                             "rows for evaluation; give it at least 2 rows")
         random.Random(seed).shuffle(idx)
         n_eval = max(1, int(round(len(idx) * fraction)))
         pick = lambda ids, part: TextData([self.examples[i] for i in sorted(ids)], self.task,  # noqa: E731

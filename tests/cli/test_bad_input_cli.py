@@ -101,3 +101,32 @@ def test_sparse_integer_labels_become_classes_and_say_so(tiny, tmp_path, labels,
         assert config["id2label"] == {str(i): str(v) for i, v in enumerate(sorted(labels))}
     else:
         assert json.loads((out / "r.json").read_text())["dataset"]["notes"][0].endswith(f"({mapped})")
+
+
+# 3. tiny datasets: one line, or a run where one can be made
+
+
+@pytest.mark.parametrize("rows, args, needle", [
+    (["the cat sat on the mat today"], ["--task", "mlm"], "has 1 row(s): too few to hold out rows for evaluation"),
+    (["the cat sat on the mat today,1"], [], "fewer than 2 classes: every row is '1'"),
+])
+def test_a_one_row_dataset_is_one_line(tiny, tmp_path, rows, args, needle):
+    data, out = tmp_path / "one.csv", tmp_path / "run"
+    data.write_text(("text\n" if not rows[0].endswith(",1") else "text,label\n") + "\n".join(rows) + "\n")
+    line = _error_line(_run([tiny, str(data), *FAST, "--max-steps", "2", *args, "-o", str(out)]))
+    assert needle in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["finetune", "analyze"])
+def test_the_smallest_datasets_that_can_run_do(tiny, tmp_path, command):
+    data, out = tmp_path / "three.csv", tmp_path / "run"
+    data.write_text("text,label\nthe cat sat,1\nthe dog ran,0\nthe cow ate,2\n")
+    if command == "finetune":  # two rows to train on, one held out
+        r = _run([tiny, str(data), *FAST, "--max-steps", "2", "--method", "dense", "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        assert (out / "model" / "config.json").exists()
+    else:
+        r = _analyze(tiny, str(data), *ANALYZE, "-o", str(out / "r.json"))
+        assert r.exit_code == 0, r.output
+        assert (out / "r.json").exists()
