@@ -21,8 +21,8 @@ from .config import FinetuneConfig, FinetuneError
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
 from .metrics import compare_runs, loss_gap
-from .rundir import (RUN_CONFIG, SUMMARY, check_output_dir, clear_entries, device_name, has_progress, read_json,
-                     versions, write_json)
+from .rundir import (RUN_CONFIG, SUMMARY, check_output_dir, check_resume_data, clear_entries, device_name,
+                     has_progress, read_json, versions, write_json)
 from .strategy import PaddingChoice, choose_padding
 from .train_data import TrainData, first_batches, load_train_data
 
@@ -148,6 +148,8 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         first = load_fn()
         if data is None:
             data = load_train_data(cfg, first)
+    if resuming:
+        check_resume_data(out, data.identity)
     for note in dict.fromkeys(n for part in data.identity.values() if isinstance(part, dict)
                               for n in part.get("notes", [])):
         emit("note", {"text": note})

@@ -59,6 +59,31 @@ def config_changes(old: dict, new: dict) -> list[str]:
     return out
 
 
+# What identifies a run's data (textdata.load_text_data): a resumed run must see the same.
+DATA_IDENTITY = ("origin", "size", "rows", "num_samples", "sha256")
+
+
+def data_changes(stored: dict, now: dict) -> list[str]:
+    """``part.key: old -> new`` for each identity field the two data identities ({train, eval}) both record
+    and disagree on."""
+    out = []
+    for part in (p for p in now if p in stored):
+        a, b = stored[part], now[part]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{part} {k} {a[k]} -> {b[k]}" for k in DATA_IDENTITY if k in a and k in b and a[k] != b[k]]
+    return out
+
+
+def check_resume_data(out: Path, identity: dict) -> None:
+    """Refuse to resume the run in ``out`` on data other than it trained on (the file changed on disk, or a
+    relative path that names another file from here)."""
+    stored = (read_json(out / RUN_CONFIG) or {}).get("data") or {}
+    changed = data_changes(stored, identity)
+    if changed:
+        raise FinetuneError(f"--resume: the data are not those the run in {out} trained on ({'; '.join(changed[:3])}"
+                            f"); resume with the same data or use --overwrite")
+
+
 def has_progress(out: Path) -> bool:
     """Did the run in ``out`` train at all (metrics or checkpoints)? One that failed before is replaceable."""
     for d in (out, out / "dense", out / "sebp", out / "resprop"):
@@ -85,6 +110,9 @@ def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tupl
         if stored is None:
             raise FinetuneError(f"--resume: {out} holds no sebp-probe finetune run to resume")
         changed = config_changes(stored.get("config", {}), cfg.to_dict())
+        origin = ((stored.get("data") or {}).get("train") or {}).get("origin")
+        if "data.dataset" in changed and origin and str(Path(cfg.data.dataset).expanduser().resolve()) == origin:
+            changed.remove("data.dataset")  # the same file by another path: its content is checked once read
         if changed:
             raise FinetuneError(f"--resume: settings differ from the run in {out}: {', '.join(changed)}; "
                                 "resume with the same settings or use --overwrite")

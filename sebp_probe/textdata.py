@@ -6,6 +6,8 @@ the label word as the response): supervised fine-tuning data whose prompts are m
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,6 +249,12 @@ def _causal_examples(rows, cfg: DataConfig, name: str):
     return [{"text": _text(r[text_col])} for r in rows], {"text_column": text_col}
 
 
+def examples_hash(examples: list[dict]) -> str:
+    """A fingerprint of the examples' content (texts and labels): what ``--resume`` checks the data by."""
+    text = json.dumps(examples, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
                    label_names: list[str] | None = None) -> TextData:
     """Read ``cfg.dataset`` (split ``split`` or ``cfg.split`` or ``train``) into examples for ``task``.
@@ -273,6 +281,7 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
         rows, origin, source = _hub_rows(name, split), name, "hub"
     if not rows:
         raise AssetError(f"dataset {name!r} (split {split!r}) has no rows")
+    read = {"rows": len(rows), **({"size": p.stat().st_size} if source == "local" else {})}
     if cfg.max_samples is not None and len(rows) > cfg.max_samples:
         rows = rows[: cfg.max_samples]
     notes: list[str] = []
@@ -280,8 +289,9 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
         examples, label_names, columns, notes = _classification_examples(rows, cfg, name, label_names)
     else:
         (examples, columns), label_names = _causal_examples(rows, cfg, name), []
-    identity = {"name": name, "source": source, "origin": origin, "split": split, "num_samples": len(examples),
-                "columns": columns, **({"notes": notes} if notes else {})}
+    identity = {"name": name, "source": source, "origin": origin, "split": split, **read,
+                "num_samples": len(examples), "sha256": examples_hash(examples), "columns": columns,
+                **({"notes": notes} if notes else {})}
     return TextData(examples=examples, task=task, label_names=label_names, identity=identity)
 
 

@@ -130,3 +130,46 @@ def test_the_smallest_datasets_that_can_run_do(tiny, tmp_path, command):
         r = _analyze(tiny, str(data), *ANALYZE, "-o", str(out / "r.json"))
         assert r.exit_code == 0, r.output
         assert (out / "r.json").exists()
+
+
+def _snapshot(out: Path) -> dict:
+    """Every file of a run directory and its bytes: what no refused command may change."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+# 4. --resume checks the data by what they are, not by the string given
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, needle", [
+    ("edited", "train sha256"),
+    ("grown", "train rows 40 -> 41"),
+    ("other folder", "train origin"),
+    ("same file, absolute path", None),  # the same data by another name resumes
+])
+def test_resume_on_other_data_is_refused(tiny, tmp_path, monkeypatch, change, needle):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    _labelled_csv(first / "d.csv", [0, 1, 2])
+    out = tmp_path / "run"
+    args = [*FAST, "--max-steps", "2", "--method", "dense", "-o", str(out)]
+    monkeypatch.chdir(first)
+    assert _run([tiny, "d.csv", *args]).exit_code == 0
+    before = _snapshot(out)
+    data = "d.csv"
+    if change == "edited":
+        (first / "d.csv").write_text((first / "d.csv").read_text().replace("good day number 0,0", "good day number 0,1"))
+    elif change == "grown":
+        (first / "d.csv").write_text((first / "d.csv").read_text() + "one more row,2\n")
+    elif change == "other folder":
+        _labelled_csv(second / "d.csv", [2, 1, 0])
+        monkeypatch.chdir(second)
+    else:
+        data = str(first / "d.csv")
+    r = _run([tiny, data, *args, "--resume"])
+    if needle is None:
+        assert r.exit_code == 0 and "already completed" in r.output, r.output
+    else:
+        line = _error_line(r)
+        assert "--resume: the data are not those the run in" in line and needle in line
+    assert _snapshot(out) == before
