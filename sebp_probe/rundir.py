@@ -21,6 +21,7 @@ SUMMARY = "summary.json"
 STATE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
 MODEL_DIR = "model"
+ASIDE = ".replaced"  # an --overwrite's old run, until the new one has taken a step (SetAside)
 # What a run directory holds; anything else in it is the user's and is never deleted.
 OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "resprop", "report.json",
                "loss.png", "eval.png")
@@ -94,7 +95,7 @@ def has_progress(out: Path) -> bool:
 
 
 def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tuple[bool, list[Path]]:
-    """(resuming, entries to delete before a fresh run); raises FinetuneError when the directory is refused.
+    """(resuming, entries to replace before a fresh run); raises FinetuneError when the directory is refused.
 
     A directory holding another run is refused unless ``resume`` (same settings) or ``overwrite``; one
     holding anything else is always refused, so no user file is ever deleted. Nothing is changed here.
@@ -105,6 +106,9 @@ def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tupl
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"output dir {out} is a file")
     entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if ASIDE in entries:  # only a killed process leaves it: the user decides which run to keep
+        raise FinetuneError(f"{out / ASIDE} holds the run an interrupted --overwrite replaced: move its files back "
+                            f"into {out} (or delete it), then run again")
     stored = read_json(out / RUN_CONFIG) if entries else None
     if resume:
         if stored is None:
@@ -135,6 +139,34 @@ def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tupl
 def clear_entries(paths: list[Path]) -> None:
     for p in paths:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+class SetAside:
+    """The entries of a run that ``--overwrite`` replaces, moved into ``out/.replaced`` (a rename: nothing is
+    copied) until the new run has taken its first step (:meth:`discard`), or put back when it fails before
+    that (:meth:`restore`): a new run that cannot start never costs the old one."""
+
+    def __init__(self, out: Path, entries: list[Path]):
+        self.out, self.names = out, [p.name for p in entries]
+        self.dir = out / ASIDE
+        if self.names:
+            self.dir.mkdir()
+            for name in self.names:
+                (out / name).rename(self.dir / name)
+
+    def discard(self) -> None:
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.names = []
+
+    def restore(self) -> None:
+        """Delete what the new run wrote and put the old run back."""
+        clear_entries([p for p in self.out.iterdir() if p.name != ASIDE])
+        for name in self.names:
+            (self.dir / name).rename(self.out / name)
+        if self.dir.exists():
+            self.dir.rmdir()
+        self.names = []
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -173,3 +173,56 @@ def test_resume_on_other_data_is_refused(tiny, tmp_path, monkeypatch, change, ne
         line = _error_line(r)
         assert "--resume: the data are not those the run in" in line and needle in line
     assert _snapshot(out) == before
+
+
+# 5. --overwrite: the old run goes only once the new one has taken its first step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_at, error", [(1, RuntimeError), (1, KeyboardInterrupt), (1, "nan"),
+                                            (2, RuntimeError)])
+def test_overwrite_keeps_the_old_run_until_the_new_one_took_a_step(tiny, tmp_path, monkeypatch, fail_at, error):
+    import json
+
+    import sebp_probe.loop as loop
+
+    out = tmp_path / "run"
+    args = [tiny, *FAST, "--max-steps", "3", "--method", "dense", "-o", str(out)]
+    assert _run([*args, "--save-steps", "1"]).exit_code == 0
+    before = _snapshot(out)
+    calls, real = [], loop.batch_loss
+
+    def failing(model, batch):
+        calls.append(1)
+        if len(calls) == fail_at and error == "nan":  # the first step's loss diverges: the run stops before it
+            return real(model, batch) * float("nan")
+        if len(calls) == fail_at:
+            raise error("boom")
+        return real(model, batch)
+
+    monkeypatch.setattr(loop, "batch_loss", failing)
+    r = _run([*args, "--overwrite", "--lr", "1e-4"])
+    if error is KeyboardInterrupt:
+        assert r.exit_code == 130 and "interrupted" in r.stderr
+    elif error == "nan":
+        assert "loss became non-finite (nan) at step 1" in _error_line(r)
+    else:
+        assert "boom" in _error_line(r)
+    assert not (out / ".replaced").exists()
+    if fail_at == 1:  # nothing trained: the old run is back, byte for byte
+        assert _snapshot(out) == before
+    else:  # the new run took a step: it replaced the old one
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in records if x["type"] == "train"] == [1]
+        assert json.loads((out / "run_config.json").read_text())["config"]["lr"] == 1e-4
+        assert not (out / "checkpoints").exists() and not (out / "model").exists()
+
+
+def test_a_run_set_aside_by_a_killed_overwrite_is_never_deleted(tiny, tmp_path):
+    out = tmp_path / "run"
+    (out / ".replaced").mkdir(parents=True)
+    (out / ".replaced" / "summary.json").write_text("{}")
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out), *extra]))
+        assert "holds the run an interrupted --overwrite replaced" in line
+    assert (out / ".replaced" / "summary.json").read_text() == "{}"
