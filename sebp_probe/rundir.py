@@ -21,6 +21,7 @@ SUMMARY = "summary.json"
 STATE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
 MODEL_DIR = "model"
+PARTIAL = ".partial-"  # a checkpoint being written: renamed to step-N once complete
 ASIDE = ".replaced"  # an --overwrite's old run, until the new one has taken a step (SetAside)
 # What a run directory holds; anything else in it is the user's and is never deleted.
 OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "resprop", "report.json",
@@ -169,13 +170,29 @@ class SetAside:
         self.names = []
 
 
+def _step_of(p: Path) -> int | None:
+    tail = p.name.removeprefix(PARTIAL).removeprefix("step-")
+    return int(tail) if tail.isdigit() else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints (their trainer_state.json is written last), oldest first."""
+    """Complete checkpoints, oldest first: ``step-N`` folders holding their trainer_state.json (a checkpoint is
+    written as ``.partial-step-N``, given its state last, then renamed)."""
     d = run_dir / CHECKPOINTS
     if not d.is_dir():
         return []
-    return sorted((p for p in d.iterdir() if p.name.startswith("step-") and (p / STATE).exists()),
-                  key=lambda p: int(p.name.split("-")[1]))
+    return sorted((p for p in d.iterdir() if p.name.startswith("step-") and _step_of(p) is not None
+                   and (p / STATE).exists()), key=_step_of)
+
+
+def partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders whose write was cut (a kill, a second Ctrl-C): never resumed from."""
+    d = run_dir / CHECKPOINTS
+    if not d.is_dir():
+        return []
+    done = set(list_checkpoints(run_dir))
+    return sorted((p for p in d.iterdir() if p.name.startswith(("step-", PARTIAL)) and p not in done),
+                  key=lambda p: (_step_of(p) or 0, p.name))
 
 
 def versions() -> dict:

@@ -226,3 +226,49 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_never_deleted(tiny, tmp_path):
         line = _error_line(_run([tiny, *FAST, "--max-steps", "2", "-o", str(out), *extra]))
         assert "holds the run an interrupted --overwrite replaced" in line
     assert (out / ".replaced" / "summary.json").read_text() == "{}"
+
+
+# 6. checkpoints are written atomically; --resume says which one it took and what it passed over
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", ["in the state files", "before the trainer state", "an old partial folder"])
+def test_a_checkpoint_write_cut_short_is_never_resumed_from_silently(tiny, tmp_path, monkeypatch, cut):
+    import json
+
+    from accelerate import Accelerator
+
+    out = tmp_path / "run"
+    args = [tiny, *FAST, "--max-steps", "3", "--save-steps", "1", "--method", "dense", "-o", str(out)]
+    saves, real = [], Accelerator.save_state
+
+    def killed_second_write(self, path, *a, **kw):  # a second Ctrl-C while the step-2 checkpoint is written
+        saves.append(path)
+        if len(saves) == 2 and cut == "in the state files":
+            Path(path).mkdir(parents=True)
+            (Path(path) / "model.safetensors").write_bytes(b"half")
+            raise KeyboardInterrupt
+        result = real(self, path, *a, **kw)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(Accelerator, "save_state", killed_second_write)
+        r = _run(args)
+    assert r.exit_code == 130, r.output
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".partial-step-000002", "step-000001"]
+    partial = ".partial-step-000002"
+    if cut == "an old partial folder":  # as a non-atomic write left it: a step folder without its state
+        (ckpts / partial).rename(ckpts / "step-000002")
+        (ckpts / "step-000002" / "trainer_state.json").unlink(missing_ok=True)
+        partial = "step-000002"
+    r = _run([*args, "--resume"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert f"dense: resuming from {ckpts / 'step-000001'} (step 1); passed over incomplete {partial}" in said
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records if x["type"] == "train"] == [1, 2, 3]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000002", "step-000003"]  # complete, the limit of 2
+    assert json.loads((ckpts / "step-000002" / "trainer_state.json").read_text())["step"] == 2
