@@ -131,14 +131,50 @@ def _load_config(name_or_path: str, path: str, source: str):
         raise AssetError(f"cannot load model {name_or_path!r} {where}: {_one_line(e)}") from None
 
 
-def model_task(name_or_path: str, task: str | None = None) -> str:
-    """``task`` (checked), else the one the model's config implies, without loading any weights."""
-    if task is not None:
-        if task not in TASKS:
-            raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-        return task
+def model_task(name_or_path: str, task: str | None = None, max_length: int | None = None) -> str:
+    """``task`` (checked against the model: see :func:`check_task`), else the one the model's config implies;
+    ``max_length`` is checked against the model's positions (:func:`check_max_length`). Loads no weights."""
+    if task is not None and task not in TASKS:
+        raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     path, source = resolve_model_path(name_or_path)
-    return guess_task(_load_config(name_or_path, path, source))
+    config = _load_config(name_or_path, path, source)
+    task = task or guess_task(config)
+    check_task(name_or_path, config, task)
+    if max_length is not None:
+        check_max_length(name_or_path, config, max_length)
+    return task
+
+
+def check_task(name: str, config, task: str) -> None:
+    """An encoder (BERT, RoBERTa...) cannot be trained as a causal LM: it sees every token both ways, so the
+    next token is in its input, and its LM head would be new."""
+    if task == "causal-lm" and getattr(config, "model_type", None) in ENCODER_TYPES \
+            and not getattr(config, "is_decoder", False):
+        raise AssetError(f"model {name!r} is an encoder ({config.model_type}), which sees every token both ways: "
+                         "--task causal-lm needs a decoder; use --task classification or mlm")
+
+
+# Positions offset by the padding index (fairseq's scheme): pad_token_id + 1 positions are never used.
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer"}
+
+
+def max_positions(config) -> int | None:
+    """How many tokens a sequence of this model may have (None: the config does not say)."""
+    n = getattr(config, "max_position_embeddings", None)
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    if getattr(config, "model_type", None) in OFFSET_POSITIONS:
+        n -= (getattr(config, "pad_token_id", None) or 1) + 1
+    return n
+
+
+def check_max_length(name: str, config, max_length: int) -> None:
+    """Refuse a ``--max-length`` above the model's positions up front (torch would fail at the first
+    batch of that length, with a tensor-size error or a huge allocation)."""
+    n = max_positions(config)
+    if n is not None and max_length > n:
+        raise AssetError(f"--max-length {max_length} is above the {n} positions of model {name!r} "
+                         f"(max_position_embeddings): use --max-length {n} or less")
 
 
 def _one_line(e: BaseException) -> str:
@@ -169,6 +205,7 @@ def load_model(
     path, source = resolve_model_path(name_or_path)
     config = _load_config(name_or_path, path, source)
     task = task or guess_task(config)
+    check_task(name_or_path, config, task)
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype

@@ -136,7 +136,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run
 
     if load_fn is None:
-        task = model_task(cfg.model, cfg.task)
+        task = model_task(cfg.model, cfg.task, cfg.data.max_length)
         if data is None:
             probe = load_model(cfg.model, task)  # the tokenizer, and the labels that size the head
             data = load_train_data(cfg, probe)

@@ -272,3 +272,47 @@ def test_a_checkpoint_write_cut_short_is_never_resumed_from_silently(tiny, tmp_p
     assert [x["step"] for x in records if x["type"] == "train"] == [1, 2, 3]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000002", "step-000003"]  # complete, the limit of 2
     assert json.loads((ckpts / "step-000002" / "trainer_state.json").read_text())["step"] == 2
+
+
+def _command(command: str, model: str, out: Path, *args: str):
+    """finetune, analyze or heatmap of ``model`` on the bundled tweets, small, writing under ``out``."""
+    if command == "finetune":
+        return _run([model, "tweets", *FAST, "--max-steps", "2", "-o", str(out), *args])
+    from typer.testing import CliRunner
+
+    from sebp_probe.cli import app
+
+    extra = ["--layer", "query", "-o", str(out / "h.png")] if command == "heatmap" else ["-o", str(out / "r.json")]
+    return CliRunner().invoke(app, [command, model, "tweets", *ANALYZE, *extra, *args])
+
+
+# 7. --max-length above the model's positions: checked up front
+
+
+@pytest.mark.parametrize("command", ["finetune", "analyze", "heatmap"])
+@pytest.mark.parametrize("max_length, positions", [("65", 64), ("100000", 64)])
+def test_max_length_above_the_models_positions_is_one_line(tiny, tmp_path, command, max_length, positions):
+    out = tmp_path / "run"
+    line = _error_line(_command(command, tiny, out, "--max-length", max_length))
+    assert f"--max-length {max_length} is above the {positions} positions of model" in line
+    assert f"use --max-length {positions} or less" in line
+    assert not out.exists()
+
+
+def test_roberta_positions_leave_out_the_padding_offset():
+    from sebp_probe.assets import max_positions
+    from tests.tiny_models import tiny_config
+
+    assert max_positions(tiny_config("roberta")) == 70 - 2  # pad_token_id 1: positions start at 2
+    assert max_positions(tiny_config("bert")) == 64
+
+
+# 10. --task causal-lm on an encoder
+
+
+@pytest.mark.parametrize("command", ["finetune", "analyze", "heatmap"])
+def test_causal_lm_on_an_encoder_is_refused(tmp_path, command):
+    out = tmp_path / "run"
+    line = _error_line(_command(command, "minilm", out, "--task", "causal-lm"))
+    assert "model 'minilm' is an encoder (bert)" in line and "--task causal-lm needs a decoder" in line
+    assert not out.exists()
