@@ -316,3 +316,57 @@ def test_causal_lm_on_an_encoder_is_refused(tmp_path, command):
     line = _error_line(_command(command, "minilm", out, "--task", "causal-lm"))
     assert "model 'minilm' is an encoder (bert)" in line and "--task causal-lm needs a decoder" in line
     assert not out.exists()
+
+
+# 8. analyze / heatmap -o: checked before the work; an existing file replaced only with --overwrite, as finetune
+
+
+@pytest.mark.parametrize("command", ["analyze", "heatmap"])
+@pytest.mark.parametrize("case", ["directory", "under a file", "exists", "no permission"])
+def test_an_output_that_cannot_be_written_is_one_line_before_the_work(tiny, tmp_path, monkeypatch, command, case):
+    import sebp_probe.outputs as outputs
+
+    name = "r.json" if command == "analyze" else "h.png"
+    target = {"directory": tmp_path, "under a file": tmp_path / "f.txt" / "sub" / name,
+              "exists": tmp_path / name, "no permission": tmp_path / "new" / name}[case]
+    (tmp_path / "f.txt").write_text("mine")
+    (tmp_path / name).write_text("mine")
+    if case == "no permission":  # (a root user may write anywhere: the check is what is tested)
+        monkeypatch.setattr(outputs.os, "access", lambda p, mode: Path(p) != tmp_path)
+    calls = []
+    monkeypatch.setattr("sebp_probe.assets.resolve_model_path", lambda *a: calls.append(a))  # no work starts
+    args = ["--layer", "query"] if command == "heatmap" else []
+    line = _error_line(_analyze(tiny, "tweets", *args, "-o", str(target)) if command == "analyze" else
+                       _heatmap(tiny, "tweets", *args, "-o", str(target)))
+    assert line.startswith(f"error: --output {target}")
+    assert {"directory": "is a directory: name a file in it", "under a file": f"{tmp_path / 'f.txt'} is a file",
+            "exists": "exists: pass --overwrite to replace it", "no permission": f"no permission to write into "
+            f"{tmp_path}"}[case] in line
+    assert not calls
+    assert (tmp_path / "f.txt").read_text() == (tmp_path / name).read_text() == "mine"
+
+
+def _heatmap(*args):
+    from typer.testing import CliRunner
+
+    from sebp_probe.cli import app
+
+    return CliRunner().invoke(app, ["heatmap", *args])
+
+
+def test_analyze_replaces_a_report_with_overwrite_and_writes_it_like_every_other_file(tiny, tmp_path):
+    import json
+    import os
+    import stat
+
+    out = tmp_path / "r.json"
+    out.write_text("old")
+    old_mask = os.umask(0o022)
+    try:
+        r = _analyze(tiny, _labelled_csv(tmp_path / "d.csv", [0, 1, 2]), *ANALYZE, "-o", str(out), "--overwrite")
+    finally:
+        os.umask(old_mask)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["schema"] == "sebp-probe/report"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.csv", "r.json"]  # no temporary file left
