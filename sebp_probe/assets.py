@@ -6,6 +6,7 @@ Bundled models (no network needed): ``minilm``, the real all-MiniLM-L6-v2 (BERT)
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -121,14 +122,30 @@ def guess_task(config) -> str:
     return "causal-lm" if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "classification"
 
 
+def offline_variable(names: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")) -> str | None:
+    """The first of these environment variables that switches Hugging Face's offline mode on, if any."""
+    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def hub_miss(kind: str, name: str, bundled, error: str, offline: str | None) -> str:
+    """The one line for a ``kind`` (model, dataset) that the hub did not give: offline mode named when it is on
+    (the hub's own words then say nothing more), the bundled names, and the closest of them to ``name``."""
+    close = difflib.get_close_matches(name.lower(), list(bundled), n=1, cutoff=0.75)
+    why = f"offline mode is on ({offline}=1) and it is not in the local cache" if offline else error
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    return f"cannot load {kind} {name!r} from the hub: {why}; {guess}the bundled {kind}s are {', '.join(bundled)}"
+
+
 def _load_config(name_or_path: str, path: str, source: str):
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - offline hub misses, bad json, unknown architectures
-        where = "on the hub (no network, or no such repo?)" if source == "hub" else f"at {path}"
-        raise AssetError(f"cannot load model {name_or_path!r} {where}: {_one_line(e)}") from None
+        if source == "hub":
+            raise AssetError(hub_miss("model", name_or_path, BUNDLED_MODELS, _one_line(e),
+                                      offline_variable())) from None
+        raise AssetError(f"cannot load model {name_or_path!r} at {path}: {_one_line(e)}") from None
 
 
 def model_task(name_or_path: str, task: str | None = None, max_length: int | None = None) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .assets import AssetError, LoadedModel, _one_line, _package_dir
+from .assets import AssetError, LoadedModel, _one_line, _package_dir, hub_miss, offline_variable
 from .config import TASKS, DataConfig
 
 LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "category", "target", "answerKey")
@@ -151,7 +151,8 @@ def _hub_rows(name: str, split: str) -> list[dict]:
             return [dict(r) for r in ds]
         except Exception as e:  # noqa: BLE001
             errors.append(_one_line(e))
-    raise AssetError(f"cannot load dataset {name!r} split {split!r}: {errors[-1]}")
+    offline = offline_variable(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    raise AssetError(hub_miss("dataset", name, BUNDLED_DATASETS, f"split {split!r}: {errors[-1]}", offline))
 
 
 def _first(columns, choices):

@@ -370,3 +370,34 @@ def test_analyze_replaces_a_report_with_overwrite_and_writes_it_like_every_other
     assert json.loads(out.read_text())["schema"] == "sebp-probe/report"
     assert stat.S_IMODE(out.stat().st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.csv", "r.json"]  # no temporary file left
+
+
+# 9. a hub name while offline, or one letter off a bundled name
+
+
+@pytest.mark.parametrize("command", ["finetune", "analyze"])
+@pytest.mark.parametrize("model, data, needle", [
+    ("minlm", "tweets", "cannot load model 'minlm' from the hub: offline mode is on (HF_HUB_OFFLINE=1) and it is "
+                        "not in the local cache; did you mean 'minilm'? the bundled models are minilm, smollm2"),
+    ("nobody/no-such-model", "tweets", "offline mode is on (HF_HUB_OFFLINE=1) and it is not in the local cache; "
+                                       "the bundled models are minilm, smollm2"),
+    ("minilm", "tweet", "cannot load dataset 'tweet' from the hub: offline mode is on (HF_HUB_OFFLINE=1) and it is "
+                        "not in the local cache; did you mean 'tweets'? the bundled datasets are tweets, tweets-sft"),
+])
+def test_hub_names_offline_and_near_misses_say_so(tmp_path, monkeypatch, command, model, data, needle):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    if command == "finetune":
+        r = _run([model, data, *FAST, "--max-steps", "2", "-o", str(out)])
+    else:
+        r = _analyze(model, data, *ANALYZE, "-o", str(out / "r.json"))
+    assert needle in _error_line(r)
+    assert not out.exists()
+
+
+def test_a_near_miss_online_keeps_the_hubs_reason():
+    from sebp_probe.assets import hub_miss
+
+    line = hub_miss("model", "SmolLM", ("minilm", "smollm2"), "404: not a valid model identifier", None)
+    assert line == ("cannot load model 'SmolLM' from the hub: 404: not a valid model identifier; did you mean "
+                    "'smollm2'? the bundled models are minilm, smollm2")
