@@ -27,6 +27,10 @@ PROMPT_RESPONSE = (("prompt", "response"), ("prompt", "completion"), ("instructi
 BUNDLED_DATASETS = ("tweets", "tweets-sft")
 LOCAL_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TWEETS_HOLDOUT = 0.1
+TEXT_FIELDS = ("text", "text_pair", "prompt", "response")  # what an example says (the label aside)
+# Labels that mean "no label" (pandas' missing-value words): texts keep them as words, labels do not.
+MISSING_LABELS = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>",
+                  "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
 
 
 def padding_side(loaded: "LoadedModel", cfg: DataConfig) -> str:
@@ -54,6 +58,20 @@ class TextData:
     @property
     def num_labels(self) -> int:
         return len(self.label_names)
+
+    def deduplicated(self) -> "TextData":
+        """One example per text (the first of each, whatever its label), as the bundled tweets are, so that a
+        held-out split cut from it never repeats a training text; a note says how many went."""
+        seen: set = set()
+        kept = [e for e in self.examples if not ((key := tuple(e.get(k) for k in TEXT_FIELDS)) in seen
+                                                 or seen.add(key))]
+        dropped = len(self.examples) - len(kept)
+        if not dropped:
+            return self
+        note = (f"dropped {dropped} of {len(self.examples)} rows of {self.identity.get('name', '')!r} that repeat an "
+                "earlier row's text, so that held-out rows never repeat training rows")
+        identity = {**self.identity, "duplicates_dropped": dropped, "notes": [*self.identity.get("notes", []), note]}
+        return TextData(kept, self.task, self.label_names, identity)
 
     def split_off(self, fraction: float, seed: int = 0) -> tuple["TextData", "TextData"]:
         """(rest, held-out) with a deterministic shuffle; used when a dataset has no eval split."""
@@ -109,10 +127,12 @@ def _local_rows(path: Path) -> list[dict]:
 
         if kind == "csv":
             sep = "\t" if path.suffix.lower() == ".tsv" else ","
+            # Only an empty field is missing: "NaN", "NA", "null"... are texts (a tweet may say "null").
+            na = {"keep_default_na": False, "na_values": [""]}
             try:
-                df = pd.read_csv(path, sep=sep)
+                df = pd.read_csv(path, sep=sep, **na)
             except UnicodeDecodeError:
-                df = pd.read_csv(path, sep=sep, encoding="latin-1")
+                df = pd.read_csv(path, sep=sep, encoding="latin-1", **na)
         elif kind == "json":
             lines = path.suffix.lower() == ".jsonl" or path.read_text(errors="replace").lstrip()[:1] != "["
             df = pd.read_json(path, lines=lines)
@@ -183,7 +203,8 @@ def _classification_examples(rows, cfg: DataConfig, name: str, known: list[str] 
     if text_col is None:
         raise AssetError(f"dataset {name!r} has no text column (columns: {', '.join(cols)}); pass --text-column")
     raw = [r[label_col] for r in rows]
-    missing = sum(v is None or (isinstance(v, float) and (v != v or v != int(v))) for v in raw)
+    missing = sum(v is None or (isinstance(v, float) and (v != v or v != int(v))) or
+                  (isinstance(v, str) and v.strip() in MISSING_LABELS) for v in raw)
     if missing:
         raise AssetError(f"label column {label_col!r} of {name!r} holds missing or non-integer values "
                          f"({missing} of {len(raw)} rows)")
@@ -290,6 +311,10 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
         examples, label_names, columns, notes = _classification_examples(rows, cfg, name, label_names)
     else:
         (examples, columns), label_names = _causal_examples(rows, cfg, name), []
+    empty = sum(not any(e.get(k) for k in TEXT_FIELDS) for e in examples)
+    if empty:
+        notes.append(f"{empty} of {len(examples)} rows of {name!r} have no text (an empty field or null): "
+                     "kept as empty texts")
     identity = {"name": name, "source": source, "origin": origin, "split": split, **read,
                 "num_samples": len(examples), "sha256": examples_hash(examples), "columns": columns,
                 **({"notes": notes} if notes else {})}

@@ -401,3 +401,64 @@ def test_a_near_miss_online_keeps_the_hubs_reason():
     line = hub_miss("model", "SmolLM", ("minilm", "smollm2"), "404: not a valid model identifier", None)
     assert line == ("cannot load model 'SmolLM' from the hub: 404: not a valid model identifier; did you mean "
                     "'smollm2'? the bundled models are minilm, smollm2")
+
+
+# Also: texts that look missing, repeated rows, labels that are missing
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl"])
+def test_texts_that_read_like_missing_values_stay_texts(tmp_path, suffix):
+    import json
+
+    from sebp_probe.config import DataConfig
+    from sebp_probe.textdata import load_text_data
+
+    texts = ["NaN", "NA", "null", "None", "N/A", "", "hello"]
+    f = tmp_path / f"d{suffix}"
+    if suffix == ".jsonl":
+        f.write_text("\n".join(json.dumps({"text": t or None, "label": i % 2}) for i, t in enumerate(texts)))
+    else:
+        sep = "\t" if suffix == ".tsv" else ","
+        f.write_text(f"text{sep}label\n" + "".join(f"{t}{sep}{i % 2}\n" for i, t in enumerate(texts)))
+    data = load_text_data(DataConfig(dataset=str(f)), "classification")
+    assert [e["text"] for e in data.examples] == texts
+    assert data.identity["notes"] == [f"1 of 7 rows of {str(f)!r} have no text (an empty field or null): kept as "
+                                      "empty texts"]
+
+
+@pytest.mark.parametrize("missing", ["NA", "null", ""])
+def test_a_missing_label_is_still_refused(tmp_path, missing):
+    from sebp_probe.assets import AssetError
+    from sebp_probe.config import DataConfig
+    from sebp_probe.textdata import load_text_data
+
+    f = tmp_path / "d.csv"
+    f.write_text(f"text,label\na,0\nb,{missing}\nc,1\n")
+    with pytest.raises(AssetError, match=r"holds missing or non-integer values \(1 of 3 rows\)"):
+        load_text_data(DataConfig(dataset=str(f)), "classification")
+
+
+@pytest.mark.parametrize("repeats", [0, 1, 3])
+def test_repeated_rows_of_a_local_file_never_reach_both_splits(tiny, tmp_path, repeats):
+    import json
+
+    from sebp_probe.config import DataConfig
+    from sebp_probe.textdata import load_text_data
+
+    f = tmp_path / "d.csv"
+    _labelled_csv(f, [0, 1, 2])
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join(lines + lines[1:11] * repeats) + "\n")  # the first 10 rows again, with their labels
+    out = tmp_path / "run"
+    r = _run([tiny, str(f), *FAST, "--max-steps", "2", "--method", "dense", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    if repeats:
+        assert f"note: dropped {10 * repeats} of {40 + 10 * repeats} rows of {str(f)!r} that repeat an earlier " \
+               "row's text, so that held-out rows never repeat training rows" in said
+    else:
+        assert "note:" not in said
+    run = json.loads((out / "run_config.json").read_text())
+    assert run["train_examples"] + run["eval_examples"] == 40
+    train, held = load_text_data(DataConfig(dataset=str(f)), "classification").deduplicated().split_off(0.1)
+    assert not {e["text"] for e in train.examples} & {e["text"] for e in held.examples}
