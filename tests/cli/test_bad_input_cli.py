@@ -84,7 +84,7 @@ def test_a_single_label_is_refused(tiny, tmp_path, labels):
     ([0, 1000, 2000], "0 -> 0, 1000 -> 1, 2000 -> 2"),
     ([3000000000, 7, 12], "7 -> 0, 12 -> 1, 3000000000 -> 2"),  # range(max + 1) would not fit in memory
 ])
-@pytest.mark.parametrize("command", ["finetune", "analyze"])
+@pytest.mark.parametrize("command", [pytest.param("finetune", marks=pytest.mark.slow), "analyze"])
 def test_sparse_integer_labels_become_classes_and_say_so(tiny, tmp_path, labels, mapped, command):
     import json
 
@@ -118,7 +118,7 @@ def test_a_one_row_dataset_is_one_line(tiny, tmp_path, rows, args, needle):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("command", ["finetune", "analyze"])
+@pytest.mark.parametrize("command", [pytest.param("finetune", marks=pytest.mark.slow), "analyze"])
 def test_the_smallest_datasets_that_can_run_do(tiny, tmp_path, command):
     data, out = tmp_path / "three.csv", tmp_path / "run"
     data.write_text("text,label\nthe cat sat,1\nthe dog ran,0\nthe cow ate,2\n")
@@ -438,6 +438,7 @@ def test_a_missing_label_is_still_refused(tmp_path, missing):
         load_text_data(DataConfig(dataset=str(f)), "classification")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("repeats", [0, 1, 3])
 def test_repeated_rows_of_a_local_file_never_reach_both_splits(tiny, tmp_path, repeats):
     import json
