@@ -20,7 +20,7 @@ from .calibration import candidate_layers, measure_density, rng_devices
 from .config import FinetuneConfig, FinetuneError
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
-from .metrics import compare_runs, loss_gap
+from .metrics import compare_runs, loss_gap, timed_steps
 from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, device_name, has_progress,
                      read_json, versions, write_json)
 from .strategy import PaddingChoice, choose_padding
@@ -200,15 +200,15 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
             aside.discard()
         emit(kind, payload)
 
-    summaries, records, dense_ref = {}, {}, None
+    summaries, records, dense_steps = {}, {}, None
     try:
         for method, run_cfg in plan:
             run_dir = out / method if cfg.compare else out
-            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_ref, on_run_event)
+            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_steps, on_run_event)
             summaries[method] = run.run(resuming)
             records[method] = run.records
-            if method == "dense":
-                dense_ref = summaries[method]
+            if method == "dense" and _same_batches(plan):  # the other run's progress compares with its steps
+                dense_steps = {s: r["backward_ms"] for s, r in timed_steps(run.records).items()}
             if summaries[method]["status"] != "completed":
                 break
     except BaseException:
@@ -233,10 +233,12 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         summary["padding_choice"] = choice.to_dict()
     other = cfg.method
     if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", other)):
-        summary["comparison"] = compare_runs(summaries["dense"], summaries[other])
+        same_batches = _same_batches(plan)
+        summary["comparison"] = compare_runs(summaries["dense"], summaries[other], records["dense"],
+                                             records[other], paired=same_batches)
         # the same sequences in every step unless one of the runs drew length-grouped batches
-        same_batches = paddings["dense"] == paddings[other] or "bucket" not in paddings.values()
-        summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records[other]) if same_batches \
+        same_seqs = same_batches or "bucket" not in paddings.values()
+        summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records[other]) if same_seqs \
             else None
     statuses = [s["status"] for s in summaries.values()]
     summary["status"] = next((s for s in ("diverged", "interrupted") if s in statuses), "completed")
@@ -251,6 +253,11 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     if err:
         raise FinetuneError(err)
     return summary
+
+
+def _same_batches(plan: list[tuple[str, FinetuneConfig]]) -> bool:
+    """Do the runs of the plan draw the same batches in every step (one layout)?"""
+    return len({c.data.padding for _, c in plan}) == 1
 
 
 def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, report_layers: dict | None, acc,

@@ -43,7 +43,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def shape_key(batch: dict) -> tuple:
     """What a batch must share with the one a :class:`StepGraphs` was captured on to replay it."""
-    return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
+    return tuple((k, tuple(v.shape), v.dtype) if torch.is_tensor(v) else (k, v) for k, v in sorted(batch.items()))
 
 
 class CaptureError(RuntimeError):

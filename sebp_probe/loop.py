@@ -30,7 +30,7 @@ from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, s
 from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
 from .losses import batch_loss, has_no_target, set_head, token_counts
-from .metrics import evaluate, peak_memory_mb, summarize_records
+from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records, timed_steps
 from .patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from .train_data import TrainData, first_batches, make_loaders
@@ -112,6 +112,13 @@ def dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def _untimed_reason(compiled: bool, captured: bool, new_shape: bool) -> str | None:
+    """Why a step is left out of the run's times (None: it is timed): Dynamo compiled during it, a CUDA graph was
+    captured, or the GPU ran a batch of its shape for the first time in this run (cuBLAS heuristics, allocator
+    blocks, kernel loads: the first run of a --compare would pay these and the second find them warm)."""
+    return "compile" if compiled else "graph capture" if captured else "new shape" if new_shape else None
+
+
 def graphed_compile(cfg: FinetuneConfig, acc) -> bool:
     """Does ``--compile`` record CUDA graphs here (its mode does, on a CUDA device)?"""
     return cfg.compile in GRAPHED_COMPILE_MODES and acc.device.type == "cuda"
@@ -122,9 +129,11 @@ class Run:
 
     def __init__(self, cfg: FinetuneConfig, method: str, run_dir: Path, accelerator, data: TrainData,
                  load_fn: Callable[[], LoadedModel], report_layers: dict[str, SEBPConfig] | None,
-                 dense_reference: dict | None, on_event: Event):
+                 dense_steps: dict[int, float] | None, on_event: Event):
+        """``dense_steps``: step -> backward ms of a dense run on the same batches (``--compare`` with dense first
+        and one layout), which the progress compares this run's recent steps with."""
         self.cfg, self.method, self.dir, self.acc, self.data = cfg, method, run_dir, accelerator, data
-        self.load_fn, self.report_layers, self.dense_ref, self.emit = load_fn, report_layers, dense_reference, on_event
+        self.load_fn, self.report_layers, self.dense_steps, self.emit = load_fn, report_layers, dense_steps, on_event
         self.main = accelerator.is_main_process
         self.records: list[dict] = []
 
@@ -313,7 +322,6 @@ class Run:
         if state is not None:
             acc.load_state(state["path"])
             step = state["step"]
-        ref_ms = self._reference_backward_ms(calib)
         self.emit("start", {"run": self.method, "total": total, "step": step, "resumed": state is not None,
                             "patched": len((calib or {}).get("layers", {})),
                             "fallback_dense": (calib or {}).get("fallback_dense", [])})
@@ -333,8 +341,8 @@ class Run:
         graphs: dict = {}  # --cuda-graphs: batch shape -> its StepGraphs, captured at its first batch
         pool = torch.cuda.graph_pool_handle() if cfg.cuda_graphs else None  # one memory pool for all of them
         status, error, last_ckpt = "completed", None, state["path"] if state else None
-        live_bwd: list[float] = []
         run_peak = 0.0
+        seen_shapes: set = set()  # batch shapes this run has stepped on (the GPU's first run of one is warm-up)
         # One host wait per step, for the loss (a non-finite loss stops the run before its update): the
         # optimizer's work and the next batch's copy run on the GPU while the host goes on. A step's time is
         # the host's, from the end of the step before (the first: from a synchronized GPU); at a step after which
@@ -349,14 +357,18 @@ class Run:
                 timers: list = []  # the backward's CUDA events, read after the wait for the loss
                 bwd_ms = 0.0
                 replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
+                captured, compiled = len(graphs), dynamo_counts()[0] if cfg.compile else 0
+                new_shape = False
                 for i in range(A):
                     epoch, batch = next(batches)
+                    key = shape_key(batch)
+                    new_shape |= key not in seen_shapes
+                    seen_shapes.add(key)
                     real, slots = token_counts(batch)
                     tokens_dev += real
                     empty_dev += has_no_target(batch)
                     rows += slots
                     if cfg.cuda_graphs:
-                        key = shape_key(batch)
                         step_graphs = graphs.get(key)
                         if step_graphs is None:  # adds into the .grad tensors, keeping what they hold
                             step_graphs = graphs[key] = StepGraphs(model, batch, scale=1.0 / A, pool=pool)
@@ -417,6 +429,10 @@ class Run:
                 rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
                        "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
                        "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": rows}
+                untimed = _untimed_reason(cfg.compile and dynamo_counts()[0] > compiled, len(graphs) > captured,
+                                          new_shape and dev.type == "cuda")
+                if untimed:  # not in the run's times: summary.json reports these steps' seconds apart
+                    rec["untimed"] = untimed
                 if empty:
                     rec["batches_without_target"] = empty
                 if cfg.cuda_graphs:
@@ -426,11 +442,10 @@ class Run:
                     rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
                     run_peak = rec["peak_mem_mb"] = max(run_peak, rec["peak_mem_mb"])
                     torch.cuda.reset_peak_memory_stats(dev)
-                live_bwd.append(bwd_ms)
-                if ref_ms:
-                    recent = live_bwd[-20:]
-                    rec["speedup_backward"] = ref_ms / statistics.fmean(recent)
                 self._log(rec)
+                live = self._vs_dense_backward()
+                if live:
+                    rec = {**rec, "vs_dense_backward": live}
                 self.emit("step", {"run": self.method, **rec, "total": total})
                 if evaluating:
                     ev = {"type": "eval", "step": step, **evaluate(model, eval_loader, acc, self.data.task)}
@@ -471,12 +486,18 @@ class Run:
         self.emit("end", {"run": self.method, "summary": summary})
         return summary
 
-    def _reference_backward_ms(self, calib: dict | None) -> float | None:
-        if self.method == "dense":
+    def _vs_dense_backward(self, window: int = 20) -> float | None:
+        """For the progress bar: the dense run's median backward over this run's last ``window`` timed steps
+        (the same steps, so the same batches) over this run's median on them; None without such a dense run."""
+        if not self.dense_steps:
             return None
-        if self.dense_ref and self.dense_ref.get("mean_backward_ms"):
-            return self.dense_ref["mean_backward_ms"]
-        return (calib or {}).get("dense_backward_ms")
+        recent = [r for r in self.records[-3 * window:] if r.get("type") == "train" and r["step"] > 10]
+        mine = [(r["step"], r["backward_ms"]) for r in recent if not r.get("untimed") and r["step"] in self.dense_steps]
+        mine = mine[-window:]
+        if len(mine) < MIN_TIMED_STEPS:
+            return None
+        own = statistics.median(ms for _, ms in mine)
+        return statistics.median(self.dense_steps[s] for s, _ in mine) / own if own else None
 
     def _save_model(self, model, loaded: LoadedModel) -> None:
         """The fine-tuned model as a plain Hugging Face model: LoRA merged, SEBP layers back to nn.Linear."""

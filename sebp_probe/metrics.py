@@ -51,21 +51,53 @@ def evaluate(model, loader, accelerator, task: str) -> dict:
     return out
 
 
-def _skip_warmup(n: int) -> int:
-    return min(10, n // 10) if n > 1 else 0
+# A comparison needs this many steps timed in both runs; fewer say nothing a user should act on.
+MIN_TIMED_STEPS = 5
+
+
+def _first_untimed(n: int) -> int:
+    """How many of a run's first steps are warm-up (caches, allocator, clocks), whatever else happened in them."""
+    return min(10, max(1, n // 10)) if n > 1 else 0
+
+
+def timed_steps(records: list[dict]) -> dict[int, dict]:
+    """Step -> train record of the steps that count in a run's times: not among its first steps, and not a step
+    the loop marked ``untimed`` (a compile, a CUDA-graph capture, a batch shape the GPU had not run yet)."""
+    train = [r for r in records if r.get("type") == "train"]
+    first = _first_untimed(len(train))
+    return {r["step"]: r for r in train[first:] if not r.get("untimed")}
+
+
+def quartiles(vals: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile) of ``vals``."""
+    if len(vals) == 1:
+        return vals[0], vals[0], vals[0]
+    q1, q2, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def summarize_records(records: list[dict]) -> dict:
-    """Mean/median backward and step time (first steps skipped as warm-up), peak memory, final loss."""
+    """Median backward and step time over the timed steps (:func:`timed_steps`) with their interquartile range,
+    what the untimed steps took apart (warm-up, and of it compiling), peak memory, final loss."""
     train = [r for r in records if r.get("type") == "train"]
     evals = [r for r in records if r.get("type") == "eval"]
-    timed = train[_skip_warmup(len(train)):]
+    timed = list(timed_steps(records).values())
     out = {"steps": train[-1]["step"] if train else 0}
+    if train:
+        untimed = [r for r in train if r["step"] not in {t["step"] for t in timed}]
+        out["timed_steps"] = len(timed)
+        out["untimed_steps"] = len(untimed)
+        out["untimed_s"] = sum(r["step_ms"] for r in untimed) / 1e3
+        compiled = [r for r in train if r.get("untimed") == "compile"]
+        if compiled:
+            out["compile_steps"] = len(compiled)
+            out["compile_s"] = sum(r["step_ms"] for r in compiled) / 1e3
     if timed:
         for key in ("backward_ms", "step_ms"):
-            vals = [r[key] for r in timed]
-            out[f"mean_{key}"] = statistics.fmean(vals)
-            out[f"median_{key}"] = statistics.median(vals)
+            q1, med, q3 = quartiles([r[key] for r in timed])
+            out[f"median_{key}"] = med
+            out[f"iqr_{key}"] = [q1, q3]
+    if train:
         out["peak_mem_mb"] = max(r["peak_mem_mb"] for r in train)
         # Under DDP the second step's peak may or may not still hold the first step's gradient buckets
         # (one copy of the parameters), for dense and SEBP alike: the peak from step 3 on, beside the whole
@@ -80,17 +112,65 @@ def summarize_records(records: list[dict]) -> dict:
     return out
 
 
-def compare_runs(dense: dict, sebp: dict) -> dict:
-    out = {}
+def same_computation(summary: dict) -> str | None:
+    """Why a run computed exactly what dense does (None: it did not): an SEBP run whose calibration left every
+    layer dense and patched no norm or activation."""
+    calib = summary.get("calibration")
+    if summary.get("method") != "sebp" or not calib:
+        return None
+    if calib.get("layers") or calib.get("norms") or calib.get("activations"):
+        return None
+    why = calib.get("fallback_reason") or "no layer's share of active rows was under the fallback density"
+    return f"SEBP ran on 0 layers ({why})"
+
+
+def compare_timing(dense_records: list[dict], other_records: list[dict], paired: bool = True) -> dict:
+    """Step and backward time of two runs: the ratio of the medians (dense / other, > 1: the other is faster),
+    each run's median and interquartile range, and ``within_noise`` where either run's range holds the other's
+    median. ``paired`` (both runs drew the same batches in every step): over the steps timed in both
+    (:func:`timed_steps`), so that a step left out of one run is left out of the other; else each run's own."""
+    d, o = timed_steps(dense_records), timed_steps(other_records)
+    if paired:
+        d_steps = o_steps = sorted(set(d) & set(o))
+    else:
+        d_steps, o_steps = sorted(d), sorted(o)
+    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired}
+    if not out["timed_steps"]:
+        return out
     for what in ("backward", "step"):
-        for stat, suffix in (("mean", ""), ("median", "_median")):
-            d, s = dense.get(f"{stat}_{what}_ms"), sebp.get(f"{stat}_{what}_ms")
-            if d and s:
-                out[f"speedup_{what}{suffix}"] = d / s
+        dq = quartiles([d[s][f"{what}_ms"] for s in d_steps])
+        oq = quartiles([o[s][f"{what}_ms"] for s in o_steps])
+        out[what] = {"dense_ms": dq[1], "dense_iqr": [dq[0], dq[2]], "other_ms": oq[1], "other_iqr": [oq[0], oq[2]],
+                     "ratio": dq[1] / oq[1] if oq[1] else None,
+                     "within_noise": dq[0] <= oq[1] <= dq[2] or oq[0] <= dq[1] <= oq[2]}
+    return out
+
+
+def compare_runs(dense: dict, other: dict, dense_records: list[dict], other_records: list[dict],
+                 paired: bool = True) -> dict:
+    """Dense against the other run: ``verdict`` says what the times may be read as (``same computation``: the
+    other run computed what dense did, so its ratio is the timing's noise and no speedup; ``too few steps``:
+    under :data:`MIN_TIMED_STEPS` steps timed in both; ``within noise``; ``faster``; ``slower``), with the
+    step and backward ratios of :func:`compare_timing` (``paired``: see there; ``speedup_step``/``speedup_backward`` only where the
+    verdict is faster or slower), peak-memory ratios and held-out deltas."""
+    out: dict = {}
+    timing = compare_timing(dense_records, other_records, paired)
+    out["timing"] = timing
+    same = same_computation(other)
+    if same:
+        out["verdict"], out["same_computation"] = "same computation", same
+    elif timing["timed_steps"] < MIN_TIMED_STEPS:
+        out["verdict"] = "too few steps"
+    elif timing["step"]["within_noise"]:
+        out["verdict"] = "within noise"
+    else:
+        out["verdict"] = "faster" if timing["step"]["ratio"] > 1 else "slower"
+        out["speedup_step"] = timing["step"]["ratio"]
+        out["speedup_backward"] = timing["backward"]["ratio"]
     for key, name in (("peak_mem_mb", "peak_mem_ratio"), ("peak_mem_mb_from_step3", "peak_mem_ratio_from_step3")):
-        if dense.get(key) and sebp.get(key):
-            out[name] = sebp[key] / dense[key]
-    de, se = dense.get("final_eval", {}), sebp.get("final_eval", {})
+        if dense.get(key) and other.get(key):
+            out[name] = other[key] / dense[key]
+    de, se = dense.get("final_eval", {}), other.get("final_eval", {})
     for k in de:
         if k in se:
             out[f"delta_{k}"] = se[k] - de[k]

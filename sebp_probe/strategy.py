@@ -4,8 +4,8 @@ fastest.
 Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
 measured on top of each layout, never only against padded dense. Each applicable layout (:data:`PADDINGS`;
 ``packed`` only where :func:`~sebp_probe.packing.check_packable` allows it and the batch shapes may change) is
-timed on a few batches from inside the first epoch: one untimed forward+backward per batch (kernel
-compilation, allocator), then the median of ``reps``. Batches of one layout differ in size (under ``bucket``
+timed on a few batches from inside the first epoch: one untimed forward+backward per batch and method (kernel
+compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches of one layout differ in size (under ``bucket``
 by far: its first batch holds the longest sequences), so a few of them would say little about an epoch; a
 layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
 of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -70,29 +71,57 @@ def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, 
     return [to_device(b, device) for i, b in enumerate(loader) if i in want]
 
 
-def _epoch_ms(model, batches: list[dict], mean_slots: float, device, autocast, graphs: bool, reps: int) -> float:
-    """A layout's milliseconds per batch over an epoch: measured ms per token slot times the epoch's mean slots."""
-    per_slot = [_step_ms(model, b, device, autocast, graphs, reps) / b["input_ids"].numel() for b in batches]
-    return statistics.fmean(per_slot) * mean_slots
+def _per_slot(times: list[float], batch: dict) -> float:
+    return statistics.median(times) / batch["input_ids"].numel()
 
 
-def _step_ms(model, batch: dict, device: torch.device, autocast, graphs: bool, reps: int) -> float:
-    """Median forward+backward milliseconds of ``model`` on ``batch`` (after one untimed pass)."""
-    if graphs:
-        f, b = replay_ms(model, batch, reps, autocast, skip=1)
-        return f + b
-    times = []
-    for i in range(reps + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        with autocast():
-            loss = batch_loss(model, batch)
-        loss.backward()
-        sync(device)
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+def _timed_pass(model, batch: dict, device: torch.device, autocast) -> float:
+    """Milliseconds of one forward+backward of ``model`` on ``batch``; the gradients are dropped."""
+    sync(device)
+    t0 = time.perf_counter()
+    with autocast():
+        loss = batch_loss(model, batch)
+    loss.backward()
+    sync(device)
+    model.zero_grad(set_to_none=True)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, graphs: bool, reps: int,
+               patch: Callable[[], None] | None = None, unpatch: Callable[[], None] | None = None) -> dict[str, float]:
+    """A layout's milliseconds per batch over an epoch, dense and (with ``patch``) SEBP: measured ms per token slot
+    times the epoch's mean slots. Eager, each batch runs one untimed pass per method, then ``reps`` timed
+    passes of each, interleaved (dense, SEBP, dense, ...), so that neither method runs on a colder host or GPU;
+    as CUDA-graph replays (``graphs``), each method's graphs are captured after their own warm-up and replayed
+    ``reps`` times, dense first."""
+    per_slot: dict[str, list[float]] = {"dense": [], **({"sebp": []} if patch else {})}
+    for b in batches:
+        if graphs:
+            f, bw = replay_ms(model, b, reps, autocast, skip=1)
+            per_slot["dense"].append((f + bw) / b["input_ids"].numel())
+            if patch:
+                patch()
+                try:
+                    f, bw = replay_ms(model, b, reps, autocast, skip=1)
+                finally:
+                    unpatch()
+                per_slot["sebp"].append((f + bw) / b["input_ids"].numel())
+            continue
+        times: dict[str, list[float]] = {m: [] for m in per_slot}
+        for i in range(reps + 1):  # the first round is the warm-up
+            for method in times:
+                if method == "sebp":
+                    patch()
+                try:
+                    ms = _timed_pass(model, b, device, autocast)
+                finally:
+                    if method == "sebp":
+                        unpatch()
+                if i:
+                    times[method].append(ms)
+        for method, ts in times.items():
+            per_slot[method].append(_per_slot(ts, b))
+    return {m: statistics.fmean(v) * mean_slots for m, v in per_slot.items()}
 
 
 def _why_not(model, cfg: FinetuneConfig, task: str, padding: str, graphs: bool) -> str | None:
@@ -136,18 +165,17 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                 row = {"padding": padding, **({"head": head} if head else {}), "padding_share": share}
                 if head:
                     use_head(model, data.task, head)
-                row["dense_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps), 3)
+                patch = None
                 if "sebp" in methods:
                     density = measure_density(model, batches, candidates, device, autocast)
                     layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
                     row["sebp_layers"] = len(layers)
                     if layers or cfg.sebp_norms or cfg.sebp_acts:
-                        apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
-                        try:
-                            row["sebp_ms"] = round(_epoch_ms(model, batches, slots, device, autocast, graphs, reps),
-                                                   3)
-                        finally:
-                            unpatch_model(model)
+                        patch = lambda layers=layers: apply_sebp(model, layers, cfg.sebp_norms,  # noqa: E731
+                                                                 cfg.sebp_acts)
+                times = _layout_ms(model, batches, slots, device, autocast, graphs, reps, patch,
+                                   lambda: unpatch_model(model))
+                row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
                 table.append(row)
         model.zero_grad(set_to_none=True)
     measured = [(r[f"{m}_ms"], m, r["padding"], r.get("head")) for r in table for m in methods if f"{m}_ms" in r]

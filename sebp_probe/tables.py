@@ -23,14 +23,15 @@ def finetune_progress(console_):
             n, dense = len(p["layers"]), len(p["fallback_dense"])
             times = ""
             if p.get("dense_backward_ms") and p.get("sebp_backward_ms"):
-                times = (f"; calibration backward: dense {p['dense_backward_ms']:.1f} ms, "
-                         f"SEBP {p['sebp_backward_ms']:.1f} ms")
+                times = (f"; calibration backward on its batches, interleaved: dense {p['dense_backward_ms']:.1f} "
+                         f"ms, SEBP {p['sebp_backward_ms']:.1f} ms")
             why = p.get("fallback_reason") or "active rows above the fallback density"
             progress.console.print(f"{run}: SEBP on {n} layers, {dense} left dense ({why}){times}", highlight=False)
         elif kind == "start":
             tasks[run] = progress.add_task(run, total=p["total"], completed=p["step"], loss="-", speed="")
         elif kind == "step" and run in tasks:
-            speed = f"backward x{p['speedup_backward']:.2f}" if "speedup_backward" in p else ""
+            speed = (f"bwd x{p['vs_dense_backward']:.2f} vs dense, same steps" if "vs_dense_backward" in p
+                     else f"bwd {p['backward_ms']:.1f} ms")
             progress.update(tasks[run], completed=p["step"], loss=f"{p['loss']:.4f}", speed=speed)
         elif kind == "eval":
             vals = ", ".join(f"{k[5:]} {v:.4f}" for k, v in p.items() if k.startswith("eval_"))
@@ -86,20 +87,64 @@ def print_finetune_summary(summary: dict) -> None:
         held = " ".join(f"{short.get(k, k)} {v:.4f}" for k, v in ev.items() if k != "eval_loss")
         label = name if s["status"] == "completed" else f"{name} ({s['status']})"
         table.add_row(label, s.get("padding", "-"), str(s.get("steps", 0)), fmt(s.get("final_train_loss"), "{:.4f}"),
-                      held, fmt(s.get("mean_backward_ms")), fmt(s.get("mean_step_ms")),
+                      held, fmt(s.get("median_backward_ms")), fmt(s.get("median_step_ms")),
                       fmt(s.get("peak_mem_mb"), "{:.0f}"))
     console.print(table)
     cmp = summary.get("comparison")
     if cmp:
-        parts = [f"backward x{cmp['speedup_backward']:.2f}" if "speedup_backward" in cmp else "",
-                 f"step x{cmp['speedup_step']:.2f}" if "speedup_step" in cmp else "",
-                 f"peak memory x{cmp['peak_mem_ratio']:.3f}" if "peak_mem_ratio" in cmp else "",
-                 f"x{cmp['peak_mem_ratio_from_step3']:.3f} from step 3 on" if "peak_mem_ratio_from_step3" in cmp
-                 else "",
-                 f"max |loss gap| {cmp['max_abs_loss_gap']:.2e}" if cmp.get("max_abs_loss_gap") is not None else ""]
-        other = next((m for m in runs if m != "dense"), "sebp")
-        label = {"sebp": "SEBP", "resprop": "ReSprop"}.get(other, other)
-        console.print(f"{label} vs dense: " + ", ".join(p for p in parts if p), highlight=False)
+        console.print(f"{_other_label(runs)} vs dense: {comparison_line(cmp, runs)}", highlight=False)
+    console.print(timing_note(runs), highlight=False)
+
+
+def _other_label(runs: dict) -> str:
+    other = next((m for m in runs if m != "dense"), "sebp")
+    return {"sebp": "SEBP", "resprop": "ReSprop"}.get(other, other)
+
+
+def _ms_iqr(part: dict, who: str) -> str:
+    lo, hi = part[f"{who}_iqr"]
+    return f"{part[f'{who}_ms']:.1f} ms [{lo:.1f}-{hi:.1f}]"
+
+
+def comparison_line(cmp: dict, runs: dict) -> str:
+    """The ``--compare`` headline: what the two runs' times may be read as (see
+    :func:`sebp_probe.metrics.compare_runs`), never a speedup where none was measured."""
+    t = cmp.get("timing", {})
+    verdict = cmp.get("verdict")
+    n = t.get("timed_steps", 0)
+    over = f"over {n} steps timed in both" if t.get("paired") else f"over each run's {n}+ timed steps"
+    parts = []
+    if verdict == "same computation":
+        noise = f" (measured step ratio x{t['step']['ratio']:.2f}: the timing's noise)" if "step" in t else ""
+        parts.append(f"both runs computed the same thing: {cmp['same_computation']}; no speedup{noise}")
+    elif verdict == "too few steps":
+        parts.append(f"only {n} steps timed in both runs (warm-up, compiles and first shapes left out): too few to "
+                     f"compare times; train more --max-steps")
+    else:
+        st, bw = t["step"], t["backward"]
+        head = "within noise" if verdict == "within noise" else f"step x{st['ratio']:.2f}"
+        parts.append(f"{head} (step medians {over}: dense {_ms_iqr(st, 'dense')}, {_other_label(runs)} "
+                     f"{_ms_iqr(st, 'other')}, [interquartile range])")
+        if verdict != "within noise":
+            parts.append(f"backward x{bw['ratio']:.2f}")
+    if "peak_mem_ratio" in cmp:
+        parts.append(f"peak memory x{cmp['peak_mem_ratio']:.3f}")
+    if "peak_mem_ratio_from_step3" in cmp:
+        parts.append(f"x{cmp['peak_mem_ratio_from_step3']:.3f} from step 3 on")
+    if cmp.get("max_abs_loss_gap") is not None:
+        parts.append(f"max |loss gap| {cmp['max_abs_loss_gap']:.2e}")
+    return ", ".join(parts)
+
+
+def timing_note(runs: dict) -> str:
+    """How the times above were taken: which steps were left out, and what they took (compiles apart)."""
+    bits = []
+    for name, s in runs.items():
+        compiled = (f", of it compiling {s['compile_s']:.1f} s in {s['compile_steps']} steps"
+                    if s.get("compile_steps") else "")
+        bits.append(f"{name} {s.get('untimed_steps', 0)} steps, {s.get('untimed_s', 0.0):.1f} s{compiled}")
+    return ("bwd/step ms: medians of the timed steps; left out as warm-up (the first steps, compiles, graph "
+            "captures, a GPU's first batch of each shape): " + "; ".join(bits))
 
 
 def bench_tables(result: dict) -> None:

@@ -296,16 +296,16 @@ def test_peak_from_step3_is_summarised_and_compared():
                         "peak_mem_mb": run, "step_peak_mem_mb": p})
         return out
 
-    dense = summarize_records(recs([100.0, 150.0, 120.0, 121.0]))
-    sebp = summarize_records(recs([100.0, 180.0, 110.0, 111.0]))
+    d_recs, s_recs = recs([100.0, 150.0, 120.0, 121.0]), recs([100.0, 180.0, 110.0, 111.0])
+    dense, sebp = summarize_records(d_recs), summarize_records(s_recs)
     assert dense["peak_mem_mb"] == 150.0 and dense["peak_mem_mb_from_step3"] == 121.0
     assert sebp["peak_mem_mb"] == 180.0 and sebp["peak_mem_mb_from_step3"] == 111.0
-    cmp = _compare(dense, sebp)
+    cmp = _compare(dense, sebp, d_recs, s_recs)
     assert cmp["peak_mem_ratio"] == pytest.approx(1.2)
     assert cmp["peak_mem_ratio_from_step3"] == pytest.approx(111.0 / 121.0)
     cpu = [{k: v for k, v in r.items() if k != "step_peak_mem_mb"} for r in recs([5.0, 6.0, 7.0])]
     assert "peak_mem_mb_from_step3" not in summarize_records(cpu)
-    assert "peak_mem_ratio_from_step3" not in _compare(summarize_records(cpu), summarize_records(cpu))
+    assert "peak_mem_ratio_from_step3" not in _compare(summarize_records(cpu), summarize_records(cpu), cpu, cpu)
 
 
 def test_processes_that_accelerate_does_not_join_are_refused(tiny, tmp_path, monkeypatch):
@@ -325,3 +325,24 @@ def test_head_option_reaches_the_run(tiny, tmp_path):
                        "--json"])
         assert result.exit_code == 0, result.output
         assert json.loads((out / "summary.json").read_text())["head"] == head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", [[], ["--sebp-first"]])
+def test_compare_of_the_same_computation_reports_no_speedup(tiny, tmp_path, order):
+    """Calibration leaves every layer dense (no layer's share of active rows is under --dense-fallback), so both
+    runs of --compare compute dense: in either order the headline says so and prints no speedup, and the ratio
+    it measured anyway (the timing's noise, first step and compiles left out) is stored, not shown as a gain."""
+    out = tmp_path / "same"
+    args = [tiny, "tweets", *FAST, "--max-steps", "12", "--compare", "--dense-fallback", "0.001", *order,
+            "-o", str(out)]
+    r = _run(args)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())  # the console wraps long lines
+    line = text[text.index("SEBP vs dense:"):text.index("bwd/step ms: medians")]
+    assert "both runs computed the same thing: SEBP ran on 0 layers" in line and "no speedup" in line, line
+    assert "step x" not in line.replace("measured step ratio x", "") and "backward x" not in line, line
+    cmp = json.loads((out / "summary.json").read_text())["comparison"]
+    assert cmp["verdict"] == "same computation" and cmp["max_abs_loss_gap"] == 0.0
+    assert "speedup_step" not in cmp and cmp["timing"]["timed_steps"] == 11
+    assert "left out as warm-up" in r.output
