@@ -66,7 +66,7 @@ DATA_IDENTITY = ("origin", "size", "rows", "num_samples", "sha256")
 
 
 def data_changes(stored: dict, now: dict) -> list[str]:
-    """``part.key: old -> new`` for each identity field the two data identities ({train, eval}) both record
+    """``part key old -> new`` for each identity field the two data identities ({train, eval}) both record
     and disagree on."""
     out = []
     for part in (p for p in now if p in stored):
