@@ -329,7 +329,7 @@ def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | 
     from .textdata import load_text_data
 
     cfg = _limit_samples(data_cfg, max_batches)
-    task = model_task(model_name, task)
+    task = model_task(model_name, task, cfg.max_length)
     data = load_text_data(cfg, task)
     loaded = load_model(model_name, task=task, num_labels=data.num_labels if task == "classification" else None)
     return loaded, data, cfg

@@ -6,6 +6,7 @@ Bundled models (no network needed): ``minilm``, the real all-MiniLM-L6-v2 (BERT)
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -121,24 +122,76 @@ def guess_task(config) -> str:
     return "causal-lm" if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "classification"
 
 
+def offline_variable(names: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")) -> str | None:
+    """The first of these environment variables that switches Hugging Face's offline mode on, if any."""
+    return next((v for v in names if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def hub_miss(kind: str, name: str, bundled, error: str, offline: str | None) -> str:
+    """The one line for a ``kind`` (model, dataset) that the hub did not give: offline mode named when it is on
+    (the hub's own words then say nothing more), the bundled names, and the closest of them to ``name``."""
+    close = difflib.get_close_matches(name.lower(), list(bundled), n=1, cutoff=0.75)
+    why = f"offline mode is on ({offline}=1) and it is not in the local cache" if offline else error
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    return f"cannot load {kind} {name!r} from the hub: {why}; {guess}the bundled {kind}s are {', '.join(bundled)}"
+
+
 def _load_config(name_or_path: str, path: str, source: str):
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - offline hub misses, bad json, unknown architectures
-        where = "on the hub (no network, or no such repo?)" if source == "hub" else f"at {path}"
-        raise AssetError(f"cannot load model {name_or_path!r} {where}: {_one_line(e)}") from None
+        if source == "hub":
+            raise AssetError(hub_miss("model", name_or_path, BUNDLED_MODELS, _one_line(e),
+                                      offline_variable())) from None
+        raise AssetError(f"cannot load model {name_or_path!r} at {path}: {_one_line(e)}") from None
 
 
-def model_task(name_or_path: str, task: str | None = None) -> str:
-    """``task`` (checked), else the one the model's config implies, without loading any weights."""
-    if task is not None:
-        if task not in TASKS:
-            raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-        return task
+def model_task(name_or_path: str, task: str | None = None, max_length: int | None = None) -> str:
+    """``task`` (checked against the model: see :func:`check_task`), else the one the model's config implies;
+    ``max_length`` is checked against the model's positions (:func:`check_max_length`). Loads no weights."""
+    if task is not None and task not in TASKS:
+        raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     path, source = resolve_model_path(name_or_path)
-    return guess_task(_load_config(name_or_path, path, source))
+    config = _load_config(name_or_path, path, source)
+    task = task or guess_task(config)
+    check_task(name_or_path, config, task)
+    if max_length is not None:
+        check_max_length(name_or_path, config, max_length)
+    return task
+
+
+def check_task(name: str, config, task: str) -> None:
+    """An encoder (BERT, RoBERTa...) cannot be trained as a causal LM: it sees every token both ways, so the
+    next token is in its input, and its LM head would be new."""
+    if task == "causal-lm" and getattr(config, "model_type", None) in ENCODER_TYPES \
+            and not getattr(config, "is_decoder", False):
+        raise AssetError(f"model {name!r} is an encoder ({config.model_type}), which sees every token both ways: "
+                         "--task causal-lm needs a decoder; use --task classification or mlm")
+
+
+# Positions offset by the padding index (fairseq's scheme): pad_token_id + 1 positions are never used.
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer"}
+
+
+def max_positions(config) -> int | None:
+    """How many tokens a sequence of this model may have (None: the config does not say)."""
+    n = getattr(config, "max_position_embeddings", None)
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    if getattr(config, "model_type", None) in OFFSET_POSITIONS:
+        n -= (getattr(config, "pad_token_id", None) or 1) + 1
+    return n
+
+
+def check_max_length(name: str, config, max_length: int) -> None:
+    """Refuse a ``--max-length`` above the model's positions up front (torch would fail at the first
+    batch of that length, with a tensor-size error or a huge allocation)."""
+    n = max_positions(config)
+    if n is not None and max_length > n:
+        raise AssetError(f"--max-length {max_length} is above the {n} positions of model {name!r} "
+                         f"(max_position_embeddings): use --max-length {n} or less")
 
 
 def _one_line(e: BaseException) -> str:
@@ -169,6 +222,7 @@ def load_model(
     path, source = resolve_model_path(name_or_path)
     config = _load_config(name_or_path, path, source)
     task = task or guess_task(config)
+    check_task(name_or_path, config, task)
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -205,6 +259,11 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise AssetError(f"the tokenizer of {name_or_path!r} has {len(tokenizer)} tokens but the model embeds only "
+                         f"{rows}: it does not belong to this model (save the model's own tokenizer with it)")
     return LoadedModel(model=model, tokenizer=tokenizer, task=task, name=name_or_path, source=source)
 
 

@@ -7,6 +7,7 @@ import sys
 import typer
 from rich.console import Console
 
+from .outputs import check_output_file
 from .tables import batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary
 
 app = typer.Typer(
@@ -371,6 +372,12 @@ def _patterns(value: str | None) -> tuple[str, ...] | None:
     return tuple(p.strip() for p in value.split(",") if p.strip()) if value else None
 
 
+def _print_notes(notes: list[str], where: Console) -> None:
+    """What the data loading did that the user should know (labels mapped, rows dropped): a line each."""
+    for note in notes:
+        where.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
 @app.command("analyze")
 @one_line_errors
 def analyze_cmd(
@@ -397,6 +404,7 @@ def analyze_cmd(
     device: str = _DEVICE,
     seed: int = typer.Option(0, "--seed", help="Seed for dropout."),
     output: str = typer.Option(None, "--output", "-o", help="Write the JSON report here (finetune --report)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --output file if it exists."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Also print a table row per layer."),
     reuse: bool = typer.Option(False, "--reuse", help="Also measure what gradient reuse (finetune --method "
                                "resprop) would drop per layer, P from the previous batch (needs >= 2 batches)."),
@@ -424,6 +432,8 @@ def analyze_cmd(
     if padding_side not in (None, "left", "right"):
         raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
     _check_padded(padding)
+    if output:
+        check_output_file(output, overwrite)
     cfg = _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,
                        padding_side, batch_size, max_samples, seed)
     settings = AnalyzeSettings(max_batches=max_batches, target_modules=_patterns(targets),
@@ -433,6 +443,7 @@ def analyze_cmd(
     progress, on_batch = batch_progress(err_console if as_json else console, "analyzing")
     with progress:
         report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch)
+    _print_notes(report["dataset"].get("notes", []), err_console if as_json else console)
     if output:
         path = save_report(report, output)
         (err_console if as_json else console).print(f"report written to {path}", highlight=False, soft_wrap=True)
@@ -452,6 +463,7 @@ def heatmap_cmd(
     layer: str = typer.Option(..., "--layer", "-l", help="Layer name, suffix, glob ('*.0.attention.self.query') "
                               "or regex; at most 6 layers."),
     output: str = typer.Option("heatmap.png", "--output", "-o", help="Image file: .png, .pdf or .svg."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --output file if it exists."),
     task: str = _TASK,
     split: str = _SPLIT,
     text_column: str = _TEXT,
@@ -481,6 +493,7 @@ def heatmap_cmd(
     from .heatmap import heatmaps
     from .plots import check_image_path, plot_heatmaps
 
+    check_output_file(output, overwrite)
     check_image_path(output)
     if padding_side not in (None, "left", "right"):
         raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
@@ -492,6 +505,7 @@ def heatmap_cmd(
     progress, on_batch = batch_progress(console, "collecting")
     with progress:
         pictures, info = heatmaps(model, cfg, layer, settings, task=task, device=device, progress=on_batch)
+    _print_notes(info["notes"], console)
     p = info["padding"]
     title = (f"{info['name']} on {info['data']}: |dL/dY|, padding {p['padding']} to {p['max_length']} "
              f"({p['padding_side']}), CDF over {max_batches} batches of {p['batch_size']}")

@@ -21,8 +21,8 @@ from .config import FinetuneConfig, FinetuneError
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
 from .metrics import compare_runs, loss_gap, timed_steps
-from .rundir import (RUN_CONFIG, SUMMARY, check_output_dir, clear_entries, device_name, has_progress, read_json,
-                     versions, write_json)
+from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, device_name, has_progress,
+                     read_json, versions, write_json)
 from .strategy import PaddingChoice, choose_padding
 from .train_data import TrainData, first_batches, load_train_data
 
@@ -136,7 +136,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run
 
     if load_fn is None:
-        task = model_task(cfg.model, cfg.task)
+        task = model_task(cfg.model, cfg.task, cfg.data.max_length)
         if data is None:
             probe = load_model(cfg.model, task)  # the tokenizer, and the labels that size the head
             data = load_train_data(cfg, probe)
@@ -148,6 +148,11 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         first = load_fn()
         if data is None:
             data = load_train_data(cfg, first)
+    if resuming:
+        check_resume_data(out, data.identity)
+    for note in dict.fromkeys(n for part in data.identity.values() if isinstance(part, dict)
+                              for n in part.get("notes", [])):
+        emit("note", {"text": note})
     if cfg.auto_eps and not resuming:
         first.model.to(acc.device)
     report = _load_report(cfg, first, out, resuming,
@@ -170,10 +175,12 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     del first
     plan = _run_plan(cfg, choice)
 
-    # Everything is checked: only now is an old run replaced and the new one written.
+    # Everything is checked: only now is an old run set aside (deleted once the new one has taken a step) and
+    # the new one written.
     made_dir = not out.exists()
+    aside = None
     if acc.is_main_process:
-        clear_entries(stale)
+        aside = SetAside(out, stale)
         out.mkdir(parents=True, exist_ok=True)
         if report is not None and cfg.auto_eps and not resuming:
             from .report import save_report
@@ -188,11 +195,16 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                 **({"padding_choice": choice.to_dict()} if choice else {})})
     acc.wait_for_everyone()
 
+    def on_run_event(kind: str, payload: dict) -> None:
+        if kind == "step" and aside is not None:  # the new run has taken its first step: the old one goes
+            aside.discard()
+        emit(kind, payload)
+
     summaries, records, dense_steps = {}, {}, None
     try:
         for method, run_cfg in plan:
             run_dir = out / method if cfg.compare else out
-            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_steps, emit)
+            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_steps, on_run_event)
             summaries[method] = run.run(resuming)
             records[method] = run.records
             if method == "dense" and _same_batches(plan):  # the other run's progress compares with its steps
@@ -201,10 +213,15 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
                 break
     except BaseException:
         if not resuming and acc.is_main_process and not has_progress(out):  # failed before any step: leave no trace
-            clear_entries([out / e for e in os.listdir(out)])
+            aside.restore()
             if made_dir:
                 out.rmdir()
+        elif aside is not None:
+            aside.discard()
         raise
+    restored = aside is not None and bool(aside.names)
+    if restored:  # no step taken (diverged at the first): the old run stays as it was, its plots included
+        aside.restore()
 
     summaries = {m: summaries[m] for m in ("dense", cfg.method) if m in summaries}  # dense first, whatever the order
     records = {m: records[m] for m in summaries if m in records}
@@ -226,7 +243,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     statuses = [s["status"] for s in summaries.values()]
     summary["status"] = next((s for s in ("diverged", "interrupted") if s in statuses), "completed")
     summary["output_dir"] = str(out)
-    if acc.is_main_process:
+    if acc.is_main_process and not restored:
         if cfg.compare:
             write_json(out / SUMMARY, summary)
         summary["plots"] = _plot(records, out)

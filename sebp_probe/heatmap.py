@@ -133,4 +133,5 @@ def heatmaps(
     pictures = heatmap_data(loaded.model, batches, sample_batch, layers, settings, side, progress)
     for p in pictures:
         p.labels = ["shortest", "longest"]
-    return pictures, {"name": loaded.name, "data": cfg.dataset, "padding": padding_info(loaded, cfg)}
+    return pictures, {"name": loaded.name, "data": cfg.dataset, "padding": padding_info(loaded, cfg),
+                      "notes": data.identity.get("notes", [])}

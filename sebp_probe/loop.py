@@ -205,25 +205,45 @@ class Run:
                 fh.write(json.dumps(rec) + "\n")
 
     def _save_checkpoint(self, step: int, calib: dict | None) -> Path:
+        """Write the checkpoint of ``step`` atomically: into ``.partial-step-N``, its state file last, then
+        renamed to ``step-N``; a write cut short never looks like a checkpoint."""
+        from .rundir import PARTIAL
+
         path = self.dir / CHECKPOINTS / f"step-{step:06d}"
+        tmp = path.with_name(PARTIAL + path.name)
+        if self.main and tmp.exists():  # left by a write cut short at this step: start it afresh
+            shutil.rmtree(tmp)
         self.acc.wait_for_everyone()
-        self.acc.save_state(str(path))
+        self.acc.save_state(str(tmp))
         if self.main:
             layers = (calib or {}).get("layers", {})
-            write_json(path / STATE, {"step": step, "layers": layers, "calibration": calib})
+            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib})
+            if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
+                shutil.rmtree(path)
+            tmp.rename(path)
             for old in list_checkpoints(self.dir)[: -self.cfg.save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
         self.acc.wait_for_everyone()
         return path
 
     def _restore(self) -> dict | None:
-        ckpts = list_checkpoints(self.dir)
+        """The state of the last complete checkpoint (None: none, start afresh), the metrics cut back to its
+        step; says which checkpoint it took and which incomplete ones it passed over."""
+        from .rundir import partial_checkpoints
+
+        ckpts, partial = list_checkpoints(self.dir), partial_checkpoints(self.dir)
+        skipped = f"; passed over incomplete {', '.join(p.name for p in partial)} (a write cut short)" \
+            if partial else ""
         if not ckpts:
+            self.emit("note", {"run": self.method, "text": f"{self.method}: no complete checkpoint in "
+                               f"{self.dir / CHECKPOINTS}: starting from step 0{skipped}"})
             if self.main:
                 (self.dir / METRICS).unlink(missing_ok=True)
             return None
         state = read_json(ckpts[-1] / STATE)
         state["path"] = str(ckpts[-1])
+        self.emit("note", {"run": self.method, "text": f"{self.method}: resuming from {ckpts[-1]} (step "
+                           f"{state['step']}){skipped}"})
         kept = []
         if (self.dir / METRICS).exists():
             for line in (self.dir / METRICS).read_text().splitlines():

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from torch import nn
@@ -50,18 +49,17 @@ class ReportError(ValueError):
 
 
 def save_report(report: dict, path: str | os.PathLike) -> Path:
-    """Write ``report`` as JSON (strict: no NaN), atomically; return the path."""
+    """Write ``report`` as JSON (strict: no NaN), atomically, with the permissions of any other new file (the
+umask's); return the path."""
     path = Path(path)
     text = json.dumps(report, indent=2, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text + "\n")
+        tmp.write_text(text + "\n")
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
     return path
 
 

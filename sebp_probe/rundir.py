@@ -21,6 +21,8 @@ SUMMARY = "summary.json"
 STATE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
 MODEL_DIR = "model"
+PARTIAL = ".partial-"  # a checkpoint being written: renamed to step-N once complete
+ASIDE = ".replaced"  # an --overwrite's old run, until the new one has taken a step (SetAside)
 # What a run directory holds; anything else in it is the user's and is never deleted.
 OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "sebp", "resprop", "report.json",
                "loss.png", "eval.png")
@@ -59,6 +61,31 @@ def config_changes(old: dict, new: dict) -> list[str]:
     return out
 
 
+# What identifies a run's data (textdata.load_text_data): a resumed run must see the same.
+DATA_IDENTITY = ("origin", "size", "rows", "num_samples", "sha256")
+
+
+def data_changes(stored: dict, now: dict) -> list[str]:
+    """``part key old -> new`` for each identity field the two data identities ({train, eval}) both record
+    and disagree on."""
+    out = []
+    for part in (p for p in now if p in stored):
+        a, b = stored[part], now[part]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{part} {k} {a[k]} -> {b[k]}" for k in DATA_IDENTITY if k in a and k in b and a[k] != b[k]]
+    return out
+
+
+def check_resume_data(out: Path, identity: dict) -> None:
+    """Refuse to resume the run in ``out`` on data other than it trained on (the file changed on disk, or a
+    relative path that names another file from here)."""
+    stored = (read_json(out / RUN_CONFIG) or {}).get("data") or {}
+    changed = data_changes(stored, identity)
+    if changed:
+        raise FinetuneError(f"--resume: the data are not those the run in {out} trained on ({'; '.join(changed[:3])}"
+                            f"); resume with the same data or use --overwrite")
+
+
 def has_progress(out: Path) -> bool:
     """Did the run in ``out`` train at all (metrics or checkpoints)? One that failed before is replaceable."""
     for d in (out, out / "dense", out / "sebp", out / "resprop"):
@@ -69,7 +96,7 @@ def has_progress(out: Path) -> bool:
 
 
 def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tuple[bool, list[Path]]:
-    """(resuming, entries to delete before a fresh run); raises FinetuneError when the directory is refused.
+    """(resuming, entries to replace before a fresh run); raises FinetuneError when the directory is refused.
 
     A directory holding another run is refused unless ``resume`` (same settings) or ``overwrite``; one
     holding anything else is always refused, so no user file is ever deleted. Nothing is changed here.
@@ -80,11 +107,17 @@ def check_output_dir(cfg: FinetuneConfig, resume: bool, overwrite: bool) -> tupl
     if out.exists() and not out.is_dir():
         raise FinetuneError(f"output dir {out} is a file")
     entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if ASIDE in entries:  # only a killed process leaves it: the user decides which run to keep
+        raise FinetuneError(f"{out / ASIDE} holds the run an interrupted --overwrite replaced: move its files back "
+                            f"into {out} (or delete it), then run again")
     stored = read_json(out / RUN_CONFIG) if entries else None
     if resume:
         if stored is None:
             raise FinetuneError(f"--resume: {out} holds no sebp-probe finetune run to resume")
         changed = config_changes(stored.get("config", {}), cfg.to_dict())
+        origin = ((stored.get("data") or {}).get("train") or {}).get("origin")
+        if "data.dataset" in changed and origin and str(Path(cfg.data.dataset).expanduser().resolve()) == origin:
+            changed.remove("data.dataset")  # the same file by another path: its content is checked once read
         if changed:
             raise FinetuneError(f"--resume: settings differ from the run in {out}: {', '.join(changed)}; "
                                 "resume with the same settings or use --overwrite")
@@ -109,13 +142,57 @@ def clear_entries(paths: list[Path]) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+class SetAside:
+    """The entries of a run that ``--overwrite`` replaces, moved into ``out/.replaced`` (a rename: nothing is
+    copied) until the new run has taken its first step (:meth:`discard`), or put back when it fails before
+    that (:meth:`restore`): a new run that cannot start never costs the old one."""
+
+    def __init__(self, out: Path, entries: list[Path]):
+        self.out, self.names = out, [p.name for p in entries]
+        self.dir = out / ASIDE
+        if self.names:
+            self.dir.mkdir()
+            for name in self.names:
+                (out / name).rename(self.dir / name)
+
+    def discard(self) -> None:
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.names = []
+
+    def restore(self) -> None:
+        """Delete what the new run wrote and put the old run back."""
+        clear_entries([p for p in self.out.iterdir() if p.name != ASIDE])
+        for name in self.names:
+            (self.dir / name).rename(self.out / name)
+        if self.dir.exists():
+            self.dir.rmdir()
+        self.names = []
+
+
+def _step_of(p: Path) -> int | None:
+    tail = p.name.removeprefix(PARTIAL).removeprefix("step-")
+    return int(tail) if tail.isdigit() else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints (their trainer_state.json is written last), oldest first."""
+    """Complete checkpoints, oldest first: ``step-N`` folders holding their trainer_state.json (a checkpoint is
+    written as ``.partial-step-N``, given its state last, then renamed)."""
     d = run_dir / CHECKPOINTS
     if not d.is_dir():
         return []
-    return sorted((p for p in d.iterdir() if p.name.startswith("step-") and (p / STATE).exists()),
-                  key=lambda p: int(p.name.split("-")[1]))
+    return sorted((p for p in d.iterdir() if p.name.startswith("step-") and _step_of(p) is not None
+                   and (p / STATE).exists()), key=_step_of)
+
+
+def partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders whose write was cut (a kill, a second Ctrl-C): never resumed from."""
+    d = run_dir / CHECKPOINTS
+    if not d.is_dir():
+        return []
+    done = set(list_checkpoints(run_dir))
+    return sorted((p for p in d.iterdir() if p.name.startswith(("step-", PARTIAL)) and p not in done),
+                  key=lambda p: (_step_of(p) or 0, p.name))
 
 
 def versions() -> dict:

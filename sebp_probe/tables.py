@@ -36,6 +36,8 @@ def finetune_progress(console_):
         elif kind == "eval":
             vals = ", ".join(f"{k[5:]} {v:.4f}" for k, v in p.items() if k.startswith("eval_"))
             progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
+        elif kind == "note":
+            progress.console.print(f"note: {p['text']}", highlight=False, soft_wrap=True)
         elif kind == "skipped":
             progress.console.print(f"{run}: already completed, kept", highlight=False)
         elif kind == "padding":

@@ -6,13 +6,15 @@ the label word as the response): supervised fine-tuning data whose prompts are m
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .assets import AssetError, LoadedModel, _one_line, _package_dir
+from .assets import AssetError, LoadedModel, _one_line, _package_dir, hub_miss, offline_variable
 from .config import TASKS, DataConfig
 
 LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "category", "target", "answerKey")
@@ -25,6 +27,10 @@ PROMPT_RESPONSE = (("prompt", "response"), ("prompt", "completion"), ("instructi
 BUNDLED_DATASETS = ("tweets", "tweets-sft")
 LOCAL_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TWEETS_HOLDOUT = 0.1
+TEXT_FIELDS = ("text", "text_pair", "prompt", "response")  # what an example says (the label aside)
+# Labels that mean "no label" (pandas' missing-value words): texts keep them as words, labels do not.
+MISSING_LABELS = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>",
+                  "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
 
 
 def padding_side(loaded: "LoadedModel", cfg: DataConfig) -> str:
@@ -53,9 +59,26 @@ class TextData:
     def num_labels(self) -> int:
         return len(self.label_names)
 
+    def deduplicated(self) -> "TextData":
+        """One example per text (the first of each, whatever its label), as the bundled tweets are, so that a
+        held-out split cut from it never repeats a training text; a note says how many went."""
+        seen: set = set()
+        kept = [e for e in self.examples if not ((key := tuple(e.get(k) for k in TEXT_FIELDS)) in seen
+                                                 or seen.add(key))]
+        dropped = len(self.examples) - len(kept)
+        if not dropped:
+            return self
+        note = (f"dropped {dropped} of {len(self.examples)} rows of {self.identity.get('name', '')!r} that repeat an "
+                "earlier row's text, so that held-out rows never repeat training rows")
+        identity = {**self.identity, "duplicates_dropped": dropped, "notes": [*self.identity.get("notes", []), note]}
+        return TextData(kept, self.task, self.label_names, identity)
+
     def split_off(self, fraction: float, seed: int = 0) -> tuple["TextData", "TextData"]:
         """(rest, held-out) with a deterministic shuffle; used when a dataset has no eval split."""
         idx = list(range(len(self.examples)))
+        if len(idx) < 2:
+            raise AssetError(f"dataset {self.identity.get('name', '')!r} has {len(idx)} row(s): too few to hold out "
+                             "rows for evaluation; give it at least 2 rows")
         random.Random(seed).shuffle(idx)
         n_eval = max(1, int(round(len(idx) * fraction)))
         pick = lambda ids, part: TextData([self.examples[i] for i in sorted(ids)], self.task,  # noqa: E731
@@ -104,10 +127,12 @@ def _local_rows(path: Path) -> list[dict]:
 
         if kind == "csv":
             sep = "\t" if path.suffix.lower() == ".tsv" else ","
+            # Only an empty field is missing: "NaN", "NA", "null"... are texts (a tweet may say "null").
+            na = {"keep_default_na": False, "na_values": [""]}
             try:
-                df = pd.read_csv(path, sep=sep)
+                df = pd.read_csv(path, sep=sep, **na)
             except UnicodeDecodeError:
-                df = pd.read_csv(path, sep=sep, encoding="latin-1")
+                df = pd.read_csv(path, sep=sep, encoding="latin-1", **na)
         elif kind == "json":
             lines = path.suffix.lower() == ".jsonl" or path.read_text(errors="replace").lstrip()[:1] != "["
             df = pd.read_json(path, lines=lines)
@@ -146,7 +171,8 @@ def _hub_rows(name: str, split: str) -> list[dict]:
             return [dict(r) for r in ds]
         except Exception as e:  # noqa: BLE001
             errors.append(_one_line(e))
-    raise AssetError(f"cannot load dataset {name!r} split {split!r}: {errors[-1]}")
+    offline = offline_variable(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    raise AssetError(hub_miss("dataset", name, BUNDLED_DATASETS, f"split {split!r}: {errors[-1]}", offline))
 
 
 def _first(columns, choices):
@@ -177,34 +203,51 @@ def _classification_examples(rows, cfg: DataConfig, name: str, known: list[str] 
     if text_col is None:
         raise AssetError(f"dataset {name!r} has no text column (columns: {', '.join(cols)}); pass --text-column")
     raw = [r[label_col] for r in rows]
-    if any(v is None or (isinstance(v, float) and (v != v or v != int(v))) for v in raw):
-        raise AssetError(f"label column {label_col!r} of {name!r} holds missing or non-integer values")
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
-        ints = [int(v) for v in raw]
-        if min(ints) < 0:
-            raise AssetError(f"label column {label_col!r} holds negative labels (unlabeled test split?)")
-        label_names = [str(i) for i in range(max(ints) + 1)]
-        labels = ints
-    else:
-        label_names = sorted({str(v) for v in raw})
-        labels = [str(v) for v in raw]
-    if known is not None:  # another split of the same data: its label ids must mean the same classes
-        unseen = sorted(set(label_names) - set(known), key=str)
-        if unseen:
-            raise AssetError(f"split of {name!r} has labels {unseen[:5]} that the training split does not have")
-        label_names = list(known)
-    if labels and isinstance(labels[0], str):
-        index = {n: i for i, n in enumerate(label_names)}
-        labels = [index[v] for v in labels]
+    missing = sum(v is None or (isinstance(v, float) and (v != v or v != int(v))) or
+                  (isinstance(v, str) and v.strip() in MISSING_LABELS) for v in raw)
+    if missing:
+        raise AssetError(f"label column {label_col!r} of {name!r} holds missing or non-integer values "
+                         f"({missing} of {len(raw)} rows)")
+    label_names, labels, notes = _label_classes(raw, label_col, name, known)
     if len(label_names) < 2:
-        raise AssetError(f"label column {label_col!r} of {name!r} has fewer than 2 classes")
+        found = f": every row is {label_names[0]!r}" if label_names else ""
+        raise AssetError(f"label column {label_col!r} of {name!r} has fewer than 2 classes{found}; a classifier "
+                         "needs at least two")
     examples = []
     for r, y in zip(rows, labels):
         ex = {"text": _text(r[text_col]), "label": y}
         if pair_col:
             ex["text_pair"] = _text(r[pair_col])
         examples.append(ex)
-    return examples, label_names, {"text_column": text_col, "text_pair_column": pair_col, "label_column": label_col}
+    columns = {"text_column": text_col, "text_pair_column": pair_col, "label_column": label_col}
+    return examples, label_names, columns, notes
+
+
+def _label_classes(raw: list, label_col: str, name: str, known: list[str] | None):
+    """(class names, class id per row, notes). Integer labels 0..K-1 are their own ids; other integers
+    ({0, 1000, 2000}) become classes 0..K-1 in increasing order, with a note saying so; anything else is a
+    class per distinct string, sorted. ``known``: the training split's classes, which another split must use."""
+    notes = []
+    if raw and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
+        values = sorted({int(v) for v in raw})
+        if values[0] < 0:
+            raise AssetError(f"label column {label_col!r} holds negative labels (unlabeled test split?)")
+        names = [str(v) for v in values]
+        keys = [str(int(v)) for v in raw]
+        if known is None and values != list(range(len(values))):
+            shown = ", ".join(f"{v} -> {i}" for i, v in enumerate(values[:4])) + (", ..." if len(values) > 4 else "")
+            notes.append(f"label column {label_col!r} of {name!r}: its {len(values)} integer labels are not "
+                         f"0..{len(values) - 1}; mapped in increasing order ({shown})")
+    else:
+        names = sorted({str(v) for v in raw})
+        keys = [str(v) for v in raw]
+    if known is not None:  # another split of the same data: its label ids must mean the same classes
+        unseen = sorted(set(names) - set(known), key=str)
+        if unseen:
+            raise AssetError(f"split of {name!r} has labels {unseen[:5]} that the training split does not have")
+        names = list(known)
+    index = {n: i for i, n in enumerate(names)}
+    return names, [index[k] for k in keys], notes
 
 
 def _causal_examples(rows, cfg: DataConfig, name: str):
@@ -226,6 +269,12 @@ def _causal_examples(rows, cfg: DataConfig, name: str):
         raise AssetError(f"dataset {name!r} has no text or prompt/response columns (columns: "
                          f"{', '.join(cols)}); pass --text-column")
     return [{"text": _text(r[text_col])} for r in rows], {"text_column": text_col}
+
+
+def examples_hash(examples: list[dict]) -> str:
+    """A fingerprint of the examples' content (texts and labels): what ``--resume`` checks the data by."""
+    text = json.dumps(examples, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
@@ -254,30 +303,62 @@ def load_text_data(cfg: DataConfig, task: str, split: str | None = None,
         rows, origin, source = _hub_rows(name, split), name, "hub"
     if not rows:
         raise AssetError(f"dataset {name!r} (split {split!r}) has no rows")
+    read = {"rows": len(rows), **({"size": p.stat().st_size} if source == "local" else {})}
     if cfg.max_samples is not None and len(rows) > cfg.max_samples:
         rows = rows[: cfg.max_samples]
+    notes: list[str] = []
     if task == "classification":
-        examples, label_names, columns = _classification_examples(rows, cfg, name, label_names)
+        examples, label_names, columns, notes = _classification_examples(rows, cfg, name, label_names)
     else:
         (examples, columns), label_names = _causal_examples(rows, cfg, name), []
-    identity = {"name": name, "source": source, "origin": origin, "split": split, "num_samples": len(examples),
-                "columns": columns}
+    empty = sum(not any(e.get(k) for k in TEXT_FIELDS) for e in examples)
+    if empty:
+        notes.append(f"{empty} of {len(examples)} rows of {name!r} have no text (an empty field or null): "
+                     "kept as empty texts")
+    identity = {"name": name, "source": source, "origin": origin, "split": split, **read,
+                "num_samples": len(examples), "sha256": examples_hash(examples), "columns": columns,
+                **({"notes": notes} if notes else {})}
     return TextData(examples=examples, task=task, label_names=label_names, identity=identity)
 
 
 # --------------------------------------------------------------------------------------------- batching
 
 
+UNKNOWN_SHARE = 0.9  # of a first batch's tokens: above it, the tokenizer cannot be the model's
+UNKNOWN_SAMPLE = 64  # examples looked at
+
+
+def check_unknown_tokens(loaded: LoadedModel, items: list[dict]) -> None:
+    """Refuse a tokenizer that maps nearly every token of the first examples to its unknown token: a model
+    folder without its tokenizer files gets a tokenizer built from nothing, and every word becomes [UNK]."""
+    tok = loaded.tokenizer
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:  # byte-level tokenizers have no unknown token: every text has its tokens
+        return
+    special = set(getattr(tok, "all_special_ids", ())) - {unk}
+    ids = [t for it in items[:UNKNOWN_SAMPLE] for t in it["input_ids"] if t not in special]
+    if len(ids) >= 8 and sum(t == unk for t in ids) >= UNKNOWN_SHARE * len(ids):
+        share = sum(t == unk for t in ids) / len(ids)
+        raise AssetError(f"the tokenizer of {loaded.name!r} maps {share:.0%} of the first examples' tokens to "
+                         f"{getattr(tok, 'unk_token', 'its unknown token')} ({len(tok)} tokens): it is not the "
+                         "model's own (a model folder without its tokenizer files?); save the model's tokenizer "
+                         "next to it")
+
+
 def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]:
-    """Token ids (truncated to ``max_length``) and labels per example, not yet padded."""
+    """Token ids (truncated to ``max_length``) and labels per example, not yet padded; a tokenizer that makes
+    nearly every token unknown is refused (:func:`check_unknown_tokens`)."""
     tok = loaded.tokenizer
     out = []
+    if not data.examples:
+        return out
     if data.task == "classification":
         texts = [e["text"] for e in data.examples]
         pairs = [e["text_pair"] for e in data.examples] if "text_pair" in data.examples[0] else None
         enc = tok(texts, pairs, truncation=True, max_length=max_length)
         for ids, e in zip(enc["input_ids"], data.examples):
             out.append({"input_ids": ids, "label": e["label"]})
+        check_unknown_tokens(loaded, out)
         return out
     eos = tok.eos_token_id
     for e in data.examples:
@@ -294,6 +375,7 @@ def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]
     if not out and data.examples:
         raise AssetError(f"max length {max_length} leaves no target token in any example (prompts this long "
                          "cut off every response): raise --max-length")
+    check_unknown_tokens(loaded, out)
     return out
 
 

@@ -33,13 +33,14 @@ class TrainData:
 
 def load_train_data(cfg: FinetuneConfig, loaded: LoadedModel) -> TrainData:
     """Train and held-out examples of ``cfg.data``: ``eval_split`` if given, the bundled test split of
-    ``tweets``, else a deterministic 10% of the training split; at most ``eval_samples`` of them."""
+    ``tweets``, else a deterministic 10% of the training split with repeated texts dropped first; at most
+    ``eval_samples`` of them."""
     data = load_text_data(cfg.data, loaded.task)
     if cfg.data.eval_split or cfg.data.dataset in BUNDLED_DATASETS:
         held = load_text_data(replace(cfg.data, max_samples=None), loaded.task,  # --eval-samples caps this one
                               split=cfg.data.eval_split or "test", label_names=data.label_names or None)
-    else:
-        data, held = data.split_off(0.1, seed=cfg.seed)
+    else:  # a held-out tenth of the data: without repeated texts, or it would hold training rows
+        data, held = data.deduplicated().split_off(0.1, seed=cfg.seed)
     if cfg.eval_samples is not None:
         held.examples = held.examples[: cfg.eval_samples]
     train, ev = tokenize(loaded, data, cfg.data.max_length), tokenize(loaded, held, cfg.data.max_length)

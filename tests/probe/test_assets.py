@@ -210,6 +210,8 @@ def test_hub_dataset_names_reach_the_loader(monkeypatch):
         data = load_text_data(DataConfig(dataset=name), "classification")
         assert len(data) == 6 and data.examples[0]["text"] == "sample 0", name
     assert ("imdb", None, "train") in calls and ("glue", "sst2", "train") in calls
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # online, the hub's own reason is the message
+        monkeypatch.delenv(var, raising=False)
     with pytest.raises(AssetError, match=r"cannot load dataset 'nosuch/thing'.*doesn't exist") as e:
         load_text_data(DataConfig(dataset="nosuch/thing"), "classification")
     assert "\n" not in str(e.value)
