@@ -48,13 +48,26 @@ def _electra_mlm(lm: nn.Module, decoder: nn.Linear) -> Callable | None:
     return None
 
 
+def _distilbert_mlm(lm: nn.Module, decoder: nn.Linear) -> Callable | None:
+    if getattr(lm, "vocab_projector", None) is decoder:
+        return lambda h: lm.vocab_layer_norm(lm.activation(lm.vocab_transform(h)))
+    return None
+
+
+def _modernbert_mlm(lm: nn.Module, decoder: nn.Linear) -> Callable | None:
+    if getattr(lm, "decoder", None) is decoder and hasattr(lm, "head"):  # dense, activation, LayerNorm
+        return lm.head
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """What sebp-probe knows of one model family (see the module docstring).
 
     ``targets``: SEBP's default linears (names or dotted suffixes). ``layer``: the transformer layer class the
-    kept-rows last layer computes (None: the labelled-rows head is not offered); ``block`` how that layer runs:
-    ``decoder`` (rotary attention and an MLP) or ``encoder`` (BERT-like); for decoders ``qkv`` (``split``
+    kept-rows last layer computes (None: the labelled-rows head is not offered), ``layers`` the attribute path
+    of the layer stack in the backbone; ``block`` how that layer runs: ``decoder`` (rotary attention and an
+    MLP), ``encoder`` (BERT-like), ``distilbert`` or ``modernbert`` (their encoder layers); for decoders ``qkv`` (``split``
     q/k/v projections or one ``fused`` qkv_proj), ``qk_norm`` (``head``: per-head norms of queries and keys;
     ``full``: over the whole projection) and ``norms_at`` (``pre``: before attention and MLP; ``sandwich``:
     before and after each; ``post``: after each). ``rms_norms``: RMSNorm classes whose forward is Llama's
@@ -70,6 +83,7 @@ class Family:
     targets: tuple[str, ...]
     layer: str | None = None
     block: str | None = None
+    layers: str = "layers"
     qkv: str = "split"
     qk_norm: str | None = None
     norms_at: str = "pre"
@@ -94,8 +108,8 @@ def _decoder(name: str, prefix: str, **kw) -> Family:
 
 def _encoder(name: str, prefix: str, first_token: tuple[str, ...], **kw) -> Family:
     """A BERT-like encoder family (``<prefix>Layer``: attention.self.query..., intermediate, output)."""
-    return Family(name, _BERT_TARGETS, f"{prefix}Layer", "encoder", gelu_mlps=(f"{prefix}Intermediate",),
-                  packed=True, first_token=first_token, **kw)
+    return Family(name, _BERT_TARGETS, f"{prefix}Layer", "encoder", "encoder.layer",
+                  gelu_mlps=(f"{prefix}Intermediate",), packed=True, first_token=first_token, **kw)
 
 
 FAMILIES: dict[str, Family] = {
@@ -116,9 +130,13 @@ FAMILIES: dict[str, Family] = {
     "bert": _encoder("BERT", "Bert", ("bert", "pooler"), mlm=_bert_mlm),
     "roberta": _encoder("RoBERTa", "Roberta", ("classifier",), position_offset=True, mlm=_roberta_mlm),
     "electra": _encoder("ELECTRA", "Electra", ("classifier",), mlm=_electra_mlm),
-    # SEBP on their projections and LayerNorms; the last layer (another structure each) runs whole
-    "distilbert": Family("DistilBERT", ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2")),
-    "modernbert": Family("ModernBERT", ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo")),
+    # packed rows: DistilBERT's classifier reads token 0 inside its forward, ModernBERT's layers half-window
+    "distilbert": Family("DistilBERT", ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"), "TransformerBlock",
+                         "distilbert", "transformer.layer", mlm=_distilbert_mlm),
+    # fused Wqkv and Wi (GeGLU: no SEBP activation); the [CLS]-rows layer with classifier_pooling 'cls' only
+    "modernbert": Family("ModernBERT", ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo"), "ModernBertEncoderLayer",
+                         "modernbert", mlm=_modernbert_mlm),
+    # disentangled attention reads relative positions of every query: its last layer runs whole
     "deberta-v2": Family("DeBERTa-v2/v3", ("query_proj", "key_proj", "value_proj", "attention.output.dense",
                                            "intermediate.dense", "output.dense"),
                          gelu_mlps=("DebertaV2Intermediate",)),

@@ -176,7 +176,7 @@ def _classification(model: nn.Module, batch: Mapping, last_layer_rows_only: bool
         return HeadOutput(model(**batch).loss, n)
     backbone = getattr(unwrap(model), "base_model", None)
     try:
-        kept_rows_family(backbone, "encoder")
+        kept_rows_family(backbone, cls_rows=True)
     except LastLayerError as e:
         raise HeadError(f"the [CLS]-rows last layer for classification: {e}") from None
     b, t = batch["input_ids"].shape

@@ -117,25 +117,35 @@ class KeptRows:
 
 
 def last_layer(backbone: nn.Module) -> nn.Module:
-    """The last layer of a decoder stack (``layers``) or a BERT-like encoder (``encoder.layer``)."""
-    layers = getattr(backbone, "layers", None)
-    if layers is None:
-        layers = getattr(getattr(backbone, "encoder", None), "layer", None)
+    """The last layer of ``backbone``'s stack: where its family's entry says (``layers``), else a decoder stack
+    (``layers``) or a BERT-like encoder (``encoder.layer``)."""
+    family = family_of(backbone)
+    paths = (family.layers,) if family is not None else ("layers", "encoder.layer")
+    layers = None
+    for path in paths:
+        layers = backbone
+        for part in path.split("."):
+            layers = getattr(layers, part, None)
+        if layers is not None:
+            break
     if layers is None or not len(layers):
         raise LastLayerError(f"{type(backbone).__name__} has no layer stack the kept-rows layer knows")
     n = getattr(getattr(backbone, "config", None), "num_hidden_layers", len(layers))
     return layers[n - 1]
 
 
-def kept_rows_family(backbone: nn.Module | None, block: str | None = None) -> Family:
-    """The registry entry of the layer that :func:`last_layer_on_rows` computes for ``backbone`` (of a ``block``
-    kind, when given: ``encoder`` for the [CLS] rows); LastLayerError (one line) where it cannot."""
+def kept_rows_family(backbone: nn.Module | None, cls_rows: bool = False) -> Family:
+    """The registry entry of the layer that :func:`last_layer_on_rows` computes for ``backbone`` (``cls_rows``:
+    an encoder's, for the [CLS] rows of a classifier); LastLayerError (one line) where it cannot."""
     family = family_of(backbone) if backbone is not None else None
     if family is None:
         raise LastLayerError(f"model type {model_type(backbone) if backbone is not None else None!r} has no entry "
                              "in sebp-probe's model families")
-    if family.layer is None or (block is not None and family.block != block):
-        raise LastLayerError(f"the {family.name} entry has no kept-rows {block or 'last'} layer")
+    if family.layer is None or (cls_rows and family.block == "decoder"):
+        raise LastLayerError(f"the {family.name} entry has no kept-rows {'encoder' if cls_rows else 'last'} layer")
+    pooling = getattr(backbone.config, "classifier_pooling", "cls")
+    if cls_rows and pooling != "cls":
+        raise LastLayerError(f"the classifier pools {pooling!r}, every row; the [CLS]-rows layer needs 'cls'")
     layer = last_layer(backbone)
     name = type(layer).__name__
     if name != family.layer:
@@ -143,7 +153,7 @@ def kept_rows_family(backbone: nn.Module | None, block: str | None = None) -> Fa
     impl = getattr(backbone.config, "_attn_implementation", None)
     if impl not in ATTENTION:
         raise LastLayerError(f"the kept-rows last layer needs attention 'sdpa', 'eager' or varlen, not {impl!r}")
-    if family.block == "encoder" and (getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention",
+    if family.block != "decoder" and (getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention",
                                                                                       False)):
         raise LastLayerError(f"{name} is configured as a decoder; the kept-rows layer takes encoders only")
     return family
@@ -158,7 +168,8 @@ def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
     if family.block == "decoder":
         layer.forward = lambda *args, **kwargs: _decoder_forward(layer, family, kept, additive, *args, **kwargs)
     else:
-        layer.forward = lambda *args, **kwargs: _encoder_forward(layer, kept, additive, *args, **kwargs)
+        forward = _ENCODERS[family.block]
+        layer.forward = lambda *args, **kwargs: forward(layer, kept, additive, *args, **kwargs)
     try:
         yield
     finally:
@@ -174,7 +185,8 @@ def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
     extra = {k: v for k, v in (("sliding_window", getattr(attn, "sliding_window", None)),
                                ("softcap", getattr(attn, "attn_logit_softcapping", None))) if v is not None}
-    out, _ = fn(attn, q, k, v, mask, dropout=dropout if attn.training else 0.0, scaling=attn.scaling,
+    scaling = getattr(attn, "scaling", q.shape[-1] ** -0.5)  # ModernBERT keeps none: the default
+    out, _ = fn(attn, q, k, v, mask, dropout=dropout if attn.training else 0.0, scaling=scaling,
                 is_causal=False, **extra)
     return out.reshape(*out.shape[:2], -1)
 
@@ -235,18 +247,71 @@ def _decoder_forward(layer, family: Family, kept: KeptRows, additive: bool, hidd
     return h[None]
 
 
-def _encoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None, *_, **kwargs):
+def _encoder_qkv(attn: nn.Module, linears, head_size: int, hidden_states, kept: KeptRows):
+    """(B, H, Q, hd) queries of the kept rows, (B, H, T, hd) keys and values of every row, from split
+    projections."""
+    b, t, _ = hidden_states.shape
+    xq = kept.queries(hidden_states)
+    q, k, v = linears
+    return (q(xq).view(b, xq.shape[1], -1, head_size).transpose(1, 2),
+            k(hidden_states).view(b, t, -1, head_size).transpose(1, 2),
+            v(hidden_states).view(b, t, -1, head_size).transpose(1, 2))
+
+
+def _padded_only(kwargs) -> None:
     if kwargs.get("cu_seq_lens_q") is not None:
         raise LastLayerError("the kept-rows encoder layer takes padded batches, not a flattened packed row")
+
+
+def _rows_out(h: torch.Tensor, kept: KeptRows, batch: int) -> torch.Tensor:
+    return h.view(batch, -1, h.shape[-1]) if kept.per_sequence else h[None]
+
+
+def _encoder_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None, *_, **kwargs):
+    _padded_only(kwargs)
     if not kept.rows.numel():
         return kept.of(hidden_states)[None]
     attn = layer.attention.self
-    b, t, _ = hidden_states.shape
-    xq = kept.queries(hidden_states)
-    q = attn.query(xq).view(b, xq.shape[1], -1, attn.attention_head_size).transpose(1, 2)
-    k = attn.key(hidden_states).view(b, t, -1, attn.attention_head_size).transpose(1, 2)
-    v = attn.value(hidden_states).view(b, t, -1, attn.attention_head_size).transpose(1, 2)
+    q, k, v = _encoder_qkv(attn, (attn.query, attn.key, attn.value), attn.attention_head_size, hidden_states, kept)
     mask = kept.mask(attention_mask, False, q.dtype, additive)
     out = kept.from_slots(_attend(attn, q, k, v, mask, attn.dropout.p))
     h = layer.feed_forward_chunk(layer.attention.output(out, kept.of(hidden_states)))
-    return h.view(b, -1, h.shape[-1]) if kept.per_sequence else h[None]
+    return _rows_out(h, kept, hidden_states.shape[0])
+
+
+def _distilbert_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None, *_, **kwargs):
+    _padded_only(kwargs)
+    if not kept.rows.numel():
+        return kept.of(hidden_states)[None]
+    attn = layer.attention
+    q, k, v = _encoder_qkv(attn, (attn.q_lin, attn.k_lin, attn.v_lin), attn.attention_head_size, hidden_states, kept)
+    mask = kept.mask(attention_mask, False, q.dtype, additive)
+    out = attn.out_lin(kept.from_slots(_attend(attn, q, k, v, mask, attn.dropout.p)))
+    h = layer.sa_layer_norm(out + kept.of(hidden_states))
+    h = layer.output_layer_norm(layer.ffn(h) + h)
+    return _rows_out(h, kept, hidden_states.shape[0])
+
+
+def _modernbert_forward(layer, kept: KeptRows, additive: bool, hidden_states, attention_mask=None,
+                        position_embeddings=None, *_, **kwargs):
+    _padded_only(kwargs)
+    if not kept.rows.numel():
+        return kept.of(hidden_states)[None]
+    attn = layer.attn
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    x = layer.attn_norm(hidden_states)
+    b, t, _ = x.shape
+    qkv = attn.Wqkv(x).view(b, t, 3, -1, attn.head_dim)  # one GEMM gives all three: the queries are its kept rows
+    q, k, v = kept.queries(qkv[:, :, 0]).transpose(1, 2), qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+    cos, sin = position_embeddings
+    q = rotate(q, q, kept.queries(cos), kept.queries(sin))[0]
+    k = rotate(k, k, cos, sin)[1]
+    mask = kept.mask(attention_mask, False, q.dtype, additive)
+    out = attn.out_drop(attn.Wo(kept.from_slots(_attend(attn, q, k, v, mask, attn.attention_dropout))))
+    h = kept.of(hidden_states) + out
+    h = h + layer.mlp(layer.mlp_norm(h))
+    return _rows_out(h, kept, b)
+
+
+# the encoder layers by their entry's ``block``
+_ENCODERS = {"encoder": _encoder_forward, "distilbert": _distilbert_forward, "modernbert": _modernbert_forward}

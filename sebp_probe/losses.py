@@ -65,7 +65,7 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
     if head == "full":
         return None
     try:
-        kept_rows_family(getattr(base, "base_model", None), "encoder" if task == "classification" else None)
+        kept_rows_family(getattr(base, "base_model", None), cls_rows=task == "classification")
         if task != "classification":
             resolve_head(model, task)
     except (HeadError, ValueError) as e:

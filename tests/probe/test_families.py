@@ -20,7 +20,7 @@ from sebp_probe.patch import patch_sebp, patched_activations
 from sebp_probe.textdata import PadCollator
 from tests.tiny_models import FAMILY_TASKS, family_model
 
-CASES = [*FAMILY_TASKS.items(), ("bert", "mlm"), ("roberta", "mlm"), ("electra", "mlm")]
+CASES = [*FAMILY_TASKS.items(), *((t, "mlm") for t in ("bert", "roberta", "electra", "distilbert", "modernbert"))]
 LENGTHS = (11, 4, 7, 9, 3, 12)
 MAX_LENGTH = 16
 
@@ -154,3 +154,10 @@ def test_a_family_without_an_entry_falls_back_in_one_line_each(caplog):
                      "self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, self_attn.v_proj); choose with "
                      "--targets"]
     _assert_same(want, _loss_and_grads(sebp, lambda: batch_loss(sebp, batch)), _rtol(sebp))
+
+
+def test_a_classifier_that_pools_every_row_keeps_its_own_loss():
+    model = family_model("modernbert", "classification")
+    model.config.classifier_pooling = "mean"
+    assert set_head(model, "classification", "labelled") == (
+        "full", "the classifier pools 'mean', every row; the [CLS]-rows layer needs 'cls'")
