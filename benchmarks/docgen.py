@@ -24,12 +24,18 @@ class DocsError(Exception):
     """A page or a result file that the blocks cannot be made from (one line)."""
 
 
-def block(name: str):
-    """Register the decorated function as the generator of the blocks called ``name``."""
+FROM_CODE: set[str] = set()  # blocks made from the code (a registry), not measured: no results/ caption
+
+
+def block(name: str, from_code: bool = False):
+    """Register the decorated function as the generator of the blocks called ``name`` (``from_code``: its
+    table describes the code, not a measurement)."""
     def register(fn):
         if name in GENERATORS:
             raise ValueError(f"two generators for the block {name!r}")
         GENERATORS[name] = fn
+        if from_code:
+            FROM_CODE.add(name)
         return fn
     return register
 

@@ -11,10 +11,11 @@ measured is typed into the prose. A page holds generated markdown between two ma
     python benchmarks/make_docs.py            # rewrite every block in place
     python benchmarks/make_docs.py --check    # exit 1 with one line naming the stale blocks
 
-The engine is :mod:`docgen`; the generators are in :mod:`blocks_kernels` (docs/kernels.md) and
-:mod:`blocks_results` (README.md, docs/benchmarks.md, docs/finetune.md). To document a new table: put its JSON
+The engine is :mod:`docgen`; the generators are in :mod:`blocks_kernels` (docs/kernels.md),
+:mod:`blocks_results` (README.md, docs/benchmarks.md, docs/finetune.md) and :mod:`blocks_families` (the model
+families of docs/finetune.md, from sebp_probe's registry rather than results/). To document a new table: put its JSON
 in a folder of its own under results/, write a ``@block("NAME")`` generator, and put the markers in the page.
-Standard library only.
+Standard library only, but for the families block, which imports sebp_probe (and so torch).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # docgen and the block modules beside this file
 
-import blocks_kernels  # noqa: E402,F401  (registers its blocks)
+import blocks_families  # noqa: E402,F401  (registers its blocks)
+import blocks_kernels  # noqa: E402,F401
 import blocks_results  # noqa: E402,F401
-from docgen import GENERATORS, MARKER, ROOT, DocsError, Page, pages, render  # noqa: E402,F401
+from docgen import FROM_CODE, GENERATORS, MARKER, ROOT, DocsError, Page, pages, render  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from typing import Optional
 
 import torch
@@ -25,7 +26,8 @@ from .modules import _take_over
 from .registry import if_wanted, placeholder, register, settings
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
-# Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x).
+# Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x);
+# the default of norm_kind / SEBPNorm (sebp_probe passes its model-family registry's classes instead).
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
@@ -233,13 +235,13 @@ def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 
-def norm_kind(module: nn.Module) -> str | None:
-    """``layer`` for an nn.LayerNorm over the last dimension, ``rms`` for a known Hugging Face RMSNorm
-    (:data:`RMS_NORM_CLASSES`), else None."""
+def norm_kind(module: nn.Module, rms_classes: Collection[str] = RMS_NORM_CLASSES) -> str | None:
+    """``layer`` for an nn.LayerNorm over the last dimension, ``rms`` for an RMSNorm of one of the class names
+    ``rms_classes`` (their forward: :func:`sebp_rms_norm`'s formula), else None."""
     if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
         return "layer"
     w = getattr(module, "weight", None)
-    if (type(module).__name__ in RMS_NORM_CLASSES and isinstance(w, nn.Parameter) and w.dim() == 1
+    if (type(module).__name__ in rms_classes and isinstance(w, nn.Parameter) and w.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), float)):
         return "rms"
     return None
@@ -249,11 +251,12 @@ class SEBPNorm(nn.Module):
     """A LayerNorm or RMSNorm (see :func:`norm_kind`) with the SEBP backward, holding the *same* Parameters as
     the module it replaces (same state_dict keys); :meth:`original` gives that module back."""
 
-    def __init__(self, original: nn.Module, config: SEBPConfig | None = None):
+    def __init__(self, original: nn.Module, config: SEBPConfig | None = None,
+                 rms_classes: Collection[str] = RMS_NORM_CLASSES):
         super().__init__()
-        kind = norm_kind(original)
+        kind = norm_kind(original, rms_classes)
         if kind is None:
-            raise TypeError(f"expected an nn.LayerNorm or one of {', '.join(RMS_NORM_CLASSES)}, "
+            raise TypeError(f"expected an nn.LayerNorm or one of {', '.join(rms_classes)}, "
                             f"got {type(original).__name__}")
         self.kind = kind
         self.sebp_config = _check(config)

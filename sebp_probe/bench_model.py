@@ -39,10 +39,9 @@ import torch
 
 from .bench_cases import LAYOUTS, ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
     layout_padding, make_items, sample_lengths, summarize
+from .families import FAMILIES, names
 
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"))
-# Decoders: every projection and the LM head (its rows at label -100 carry no gradient).
-DECODER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 WARMUP = 2
 
 
@@ -86,8 +85,9 @@ def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 def liger_reason(case: ModelCase, device: torch.device) -> str | None:
     """Why the Liger entries cannot run (None: they can)."""
-    if case.arch not in ("llama", "qwen2"):
-        return f"Liger-Kernel has no patch for {case.arch} (its patches are for decoders such as Llama and Qwen2)"
+    if not getattr(FAMILIES.get(case.arch), "liger", False):
+        known = " and ".join(FAMILIES[t].name for t in names(lambda f: f.liger))
+        return f"Liger-Kernel has no patch for {case.arch} here (the benchmark runs its patches for {known})"
     if device.type != "cuda":
         return "Liger-Kernel's Triton kernels need a CUDA GPU"
     try:
@@ -219,8 +219,9 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
 
     from .patch import pad_rows_summary, patch_sebp, unpatch_model
 
-    targets = None if case.task == "classification" else tuple(
-        t for t in DECODER_TARGETS if head == "full" or t != "lm_head")
+    # decoders: every projection, and under the full head the LM head (its rows at label -100 get no gradient)
+    targets = None if case.task == "classification" else \
+        FAMILIES[case.arch].targets + (("lm_head",) if head == "full" else ())
     names = patch_sebp(model, SEBPConfig(mode), target_modules=targets, norms=norms, acts=acts, pad_rows=pad_rows)
     counts = {kind: len(names[kind]) for kind in ("linears", "norms", "acts")}
     zero_rows.enable(keep_dx)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 import typer
@@ -29,11 +30,28 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line without a traceback."""
 
 
+class _Notes(logging.Handler):
+    """Prints each distinct fallback line of the library (:func:`sebp_probe.families.note`) once, on stderr."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.said: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = " ".join(record.getMessage().split())
+        if msg not in self.said:
+            self.said.add(msg)
+            err_console.print(f"[yellow]note:[/yellow] {msg}", highlight=False, soft_wrap=True)
+
+
 def one_line_errors(fn):
-    """Turn expected failures into one line on stderr and a meaningful exit code."""
+    """Turn expected failures into one line on stderr and a meaningful exit code; the library's fallback notes
+    are one line each on stderr too."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        notes, log = _Notes(), logging.getLogger("sebp_probe")
+        log.addHandler(notes)
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
@@ -45,6 +63,8 @@ def one_line_errors(fn):
             msg = " ".join(str(e).split()) or type(e).__name__
             err_console.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_ERROR) from None
+        finally:
+            log.removeHandler(notes)
 
     return wrapper
 
@@ -134,7 +154,7 @@ def finetune_cmd(
     eval_samples: int = typer.Option(1000, "--eval-samples", help="Evaluate on at most this many examples."),
     padding: str = typer.Option("auto", "--padding", help="auto (measure every layout on your batches, dense and "
                                 "SEBP, train with the fastest) | max_length | longest | bucket | packed "
-                                "(padding-free rows; Llama/Qwen decoders, BERT/RoBERTa classifiers)."),
+                                "(padding-free rows, where exact: docs/finetune.md lists the model families; else bucket)."),
     max_length: int = typer.Option(64, "--max-length"),
     batch_size: int = typer.Option(16, "--batch-size", help="Per process (and per micro-batch)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),

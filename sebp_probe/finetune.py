@@ -153,6 +153,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     for note in dict.fromkeys(n for part in data.identity.values() if isinstance(part, dict)
                               for n in part.get("notes", [])):
         emit("note", {"text": note})
+    cfg = _packed_or_bucket(cfg, first)
     if cfg.auto_eps and not resuming:
         first.model.to(acc.device)
     report = _load_report(cfg, first, out, resuming,
@@ -283,6 +284,23 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
 
         payload = broadcast_object_list(payload)
     return PaddingChoice.from_dict(payload[0])
+
+
+def _packed_or_bucket(cfg: FinetuneConfig, first: LoadedModel) -> FinetuneConfig:
+    """``--padding packed`` on a model it cannot run exactly becomes ``bucket`` (the layout nearest to it), said
+    in one line."""
+    if cfg.data.padding != "packed":
+        return cfg
+    from .batching import PackingError
+    from .families import note
+    from .packing import check_packable
+
+    try:
+        check_packable(first.model, first.task)
+    except PackingError as e:
+        note(f"--padding packed runs as --padding bucket: {e}")
+        return replace(cfg, data=replace(cfg.data, padding="bucket"))
+    return cfg
 
 
 def _run_plan(cfg: FinetuneConfig, choice: PaddingChoice | None) -> list[tuple[str, FinetuneConfig]]:

@@ -7,10 +7,11 @@ rows alone, with the projection and cross-entropy fused in chunks (:func:`sebp_k
 Same loss and gradients as the model's own (mean over labelled tokens).
 
 Tasks: ``causal-lm`` (labels shifted by one as the model's loss does; a ``shift_labels`` batch key is taken as
-already shifted) and ``mlm`` (BERT-like ``cls.predictions`` and RoBERTa-like ``lm_head`` heads: transform, then
-the decoder tied to the word embeddings, plus its bias). With ``last_layer_rows_only`` the last transformer
+already shifted; a Gemma logit softcap or a Granite logit divisor applied as the model does) and ``mlm`` (the
+masked-LM heads of the model-family registry, :mod:`sebp_probe.families`: transform, then the decoder tied to
+the word embeddings, plus its bias). With ``last_layer_rows_only`` the last transformer
 layer too runs its position-wise work on the labelled rows only (:mod:`sebp_probe.last_layer`); for
-``classification`` (BERT, RoBERTa) that is the head path's only change: the last layer computes the [CLS] rows,
+``classification`` (BERT-like encoders) that is the head path's only change: the last layer computes the [CLS] rows,
 and the loss is the model's own.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ from torch import nn
 from sebp_kernels import linear_cross_entropy
 from sebp_kernels.linear_ce import labelled_rows
 
-from .last_layer import ENCODER_LAYERS, KeptRows, last_layer, last_layer_on_rows
+from .families import FAMILIES, family_of
+from .last_layer import KeptRows, LastLayerError, kept_rows_family, last_layer_on_rows
 
 IGNORE_INDEX = -100
 HEAD_TASKS = ("causal-lm", "mlm", "classification")
@@ -55,6 +57,7 @@ class _Head:
     backbone: nn.Module
     decoder: nn.Linear
     transform: Callable[[torch.Tensor], torch.Tensor] | None
+    softcap: float | None = None  # logits = tanh(logits / softcap) * softcap (Gemma)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -70,10 +73,19 @@ def resolve_head(model: nn.Module, task: str) -> _Head:
         raise HeadError(f"the linear head path takes task {' or '.join(HEAD_TASKS[:2])}, not {task!r}")
     lm = unwrap(model)
     cfg = getattr(lm, "config", None)
+    family = family_of(lm)
+    softcap = divisor = None
     for c in (cfg, getattr(cfg, "text_config", None)):
         for name in _LOGIT_TRANSFORMS:
             value = getattr(c, name, None)
-            if value is not None and value != 1 and value is not False:
+            if value is None or value == 1 or value is False:
+                continue
+            if task == "causal-lm" and family is not None and family.logit_softcap \
+                    and name == "final_logit_softcapping":
+                softcap = float(value)
+            elif task == "causal-lm" and family is not None and name == family.logit_divisor:
+                divisor = float(value)
+            else:
                 raise HeadError(f"{type(lm).__name__} transforms its logits ({name} = {value}); the head path "
                                 "computes a plain linear head only")
     backbone = getattr(lm, "base_model", None)
@@ -82,20 +94,22 @@ def resolve_head(model: nn.Module, task: str) -> _Head:
         raise HeadError(f"{type(lm).__name__} has no backbone with a plain nn.Linear output layer (a LoRA or "
                         "otherwise wrapped head is not supported)")
     if task == "causal-lm":
-        return _Head(backbone, decoder, None)
+        if divisor is not None and decoder.bias is not None:
+            raise HeadError(f"{type(lm).__name__} divides the logits of a head with a bias; the head path "
+                            "computes a plain linear head only")
+        # (h / d) W^T = (h W^T) / d: the divisor goes onto the rows before the fused head
+        return _Head(backbone, decoder, None if divisor is None else lambda h: h / divisor, softcap)
     return _Head(backbone, decoder, _mlm_transform(lm, decoder))
 
 
 def _mlm_transform(lm: nn.Module, decoder: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    predictions = getattr(getattr(lm, "cls", None), "predictions", None)
-    if predictions is not None and predictions.decoder is decoder:  # BERT: dense, activation, LayerNorm
-        return predictions.transform
-    head = getattr(lm, "lm_head", None)
-    if head is not None and getattr(head, "decoder", None) is decoder and type(head).__name__ == "RobertaLMHead":
-        from transformers.activations import gelu
-
-        return lambda h: head.layer_norm(gelu(head.dense(h)))
-    raise HeadError(f"{type(lm).__name__}: the head path knows the masked-LM heads of BERT and RoBERTa only")
+    family = family_of(lm)
+    transform = family.mlm(lm, decoder) if family is not None and family.mlm is not None else None
+    if transform is None:
+        known = [f.name for f in FAMILIES.values() if f.mlm is not None]
+        raise HeadError(f"{type(lm).__name__}: the head path knows the masked-LM heads of "
+                        f"{', '.join(known[:-1])} and {known[-1]} only")
+    return transform
 
 
 def backbone_inputs(batch: Mapping) -> dict:
@@ -161,8 +175,10 @@ def _classification(model: nn.Module, batch: Mapping, last_layer_rows_only: bool
     if not last_layer_rows_only:
         return HeadOutput(model(**batch).loss, n)
     backbone = getattr(unwrap(model), "base_model", None)
-    if backbone is None or type(last_layer(backbone)).__name__ not in ENCODER_LAYERS:
-        raise HeadError("the [CLS]-rows last layer for classification knows BERT and RoBERTa encoders only")
+    try:
+        kept_rows_family(backbone, cls_rows=True)
+    except LastLayerError as e:
+        raise HeadError(f"the [CLS]-rows last layer for classification: {e}") from None
     b, t = batch["input_ids"].shape
     with last_layer_on_rows(backbone, KeptRows.first_rows(b, t, batch["input_ids"].device)):
         return HeadOutput(model(**batch).loss, n)
@@ -174,8 +190,14 @@ def _decode(head: _Head, h: torch.Tensor, labels: torch.Tensor, num_items, label
     if head.transform is not None:
         h = head.transform(h)
     reduction = "mean" if num_items is None else "sum"
-    loss = linear_cross_entropy(h, head.decoder.weight, labels, head.decoder.bias, ignore_index=IGNORE_INDEX,
-                                label_smoothing=label_smoothing, reduction=reduction, chunk_rows=chunk_rows)
+    if head.softcap is not None:  # not a linear head: the capped logits of the labelled rows, as the model's loss
+        logits = head.decoder(h)
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    else:
+        loss = linear_cross_entropy(h, head.decoder.weight, labels, head.decoder.bias, ignore_index=IGNORE_INDEX,
+                                    label_smoothing=label_smoothing, reduction=reduction, chunk_rows=chunk_rows)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     return HeadOutput(loss, labels.numel())

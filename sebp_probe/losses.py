@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from .families import note
 from .heads import HeadError, head_loss, resolve_head
-from .last_layer import ENCODER_LAYERS, last_layer
+from .last_layer import kept_rows_family
 from .packing import packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")
@@ -64,11 +65,8 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
     if head == "full":
         return None
     try:
-        if task == "classification":
-            backbone = getattr(base, "base_model", None)
-            if backbone is None or type(last_layer(backbone)).__name__ not in ENCODER_LAYERS:
-                raise HeadError("the [CLS]-rows last layer knows BERT and RoBERTa encoders only")
-        else:
+        kept_rows_family(getattr(base, "base_model", None), cls_rows=task == "classification")
+        if task != "classification":
             resolve_head(model, task)
     except (HeadError, ValueError) as e:
         return str(e)
@@ -86,6 +84,8 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
            "torch.compile would break its graph at the host-side row count" if compiled else None)
     if head == "labelled" and why is None:
         why = use_head(model, task, head)
+        if why is not None:
+            note(f"--head labelled runs as --head full (the model's own loss): {why}")
     if head == "labelled" and why is not None:
         use_head(model, task, "full")
         return "full", why

@@ -3,16 +3,17 @@ sequences padded: attention never crosses a sequence, positions restart for each
 
 Two attention layouts (``backend``):
 
-- ``mask``: the collator's rows. Decoders (Llama, Qwen2, Qwen3) get ``position_ids`` and no attention mask:
+- ``mask``: the collator's rows. Decoders (the families of :mod:`sebp_probe.families` marked ``packed``) get
+  ``position_ids`` and no attention mask:
   transformers then builds a causal mask per sequence from where the positions restart (only without a cache,
-  hence ``use_cache=False``). Encoders (BERT, RoBERTa) get an additive 4-D mask, 0 within a sequence and the
+  hence ``use_cache=False``). Encoders (BERT-like) get an additive 4-D mask, 0 within a sequence and the
   dtype's minimum elsewhere (a boolean 4-D mask would be added as 0/1 by eager attention).
 - ``varlen``: the rows' real tokens flattened into one row, attention per sequence by flash attention's
   variable-length kernel (``torch.nn.attention.varlen.varlen_attn``) given the sequences' offsets; no padding
   and no mask at all. CUDA with bf16/fp16 only, chosen by default where it can run (:func:`attention_backend`).
 
 A classifier's loss is over sequences: each sequence's first token ([CLS], <s>) is what the model's own pooler
-(BERT) or classification head (RoBERTa) reads, gathered by a hook on that module, so the model's head and loss
+(BERT) or classification head (RoBERTa, ELECTRA) reads (the registry's ``first_token`` module), gathered by a hook on that module, so the model's head and loss
 run unchanged on one row per sequence.
 """
 from __future__ import annotations
@@ -25,11 +26,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .batching import PackingError
+from .families import FAMILIES, family_of, names
 
-DECODERS = ("llama", "qwen2", "qwen3")
-ENCODER_HEADS = {"bert": ("bert", "pooler"), "roberta": ("classifier",)}  # the module that reads token 0
 VARLEN = "sebp_varlen"  # the attention implementation name under which varlen runs (sdpa for other calls)
-OTHER_STRATEGIES = "use padding 'longest', 'bucket' or 'max_length'"
+OTHER_STRATEGIES = "use --padding bucket, longest or max_length"
 
 
 def _find_kernel() -> Callable | None:
@@ -61,13 +61,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _kind(base: torch.nn.Module) -> str:
-    mt, name = base.config.model_type, type(base).__name__
-    if mt in DECODERS and name.endswith("ForCausalLM"):
+    family, name = family_of(base), type(base).__name__
+    if family is not None and family.packed and family.block == "decoder" and name.endswith("ForCausalLM"):
         return "decoder"
-    if mt in ENCODER_HEADS and name.endswith("ForSequenceClassification"):
+    if family is not None and family.packed and family.first_token and name.endswith("ForSequenceClassification"):
         return "encoder"
-    raise PackingError(f"padding 'packed' runs exactly only on {', '.join(DECODERS)} causal LMs and "
-                       f"{', '.join(ENCODER_HEADS)} classifiers, not {name}; {OTHER_STRATEGIES}")
+    decoders = names(lambda f: f.packed and f.block == "decoder")
+    encoders = names(lambda f: f.packed and f.first_token)
+    raise PackingError(f"padding 'packed' runs exactly only on {', '.join(decoders)} causal LMs and "
+                       f"{', '.join(encoders)} classifiers, not {name}; {OTHER_STRATEGIES}")
 
 
 def check_packable(model: torch.nn.Module, task: str) -> None:
@@ -219,7 +221,7 @@ def _first_tokens(base: torch.nn.Module, index: torch.Tensor | None) -> Iterator
         yield
         return
     head = base
-    for name in ENCODER_HEADS[base.config.model_type]:
+    for name in FAMILIES[base.config.model_type].first_token:
         head = getattr(head, name)
     if not head.__dict__.get("_sebp_gather_hook"):
         head.register_forward_pre_hook(_gather_first_tokens)
@@ -248,7 +250,7 @@ def packed_call(model: torch.nn.Module, batch: dict, backend: str | None = None,
     backend = backend or attention_backend(model)
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     cu, flat = batch["cu_seqlens"], batch["flat_index"]
-    if base.config.model_type == "roberta":  # its positions count from padding_idx + 1
+    if FAMILIES[base.config.model_type].position_offset:  # RoBERTa: positions count from padding_idx + 1
         pos = pos + (base.config.pad_token_id + 1)
     if backend == "varlen":
         enable_varlen(base)

@@ -20,11 +20,8 @@ from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_k
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, PadRows
 
-# Attention and MLP projections of BERT/RoBERTa (``query``... ``output.dense``) and Llama/Qwen2/Qwen3.
-DEFAULT_TARGETS: tuple[str, ...] = (
-    "query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense",
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
+from .families import Family, family_of, model_type, note
+
 # Output heads: left dense by "all-linear" unless named explicitly.
 HEAD_NAMES: tuple[str, ...] = ("classifier", "classification_head", "lm_head", "score", "qa_outputs", "cls",
                                "head", "pooler")
@@ -87,7 +84,8 @@ def find_targets(
 ) -> list[str]:
     """Full names of the linear modules that patching would swap (checked, see :func:`patch_model`)."""
     explicit = target_modules is not None
-    patterns = _as_list(target_modules) if explicit else list(DEFAULT_TARGETS)
+    family = None if explicit else family_of(model)
+    patterns = _as_list(target_modules) if explicit else list(family.targets) if family else []
     excludes = _as_list(exclude_modules)
     modules = dict(model.named_modules())
     linear_names = [n for n, m in modules.items() if _is_plain_linear(m)]
@@ -116,16 +114,28 @@ def find_targets(
             raise PatchError(f"target {pattern!r} matches no linear layer; linear layers are: {sample}")
         chosen.extend(h for h in hits if h not in chosen)
 
+    if not explicit and not chosen and any(not _is_head(_logical_name(n)) for n in linear_names):
+        # a family without an entry, or whose projections have other names
+        chosen = [n for n in linear_names if not _is_head(_logical_name(n))]
+        what = f"model type {model_type(model)!r} has no entry" if family is None else \
+            f"none of the {family.name} projections is in this model"
+        kinds = sorted({_layer_kind(_logical_name(n)) for n in chosen})
+        note(f"{what}: SEBP targets every linear but the output head ({', '.join(kinds)}); choose with --targets")
     chosen = [n for n in chosen if not any(name_matches(_logical_name(n), p) or name_matches(n, p)
                                            for p in excludes)]
     if filter_fn is not None:
         chosen = [n for n in chosen if filter_fn(modules[n], _logical_name(n))]
     if not explicit and not chosen and not excludes and filter_fn is None:
-        raise PatchError(
-            "none of the default targets (attention/MLP projections of BERT, RoBERTa, Llama, Qwen) is in "
-            "this model; pass target_modules (a name, suffix, regex or 'all-linear')"
-        )
+        raise PatchError("this model has no nn.Linear layer but its output head (SEBP swaps nn.Linear layers); "
+                         "name the layers with --targets")
     return chosen
+
+
+def _layer_kind(name: str) -> str:
+    """A module name without the part up to its layer index (``h.3.attn.c_attn`` -> ``attn.c_attn``)."""
+    parts = name.split(".")
+    idx = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[idx[-1] + 1:]) if idx and idx[-1] + 1 < len(parts) else name
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -291,12 +301,14 @@ def unpatch_model(model: nn.Module) -> list[str]:
 
 
 def patch_norms(model: nn.Module, config: SEBPConfig | None = None) -> list[str]:
-    """Swap every LayerNorm and known Hugging Face RMSNorm (Llama, Qwen2/3, Mistral) of ``model`` for an
+    """Swap every LayerNorm and every RMSNorm its family's entry lists (:mod:`.families`) of ``model`` for an
     SEBPNorm (same Parameters; exact mode: the same gradients), whose backward skips the zero rows of dL/dY;
     return their names. Already swapped norms are left as they are."""
-    names = [n for n, m in model.named_modules() if n and norm_kind(m) is not None]
+    family = family_of(model)
+    rms = family.rms_norms if family else ()
+    names = [n for n, m in model.named_modules() if n and norm_kind(m, rms) is not None]
     for name in names:
-        _set_submodule(model, name, SEBPNorm(model.get_submodule(name), config))
+        _set_submodule(model, name, SEBPNorm(model.get_submodule(name), config, rms))
     return names
 
 
@@ -305,26 +317,24 @@ def patched_layers(model: nn.Module) -> dict[str, SEBPConfig]:
     return {n: m.sebp_config for n, m in model.named_modules() if isinstance(m, SEBPLinear)}
 
 
-# Hugging Face gated MLPs whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers 5.x)
-GATED_MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
-
-
 def _linear_of(m: nn.Module) -> nn.Module:
     """The module that runs the GEMM: a peft LoRA layer's base layer, else ``m`` itself."""
     return getattr(m, "base_layer", m)
 
 
-def activation_kind(module: nn.Module) -> str | None:
-    """``swiglu`` for a known gated MLP with SiLU, ``gelu`` for a BERT/RoBERTa-style ``...Intermediate`` (a
-    ``dense`` linear, then erf GELU), else None."""
+def activation_kind(module: nn.Module, family: Family | None) -> str | None:
+    """``swiglu`` for a gated MLP of ``family``'s entry with SiLU, ``gelu`` for a BERT-like intermediate of its
+    entry (a ``dense`` linear, then erf GELU), else None."""
     name = type(module).__name__
-    if name in GATED_MLP_CLASSES:
+    if family is None:
+        return None
+    if name in family.gated_mlps:
         act = getattr(module, "act_fn", None)
         if (type(act).__name__ in ("SiLUActivation", "SiLU")
                 and all(isinstance(_linear_of(getattr(module, p, None)), nn.Linear)
                         for p in ("gate_proj", "up_proj", "down_proj"))):
             return "swiglu"
-    if name.endswith("Intermediate") and isinstance(_linear_of(getattr(module, "dense", None)), nn.Linear):
+    if name in family.gelu_mlps and isinstance(_linear_of(getattr(module, "dense", None)), nn.Linear):
         act = getattr(module, "intermediate_act_fn", None)
         if type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is F.gelu:
             return "gelu"
@@ -351,9 +361,9 @@ def patch_activations(model: nn.Module) -> list[str]:
     state_dict keys do not change. Call it after :func:`patch_model` (it hands the rows to the SEBPLinears
     present now; an MLP without any does not work them out); calling it again refreshes that. Returns the MLP
     modules' names."""
-    names = []
+    names, family = [], family_of(model)
     for name, module in model.named_modules():
-        kind = activation_kind(module)
+        kind = activation_kind(module, family)
         if kind is None:
             continue
         hint = vars(module).get("_sebp_act_hint")
@@ -371,11 +381,11 @@ def patch_activations(model: nn.Module) -> list[str]:
 
 def unpatch_activations(model: nn.Module) -> list[str]:
     """Undo :func:`patch_activations`; return the MLP modules' names."""
-    names = []
+    names, family = [], family_of(model)
     for name, module in model.named_modules():
         if "_sebp_act_hint" not in vars(module):
             continue
-        kind = activation_kind(module)
+        kind = activation_kind(module, family)
         del module._sebp_act_hint
         vars(module).pop("_sebp_act_rows", None)
         vars(module).pop("forward", None)

@@ -62,3 +62,60 @@ def padded_batch(arch: str, lengths=(11, 4, 7), side: str = "right", seed: int =
         first = mask.argmax(dim=1)  # the first real token is predicted by the position before it: no loss there
         labels[torch.arange(len(lengths)), first] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# One tiny config per family of sebp_probe.families (model type -> the task its test trains), and one family
+# without an entry (OPT), for tests/probe/test_families.py and tests/cli/test_families_cli.py.
+FAMILY_TASKS = {
+    "llama": "causal-lm", "mistral": "causal-lm", "qwen2": "causal-lm", "qwen3": "causal-lm", "phi3": "causal-lm",
+    "gemma2": "causal-lm", "gemma3_text": "causal-lm", "olmo2": "causal-lm", "granite": "causal-lm",
+    "bert": "classification", "roberta": "classification", "electra": "classification",
+    "distilbert": "classification", "modernbert": "classification", "deberta-v2": "classification",
+}
+
+
+def family_config(model_type: str, vocab_size: int = 120, pad: int = 0, cls: int = 1, sep: int = 2):
+    """A tiny config of ``model_type`` (2 layers, width 32, no dropout) whose family-specific parts are on: sliding
+    windows shorter than a sequence, logit softcaps, Granite's multipliers, DeBERTa-v3's relative attention."""
+    from transformers import AutoConfig
+
+    ids = dict(pad_token_id=pad, bos_token_id=cls, eos_token_id=sep)
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=40, max_position_embeddings=128)
+    no_drop = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    dec = dict(common, num_key_value_heads=2, **ids)
+    kw = {
+        "llama": dec, "qwen2": dec, "olmo2": dec, "phi3": dec,
+        "mistral": dict(dec, sliding_window=6),
+        "qwen3": dict(dec, head_dim=8),
+        "gemma2": dict(dec, head_dim=8, sliding_window=6, query_pre_attn_scalar=8, final_logit_softcapping=0.05,
+                       attn_logit_softcapping=0.05),
+        "gemma3_text": dict(dec, head_dim=8, sliding_window=6, query_pre_attn_scalar=8,
+                            layer_types=["sliding_attention", "full_attention"]),
+        "granite": dict(dec, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                        embedding_multiplier=2.0),
+        "bert": dict(common, **no_drop, pad_token_id=pad),
+        "electra": dict(common, **no_drop, pad_token_id=pad, embedding_size=24),
+        "roberta": dict(common, **no_drop, pad_token_id=pad, max_position_embeddings=128 + pad + 1),
+        "distilbert": dict(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=40, dropout=0.0,
+                           attention_dropout=0.0, seq_classif_dropout=0.0, max_position_embeddings=128,
+                           pad_token_id=pad),
+        "modernbert": dict(common, **ids, cls_token_id=cls, sep_token_id=sep, global_attn_every_n_layers=2,
+                           local_attention=8, attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0),
+        "deberta-v2": dict(common, **no_drop, pad_token_id=pad, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                           position_biased_input=False, max_relative_positions=-1, position_buckets=16,
+                           norm_rel_ebd="layer_norm", share_att_key=True),
+        "opt": dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=40,
+                    word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0, **ids),
+    }[model_type]
+    return AutoConfig.for_model(model_type, **kw, num_labels=3)
+
+
+def family_model(model_type: str, task: str, dtype: torch.dtype = torch.float32, seed: int = 0, **ids):
+    """A tiny model of ``model_type`` for ``task`` (causal-lm, mlm or classification), in training mode."""
+    from transformers import AutoModelForMaskedLM
+
+    torch.manual_seed(seed)
+    auto = {"causal-lm": AutoModelForCausalLM, "mlm": AutoModelForMaskedLM,
+            "classification": AutoModelForSequenceClassification}[task]
+    return auto.from_config(family_config(model_type, **ids), dtype=dtype).train()

@@ -183,7 +183,7 @@ def test_refuses_heads_it_cannot_compute():
         head_loss(model, padded_batch("llama"))
     with pytest.raises(HeadError, match="^the linear head path takes task causal-lm or mlm, not 'seq2seq'$"):
         head_loss(causal_model("llama"), padded_batch("llama"), "seq2seq")
-    with pytest.raises(HeadError, match="masked-LM heads of BERT and RoBERTa"):
+    with pytest.raises(HeadError, match="masked-LM heads of BERT, RoBERTa, ELECTRA, DistilBERT and ModernBERT only"):
         head_loss(causal_model("llama"), padded_batch("llama"), "mlm")
     peft = pytest.importorskip("peft")
     lora_head = peft.get_peft_model(causal_model("llama"), peft.LoraConfig(r=2, target_modules=["lm_head"]))

@@ -155,7 +155,7 @@ def test_refusals_leave_the_layer_as_it_was():
         assert "forward" in vars(layer)
         raise RuntimeError("boom")
     assert "forward" not in vars(layer)
-    with pytest.raises(HeadError, match="BERT and RoBERTa encoders only"):
+    with pytest.raises(HeadError, match="the Llama entry has no kept-rows encoder layer"):
         head_loss(tiny_model("llama"), batch, "classification", last_layer_rows_only=True)
 
 

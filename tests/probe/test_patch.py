@@ -120,11 +120,15 @@ def test_bad_requests_fail_at_patch_time(kwargs, msg):
     assert not any(isinstance(m, SEBPLinear) for m in model.modules())
 
 
-def test_model_without_default_targets_is_an_error():
+def test_model_of_no_known_family_gets_every_linear_but_its_head(caplog):
     seq = nn.Sequential(nn.Linear(3, 3))
-    with pytest.raises(PatchError, match="default targets"):
-        patch_model(seq)
-    assert patch_model(seq, target_modules="all-linear") == ["0"]
+    seq.classifier = nn.Linear(3, 2)
+    with caplog.at_level("WARNING", logger="sebp_probe"):
+        assert patch_model(seq) == ["0"]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "every linear but the output head (0)" in line and "--targets" in line and "target_modules" not in line
+    with pytest.raises(PatchError, match="no nn.Linear layer but its output head"):
+        patch_model(nn.Sequential(nn.ReLU()))
 
 
 def test_lora_base_layer_gets_sebp_and_no_dw():

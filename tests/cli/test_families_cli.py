@@ -1,0 +1,85 @@
+"""The default commands on every family of the registry (sebp_probe.families), as a new user runs them: a tiny
+model of the family saved as a local directory with a tokenizer, `analyze` and `finetune --compare` with no
+--targets or --head, on packed batches where the family allows them (else bucket, said in one line); SEBP
+trains exactly as dense. A family without an entry (OPT) runs with its fallbacks, each said once."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from typer.testing import CliRunner
+
+from sebp_probe.cli import app
+from sebp_probe.families import FAMILIES
+from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
+from tests.tiny_models import FAMILY_TASKS, family_config
+
+SIZES = ["--max-samples", "24", "--batch-size", "8", "--max-length", "24"]
+
+
+def _save(model_type: str, path: Path) -> str:
+    from sebp_probe.assets import minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    cfg = family_config(model_type, tok.vocab_size, tok.pad_token_id, tok.cls_token_id, tok.sep_token_id)
+    auto = AutoModelForCausalLM if FAMILY_TASKS.get(model_type, "causal-lm") == "causal-lm" \
+        else AutoModelForSequenceClassification
+    auto.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _notes(result) -> list[str]:
+    return [x for x in result.stderr.splitlines() if x.startswith("note: ")]
+
+
+def _commands(model: str, out: Path):
+    runner = CliRunner()
+    analyze = runner.invoke(app, ["analyze", model, "tweets", *SIZES, "--max-batches", "1", "--json"])
+    finetune = runner.invoke(app, ["finetune", model, "tweets", *SIZES, "--compare", "--max-steps", "2",
+                                   "--eval-samples", "8", "--padding", "packed", "-o", str(out), "--json"])
+    return analyze, finetune
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", list(FAMILY_TASKS))
+def test_default_commands_run_and_sebp_trains_as_dense(model_type, tmp_path):
+    family = FAMILIES[model_type]
+    analyze, finetune = _commands(_save(model_type, tmp_path / "model"), tmp_path / "run")
+    assert analyze.exit_code == 0, analyze.output
+    report = json.loads(analyze.stdout)
+    assert report["model"]["model_type"] == model_type and report["layers"]
+    assert finetune.exit_code == 0, finetune.output
+    summary = json.loads(finetune.stdout)
+    assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5
+    sebp = summary["runs"]["sebp"]
+    assert sebp["padding"] == ("packed" if family.packed else "bucket")
+    notes = _notes(finetune)
+    assert all("--targets" not in n for n in notes)  # the entry's projections are found
+    if not family.packed:
+        assert any(n.startswith("note: --padding packed runs as --padding bucket:") for n in notes), notes
+    if family.layer is None:
+        assert any(n.startswith("note: --head labelled runs as --head full") for n in notes), notes
+    assert len(notes) == len(set(notes))
+
+
+@pytest.mark.slow
+def test_a_family_without_an_entry_runs_with_one_line_per_fallback(tmp_path):
+    analyze, finetune = _commands(_save("opt", tmp_path / "model"), tmp_path / "run")
+    assert analyze.exit_code == 0, analyze.output
+    assert _notes(analyze) == ["note: model type 'opt' has no entry: SEBP targets every linear but the output head "
+                               "(fc1, fc2, self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, "
+                               "self_attn.v_proj); choose with --targets"]
+    assert finetune.exit_code == 0, finetune.output
+    summary = json.loads(finetune.stdout)
+    assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5 and summary["runs"]["sebp"]["padding"] == "bucket"
+    notes = _notes(finetune)
+    assert len(notes) == 3 and len(set(notes)) == 3, notes
+    assert notes[0].startswith("note: --padding packed runs as --padding bucket: padding 'packed' runs exactly "
+                               "only on llama")
+    assert any(n.startswith("note: model type 'opt' has no entry: SEBP targets every linear") for n in notes)
+    assert "note: --head labelled runs as --head full (the model's own loss): model type 'opt' has no entry in " \
+           "sebp-probe's model families" in notes
+    assert not any("target_modules" in n or "backend=" in n for n in notes)
