@@ -97,10 +97,7 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
                          callbacks=[timer])
     result = {"variant": variant}
     if variant.startswith("sebp"):
-        handle = apply_sebp(trainer)
-        result["sebp"] = {"head": handle.head, "reason": handle.reason, "layers": len(handle.layers),
-                          "fallback_dense": len(handle.calibration.fallback),
-                          "fallback_reason": handle.calibration.reason}
+        result["sebp"] = apply_sebp(trainer).to_dict()  # the head, and the calibration: layers kept, densities
     trainer.train()
     ends = timer.ends[max(opts.warmup - 1, 0):]  # from the end of the last warm-up step
     times = [b - a for a, b in zip(ends, ends[1:])]

@@ -39,6 +39,7 @@ def test_tiny_bench_writes_its_json(bench, tmp_path, isolated):
     plain, sebp, liger = doc["results"]
     assert liger["variant"] == "liger+compile" and liger["error"]  # no Liger here, and no compile on a CPU
     assert plain["steps_per_s"] > 0 and sebp["steps_per_s"] > 0 and len(plain["step_ms"]) == 2
-    assert sebp["sebp"]["head"] == "labelled" and doc["ratios"]["sebp/plain"] > 0
+    assert sebp["sebp"]["head"] == "labelled" and len(sebp["sebp"]["calibration"]["density"]) == 14
+    assert doc["ratios"]["sebp/plain"] > 0
     assert len(plain["loss"]) == 3
     assert all(abs(a - b) <= 1e-4 * max(1.0, a) for a, b in zip(plain["loss"], sebp["loss"]))
