@@ -111,16 +111,9 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         return done
     why = _unchanged_because(trainer)
     model = getattr(trainer, "model", None)
-    report_layers = _report_layers(report, model, backend) if why is None else None
     cands = {}
     if why is None:
-        cfg = FinetuneConfig(targets=tuple(targets) if targets else None, backend=backend)
-        try:
-            cands = calib.candidate_layers(model, cfg, report_layers)
-        except PatchError as e:
-            if targets:  # the user named them: their mistake, not an unknown model
-                raise
-            why = str(e)
+        cands, why = _candidates(model, report, targets, backend)
     if why is not None:
         log.warning(f"sebp_probe: the trainer runs unchanged: {why}")
         return SEBPTrainer(trainer, applied=False, reason=why)
@@ -193,14 +186,23 @@ def _loss_blocker(trainer, model) -> str | None:
     return None
 
 
-def _report_layers(report, model, backend: str) -> dict[str, SEBPConfig] | None:
-    if report is None:
-        return None
-    from ..report import check_report_for_model, layer_configs_from_report, load_report, validate_report
+def _candidates(model, report, targets: list[str] | None, backend: str) -> tuple[dict[str, SEBPConfig], str | None]:
+    """The layers calibration chooses from (those of ``report``, else ``targets`` in exact mode), or why the
+    model has none it knows. A bad report or ``targets`` naming nothing raise: the caller's mistake."""
+    report_layers = None
+    if report is not None:
+        from ..report import check_report_for_model, layer_configs_from_report, load_report, validate_report
 
-    report = validate_report(dict(report)) if isinstance(report, Mapping) else load_report(report)
-    check_report_for_model(report, model)
-    return layer_configs_from_report(report, backend=backend)
+        report = validate_report(dict(report)) if isinstance(report, Mapping) else load_report(report)
+        check_report_for_model(report, model)
+        report_layers = layer_configs_from_report(report, backend=backend)
+    cfg = FinetuneConfig(targets=tuple(targets) if targets else None, backend=backend)
+    try:
+        return calib.candidate_layers(model, cfg, report_layers), None
+    except PatchError as e:
+        if targets:
+            raise
+        return {}, str(e)
 
 
 def _first_batches(trainer, n: int) -> list[dict]:
