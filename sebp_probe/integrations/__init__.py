@@ -1,0 +1,1 @@
+"""Entry points for other training loops: :mod:`.hf` (Hugging Face ``Trainer`` and TRL's ``SFTTrainer``)."""

@@ -1,0 +1,294 @@
+"""SEBP in a Hugging Face ``Trainer`` or TRL ``SFTTrainer``: one call applies what ``finetune`` applies.
+
+    from sebp_probe.integrations.hf import apply_sebp
+
+    trainer = SFTTrainer(model=model, args=SFTConfig(...), train_dataset=data, processing_class=tokenizer)
+    sebp = apply_sebp(trainer)   # calibrates on the trainer's first batches, patches the model, takes the loss
+    trainer.train()
+    sebp.undo()                  # the plain model and the trainer's own loss again
+
+What :func:`apply_sebp` does, as a ``finetune`` run does before its first step:
+
+- the head (:mod:`sebp_probe.losses`): with ``head="labelled"`` the training loss of a causal LM (or masked LM)
+  runs the output layer and the last transformer layer on the labelled rows only
+  (:func:`sebp_probe.heads.head_loss`), with the trainer's ``num_items_in_batch`` (so gradient accumulation
+  divides as the trainer does), its label smoothing, completion-only labels and TRL's padding-free batches
+  (one flattened row, ``position_ids`` and ``cu_seq_lens_q``); a BERT/RoBERTa classifier's last layer computes
+  its [CLS] rows only, under the trainer's own loss. Evaluation keeps the trainer's own loss.
+- the SEBP layers (:mod:`sebp_probe.calibration`): the candidates (``targets``, by default the attention and
+  MLP projections, in exact mode; or each layer's setting from an ``analyze`` report) that the calibration on
+  the trainer's first batches finds worth it, patched in place (same Parameters: an optimizer, peft LoRA and
+  checkpoints see the same model).
+
+Where the labelled-rows loss would not equal the trainer's (TRL's ``loss_type="dft"``, a MoE auxiliary loss,
+peft prompt learning, several processes, ``torch_compile=True``, a head the path does not know), the trainer's
+own loss runs with the SEBP layers, and one warning line says why. A trainer whose loss is not the library's
+(a subclass with its own ``compute_loss``, a ``compute_loss_func``), one that builds its model when training
+starts (``model_init``) or patches it then (``use_liger_kernel``), or a model without a known layer to patch,
+gets one warning line and runs unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from itertools import islice
+
+import torch
+
+from sebp_kernels import SEBPConfig
+
+from .. import calibration as calib
+from ..config import FinetuneConfig
+from ..heads import HeadError, head_loss, unwrap
+from ..last_layer import KeptRows, last_layer_on_rows
+from ..losses import HEADS, _task_of, set_head, use_head
+from ..patch import PatchError, patched_activations, unpatch_model
+
+log = logging.getLogger(__name__)
+_HANDLE = "_sebp_handle"  # on the trainer: the handle of the call that changed it
+
+
+@dataclass
+class SEBPTrainer:
+    """What :func:`apply_sebp` did to ``trainer``: ``applied`` (False: it runs unchanged, ``reason`` says why),
+    the ``head`` its training loss runs (``labelled`` or ``full``; ``reason`` says why not the one asked for),
+    and the ``calibration`` (which layers run SEBP, their measured densities and backward times)."""
+
+    trainer: object
+    applied: bool
+    head: str | None = None
+    reason: str | None = None
+    calibration: calib.Calibration | None = None
+    task: str | None = None
+
+    @property
+    def layers(self) -> dict[str, SEBPConfig]:
+        """Module name -> SEBP setting of every layer that runs SEBP."""
+        return dict(self.calibration.layers) if self.calibration is not None else {}
+
+    def undo(self) -> None:
+        """Put back the plain model (nn.Linear, norms and activations, same Parameters) and the trainer's own
+        loss. A second call does nothing."""
+        if not self.applied:
+            return
+        trainer = self.trainer
+        vars(trainer).pop("compute_loss", None)
+        use_head(trainer.model, self.task, "full")
+        unpatch_model(trainer.model)
+        vars(trainer).pop(_HANDLE, None)
+        self.applied = False
+
+    def to_dict(self) -> dict:
+        return {"applied": self.applied, "head": self.head, "reason": self.reason,
+                "calibration": self.calibration.to_dict() if self.calibration is not None else None}
+
+
+def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, targets: list[str] | None = None,
+               head: str = "labelled", calibrate: bool = True, calib_batches: int = 2, dense_fallback: float = 0.9,
+               fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
+               backend: str = "auto") -> SEBPTrainer:
+    """Apply SEBP to ``trainer`` (a ``transformers.Trainer`` or ``trl.SFTTrainer``, before ``train()``) and return
+    a handle whose :meth:`SEBPTrainer.undo` takes it back (see the module docstring).
+
+    ``report``: an ``analyze`` report (path or dict) giving each layer's setting; otherwise ``targets`` (names,
+    suffixes or regexes; default the attention and MLP projections) run exact SEBP. ``head``: ``labelled`` or
+    ``full`` (the trainer's own loss). ``calibrate``: measure on the first ``calib_batches`` batches of the
+    trainer's training data which candidates pay (``dense_fallback``: a layer with a larger share of active
+    rows stays dense; ``fallback_if_slower``: SEBP measured slower than dense leaves the model dense); False
+    patches every candidate. ``norms``/``acts``: the norms and MLP activations get the SEBP backward too.
+    ``backend``: the SEBP kernels (``auto``, ``triton`` or ``torch``). Calling it again on the same trainer
+    returns the first call's handle.
+    """
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
+    if not isinstance(calib_batches, int) or calib_batches < 1:
+        raise ValueError(f"calib_batches must be an integer >= 1, got {calib_batches!r}")
+    done = vars(trainer).get(_HANDLE)
+    if done is not None and done.applied:
+        return done
+    why = _unchanged_because(trainer)
+    model = getattr(trainer, "model", None)
+    cands = {}
+    if why is None:
+        cands, why = _candidates(model, report, targets, backend)
+    if why is not None:
+        log.warning(f"sebp_probe: the trainer runs unchanged: {why}")
+        return SEBPTrainer(trainer, applied=False, reason=why)
+
+    try:
+        task = _task_of(model)
+    except HeadError as e:
+        task, blocker = None, str(e)
+    else:
+        blocker = _loss_blocker(trainer, model)
+    args = trainer.args
+    used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes,
+                            compiled=bool(args.torch_compile))
+    reason = blocker if head == "labelled" and blocker is not None else reason
+    if reason is not None:
+        log.warning(f"sebp_probe: the labelled-rows head is off ({reason}); the trainer's own loss runs")
+    try:
+        c = _calibrate(trainer, model, cands, calibrate, calib_batches, dense_fallback, fallback_if_slower,
+                       norms, acts)
+    except BaseException:
+        use_head(model, task, "full")
+        unpatch_model(model)
+        raise
+    handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task)
+    if used == "labelled":
+        _take_loss(trainer, task)
+    setattr(trainer, _HANDLE, handle)
+    return handle
+
+
+def _is_sft(cls: type) -> bool:
+    return cls.__name__ == "SFTTrainer" and cls.__module__.split(".")[0] == "trl"
+
+
+def _loss_owner(trainer) -> type:
+    return next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+
+
+def _unchanged_because(trainer) -> str | None:
+    """Why the integration cannot make ``trainer`` exact at all, or None."""
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        return f"apply_sebp takes a transformers Trainer or TRL SFTTrainer, not {type(trainer).__name__}"
+    owner = _loss_owner(trainer)
+    if "compute_loss" in vars(trainer) or not (owner is Trainer or _is_sft(owner)):
+        return f"{type(trainer).__name__} computes its own loss (compute_loss of {owner.__name__})"
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "a compute_loss_func computes the loss"
+    if getattr(trainer, "model_init", None) is not None:
+        return "model_init builds a new model when training starts"
+    if getattr(trainer.args, "use_liger_kernel", False):
+        return "use_liger_kernel patches the model when training starts"
+    return None
+
+
+def _loss_blocker(trainer, model) -> str | None:
+    """Why the labelled-rows loss would not equal ``trainer``'s own, or None."""
+    if _is_sft(_loss_owner(trainer)):
+        loss_type = getattr(trainer.args, "loss_type", "nll")
+        if loss_type != "nll":
+            return f"SFTTrainer's loss_type {loss_type!r}"
+        if getattr(trainer, "aux_loss_enabled", False):
+            return "the MoE router's auxiliary loss"
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return "peft prompt learning adds virtual tokens"
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
+        return "sequence or context parallelism splits the sequences"
+    return None
+
+
+def _candidates(model, report, targets: list[str] | None, backend: str) -> tuple[dict[str, SEBPConfig], str | None]:
+    """The layers calibration chooses from (those of ``report``, else ``targets`` in exact mode), or why the
+    model has none it knows. A bad report or ``targets`` naming nothing raise: the caller's mistake."""
+    report_layers = None
+    if report is not None:
+        from ..report import check_report_for_model, layer_configs_from_report, load_report, validate_report
+
+        report = validate_report(dict(report)) if isinstance(report, Mapping) else load_report(report)
+        check_report_for_model(report, model)
+        report_layers = layer_configs_from_report(report, backend=backend)
+    cfg = FinetuneConfig(targets=tuple(targets) if targets else None, backend=backend)
+    try:
+        return calib.candidate_layers(model, cfg, report_layers), None
+    except PatchError as e:
+        if targets:
+            raise
+        return {}, str(e)
+
+
+def _first_batches(trainer, n: int) -> list[dict]:
+    """The first ``n`` training batches of ``trainer`` in dataset order, collated as its training loop collates
+    them and on its device. Built beside the trainer's own loader: preparing one through accelerate would
+    register it with the accelerator, and drawing from a shuffled one would move the training's RNG."""
+    dataset, collator = trainer.train_dataset, trainer.data_collator
+    if dataset is None:
+        raise ValueError("apply_sebp(calibrate=True) measures on the trainer's train_dataset, which is None: "
+                         "give the trainer one, or pass calibrate=False")
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
+        dataset = trainer._remove_unused_columns(dataset, description="calibration")
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description="calibration")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=trainer.args.per_device_train_batch_size,
+                                         collate_fn=collator)
+    device = trainer.args.device
+    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in islice(loader, n)]
+
+
+def _calibrate(trainer, model, cands: dict[str, SEBPConfig], measure: bool, n: int, dense_fallback: float,
+               if_slower: bool, norms: bool, acts: bool) -> calib.Calibration:
+    if not measure:
+        c = calib.Calibration({}, None, None, cands, [], norms=calib.apply_sebp(model, cands, norms, acts))
+    else:
+        batches = _first_batches(trainer, n)
+        was_training = model.training
+        model.train()  # dropout as in training, and the hooks see gradients
+        try:
+            c = calib.calibrate(model, batches, cands, dense_fallback, trainer.args.device,
+                                trainer.accelerator.autocast, if_slower=if_slower, norms=norms, acts=acts)
+        finally:
+            model.train(was_training)
+    c.acts = patched_activations(model)
+    return c
+
+
+def _take_loss(trainer, task: str) -> None:
+    """Make ``trainer``'s training loss the labelled-rows one (an instance attribute over the class's
+    ``compute_loss``, which still computes evaluation and anything asking for the outputs)."""
+    own = trainer.compute_loss
+    sft = _is_sft(_loss_owner(trainer))
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not model.training or inputs.get("labels") is None:
+            return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if task == "classification":
+            with _cls_rows(model, inputs):
+                return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        smoother = getattr(trainer, "label_smoother", None)
+        with trainer.accelerator.autocast():  # the trainer's forward runs under it (accelerate wraps it)
+            loss = head_loss(model, inputs, task, num_items_in_batch=num_items_in_batch,
+                             label_smoothing=smoother.epsilon if smoother is not None else 0.0,
+                             last_layer_rows_only=True).loss
+        if sft:
+            _count_tokens(trainer, inputs)
+        return loss
+
+    trainer.compute_loss = compute_loss
+
+
+@contextlib.contextmanager
+def _cls_rows(model, inputs: dict) -> Iterator[None]:
+    """A padded classifier batch: the last layer computes the [CLS] rows only (what the pooler and the loss
+    read). A flattened (padding-free) batch runs the whole layer."""
+    ids = inputs.get("input_ids")
+    if ids is None or ids.dim() != 2 or "cu_seq_lens_q" in inputs or (
+            "position_ids" in inputs and "attention_mask" not in inputs):
+        yield
+        return
+    with last_layer_on_rows(unwrap(model).base_model, KeptRows.first_rows(*ids.shape, ids.device)):
+        yield
+
+
+def _count_tokens(trainer, inputs: dict) -> None:
+    """SFTTrainer's ``num_tokens`` metric, counted as its own compute_loss counts it (its ``entropy`` and
+    ``mean_token_accuracy`` need the logits, which the labelled-rows head never forms)."""
+    metrics, total = getattr(trainer, "_metrics", None), getattr(trainer, "_total_train_tokens", None)
+    if metrics is None or total is None:
+        return
+    if "attention_mask" in inputs:
+        n = inputs["attention_mask"].sum()
+    else:
+        n = torch.tensor(inputs["input_ids"].size(1), device=inputs["input_ids"].device)
+    n = trainer.accelerator.gather_for_metrics(n).sum().item()
+    trainer._total_train_tokens = total + n // getattr(trainer, "_tp_size", 1)
+    metrics["train"]["num_tokens"] = [trainer._total_train_tokens]

@@ -1,0 +1,45 @@
+"""benchmarks/trainer_bench.py on a tiny model on the CPU: the JSON it writes (device, versions, date, command,
+steps/s per variant) and, since plain and SEBP train the same batches from the same start, the same losses."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401 (a fresh accelerate state per test)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    pytest.importorskip("trl")
+    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolated", [False, True])
+def test_tiny_bench_writes_its_json(bench, tmp_path, isolated):
+    out = tmp_path / "trainer.json"
+    args = ["--out", str(out), "--tiny", "--steps", "2", "--warmup", "1", "--variants", "plain,sebp,liger+compile"]
+    args += [] if isolated else ["--in-process"]
+    assert bench.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["device"] and doc["date"] and doc["versions"]["trl"]
+    assert doc["command"] == "python benchmarks/trainer_bench.py " + " ".join(args)
+    assert doc["case"]["name"] == "llama-3.2-1b-sft (tiny)" and doc["case"]["batch"] == 4
+    plain, sebp, liger = doc["results"]
+    assert liger["variant"] == "liger+compile" and liger["error"]  # no Liger here, and no compile on a CPU
+    assert plain["steps_per_s"] > 0 and sebp["steps_per_s"] > 0 and len(plain["step_ms"]) == 2
+    assert sebp["sebp"]["head"] == "labelled" and len(sebp["sebp"]["calibration"]["density"]) == 14
+    assert doc["ratios"]["sebp/plain"] > 0
+    assert len(plain["loss"]) == 3
+    assert all(abs(a - b) <= 1e-4 * max(1.0, a) for a, b in zip(plain["loss"], sebp["loss"]))
