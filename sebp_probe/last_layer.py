@@ -20,6 +20,7 @@ row the kept queries attend, through sdpa, to the keys of their own sequence up 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,13 +58,17 @@ class KeptRows:
     def first_rows(cls, batch: int, length: int, device: torch.device) -> "KeptRows":
         """Position 0 of every sequence ([CLS]), returned per sequence."""
         rows = torch.arange(batch, device=device) * length
-        return cls.from_rows(rows, batch, length, per_sequence=True)
+        return cls.from_rows(rows, batch, length, per_sequence=True, most=1)
 
     @classmethod
-    def from_rows(cls, rows: torch.Tensor, batch: int, length: int, per_sequence: bool = False) -> "KeptRows":
+    def from_rows(cls, rows: torch.Tensor, batch: int, length: int, per_sequence: bool = False,
+                  most: int | None = None) -> "KeptRows":
+        """``most``: the most kept rows in one sequence, when the caller knows it (a Python int: no host sync,
+        and no graph break under ``torch.compile``); else counted here."""
         b, t = rows // length, rows % length
-        counts = torch.bincount(b, minlength=batch)
-        q = int(counts.max()) if rows.numel() else 0
+        # bincount's length would depend on the values (a graph break under torch.compile); b < batch always
+        counts = torch.zeros(batch, dtype=torch.long, device=rows.device).index_add_(0, b, torch.ones_like(b))
+        q = most if most is not None else int(counts.max()) if rows.numel() else 0
         rank = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[b]
         slots = b * q + rank
         pos = torch.zeros(batch * q, dtype=torch.long, device=rows.device).index_copy_(0, slots, t)
@@ -140,12 +145,25 @@ def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
     if name in ENCODER_LAYERS and (getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention",
                                                                                     False)):
         raise LastLayerError(f"{name} is configured as a decoder; the kept-rows layer takes encoders only")
-    forward = _decoder_forward if name in DECODER_LAYERS else _encoder_forward
-    layer.forward = lambda *args, **kwargs: forward(layer, kept, impl == "eager", *args, **kwargs)
+    if "_sebp_kept" not in vars(layer):
+        # Installed once and left in place (a no-op between blocks), not swapped per block: under torch.compile
+        # a forward set and deleted inside the traced code cannot be replayed, and a compiled model would see
+        # its layer change.
+        layer.forward = functools.partial(_kept_rows_forward, layer, layer.forward)
+    layer._sebp_kept = (kept, impl == "eager")
     try:
         yield
     finally:
-        del layer.forward  # the class's forward again
+        layer._sebp_kept = None  # the layer's own forward again
+
+
+def _kept_rows_forward(layer: nn.Module, own_forward, *args, **kwargs):
+    """The last layer's forward: on the kept rows inside :func:`last_layer_on_rows`, else its own."""
+    state = layer._sebp_kept
+    if state is None:
+        return own_forward(*args, **kwargs)
+    forward = _decoder_forward if type(layer).__name__ in DECODER_LAYERS else _encoder_forward
+    return forward(layer, *state, *args, **kwargs)
 
 
 def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:

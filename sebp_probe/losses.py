@@ -42,8 +42,9 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
         return head_loss(model, batch, task, last_layer_rows_only=True).loss
     if task == "classification":
         raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
+    targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
     with packed_call(model, batch) as inputs:
-        return head_loss(model, inputs, task, last_layer_rows_only=True).loss
+        return head_loss(model, inputs, task, last_layer_rows_only=True, targets=targets).loss
 
 
 def _task_of(model: torch.nn.Module) -> str:

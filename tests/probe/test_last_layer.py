@@ -151,10 +151,15 @@ def test_refusals_leave_the_layer_as_it_was():
         head_loss(model, batch, last_layer_rows_only=True)
     model.config._attn_implementation = "sdpa"
     kept = KeptRows.from_rows(torch.tensor([1, 2]), 3, 11)
+    assert "forward" not in vars(layer)  # the refusal installed nothing
+    with torch.no_grad():
+        want = model(**batch).logits
     with pytest.raises(RuntimeError, match="boom"), last_layer_on_rows(model.model, kept):
-        assert "forward" in vars(layer)
+        assert layer._sebp_kept[0] is kept
         raise RuntimeError("boom")
-    assert "forward" not in vars(layer)
+    assert layer._sebp_kept is None
+    with torch.no_grad():  # the layer's own forward again: every row
+        torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=0)
     with pytest.raises(HeadError, match="BERT and RoBERTa encoders only"):
         head_loss(tiny_model("llama"), batch, "classification", last_layer_rows_only=True)
 
