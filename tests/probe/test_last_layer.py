@@ -164,8 +164,10 @@ def test_refusals_leave_the_layer_as_it_was():
         head_loss(tiny_model("llama"), batch, "classification", last_layer_rows_only=True)
 
 
-def test_kept_rows_layout():
-    kept = KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7)
+@pytest.mark.parametrize("most", [None, 3])
+def test_kept_rows_layout(most):
+    """``most`` given (the caller's count) or counted: the same layout."""
+    kept = KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7, most=most)
     assert kept.pos.tolist() == [[1, 2, 4], [6, 0, 0], [6, 0, 0]]
     assert kept.valid.tolist() == [[True] * 3, [True, False, False], [True, False, False]]
     assert kept.slots.tolist() == [0, 1, 2, 3, 6]
