@@ -63,12 +63,17 @@ class KeptRows:
     @classmethod
     def from_rows(cls, rows: torch.Tensor, batch: int, length: int, per_sequence: bool = False,
                   most: int | None = None) -> "KeptRows":
-        """``most``: the most kept rows in one sequence, when the caller knows it (a Python int: no host sync,
-        and no graph break under ``torch.compile``); else counted here."""
+        """``most``: the most kept rows in one sequence, when the caller knows it (a Python int: no graph break
+        under ``torch.compile``, where it is taken as given; eagerly it is checked); else counted here."""
         b, t = rows // length, rows % length
         # bincount's length would depend on the values (a graph break under torch.compile); b < batch always
         counts = torch.zeros(batch, dtype=torch.long, device=rows.device).index_add_(0, b, torch.ones_like(b))
-        q = most if most is not None else int(counts.max()) if rows.numel() else 0
+        if most is None or not torch.compiler.is_compiling():
+            counted = int(counts.max()) if rows.numel() else 0
+            if most is not None and most != counted:
+                raise ValueError(f"the most kept rows in one sequence are {counted}, not the {most} given")
+            most = counted
+        q = most
         rank = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[b]
         slots = b * q + rank
         pos = torch.zeros(batch * q, dtype=torch.long, device=rows.device).index_copy_(0, slots, t)

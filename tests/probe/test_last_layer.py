@@ -174,6 +174,8 @@ def test_kept_rows_layout(most):
     x = torch.arange(21.0).view(3, 7, 1)
     assert kept.from_slots(kept.queries(x)).flatten().tolist() == [1, 2, 4, 13, 20]
     assert kept.of(x).flatten().tolist() == [1, 2, 4, 13, 20]
+    with pytest.raises(ValueError, match="^the most kept rows in one sequence are 3, not the 2 given$"):
+        KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7, most=2)
 
 
 @pytest.mark.gpu
