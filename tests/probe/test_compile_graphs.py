@@ -86,6 +86,7 @@ def test_compiled_step_is_one_graph_and_equals_eager(case, sebp, monkeypatch):
         torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.slow
 def test_packed_labelled_head_traces_in_one_graph():
     """The fast check of the above (no backward, no compile): Dynamo's own account of the forward."""
     model, items = tiny_model("llama"), _items("llama")
