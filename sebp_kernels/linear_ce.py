@@ -48,15 +48,24 @@ def balanced_chunk_rows(n: int, most: int) -> int:
     return per
 
 
-def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100) -> torch.Tensor:
+def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100,
+                  count: int | None = None) -> torch.Tensor:
     """Sorted indices of the entries of flat ``labels`` that are not ``ignore_index``; raises ValueError when
-    one of them is outside [0, vocab)."""
+    one of them is outside [0, vocab). ``count``: how many there are, when the caller knows it (a Python int):
+    the indices then have a shape known before the labels' values, so ``torch.compile`` traces this without a
+    graph break (the range check becomes a device-side assert there; eagerly a wrong count raises)."""
     keep = labels != ignore_index
     bad = keep & ((labels < 0) | (labels >= vocab))
-    if bad.any():
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"a label is outside [0, {vocab}) and is not ignore_index {ignore_index}")
+    elif bad.any():
         first = labels[bad][0].item()
         raise ValueError(f"label {first} is outside [0, {vocab}) (and is not ignore_index {ignore_index})")
-    return keep.nonzero().squeeze(1)
+    if count is None:
+        return keep.nonzero().squeeze(1)
+    if not torch.compiler.is_compiling() and int(keep.sum()) != count:
+        raise ValueError(f"{int(keep.sum())} labels are not ignore_index {ignore_index}, not the {count} given")
+    return keep.nonzero_static(size=count).squeeze(1)
 
 
 def linear_cross_entropy(
@@ -68,6 +77,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     chunk_rows: int | None = None,
+    labelled: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ignore_index=..., label_smoothing=...,
     reduction=...)`` computed over the labelled rows only, ``chunk_rows`` rows at a time.
@@ -80,6 +90,8 @@ def linear_cross_entropy(
     the input embeddings gets the sum of both gradients through autograd as usual.
     ``chunk_rows``: default :func:`default_chunk_rows` at most, the rows split in equal chunks
     (:func:`balanced_chunk_rows`); smaller lowers the peak memory, larger runs fewer and bigger products.
+    ``labelled``: how many labels are not ``ignore_index``, when the caller knows it (a Python int): no host
+    sync, and no graph break under ``torch.compile`` (see :func:`labelled_rows`).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -93,7 +105,7 @@ def linear_cross_entropy(
         raise ValueError(f"labels {tuple(labels.shape)} do not match the rows of hidden {tuple(hidden.shape)}")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
-    rows = labelled_rows(y, weight.shape[0], ignore_index)
+    rows = labelled_rows(y, weight.shape[0], ignore_index, labelled)
     if rows.numel() < y.numel():
         h, y = h.index_select(0, rows), y.index_select(0, rows)
     dev = h.device.type

@@ -141,7 +141,10 @@ class PackedCollator:
       be predicted from the sequence before it); classification [n];
     - ``cu_seqlens`` (int32 [n+1]): where each sequence starts among the T tokens taken row by row;
       ``flat_index`` [T]: those tokens' places in ``input_ids.view(-1)``; ``max_seqlen``: an int;
-    - ``order`` [n]: the place in the collated list of each sequence.
+    - ``order`` [n]: the place in the collated list of each sequence;
+    - causal LM: ``n_targets``, ``max_row_targets`` (ints): the positions whose next token carries a label (what
+      the labelled-rows head computes), in all and the most in one row, so that no step reads them from the
+      device (:func:`sebp_probe.heads.head_loss`).
 
     Real tokens: ``int(cu_seqlens[-1])``; token slots: ``input_ids.numel()``.
     """
@@ -179,10 +182,14 @@ class PackedCollator:
         seq_lens = torch.tensor([lens[i] for i in order])
         cu = torch.zeros(len(order) + 1, dtype=torch.int32)
         cu[1:] = seq_lens.cumsum(0)
-        if not causal:
-            labels = torch.tensor([items[i]["label"] for i in order])
-        return {"input_ids": ids, "position_ids": pos, "sequence_ids": seq, "labels": labels, "cu_seqlens": cu,
-                "flat_index": torch.cat(flat), "max_seqlen": int(seq_lens.max()), "order": torch.tensor(order)}
+        batch = {"input_ids": ids, "position_ids": pos, "sequence_ids": seq, "labels": labels, "cu_seqlens": cu,
+                 "flat_index": torch.cat(flat), "max_seqlen": int(seq_lens.max()), "order": torch.tensor(order)}
+        if causal:  # a row's position t predicts label t + 1; each sequence's first label is -100, the tail's too
+            per_row = (labels[:, 1:] != -100).sum(1)
+            batch.update(n_targets=int(per_row.sum()), max_row_targets=int(per_row.max()))
+        else:
+            batch["labels"] = torch.tensor([items[i]["label"] for i in order])
+        return batch
 
 
 def padding_share(lens: Sequence[int], batch_size: int, max_length: int, strategy: str, seed: int = 0,

@@ -140,6 +140,7 @@ def head_loss(
     label_smoothing: float = 0.0,
     chunk_rows: int | None = None,
     last_layer_rows_only: bool = False,
+    targets: tuple[int, int] | None = None,
 ) -> HeadOutput:
     """The loss of ``model(**batch)`` (mean over labelled tokens) with the head run on the labelled rows only.
 
@@ -148,6 +149,9 @@ def head_loss(
     then the sum over this batch divided by it. ``label_smoothing`` as in F.cross_entropy. Works under
     ``torch.autocast`` and for peft-wrapped models (LoRA in the backbone; the output layer frozen or trained).
     ``last_layer_rows_only``: the last layer as well computes the labelled rows only (its keys and values all).
+    ``targets``: (labelled rows, the most of them in one row of ``labels``) as Python ints, when the caller
+    knows them (a packed batch's ``n_targets`` and ``max_row_targets``): then no step reads them from the device,
+    and ``torch.compile`` traces the head without a graph break; without them they are counted on the device.
     """
     if task == "classification":
         return _classification(model, batch, last_layer_rows_only)
@@ -155,10 +159,13 @@ def head_loss(
     labels = target_labels(batch, task)
     num_items = batch.get("num_items_in_batch", num_items_in_batch)
     flat = labels.reshape(-1).to(head.decoder.weight.device)
-    rows = labelled_rows(flat, head.decoder.out_features, IGNORE_INDEX)
+    n, most = targets if targets is not None else (None, None)
+    rows = labelled_rows(flat, head.decoder.out_features, IGNORE_INDEX, count=n)
     inputs = backbone_inputs(batch)
     if last_layer_rows_only:
-        with last_layer_on_rows(head.backbone, KeptRows.from_rows(rows, *labels.shape[-2:])):
+        b, t = labels.shape[-2:]
+        most = n if b == 1 else most  # one row (a flattened packed batch) holds them all
+        with last_layer_on_rows(head.backbone, KeptRows.from_rows(rows, b, t, most=most)):
             hidden = head.backbone(**inputs, use_cache=False)[0]  # (1, n, d): the labelled rows
         h = hidden.reshape(-1, hidden.shape[-1])
     else:
@@ -197,7 +204,8 @@ def _decode(head: _Head, h: torch.Tensor, labels: torch.Tensor, num_items, label
                                label_smoothing=label_smoothing)
     else:
         loss = linear_cross_entropy(h, head.decoder.weight, labels, head.decoder.bias, ignore_index=IGNORE_INDEX,
-                                    label_smoothing=label_smoothing, reduction=reduction, chunk_rows=chunk_rows)
+                                    label_smoothing=label_smoothing, reduction=reduction, chunk_rows=chunk_rows,
+                                    labelled=labels.numel())
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     return HeadOutput(loss, labels.numel())

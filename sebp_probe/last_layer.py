@@ -22,6 +22,7 @@ queries attend, through sdpa, to the keys of their own sequence up to their posi
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,13 +59,22 @@ class KeptRows:
     def first_rows(cls, batch: int, length: int, device: torch.device) -> "KeptRows":
         """Position 0 of every sequence ([CLS]), returned per sequence."""
         rows = torch.arange(batch, device=device) * length
-        return cls.from_rows(rows, batch, length, per_sequence=True)
+        return cls.from_rows(rows, batch, length, per_sequence=True, most=1)
 
     @classmethod
-    def from_rows(cls, rows: torch.Tensor, batch: int, length: int, per_sequence: bool = False) -> "KeptRows":
+    def from_rows(cls, rows: torch.Tensor, batch: int, length: int, per_sequence: bool = False,
+                  most: int | None = None) -> "KeptRows":
+        """``most``: the most kept rows in one sequence, when the caller knows it (a Python int: no graph break
+        under ``torch.compile``, where it is taken as given; eagerly it is checked); else counted here."""
         b, t = rows // length, rows % length
-        counts = torch.bincount(b, minlength=batch)
-        q = int(counts.max()) if rows.numel() else 0
+        # bincount's length would depend on the values (a graph break under torch.compile); b < batch always
+        counts = torch.zeros(batch, dtype=torch.long, device=rows.device).index_add_(0, b, torch.ones_like(b))
+        if most is None or not torch.compiler.is_compiling():
+            counted = int(counts.max()) if rows.numel() else 0
+            if most is not None and most != counted:
+                raise ValueError(f"the most kept rows in one sequence are {counted}, not the {most} given")
+            most = counted
+        q = most
         rank = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[b]
         slots = b * q + rank
         pos = torch.zeros(batch * q, dtype=torch.long, device=rows.device).index_copy_(0, slots, t)
@@ -165,15 +175,27 @@ def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
     family = kept_rows_family(backbone)
     layer = last_layer(backbone)
     additive = backbone.config._attn_implementation == "eager"
-    if family.block == "decoder":
-        layer.forward = lambda *args, **kwargs: _decoder_forward(layer, family, kept, additive, *args, **kwargs)
-    else:
-        forward = _ENCODERS[family.block]
-        layer.forward = lambda *args, **kwargs: forward(layer, kept, additive, *args, **kwargs)
+    if "_sebp_kept" not in vars(layer):
+        # Installed once and left in place (a no-op between blocks), not swapped per block: under torch.compile
+        # a forward set and deleted inside the traced code cannot be replayed, and a compiled model would see
+        # its layer change.
+        layer.forward = functools.partial(_kept_rows_forward, layer, layer.forward)
+    layer._sebp_kept = (family, kept, additive)
     try:
         yield
     finally:
-        del layer.forward  # the class's forward again
+        layer._sebp_kept = None  # the layer's own forward again
+
+
+def _kept_rows_forward(layer: nn.Module, own_forward, *args, **kwargs):
+    """The last layer's forward: on the kept rows inside :func:`last_layer_on_rows`, else its own."""
+    state = layer._sebp_kept
+    if state is None:
+        return own_forward(*args, **kwargs)
+    family, kept, additive = state
+    if family.block == "decoder":
+        return _decoder_forward(layer, family, kept, additive, *args, **kwargs)
+    return _ENCODERS[family.block](layer, kept, additive, *args, **kwargs)
 
 
 def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ from sebp_kernels import SEBPConfig
 
 from .assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync
+from .compiling import compile_or_eager
 from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
 from .losses import batch_loss, has_no_target, set_head, token_counts
@@ -305,7 +306,7 @@ class Run:
         keep_grads = cfg.cuda_graphs or (graphed_compile(cfg, acc) and cfg.grad_accum > 1)
         dynamo_before = dynamo_counts()
         if cfg.compile:  # in place: the module, its parameter names and checkpoints stay as they are
-            model.compile(mode=cfg.compile)
+            compile_or_eager(model, cfg.compile, dev)
             if keep_grads:
                 for p in params:
                     p.grad = torch.zeros_like(p) if p.grad is None else p.grad

@@ -43,8 +43,9 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
         return head_loss(model, batch, task, last_layer_rows_only=True).loss
     if task == "classification":
         raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
+    targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
     with packed_call(model, batch) as inputs:
-        return head_loss(model, inputs, task, last_layer_rows_only=True).loss
+        return head_loss(model, inputs, task, last_layer_rows_only=True, targets=targets).loss
 
 
 def _task_of(model: torch.nn.Module) -> str:
@@ -77,11 +78,14 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
 def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, graphs: bool = False,
              compiled: bool = False) -> tuple[str, str | None]:
     """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path runs
-    in one process (it calls the backbone itself, past DDP's forward), eagerly (it reads the labelled-row
-    count on the host, which CUDA graphs and torch.compile cannot hold)."""
+    in one process (it calls the backbone itself, past DDP's forward), without CUDA graphs (it reads the
+    labelled-row count on the host) and without ``--compile``, which compiles the model's forward: the head
+    path goes around it. (The head path itself compiles: ``torch.compile(batch_loss)`` traces a packed batch's
+    step in one graph, tests/probe/test_compile_graphs.py.)"""
     why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
            "CUDA graphs cannot hold its host-side row count" if graphs else
-           "torch.compile would break its graph at the host-side row count" if compiled else None)
+           "--compile compiles the model's forward, which the head path goes around (it calls the backbone "
+           "itself)" if compiled else None)
     if head == "labelled" and why is None:
         why = use_head(model, task, head)
         if why is not None:

@@ -130,15 +130,24 @@ def _varlen_mask(*args, **kwargs):
 
 
 @functools.lru_cache(maxsize=8)
-def _kernel_params(fn: Callable) -> frozenset:
-    return frozenset(inspect.signature(fn).parameters)
+def _params_of(fn: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
+@torch.compiler.assume_constant_result
+def _kernel_params() -> tuple[str, ...]:
+    """The parameter names of ``VARLEN_KERNEL``. Under ``torch.compile`` Dynamo runs this once per trace, outside
+    the graph, and takes the result as a constant (``inspect`` inside traced code would break the graph); a
+    kernel swapped later fails the guard on ``VARLEN_KERNEL`` and retraces."""
+    return _params_of(VARLEN_KERNEL)
 
 
 def _run_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
                 scale: float | None, causal: bool) -> torch.Tensor:
-    """``VARLEN_KERNEL`` on [T, heads, dim] tensors, across the signatures torch's versions gave it."""
+    """``VARLEN_KERNEL`` on [T, heads, dim] tensors, across the signatures torch's versions gave it. ``max_len``:
+    a Python int (the collator's ``max_seqlen``), so that no traced code reads it from a tensor."""
     fn = VARLEN_KERNEL
-    params = _kernel_params(fn)
+    params = _kernel_params()
     kw = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
@@ -181,7 +190,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = _run_kernel(q, k, v, cu, int(kwargs["max_length_q"]), scaling, causal)
+    out = _run_kernel(q, k, v, cu, kwargs["max_length_q"], scaling, causal)
     return out.unsqueeze(0), None
 
 
@@ -257,7 +266,9 @@ def packed_call(model: torch.nn.Module, batch: dict, backend: str | None = None,
         ids, pos = ids.reshape(-1)[flat][None], pos.reshape(-1)[flat][None]
         if kind == "decoder":
             labels = labels.reshape(-1)[flat][None]
-        m = int(batch["max_seqlen"])
+        m = batch["max_seqlen"]
+        if torch.is_tensor(m):  # reading it would wait for the device, and break a compiled graph
+            raise PackingError("a packed batch's max_seqlen must be a Python int, as PackedCollator gives it")
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
         first, ctx = cu[:-1].long(), _flat_call()
     elif backend == "mask":

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sebp_kernels import linear_cross_entropy
-from sebp_kernels.linear_ce import balanced_chunk_rows, default_chunk_rows
+from sebp_kernels.linear_ce import balanced_chunk_rows, default_chunk_rows, labelled_rows
 from tests.helpers import assert_within_torch_error
 
 RTOL = 1e-6
@@ -93,6 +93,20 @@ def test_label_out_of_range_raises_one_line(bad):
     y[4] = bad
     with pytest.raises(ValueError, match=rf"^label {bad} is outside \[0, 20\)[^\n]*$"):
         linear_cross_entropy(h.float(), w.float(), y)
+
+
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+def test_a_given_labelled_count_selects_the_same_rows(ignored):
+    """``labelled`` (the caller's count, as a packed batch carries it): same rows, loss and gradients; a wrong
+    count raises (eagerly) instead of dropping or inventing rows."""
+    h, w, b, y = _inputs(23, 8, 20, ignored)
+    n = int((y != -100).sum())
+    assert torch.equal(labelled_rows(y, 20, count=n), labelled_rows(y, 20))
+    want = _grads(lambda *t: linear_cross_entropy(t[0], t[1], y, t[2]), (h, w, b), torch.float32)
+    got = _grads(lambda *t: linear_cross_entropy(t[0], t[1], y, t[2], labelled=n), (h, w, b), torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=rf"^{n} labels are not ignore_index -100, not the {n + 1} given$"):
+        linear_cross_entropy(h.float(), w.float(), y, labelled=n + 1)
 
 
 def test_bad_arguments_raise():

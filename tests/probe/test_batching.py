@@ -93,7 +93,10 @@ def test_packed_collator_lays_out_causal_batches():
     assert b["sequence_ids"].tolist() == [[0, 0, 0, 0, 0], [1, 1, 1, 2, 2]]
     assert b["labels"].tolist() == [[-100, 9, 10, 11, 12], [-100, 6, 7, -100, 14]]
     assert b["cu_seqlens"].tolist() == [0, 5, 8, 10] and b["cu_seqlens"].dtype == torch.int32
-    assert b["order"].tolist() == [1, 0, 2] and b["max_seqlen"] == 5
+    assert b["order"].tolist() == [1, 0, 2] and b["max_seqlen"] == 5 and type(b["max_seqlen"]) is int
+    # labels set at positions 1-4 | 1, 2, 4: the positions before them predict them
+    assert (b["n_targets"], b["max_row_targets"]) == (7, 4)
+    assert type(b["n_targets"]) is int and type(b["max_row_targets"]) is int
     assert b["input_ids"].reshape(-1)[b["flat_index"]].tolist() == [8, 9, 10, 11, 12, 5, 6, 7, 13, 14]
 
 

@@ -17,9 +17,9 @@ from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_da
 from tests.tiny_models import tiny_model
 
 
-def _run(tmp_path, name, **kw):
+def _run(tmp_path, name, make_model=lambda: tiny_model("bert"), **kw):
     data = synthetic_data("classification", n=40, n_eval=8)
-    load = lambda: LoadedModel(tiny_model("bert"), None, "classification", "tiny-bert", "config")  # noqa: E731
+    load = lambda: LoadedModel(make_model(), None, "classification", "tiny-bert", "config")  # noqa: E731
     settings = dict(model="tiny", data=DataConfig(max_length=24, batch_size=8), output_dir=str(tmp_path / name),
                     max_steps=3, lr=2e-3, warmup_ratio=0.0, dense_fallback=1.0, fallback_if_slower=False,
                     sebp_norms=True, sebp_acts=True, seed=0, eval_samples=8)

@@ -151,22 +151,31 @@ def test_refusals_leave_the_layer_as_it_was():
         head_loss(model, batch, last_layer_rows_only=True)
     model.config._attn_implementation = "sdpa"
     kept = KeptRows.from_rows(torch.tensor([1, 2]), 3, 11)
+    assert "forward" not in vars(layer)  # the refusal installed nothing
+    with torch.no_grad():
+        want = model(**batch).logits
     with pytest.raises(RuntimeError, match="boom"), last_layer_on_rows(model.model, kept):
-        assert "forward" in vars(layer)
+        assert layer._sebp_kept[0] is kept
         raise RuntimeError("boom")
-    assert "forward" not in vars(layer)
+    assert layer._sebp_kept is None
+    with torch.no_grad():  # the layer's own forward again: every row
+        torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=0)
     with pytest.raises(HeadError, match="the Llama entry has no kept-rows encoder layer"):
         head_loss(tiny_model("llama"), batch, "classification", last_layer_rows_only=True)
 
 
-def test_kept_rows_layout():
-    kept = KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7)
+@pytest.mark.parametrize("most", [None, 3])
+def test_kept_rows_layout(most):
+    """``most`` given (the caller's count) or counted: the same layout."""
+    kept = KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7, most=most)
     assert kept.pos.tolist() == [[1, 2, 4], [6, 0, 0], [6, 0, 0]]
     assert kept.valid.tolist() == [[True] * 3, [True, False, False], [True, False, False]]
     assert kept.slots.tolist() == [0, 1, 2, 3, 6]
     x = torch.arange(21.0).view(3, 7, 1)
     assert kept.from_slots(kept.queries(x)).flatten().tolist() == [1, 2, 4, 13, 20]
     assert kept.of(x).flatten().tolist() == [1, 2, 4, 13, 20]
+    with pytest.raises(ValueError, match="^the most kept rows in one sequence are 3, not the 2 given$"):
+        KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7, most=2)
 
 
 @pytest.mark.gpu

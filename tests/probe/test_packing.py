@@ -229,6 +229,14 @@ def test_labelled_rows_head_refuses_packed_classifiers():
         batch_loss(tiny_model("bert"), _packed("bert", _items("bert")), labelled_head=True)
 
 
+def test_varlen_refuses_a_max_seqlen_on_the_device(flash_stand_in):
+    """Reading it would wait for the device (and break a compiled graph): the collator's int is the contract."""
+    batch = _packed("llama", _items("llama"))
+    batch["max_seqlen"] = torch.tensor(batch["max_seqlen"])
+    with pytest.raises(PackingError, match="^a packed batch's max_seqlen must be a Python int"):
+        packed_forward(tiny_model("llama"), batch, backend="varlen")
+
+
 def test_backend_is_the_mask_off_cuda():
     assert attention_backend(tiny_model("llama")) == "mask"
 
