@@ -155,7 +155,7 @@ def test_refusals_leave_the_layer_as_it_was():
     with torch.no_grad():
         want = model(**batch).logits
     with pytest.raises(RuntimeError, match="boom"), last_layer_on_rows(model.model, kept):
-        assert layer._sebp_kept[0] is kept
+        assert layer._sebp_kept[1] is kept
         raise RuntimeError("boom")
     assert layer._sebp_kept is None
     with torch.no_grad():  # the layer's own forward again: every row
