@@ -84,8 +84,8 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
     step in one graph, tests/probe/test_compile_graphs.py.)"""
     why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
            "CUDA graphs cannot hold its host-side row count" if graphs else
-           "--compile compiles the model's forward, which the head path goes around (it calls the backbone "
-           "itself)" if compiled else None)
+           "torch.compile (--compile) compiles the model's forward, which the head path goes around (it calls "
+           "the backbone itself)" if compiled else None)
     if head == "labelled" and why is None:
         why = use_head(model, task, head)
         if why is not None:

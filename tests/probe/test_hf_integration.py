@@ -143,7 +143,8 @@ def test_an_sft_loss_it_cannot_reproduce_keeps_the_trainers_loss_with_sebp_layer
 
 
 def test_torch_compile_keeps_the_models_own_loss(tmp_path, caplog, monkeypatch):
-    """The labelled-rows head reads its row count on the host: under torch.compile the model's own loss runs."""
+    """torch.compile compiles the model's forward, which the labelled-rows head goes around: the model's own loss
+    runs."""
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")  # TrainingArguments(torch_compile=True) sets these for
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")  # the process; monkeypatch puts back what was there
     from transformers import Trainer
