@@ -48,7 +48,8 @@ PAD_ID = 0
 
 @dataclass(frozen=True)
 class ModelCase:
-    """A whole-model benchmark: architecture (``bert``: sequence classification; ``llama``/``qwen2``: causal LM),
+    """A whole-model benchmark: architecture (``bert``: sequence classification; a decoder's model type such as
+    ``llama``, ``mistral`` or ``qwen2``: causal LM),
     sequences per batch, max length, length distribution, and for causal LM the share of each sequence's
     tokens that is prompt (label -100; 0: every token labelled)."""
 
@@ -68,6 +69,11 @@ class ModelCase:
 _LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=131072,
                  rope_theta=500000.0, tie_word_embeddings=True, pad_token_id=PAD_ID)
+# Mistral's architecture (its own module classes) at Llama-3.2-1B's size, Mistral's 32768-token vocabulary,
+# untied head and no sliding window (Mistral's releases since v0.2)
+_MISTRAL_1B = dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=32768,
+                   rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, pad_token_id=PAD_ID)
 _QWEN_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,
                  rope_theta=1000000.0, tie_word_embeddings=True, pad_token_id=PAD_ID)
@@ -78,6 +84,7 @@ MODEL_CASES: dict[str, ModelCase] = {
         vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
         max_position_embeddings=512, num_labels=2, attention_probs_dropout_prob=0.0, pad_token_id=PAD_ID)),
     "llama-3.2-1b-sft": ModelCase("llama-3.2-1b-sft", "llama", 8, 2048, "sft", 0.75, _LLAMA_1B),
+    "mistral-1b-sft": ModelCase("mistral-1b-sft", "mistral", 8, 2048, "sft", 0.75, _MISTRAL_1B),
     "qwen2.5-0.5b-sft": ModelCase("qwen2.5-0.5b-sft", "qwen2", 8, 2048, "sft", 0.75, _QWEN_05B),
     "llama-3.2-3b": ModelCase("llama-3.2-3b", "llama", 1, 4096, "short", config=dict(
         vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,

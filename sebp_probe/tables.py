@@ -103,7 +103,7 @@ def _other_label(runs: dict) -> str:
 
 def _ms_iqr(part: dict, who: str) -> str:
     lo, hi = part[f"{who}_iqr"]
-    return f"{part[f'{who}_ms']:.1f} ms [{lo:.1f}-{hi:.1f}]"
+    return f"{part[f'{who}_ms']:.1f} ms (IQR {lo:.1f}-{hi:.1f})"
 
 
 def comparison_line(cmp: dict, runs: dict) -> str:
@@ -124,7 +124,7 @@ def comparison_line(cmp: dict, runs: dict) -> str:
         st, bw = t["step"], t["backward"]
         head = "within noise" if verdict == "within noise" else f"step x{st['ratio']:.2f}"
         parts.append(f"{head} (step medians {over}: dense {_ms_iqr(st, 'dense')}, {_other_label(runs)} "
-                     f"{_ms_iqr(st, 'other')}, [interquartile range])")
+                     f"{_ms_iqr(st, 'other')})")
         if verdict != "within noise":
             parts.append(f"backward x{bw['ratio']:.2f}")
     if "peak_mem_ratio" in cmp:

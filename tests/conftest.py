@@ -25,3 +25,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def _precision_flags() -> list[tuple[object, str]]:
+    """Where torch keeps float32 matmul/conv precision: the fp32_precision settings (torch >= 2.9; the legacy
+    flags may not be read then) or the legacy allow_tf32 flags."""
+    if hasattr(torch.backends, "fp32_precision"):
+        return [(o, "fp32_precision") for o in (torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn)
+                if hasattr(o, "fp32_precision")]
+    return [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
+
+
+@pytest.fixture(autouse=True)
+def _tf32_as_before():
+    """TrainingArguments(torch_compile=True) on a GPU turns TF32 on for the whole process (transformers'
+    enable_tf32), and the Trainer integration's tests build such arguments; later tests compare fp32 results
+    (on an H100 the padding-rows model test, run after them, failed by 1e-4): every test starts from the
+    process's settings."""
+    flags = _precision_flags()
+    saved = [getattr(o, name) for o, name in flags]
+    yield
+    for (o, name), value in zip(flags, saved):
+        setattr(o, name, value)

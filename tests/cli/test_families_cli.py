@@ -23,11 +23,18 @@ def _save(model_type: str, path: Path) -> str:
     from sebp_probe.assets import minilm_dir
 
     tok = AutoTokenizer.from_pretrained(minilm_dir())
-    cfg = family_config(model_type, tok.vocab_size, tok.pad_token_id, tok.cls_token_id, tok.sep_token_id)
     auto = AutoModelForCausalLM if FAMILY_TASKS.get(model_type, "causal-lm") == "causal-lm" \
         else AutoModelForSequenceClassification
-    auto.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    vocab = tok.vocab_size
+    for _ in range(2):
+        cfg = family_config(model_type, vocab, tok.pad_token_id, tok.cls_token_id, tok.sep_token_id)
+        auto.from_config(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+        # transformers loads the family's own tokenizer class from the saved files (Qwen2's adds <|endoftext|>):
+        # the model embeds every token of that one
+        vocab, before = len(AutoTokenizer.from_pretrained(path)), vocab
+        if vocab == before:
+            break
     return str(path)
 
 

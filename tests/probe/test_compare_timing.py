@@ -76,7 +76,7 @@ def test_a_real_difference_is_reported_with_its_spread():
     assert cmp["speedup_step"] == pytest.approx(131.0 / 101.0)
     assert cmp["timing"]["step"]["dense_iqr"] == [130.0, 132.0]
     line = comparison_line(cmp, {"dense": {}, "sebp": {}})
-    assert line.startswith("step x1.30") and "dense 131.0 ms [130.0-132.0]" in line and "SEBP 101.0 ms" in line
+    assert line.startswith("step x1.30") and "dense 131.0 ms (IQR 130.0-132.0)" in line and "SEBP 101.0 ms" in line
     cmp = compare_runs(_summary(o_recs), _summary(d_recs, "sebp", SEBP_ON_LAYERS), o_recs, d_recs)
     assert cmp["verdict"] == "slower" and cmp["speedup_step"] == pytest.approx(101.0 / 131.0)
 

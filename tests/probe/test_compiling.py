@@ -43,8 +43,11 @@ def _goes_on_eagerly(tmp_path, caplog, needle: str, make_model=lambda: tiny_mode
 
 @pytest.mark.slow
 def test_no_c_compiler_trains_eagerly(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/c++"))
-    _goes_on_eagerly(tmp_path, caplog, "torch.compile cannot run here (InductorError: InvalidCxxCompiler")
+    # Inductor's own patch (monkeypatch's undo left its config without the key: later compiles in the process
+    # failed with "config.cpp.cxx does not exist")
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
+        _goes_on_eagerly(tmp_path, caplog, "torch.compile cannot run here (InductorError: InvalidCxxCompiler")
+    assert torch._inductor.config.cpp.cxx != (None, "/nonexistent/c++")
 
 
 @pytest.mark.slow

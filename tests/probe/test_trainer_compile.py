@@ -28,21 +28,6 @@ class _Rows(torch.utils.data.Dataset):
         return self.items[i]
 
 
-@pytest.fixture(autouse=True)
-def _tf32_as_before():
-    """TrainingArguments(torch_compile=True) on a GPU turns TF32 on for the whole process (transformers'
-    enable_tf32); later tests compare fp32 results, so it is put back. (A compiled-vs-eager comparison run
-    after this test once failed on an H100 by 8e-6 for that reason.)"""
-    new_api = hasattr(torch.backends, "fp32_precision")  # torch >= 2.9; the legacy flags may not be read then
-    saved = torch.backends.fp32_precision if new_api else (torch.backends.cuda.matmul.allow_tf32,
-                                                              torch.backends.cudnn.allow_tf32)
-    yield
-    if new_api:
-        torch.backends.fp32_precision = saved
-    else:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _train(arch, tmp_path, compiled, device, monkeypatch):
     from transformers import Trainer, TrainingArguments
 
