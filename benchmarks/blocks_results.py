@@ -7,7 +7,7 @@ from docgen import Page, Source, block, captioned, f1, f2, f3, table, times
 # The main tables: each model with the SEBP that pays on it (BERT-base: the linears alone, finetune's default;
 # the decoders: with the norms and activations as well, --sebp-norms --sebp-acts).
 LAYOUT_FILES = ("layouts_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json",
-                "layouts_fused_h100/model_qwen2.5-0.5b-sft.json")
+                "layouts_fused_h100/model_qwen2.5-0.5b-sft.json", "layouts_fused_h100/model_mistral-1b-sft.json")
 LINEARS_ONLY = {"bert-base": "layouts_h100/model_bert-base.json",
                 "llama-3.2-1b-sft": "layouts_h100/model_llama-3.2-1b-sft.json"}  # SEBP on the linears alone
 FUSED = {"bert-base": "layouts_fused_h100/model_bert-base.json",

@@ -8,7 +8,10 @@
 # dense first and one with --sebp-first (40 steps of 32 tweets, max length 128, bf16):
 #   eager    --padding longest (calibration leaves every layer dense: both runs compute the same thing)
 #   compile  the same with --compile default
-#   padded   --padding max_length (SEBP on the padding rows: a real difference)
+#   padded   --padding max_length --cuda-graphs (SEBP on the padding rows, calibrated as graph replays: a real
+#            difference; eager, this small model's host-bound backward leaves every layer dense)
+#   forced   --padding longest with SEBP forced on every projection (--always-sebp --dense-fallback 1): a real
+#            difference, eager
 # ORDERS="sebp-first" runs one order only.
 # Every run's summary.json, metrics.jsonl and run_config.json, the logs and the commands go into
 # $OUT/compare_raw.tgz; benchmarks/compare_collect.py makes results/compare_h100/compare.json of them.
@@ -43,7 +46,8 @@ for s in ${STEPS:-eager}; do
   case $s in
     eager) pair eager --padding longest ;;
     compile) pair compile --padding longest --compile default ;;
-    padded) pair padded --padding max_length ;;
+    padded) pair padded --padding max_length --cuda-graphs ;;
+    forced) pair forced --padding longest --always-sebp --dense-fallback 1 ;;
     *) echo "unknown step $s" ;;
   esac
 done

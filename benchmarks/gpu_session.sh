@@ -5,7 +5,7 @@
 #
 # Steps: smoke (tiny whole-model bench with graphs and breakdown: the CUDA paths in a minute); bert, llama,
 # qwen (the whole-model bench of that case, one JSON and one figure); llama-fused, bert-fused, qwen-fused (the
-# same with SEBP norms and activations); bert-linears, llama-linears, bert-norms, bert-select (SEBP on the
+# same with SEBP norms and activations; mistral-fused too); bert-linears, llama-linears, bert-norms, bert-select (SEBP on the
 # linears only; BERT-base with the norms; with norms and activations but rows selected, not taken from the
 # mask); head (benchmarks/head_bench.py); head-qwen (the Qwen shape at several chunk sizes); resprop
 # (benchmarks/resprop_bench.py); resprop-profile (one level, with a kernel breakdown); breakdown (Llama SFT
@@ -47,6 +47,7 @@ for s in ${STEPS:-smoke}; do
     gpu-pad) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu \
         tests/kernels/test_pad_rows.py tests/kernels/test_triton_gpu.py -k "pad or few_rows or fall_back" 2>&1 | tail -15 ;;
     qwen-fused) bench qwen2.5-0.5b-sft --norms --acts ;;
+    mistral-fused) bench mistral-1b-sft --norms --acts ;;
     qwen) bench qwen2.5-0.5b-sft ;;
     breakdown) for m in pad-mask no-pad-mask; do  # where the backward's time goes, eager, 2 batches a layout
         python3 -m sebp_probe bench llama-3.2-1b-sft --scope model --breakdown --$m --model-batches 2 --model-repeats 2 \
