@@ -443,6 +443,33 @@ def fsdp_h200(page: Page) -> str:
     return captioned(page, [src], table(header, body, "lllrrlrr") + "\n\n" + note)
 
 
+COMPARE = "compare_h100/compare.json"
+
+
+def _ms_range(part: dict, who: str) -> str:
+    lo, hi = part[f"{who}_iqr"]
+    return f"{f1(part[f'{who}_ms'])} ({f1(lo)}-{f1(hi)})"
+
+
+@block("compare_h100")
+def compare_h100(page: Page) -> str:
+    """finetune --compare in both orders: what its headline said, and the ratio it measured."""
+    src = page.load(COMPARE)
+    d = src.data
+    body = []
+    for pair in d["pairs"].values():
+        for order, r in pair["orders"].items():
+            st, bw = r["step"], r["backward"]
+            body.append([pair["label"], order, f"{r['sebp_layers']} of {r['sebp_layers'] + r['dense_layers']}",
+                         r["verdict"], str(r["timed_steps"]), _ms_range(st, "dense"), _ms_range(st, "other"),
+                         times(st["ratio"]), times(bw["ratio"]), f"{r['max_abs_loss_gap']:.1e}"])
+    header = ["pair", "order", "projections on SEBP", "headline", "steps timed in both", "dense step ms (IQR)",
+              "SEBP step ms (IQR)", "step ratio", "backward ratio", "largest loss gap"]
+    note = (f"{d['model']}; {d['data']}. Ratio: dense / SEBP of the step medians over the steps timed in both runs; "
+            "the headline prints it as a speedup only where the verdict is faster or slower.")
+    return captioned(page, [src], table(header, body, "lllllrrrrr") + "\n\n" + note)
+
+
 # ----------------------------------------------------------------------------------- example outputs
 
 def _example(page: Page, name: str, sections: tuple[tuple[str, str | None], ...]) -> str:
