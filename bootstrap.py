@@ -2,7 +2,8 @@
 """Set up sebp-probe in ./.venv (once) and run a command in it. Needs only Python >= 3.10 and pip.
 
     python3 bootstrap.py analyze            # the main job: sebp-probe analyze on the bundled MiniLM and tweets
-    python3 bootstrap.py test               # the tests (CPU; GPU tests skip without CUDA)
+    python3 bootstrap.py test               # the tests (CPU; GPU tests skip without CUDA; the multi-process
+                                            # ones after the others, alone)
     python3 bootstrap.py test -m "not slow" # the fast set
     python3 bootstrap.py test -n 0 tests/probe/test_docs.py   # pytest arguments pass through
     python3 bootstrap.py finetune --help    # any other sebp-probe command, with its arguments
@@ -87,10 +88,18 @@ def main(argv: list[str]) -> int:
     testing = argv[0] == "test"
     py = _python(use_venv)
     _setup(py, torch_spec, "assets,lora,test,trl" if testing else "assets,lora")
-    env = {**os.environ, **OFFLINE} if testing else dict(os.environ)
-    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_workers(argv[1:]), *argv[1:]] if testing else \
-        [py, "-m", "sebp_probe", *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    if not testing:
+        return subprocess.run([py, "-m", "sebp_probe", *argv], cwd=ROOT).returncode
+    env = {**os.environ, **OFFLINE}
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    workers = _workers(argv[1:])
+    if argv[1:] or not workers:
+        return subprocess.run([*pytest, *workers, *argv[1:]], cwd=ROOT, env=env).returncode
+    # The whole suite: the tests that start several processes run after the xdist workers are done, alone
+    # (tests/conftest.py leaves them out of the first run).
+    first = subprocess.run([*pytest, *workers], cwd=ROOT, env={**env, "SEBP_MULTIPROCESS_APART": "1"}).returncode
+    second = subprocess.run([*pytest, "-n", "0", "-m", "multiprocess"], cwd=ROOT, env=env).returncode
+    return first or second
 
 
 if __name__ == "__main__":

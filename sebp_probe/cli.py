@@ -8,6 +8,7 @@ import sys
 import typer
 from rich.console import Console
 
+from .config import padding_help
 from .outputs import check_output_file
 from .tables import batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary
 
@@ -98,8 +99,7 @@ _SPLIT = typer.Option(None, "--split", help="Dataset split (default train).")
 _TEXT = typer.Option(None, "--text-column", help="Text (or prompt) column (default: detected).")
 _PAIR = typer.Option(None, "--text-pair-column", help="Second text of sentence pairs.")
 _LABEL = typer.Option(None, "--label-column", help="Label column (default: detected).")
-_PADDING = typer.Option("max_length", "--padding", help="max_length | longest (per batch) | bucket (batches of "
-                        "similar lengths).")
+_PADDING = typer.Option("max_length", "--padding", help=padding_help())
 _PADDING_SIDE = typer.Option(None, "--padding-side", help="left | right (default: the tokenizer's).")
 _MIN_GAP = typer.Option(1.0, "--min-gap", help="Decades between noise and signal needed for a knee.")
 _DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N.")
@@ -152,9 +152,7 @@ def finetune_cmd(
     label_column: str = _LABEL,
     max_samples: int = typer.Option(None, "--max-samples", help="Use at most this many training examples."),
     eval_samples: int = typer.Option(1000, "--eval-samples", help="Evaluate on at most this many examples."),
-    padding: str = typer.Option("auto", "--padding", help="auto (measure every layout on your batches, dense and "
-                                "SEBP, train with the fastest) | max_length | longest | bucket | packed "
-                                "(padding-free rows, where exact: docs/finetune.md lists the model families; else bucket)."),
+    padding: str = typer.Option("auto", "--padding", help=padding_help(auto=True)),
     max_length: int = typer.Option(64, "--max-length"),
     batch_size: int = typer.Option(16, "--batch-size", help="Per process (and per micro-batch)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),

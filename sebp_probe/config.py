@@ -11,8 +11,22 @@ from sebp_kernels.config import MODES
 Padding = Literal["max_length", "longest", "bucket", "packed", "auto"]
 Side = Literal["left", "right"]
 TASKS = ("classification", "causal-lm", "mlm")
-# How the sequences of a batch are laid out (sebp_probe.batching); "auto" lets finetune measure and choose.
-PADDINGS = ("max_length", "longest", "bucket", "packed")
+# How the sequences of a batch are laid out (sebp_probe.batching), each with its help line; "auto" lets finetune
+# measure and choose.
+LAYOUT_HELP = {
+    "max_length": "every batch padded to --max-length",
+    "longest": "each batch padded to its longest sequence",
+    "bucket": "batches of similar lengths, each padded to its longest",
+    "packed": "sequences packed into rows without padding, where exact (docs/finetune.md lists the model families; "
+              "else bucket)",
+}
+PADDINGS = tuple(LAYOUT_HELP)
+
+
+def padding_help(auto: bool = False) -> str:
+    """The --padding help: every layout with its line (and ``auto`` first where finetune offers it)."""
+    items = [("auto", "measure every layout on your batches, dense and SEBP, and train with the fastest")] * auto
+    return " | ".join(f"{name} ({text})" for name, text in [*items, *LAYOUT_HELP.items()]) + "."
 
 __all__ = ["DataConfig", "FinetuneConfig", "FinetuneError", "SEBPConfig", "TASKS"]
 

@@ -13,7 +13,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+# Set by `bootstrap.py test` for its xdist run: the tests that start several processes (marker multiprocess)
+# are left out of it and run after it, alone (on 2 cores, a torchrun child once died with SIGABRT while the
+# xdist workers ran other tests beside it).
+APART = "SEBP_MULTIPROCESS_APART"
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get(APART) == "1":
+        apart = [item for item in items if "multiprocess" in item.keywords]
+        if apart:
+            config.hook.pytest_deselected(items=apart)
+            items[:] = [item for item in items if "multiprocess" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

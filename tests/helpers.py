@@ -190,3 +190,44 @@ def roundoff_first_queries(model: torch.nn.Module, suffix: str = "q_proj", scale
     finally:
         for h in handles:
             h.remove()
+
+
+def torchrun_failure(stderr: str, returncode: int | None, timeout: float | None = None) -> str:
+    """What a failed or hung 2-process torchrun said, for an assertion message: the ranks that failed (torchrun's
+    summary: rank, exit code or signal) and each one's own lines (``[rankN]:``), else the end of stderr."""
+    import re
+
+    lines = stderr.splitlines()
+    failed = sorted(set(re.findall(r"rank\s*:\s*(\d+)", stderr)) | set(re.findall(r"\[rank(\d+)\]:.*Error", stderr)))
+    head = f"torchrun hung: no exit within {timeout:.0f} s" if returncode is None else \
+        f"torchrun exited {returncode}"
+    head += f"; failed rank(s): {', '.join(failed)}" if failed else "; no rank named in its output"
+    own = [x for x in lines if any(x.startswith(f"[rank{r}]:") for r in failed)]
+    summary = [x for x in lines if re.search(r"^\s*(rank|exitcode|error_file|traceback|host|time)\s*:", x)]
+    return "\n".join([head, *summary[-12:], *(own[-40:] or lines[-40:])])
+
+
+def run_torchrun(args: list[str], timeout: float, **popen_kw) -> tuple[str, str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS`` through this interpreter (the venv's
+    torchrun script need not be on PATH, as under CI); (stdout, stderr). A failure or a hang (the whole process
+    group killed at ``timeout``) fails the test with :func:`torchrun_failure`'s message."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, **popen_kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import os
+        import signal
+
+        os.killpg(p.pid, signal.SIGKILL)  # torchrun and both workers
+        out, err = p.communicate()
+        pytest.fail(torchrun_failure(err, None, timeout))
+    if p.returncode != 0:
+        pytest.fail(torchrun_failure(err, p.returncode))
+    return out, err

@@ -13,19 +13,29 @@ import time
 import pytest
 
 from tests.cli.test_finetune_cli import _tiny_bert, _train_records, assert_same_records
+from tests.helpers import run_torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # run apart from the xdist workers: tests/conftest.py
 
 ARGS = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32",
         "--padding", "max_length",
         "--always-sebp", "--dense-fallback", "1"]
 
 
+def _env() -> dict:
+    return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _finetune(*args, timeout: float = 300) -> str:
+    """`sebp-probe finetune ARGS` in 2 processes; its stdout (a failure or hang fails the test naming the rank)."""
+    return run_torchrun(["-m", "sebp_probe", "finetune", *args], timeout, env=_env())[0]
+
+
 def _torchrun(*args):
-    """torchrun through this interpreter (the venv's torchrun script need not be on PATH, as under CI)."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "sebp_probe", "finetune",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    """The same started in the background (to be signalled)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "sebp_probe", "finetune", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
-    p = _torchrun(tiny, *ARGS, "--max-steps", "6", "--compare", "--json", "-o", str(tmp_path / "run"))
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-2000:]
+    _finetune(tiny, *ARGS, "--max-steps", "6", "--compare", "--json", "-o", str(tmp_path / "run"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert {s["num_processes"] for s in summary["runs"].values()} == {2}
     assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
@@ -49,10 +57,8 @@ def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
 def test_two_process_compiled_exact_sebp_equals_dense(tiny, tmp_path):
     """--compile default under DDP (Dynamo's DDP optimizer): the SEBP model compiles without a graph break and
     exact SEBP still gives dense's losses."""
-    p = _torchrun(tiny, *ARGS, "--max-steps", "4", "--compare", "--compile", "default", "--json",
-                  "-o", str(tmp_path / "run"))
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-2000:]
+    _finetune(tiny, *ARGS, "--max-steps", "4", "--compare", "--compile", "default", "--json",
+              "-o", str(tmp_path / "run"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     sebp = summary["runs"]["sebp"]
     assert sebp["num_processes"] == 2 and len(sebp["calibration"]["layers"]) == 12
@@ -62,9 +68,7 @@ def test_two_process_compiled_exact_sebp_equals_dense(tiny, tmp_path):
 
 def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
     base = [tiny, *ARGS, "--max-steps", "16", "--eval-steps", "8"]
-    p = _torchrun(*base, "-o", str(tmp_path / "a"))
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-2000:]
+    _finetune(*base, "-o", str(tmp_path / "a"))
 
     p = _torchrun(*base, "-o", str(tmp_path / "b"))
     metrics, deadline = tmp_path / "b" / "metrics.jsonl", time.time() + 240
@@ -76,9 +80,7 @@ def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
     p.communicate(timeout=300)
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 3 <= summary["steps"] < 16
-    p = _torchrun(*base, "-o", str(tmp_path / "b"), "--resume")
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-2000:]
+    _finetune(*base, "-o", str(tmp_path / "b"), "--resume")
     assert_same_records(_train_records(tmp_path / "b" / "metrics.jsonl"),
                         _train_records(tmp_path / "a" / "metrics.jsonl"))
 
@@ -88,9 +90,7 @@ def test_two_process_auto_eps_shares_the_main_report(tiny, tmp_path):
     that the others do not analyse); here the real gloo broadcast carries it and both processes train."""
     args = ["tweets", "--max-samples", "400", "--batch-size", "8", "--max-length", "32", "--eval-samples", "32",
             "--padding", "max_length"]
-    p = _torchrun(tiny, *args, "--auto-eps", "--max-steps", "3", "--json", "-o", str(tmp_path / "run"))
-    _, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-2000:]
+    _finetune(tiny, *args, "--auto-eps", "--max-steps", "3", "--json", "-o", str(tmp_path / "run"), timeout=600)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["layers"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

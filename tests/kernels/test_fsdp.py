@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_torchrun
+
+# Two processes each: `bootstrap.py test` runs these after the xdist workers are done (see tests/conftest.py)
+pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,11 +21,7 @@ def _two_processes(tmp_path, *args) -> list[dict]:
     pytest.importorskip("torch.distributed.fsdp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(Path(__file__).with_name("fsdp_worker.py")), str(tmp_path), *args],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    errors = [x for x in proc.stderr.splitlines() if "Error" in x and "Warning" not in x]
-    assert proc.returncode == 0, "\n".join(errors[:20]) or proc.stderr[-3000:]
+    run_torchrun([str(Path(__file__).with_name("fsdp_worker.py")), str(tmp_path), *args], 300, env=env, cwd=ROOT)
     lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in lines) == [0, 1]
     return lines
