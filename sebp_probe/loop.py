@@ -31,7 +31,7 @@ from .compiling import compile_or_eager
 from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
 from .losses import batch_loss, has_no_target, set_head, token_counts
-from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records, timed_steps
+from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from .patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from .train_data import TrainData, first_batches, make_loaders

@@ -1,25 +1,21 @@
 """The generated blocks of README.md and docs/*.md are what benchmarks/make_docs.py makes from results/."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def make_docs():
-    spec = importlib.util.spec_from_file_location("make_docs", ROOT / "benchmarks" / "make_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_benchmark("make_docs")
+    sys.modules.pop("make_docs", None)
 
 
 def _page(root: Path, text: str) -> Path:

@@ -1,16 +1,12 @@
 """benchmarks/head_bench.py runs (on a CPU with --tiny) and its methods agree on the loss."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+from tests.helpers import load_benchmark
 
 
 def test_tiny_run_writes_json(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "head_bench.py"
-    spec = importlib.util.spec_from_file_location("head_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("head_bench")
     out = tmp_path / "r.json"
     bench.main(["--out", str(out), "--tiny", "--device", "cpu", "--shapes", "tiny-llama", "--seq", "32",
                 "--warmup", "1", "--repeats", "1", "--sebp", "--extra-chunks", "8"])

@@ -1,24 +1,18 @@
 """benchmarks/resprop_variants.py: each ablation computes what it says, against direct references."""
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import sebp_kernels.resprop as R
 from sebp_kernels import ReSpropLinear
+from tests.helpers import load_benchmark
 
 
 def _load():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "resprop_variants.py"
-    spec = importlib.util.spec_from_file_location("resprop_variants", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("resprop_variants", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return sys.modules.get("resprop_variants") or load_benchmark("resprop_variants")
 
 
 V = _load()
@@ -163,11 +157,7 @@ def test_context_restores_and_errors():
 
 
 def _load_cpu_script():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "resprop_cpu.py"
-    spec = importlib.util.spec_from_file_location("resprop_cpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("resprop_cpu")
 
 
 def test_cpu_script_levels_and_labels():

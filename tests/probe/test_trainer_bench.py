@@ -2,27 +2,20 @@
 steps/s per variant) and, since plain and SEBP train the same batches from the same start, the same losses."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401 (a fresh accelerate state per test)
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("trl")
-    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "benchmarks" / "trainer_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_benchmark("trainer_bench")
+    sys.modules.pop("trainer_bench", None)
 
 
 @pytest.mark.slow
