@@ -191,3 +191,24 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return Calibration(density, med(dense_ms), med(sebp_ms), layers,
                        sorted(n for n in candidates if n not in layers), reason, norm_names)
+
+
+def take_main_choice(model, c: Calibration, candidates: dict[str, SEBPConfig]) -> Calibration:
+    """Under several processes (accelerate's state), every process takes the main process's choice of layers,
+    norms and activations (timings differ per process, and the processes must compute the same model); ``model``
+    is patched again to match. One process: ``c`` as it is."""
+    from accelerate import PartialState
+
+    if PartialState().num_processes == 1:
+        return c
+    from accelerate.utils import broadcast_object_list
+
+    from .patch import patched_activations, unpatch_model
+
+    chosen = broadcast_object_list([{"layers": {n: sc.to_dict() for n, sc in c.layers.items()},
+                                     "norms": bool(c.norms), "acts": bool(patched_activations(model))}])[0]
+    unpatch_model(model)
+    c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen["layers"].items()}
+    c.fallback = sorted(n for n in candidates if n not in c.layers)
+    c.norms = apply_sebp(model, c.layers, chosen["norms"], chosen["acts"])
+    return c

@@ -26,7 +26,7 @@ import torch
 from sebp_kernels import SEBPConfig
 
 from .assets import LoadedModel
-from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync
+from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
 from .compiling import compile_or_eager
 from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
@@ -181,17 +181,7 @@ class Run:
                           if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
                           acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg,
                                                                                                    self.acc))
-        if self.acc.num_processes > 1:  # timings differ per process: every process takes the main one's choice
-            from accelerate.utils import broadcast_object_list
-
-            from .patch import unpatch_model
-
-            chosen = broadcast_object_list([{"layers": {n: sc.to_dict() for n, sc in c.layers.items()},
-                                             "norms": bool(c.norms), "acts": bool(patched_activations(model))}])[0]
-            unpatch_model(model)
-            c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen["layers"].items()}
-            c.fallback = sorted(n for n in cands if n not in c.layers)
-            c.norms = apply_sebp(model, c.layers, chosen["norms"], chosen["acts"])
+        c = take_main_choice(model, c, cands)
         c.acts = patched_activations(model)
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})

@@ -238,6 +238,7 @@ def _calibrate(trainer, model, cands: dict[str, SEBPConfig], measure: bool, n: i
                                 trainer.accelerator.autocast, if_slower=if_slower, norms=norms, acts=acts)
         finally:
             model.train(was_training)
+        c = calib.take_main_choice(model, c, cands)  # several processes: all take the main one's layers
     c.acts = patched_activations(model)
     return c
 
