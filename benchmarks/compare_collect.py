@@ -54,7 +54,8 @@ def collect(archives: list[Path]) -> dict:
                     if run is not None:
                         pairs.setdefault(pair, {"label": label, "orders": {}})["orders"][order] = run
                         env = {"gpu": run["device"], **run["versions"], "date": run["created"]}
-    return {"experiment": "compare", "command": 'STEPS="eager compile padded forced" bash benchmarks/compare_session.sh',
+    return {"experiment": "compare",
+            "command": 'STEPS="eager compile padded forced" bash benchmarks/compare_session.sh',
             "commands": {n: c for n, c in commands.items() if n.split("_")[0] in pairs}, "environment": env,
             "model": "a ~120M Llama, random weights, the bundled MiniLM's vocabulary (benchmarks/fsdp_model.py small)",
             "data": "the bundled tweets, 40 steps of 32, max length 128, bf16, seed 0", "pairs": pairs}

@@ -29,7 +29,8 @@ def main(argv=None) -> None:
     args = argv or sys.argv[1:]
     tok_dir, out = args[:2]
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    shape = {**SHAPES[args[2] if len(args) > 2 else "1b"], "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "max_position_embeddings": 4096}
+    shape = {**SHAPES[args[2] if len(args) > 2 else "1b"], "vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+             "max_position_embeddings": 4096}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**shape))
     model.save_pretrained(out)

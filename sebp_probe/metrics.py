@@ -81,10 +81,11 @@ def summarize_records(records: list[dict]) -> dict:
     what the untimed steps took apart (warm-up, and of it compiling), peak memory, final loss."""
     train = [r for r in records if r.get("type") == "train"]
     evals = [r for r in records if r.get("type") == "eval"]
-    timed = list(timed_steps(records).values())
+    timed_by_step = timed_steps(records)
+    timed = list(timed_by_step.values())
     out = {"steps": train[-1]["step"] if train else 0}
     if train:
-        untimed = [r for r in train if r["step"] not in {t["step"] for t in timed}]
+        untimed = [r for r in train if r["step"] not in timed_by_step]
         out["timed_steps"] = len(timed)
         out["untimed_steps"] = len(untimed)
         out["untimed_s"] = sum(r["step_ms"] for r in untimed) / 1e3
@@ -151,8 +152,8 @@ def compare_runs(dense: dict, other: dict, dense_records: list[dict], other_reco
     """Dense against the other run: ``verdict`` says what the times may be read as (``same computation``: the
     other run computed what dense did, so its ratio is the timing's noise and no speedup; ``too few steps``:
     under :data:`MIN_TIMED_STEPS` steps timed in both; ``within noise``; ``faster``; ``slower``), with the
-    step and backward ratios of :func:`compare_timing` (``paired``: see there; ``speedup_step``/``speedup_backward`` only where the
-    verdict is faster or slower), peak-memory ratios and held-out deltas."""
+    step and backward ratios of :func:`compare_timing` (``paired``: see there; ``speedup_step`` and
+    ``speedup_backward`` only where the verdict is faster or slower), peak-memory ratios and held-out deltas."""
     out: dict = {}
     timing = compare_timing(dense_records, other_records, paired)
     out["timing"] = timing

@@ -5,8 +5,9 @@ Padding is cheaper to remove before the forward (trim, bucket, pack) than to ski
 measured on top of each layout, never only against padded dense. Each applicable layout (:data:`PADDINGS`;
 ``packed`` only where :func:`~sebp_probe.packing.check_packable` allows it and the batch shapes may change) is
 timed on a few batches from inside the first epoch: one untimed forward+backward per batch and method (kernel
-compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches of one layout differ in size (under ``bucket``
-by far: its first batch holds the longest sequences), so a few of them would say little about an epoch; a
+compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches
+of one layout differ in size (under ``bucket`` by far: its first batch holds the longest sequences), so a few
+of them would say little about an epoch; a
 layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
 of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
 candidate layers whose share of active rows on those batches is at most ``dense_fallback``, as a run's
@@ -71,10 +72,6 @@ def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, 
     return [to_device(b, device) for i, b in enumerate(loader) if i in want]
 
 
-def _per_slot(times: list[float], batch: dict) -> float:
-    return statistics.median(times) / batch["input_ids"].numel()
-
-
 def _timed_pass(model, batch: dict, device: torch.device, autocast) -> float:
     """Milliseconds of one forward+backward of ``model`` on ``batch``; the gradients are dropped."""
     sync(device)
@@ -87,6 +84,19 @@ def _timed_pass(model, batch: dict, device: torch.device, autocast) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+@contextlib.contextmanager
+def _as(method: str, patch: Callable[[], None] | None, unpatch: Callable[[], None] | None):
+    """Within the block the model is ``method``'s: dense as it is, SEBP patched (and unpatched after)."""
+    if method == "dense":
+        yield
+        return
+    patch()
+    try:
+        yield
+    finally:
+        unpatch()
+
+
 def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, graphs: bool, reps: int,
                patch: Callable[[], None] | None = None, unpatch: Callable[[], None] | None = None) -> dict[str, float]:
     """A layout's milliseconds per batch over an epoch, dense and (with ``patch``) SEBP: measured ms per token slot
@@ -94,33 +104,23 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
     passes of each, interleaved (dense, SEBP, dense, ...), so that neither method runs on a colder host or GPU;
     as CUDA-graph replays (``graphs``), each method's graphs are captured after their own warm-up and replayed
     ``reps`` times, dense first."""
-    per_slot: dict[str, list[float]] = {"dense": [], **({"sebp": []} if patch else {})}
+    methods = ("dense", "sebp") if patch else ("dense",)
+    per_slot: dict[str, list[float]] = {m: [] for m in methods}
     for b in batches:
+        times: dict[str, list[float]] = {m: [] for m in methods}
         if graphs:
-            f, bw = replay_ms(model, b, reps, autocast, skip=1)
-            per_slot["dense"].append((f + bw) / b["input_ids"].numel())
-            if patch:
-                patch()
-                try:
-                    f, bw = replay_ms(model, b, reps, autocast, skip=1)
-                finally:
-                    unpatch()
-                per_slot["sebp"].append((f + bw) / b["input_ids"].numel())
-            continue
-        times: dict[str, list[float]] = {m: [] for m in per_slot}
-        for i in range(reps + 1):  # the first round is the warm-up
-            for method in times:
-                if method == "sebp":
-                    patch()
-                try:
-                    ms = _timed_pass(model, b, device, autocast)
-                finally:
-                    if method == "sebp":
-                        unpatch()
-                if i:
-                    times[method].append(ms)
+            for method in methods:
+                with _as(method, patch, unpatch):
+                    times[method].append(sum(replay_ms(model, b, reps, autocast, skip=1)))
+        else:
+            for i in range(reps + 1):  # the first round is the warm-up
+                for method in methods:
+                    with _as(method, patch, unpatch):
+                        ms = _timed_pass(model, b, device, autocast)
+                    if i:
+                        times[method].append(ms)
         for method, ts in times.items():
-            per_slot[method].append(_per_slot(ts, b))
+            per_slot[method].append(statistics.median(ts) / b["input_ids"].numel())
     return {m: statistics.fmean(v) * mean_slots for m, v in per_slot.items()}
 
 
