@@ -21,8 +21,8 @@ from .config import FinetuneConfig, FinetuneError
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
 from .metrics import compare_runs, loss_gap, timed_steps
-from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, device_name, has_progress,
-                     read_json, versions, write_json)
+from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, check_resume_processes,
+                     device_name, has_progress, read_json, versions, write_json)
 from .strategy import PaddingChoice, choose_padding
 from .train_data import TrainData, first_batches, load_train_data
 
@@ -131,6 +131,8 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         _check_graphs_possible(cfg, acc, f"--compile {cfg.compile}")
     out = Path(cfg.output_dir)
     resuming, stale = check_output_dir(cfg, resume, overwrite)
+    if resuming:
+        check_resume_processes(out, acc.num_processes)
     from accelerate.utils import set_seed
 
     set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run

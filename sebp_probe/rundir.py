@@ -86,6 +86,15 @@ def check_resume_data(out: Path, identity: dict) -> None:
                             f"); resume with the same data or use --overwrite")
 
 
+def check_resume_processes(out: Path, num_processes: int) -> None:
+    """Refuse to resume the run in ``out`` on another number of processes: each process's share of every batch,
+    hence the data order and the (sharded) checkpoint, depends on it."""
+    stored = (read_json(out / RUN_CONFIG) or {}).get("num_processes")
+    if stored is not None and stored != num_processes:
+        raise FinetuneError(f"--resume: the run in {out} trained on {stored} process(es), this launch has "
+                            f"{num_processes}; resume it with {stored} (its data order and checkpoints depend on it)")
+
+
 def has_progress(out: Path) -> bool:
     """Did the run in ``out`` train at all (metrics or checkpoints)? One that failed before is replaceable."""
     for d in (out, out / "dense", out / "sebp", out / "resprop"):

@@ -2,6 +2,7 @@
 that says what it did), and no run data is lost."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,21 @@ def test_resume_on_other_data_is_refused(tiny, tmp_path, monkeypatch, change, ne
     else:
         line = _error_line(r)
         assert "--resume: the data are not those the run in" in line and needle in line
+    assert _snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_resume_on_another_number_of_processes_is_refused(tiny, tmp_path):
+    data, out = tmp_path / "d.csv", tmp_path / "run"
+    _labelled_csv(data, [0, 1, 2])
+    args = [tiny, str(data), *FAST, "--max-steps", "2", "--method", "dense", "-o", str(out)]
+    assert _run(args).exit_code == 0
+    config = json.loads((out / "run_config.json").read_text())
+    config["num_processes"] = 2  # as a 2-process launch writes it
+    (out / "run_config.json").write_text(json.dumps(config))
+    before = _snapshot(out)
+    line = _error_line(_run([*args, "--resume"]))
+    assert "trained on 2 process(es), this launch has 1; resume it with 2" in line, line
     assert _snapshot(out) == before
 
 
