@@ -202,10 +202,13 @@ class Run:
 
         path = self.dir / CHECKPOINTS / f"step-{step:06d}"
         tmp = path.with_name(PARTIAL + path.name)
-        if self.main and tmp.exists():  # left by a write cut short at this step: start it afresh
-            shutil.rmtree(tmp)
+        if self.main:  # every process writes its shards into the folder (FSDP): it exists before they start
+            if tmp.exists():  # left by a write cut short at this step: start it afresh
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
         self.acc.save_state(str(tmp))
+        self.acc.wait_for_everyone()  # every process's shards are written before the state file marks it complete
         if self.main:
             layers = (calib or {}).get("layers", {})
             write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib})

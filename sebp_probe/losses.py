@@ -38,7 +38,7 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
     else:
         task = _task_of(model) if labelled_head else None
     if task is None:
-        return packed_forward(model, batch).loss if packed else model(**batch).loss
+        return packed_forward(model, batch).loss if packed else model(**batch, **no_cache(model)).loss
     if not packed:
         return head_loss(model, batch, task, last_layer_rows_only=True).loss
     if task == "classification":
@@ -46,6 +46,13 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
     targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
     with packed_call(model, batch) as inputs:
         return head_loss(model, inputs, task, last_layer_rows_only=True, targets=targets).loss
+
+
+def no_cache(model: torch.nn.Module) -> dict:
+    """``use_cache=False`` for a causal LM: training and held-out losses never read a KV cache, and the one
+    transformers builds by default costs memory and, under ``torch.compile``, a recompile per layer (its
+    guards read each layer's cache state)."""
+    return {"use_cache": False} if type(unwrap(model)).__name__.endswith("ForCausalLM") else {}
 
 
 def _task_of(model: torch.nn.Module) -> str:

@@ -24,7 +24,8 @@ def evaluate(model, loader, accelerator, task: str) -> dict:
     count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     correct = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       **({"use_cache": False} if task == "causal-lm" else {})).logits.float()
         labels = batch["labels"]
         if task == "classification":
             per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")

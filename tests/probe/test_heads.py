@@ -213,3 +213,22 @@ def test_mlm_fp32_matches_model_loss(arch):
     assert_like_model(got, hf, want, "loss")
     for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
         assert_like_model(a, t, e, name)
+
+
+def test_training_and_held_out_losses_build_no_kv_cache():
+    """A causal LM's training loss and held-out forward run without a KV cache (under torch.compile the cache's
+    per-layer state would recompile the decoder layer's graph for every layer)."""
+    from accelerate import Accelerator
+
+    from sebp_probe.losses import batch_loss
+    from sebp_probe.metrics import evaluate
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    batch = padded_batch("llama")
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs.get("cache", kwargs.get("past_key_values"))), with_kwargs=True)
+    batch_loss(model, batch, labelled_head=False).backward()
+    evaluate(model, [batch], Accelerator(cpu=True), "causal-lm")
+    assert len(seen) == 2 and seen == [None, None]
