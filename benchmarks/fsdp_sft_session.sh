@@ -11,6 +11,7 @@
 # Steps:
 #   prep    the model and the data
 #   pair    --compare with --compile default, --padding longest, 8 sequences a GPU (ORDERS: dense-first, sebp-first)
+#   eager   the pair without --compile, dense first
 #   auto    the same with --padding auto, SEBP only (what auto picks under FSDP2 and compile)
 #   resume  exact SEBP eager, 16 steps: the run uninterrupted, then one killed by SIGTERM after 6 logged steps
 #           and resumed with --resume
@@ -62,6 +63,9 @@ for s in ${STEPS:-prep}; do
         run "pair_$order" "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --compile default \
           --max-steps ${PAIR_STEPS:-40} --compare "${flag[@]}" -o "$RUNS/pair_$order" --overwrite
       done ;;
+    eager)  # the pair without --compile (dense first)
+      run eager_dense-first "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest \
+        --max-steps ${PAIR_STEPS:-40} --compare -o "$RUNS/eager_dense-first" --overwrite ;;
     auto)
       run auto "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding auto --compile default \
         --max-steps 40 --method sebp -o "$RUNS/auto" --overwrite ;;
