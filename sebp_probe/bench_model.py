@@ -73,14 +73,13 @@ def build_model(case: ModelCase, dtype: torch.dtype, device: torch.device):
     return model.train()
 
 
-def packed_backend(device: torch.device, dtype: torch.dtype) -> str:
+def packed_backend(cfg, device: torch.device, dtype: torch.dtype) -> str:
     """How packed rows are expected to run on ``device`` without building the model (the plan): what
-    :func:`~sebp_probe.packing.attention_backend`, which the run asks, picks for the cases (attention dropout 0,
-    no sliding window)."""
-    from .packing import VARLEN_KERNEL
+    :func:`~sebp_probe.packing.attention_backend`, which the run asks, picks for the model of ``cfg`` in
+    training (the same :func:`~sebp_probe.packing.varlen_blocker`; encoders and decoders alike)."""
+    from .packing import varlen_blocker
 
-    ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and VARLEN_KERNEL is not None
-    return "varlen" if ok else "mask"
+    return "mask" if varlen_blocker(cfg, device.type, dtype, training=True) else "varlen"
 
 
 def liger_reason(case: ModelCase, device: torch.device) -> str | None:
@@ -316,7 +315,8 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
     and inactive share of the backward FLOPs per head, and every entry (with why it would be skipped)."""
     check_pad_mask(case, pad_mask)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    _, info = _pool(case, model_config(case), n_batches, seed, packed_backend(dev, dtype), pad_mask)
+    cfg = model_config(case)
+    _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask)
     for lay in info["layouts"].values():
         del lay["flops"]
     entries = plan_entries(case, graphs, dev, liger_reason(case, dev))

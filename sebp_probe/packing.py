@@ -1,20 +1,24 @@
 """The loss of a packed batch (:class:`~sebp_probe.batching.PackedCollator`), equal to that of the same
 sequences padded: attention never crosses a sequence, positions restart for each sequence.
 
-Two attention layouts (``backend``):
+Two attention layouts (``backend``), for decoders' causal LMs and encoders' classifiers alike (the families of
+:mod:`sebp_probe.families` marked ``packed``):
 
-- ``mask``: the collator's rows. Decoders (the families of :mod:`sebp_probe.families` marked ``packed``) get
-  ``position_ids`` and no attention mask:
-  transformers then builds a causal mask per sequence from where the positions restart (only without a cache,
-  hence ``use_cache=False``). Encoders (BERT-like) get an additive 4-D mask, 0 within a sequence and the
-  dtype's minimum elsewhere (a boolean 4-D mask would be added as 0/1 by eager attention).
 - ``varlen``: the rows' real tokens flattened into one row, attention per sequence by flash attention's
-  variable-length kernel (``torch.nn.attention.varlen.varlen_attn``) given the sequences' offsets; no padding
-  and no mask at all. CUDA with bf16/fp16 only, chosen by default where it can run (:func:`attention_backend`).
+  variable-length kernel (``torch.nn.attention.varlen.varlen_attn``) given the sequences' offsets, causal for
+  decoders and in both directions for encoders (each attention module's ``is_causal``); no padding and no mask
+  at all. Chosen by default where it runs the model exactly (:func:`varlen_blocker`): CUDA, bf16/fp16, no
+  attention dropout while training (the kernel has none), no sliding window.
+- ``mask``, everywhere else: the collator's rows. Decoders get ``position_ids`` and no attention mask:
+  transformers then builds a causal mask per sequence from where the positions restart (only without a cache,
+  hence ``use_cache=False``). Encoders get an additive 4-D mask, 0 within a sequence and the dtype's minimum
+  elsewhere (a boolean 4-D mask would be added as 0/1 by eager attention): attention then runs over every pair
+  of a row, across sequences too, and the mask throws most of it away.
 
 A classifier's loss is over sequences: each sequence's first token ([CLS], <s>) is what the model's own pooler
-(BERT) or classification head (RoBERTa, ELECTRA) reads (the registry's ``first_token`` module), gathered by a hook on that module, so the model's head and loss
-run unchanged on one row per sequence.
+(BERT) or classification head (RoBERTa, ELECTRA) reads (the registry's ``first_token`` module), gathered by a
+hook on that module (at the sequences' offsets in the flattened row under ``varlen``, at their places in the
+rows under ``mask``), so the model's head and loss run unchanged on one row per sequence.
 """
 from __future__ import annotations
 
@@ -89,22 +93,44 @@ def _attention_dropout(config) -> float:
 
 
 def _sliding(config) -> bool:
-    return any(t != "full_attention" for t in getattr(config, "layer_types", None) or [])
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return getattr(config, "sliding_window", None) is not None  # Mistral: one window for every layer
+
+
+def varlen_blocker(config, device: str, dtype: torch.dtype, training: bool) -> str | None:
+    """Why flash attention's varlen kernel cannot run packed rows of a model of ``config`` exactly (None: it
+    can), the model on ``device`` (a device type) computing in ``dtype`` (the autocast dtype where autocast is
+    on), in training mode or not. The kernel needs CUDA, bf16/fp16 and the sdpa attention; it has no dropout
+    (``varlen_attn`` takes no ``dropout_p``), so a model that trains with attention dropout (BERT's configs ship
+    ``attention_probs_dropout_prob`` 0.1) keeps the block mask, whose sdpa call draws it; it runs no sliding
+    window here. Decoders and encoders alike: the kernel runs causal or not as each attention module says."""
+    if VARLEN_KERNEL is None:
+        return "this torch has no torch.nn.attention.varlen"
+    if device != "cuda":
+        return "flash attention's varlen kernel needs a CUDA GPU"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"flash attention computes in bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
+    if config._attn_implementation not in ("sdpa", VARLEN):
+        return f"varlen replaces the 'sdpa' attention, not {config._attn_implementation!r}"
+    if training and _attention_dropout(config) > 0:
+        return f"varlen_attn has no attention dropout (the model trains with {_attention_dropout(config):g})"
+    if _sliding(config):
+        return "varlen attention runs no sliding window"
+    return None
 
 
 def attention_backend(model: torch.nn.Module) -> str:
-    """``varlen`` where flash attention's varlen kernel can run the model exactly (a CUDA model computing in
-    bf16/fp16, sdpa attention, no attention dropout while training, no sliding window), else ``mask``."""
+    """``varlen`` where flash attention's varlen kernel can run the model exactly (:func:`varlen_blocker`:
+    CUDA, bf16/fp16 compute, sdpa attention, no attention dropout while training, no sliding window), else
+    ``mask``."""
     base = unwrap(model)
     p = next(base.parameters())
-    if VARLEN_KERNEL is None or p.device.type != "cuda":
-        return "mask"
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else p.dtype
-    if dtype not in (torch.bfloat16, torch.float16) or base.config._attn_implementation not in ("sdpa", VARLEN):
-        return "mask"
-    if (base.training and _attention_dropout(base.config) > 0) or _sliding(base.config):
-        return "mask"
-    return "varlen"
+    device = p.device.type
+    autocast = device == "cuda" and torch.is_autocast_enabled("cuda")
+    dtype = torch.get_autocast_dtype("cuda") if autocast else p.dtype
+    return "mask" if varlen_blocker(base.config, device, dtype, base.training) else "varlen"
 
 
 # ------------------------------------------------------------------------------------------- varlen backend
@@ -181,7 +207,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if dropout > 0:
         raise PackingError("varlen attention has no attention dropout; set it to 0 or pass backend='mask'")
-    if getattr(module, "sliding_window", None) is not None:
+    # Mistral's attention has no sliding_window of its own: its config's holds for every layer
+    if getattr(module, "sliding_window", getattr(getattr(module, "config", None), "sliding_window", None)):
         raise PackingError("varlen attention has no sliding window; pass backend='mask'")
     if query.shape[0] != 1 or attention_mask is not None:
         raise PackingError("varlen attention takes one flattened row and no attention mask")

@@ -1,14 +1,14 @@
-"""A training step's loss (:func:`sebp_probe.losses.batch_loss`) under ``torch.compile``: Dynamo captures the
-forward in one graph, with no graph break (so no host sync), and AOTAutograd the backward with it, on a tiny
-Llama's packed batch (both attention layouts) and a tiny BERT classifier's ``longest`` batch, both through the
-labelled-rows head; also with SEBP patched (exact mode, linears, norms and activations: the ``sebp::`` custom
-ops). The compiled step gives the eager loss and gradients. ``aot_eager`` runs the graphs Inductor would get
-without Inductor's C++ compile (minutes on two CPU cores); ``finetune --compile default`` runs Inductor
-(tests/probe/test_finetune_compile.py).
+"""A training step's loss (:func:`sebp_probe.losses.batch_loss`) under ``torch.compile``: Dynamo captures the forward
+in one graph, with no graph break (so no host sync), and AOTAutograd the backward with it, on a tiny Llama's packed
+batch (both attention layouts) and a tiny BERT classifier's ``longest`` batch, both through the labelled-rows head,
+and the BERT's packed batch by varlen attention (in both directions, the model's own head); also with SEBP patched
+(exact mode, linears, norms and activations: the ``sebp::`` custom ops). The compiled step gives the eager loss and
+gradients. ``aot_eager`` runs the graphs Inductor would get without Inductor's C++ compile (minutes on two CPU
+cores); ``finetune --compile default`` runs Inductor (tests/probe/test_finetune_compile.py).
 
-What still breaks, by design: the labelled-rows head on a padded causal-LM or masked-LM batch counts its
-labelled rows on the device (``nonzero``, then the most in one sequence): a padded batch goes to the model as
-keyword arguments, so it carries no host-side count as a packed batch does (``n_targets``)."""
+What still breaks, by design: the labelled-rows head on a padded causal-LM or masked-LM batch counts its labelled
+rows on the device (``nonzero``, then the most in one sequence): a padded batch goes to the model as keyword
+arguments, so it carries no host-side count as a packed batch does (``n_targets``)."""
 from __future__ import annotations
 
 import pytest
@@ -46,10 +46,12 @@ def _fresh_dynamo():
 
 
 def _case(name: str, monkeypatch) -> tuple[torch.nn.Module, dict]:
-    """(model with the labelled-rows head chosen, one training batch)."""
+    """(model with the labelled-rows head chosen, one training batch); a packed BERT runs the model's own head
+    (the [CLS]-rows layer takes padded batches only)."""
     arch, layout = name.split("-", 1)
     model, items = tiny_model(arch), _items(arch)
-    assert use_head(model, "classification" if arch == "bert" else "causal-lm", "labelled") is None
+    head = "full" if arch == "bert" and layout != "longest" else "labelled"
+    assert use_head(model, "classification" if arch == "bert" else "causal-lm", head) is None
     if layout == "packed-varlen":
         monkeypatch.setattr(packing, "VARLEN_KERNEL", traceable_varlen)
         monkeypatch.setattr(packing, "attention_backend", lambda model: "varlen")
@@ -66,7 +68,7 @@ def _step(loss_fn, model, batch) -> tuple[torch.Tensor, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sebp", [False, True], ids=["dense", "sebp"])
-@pytest.mark.parametrize("case", ["llama-packed-mask", "llama-packed-varlen", "bert-longest"])
+@pytest.mark.parametrize("case", ["llama-packed-mask", "llama-packed-varlen", "bert-longest", "bert-packed-varlen"])
 def test_compiled_step_is_one_graph_and_equals_eager(case, sebp, monkeypatch):
     model, batch = _case(case, monkeypatch)
     if sebp:

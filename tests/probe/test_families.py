@@ -134,6 +134,30 @@ def test_packed_equals_padded_where_the_entry_allows(model_type, task):
         _assert_same(want, _loss_and_grads(model, lambda: batch_loss(model, packed)), _rtol(model))
 
 
+@pytest.mark.parametrize("model_type,task", [(t, k) for t, k in FAMILY_TASKS.items() if FAMILIES[t].packed])
+def test_packed_by_varlen_equals_padded_where_the_kernel_can_run(model_type, task, monkeypatch):
+    """Every packed family on one flattened row (a per-sequence sdpa in place of flash attention; encoders
+    without causality), where the decision for a CUDA bf16 run picks varlen; the families it keeps on the mask
+    (sliding windows, eager attention) refuse a forced varlen rather than attend past their window."""
+    from sebp_probe import packing
+    from tests.probe.test_packing import reference_varlen
+
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", reference_varlen)
+    model = family_model(model_type, task, _dtype(model_type), pad=_pad(model_type))
+    packed = PackedCollator(_pad(model_type), task, MAX_LENGTH)(_items(task))
+    why = packing.varlen_blocker(model.config, "cuda", torch.bfloat16, training=True)
+    if why is not None:  # Mistral's and Gemma 3's windows; Gemma 2 loads with eager attention (its softcap)
+        assert why in ("varlen attention runs no sliding window",
+                       "varlen replaces the 'sdpa' attention, not 'eager'")
+        with pytest.raises(packing.PackingError, match="no sliding window|replaces the 'sdpa' attention"):
+            packing.packed_forward(model, packed, backend="varlen")
+        return
+    set_head(model, task, "full")
+    want = _loss_and_grads(model, lambda: batch_loss(model, _batch(model_type, task)))
+    got = _loss_and_grads(model, lambda: packing.packed_forward(model, packed, backend="varlen").loss)
+    _assert_same(want, got, _rtol(model))
+
+
 def test_a_family_without_an_entry_falls_back_in_one_line_each(caplog):
     model = family_model("opt", "causal-lm", torch.float64)
     assert family_of(model) is None

@@ -3,6 +3,8 @@ RoBERTa (classification), Llama, Qwen2 and Qwen3 (causal LM with prompt-masked l
 crosses a sequence; the varlen backend's plumbing runs with a per-sequence sdpa in place of flash attention."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from sebp_kernels import SEBPConfig
 from sebp_probe import packing, patch_model
 from sebp_probe.textdata import PadCollator
 from sebp_probe.batching import PackedCollator, PackingError
-from sebp_probe.packing import attention_backend, check_packable, packed_forward, packed_loss
+from sebp_probe.packing import attention_backend, check_packable, packed_forward, packed_loss, varlen_blocker
 from tests.tiny_models import ENCODERS, tiny_config, tiny_model
 
 ARCHS = ("bert", "roberta", "llama", "qwen2", "qwen3")
@@ -238,7 +240,64 @@ def test_varlen_refuses_a_max_seqlen_on_the_device(flash_stand_in):
 
 
 def test_backend_is_the_mask_off_cuda():
-    assert attention_backend(tiny_model("llama")) == "mask"
+    for arch in ("llama", "bert"):
+        assert attention_backend(tiny_model(arch)) == "mask"
+        assert varlen_blocker(tiny_model(arch).config, "cpu", torch.bfloat16, True) == (
+            "flash attention's varlen kernel needs a CUDA GPU")
+
+
+def _config(arch: str, **kw):
+    cfg = tiny_config(arch)
+    cfg._attn_implementation = "sdpa"
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_is_chosen_for_encoders_and_decoders_where_it_runs_exactly(arch):
+    """The decision on a CUDA device (the kernel can run on these configs): varlen in bf16/fp16, the mask in
+    fp32, with eager attention, or while attention dropout trains (varlen_attn has no dropout), in any
+    family; in eval mode dropout is off and varlen runs again."""
+    drop = "attention_probs_dropout_prob" if arch in ENCODERS else "attention_dropout"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert varlen_blocker(_config(arch), "cuda", dtype, training=True) is None
+    assert "bf16 or fp16, not float32" in varlen_blocker(_config(arch), "cuda", torch.float32, True)
+    assert "not 'eager'" in varlen_blocker(_config(arch, _attn_implementation="eager"), "cuda", torch.bfloat16, True)
+    assert varlen_blocker(_config(arch, **{drop: 0.1}), "cuda", torch.bfloat16, training=True) == (
+        "varlen_attn has no attention dropout (the model trains with 0.1)")
+    assert varlen_blocker(_config(arch, **{drop: 0.1}), "cuda", torch.bfloat16, training=False) is None
+
+
+def test_varlen_is_not_chosen_without_the_kernel_or_with_a_sliding_window(monkeypatch):
+    from transformers import MistralConfig
+
+    mistral = MistralConfig(hidden_size=32, num_attention_heads=4, sliding_window=6)
+    mistral._attn_implementation = "sdpa"
+    assert varlen_blocker(mistral, "cuda", torch.bfloat16, False) == "varlen attention runs no sliding window"
+    mistral.sliding_window = None
+    assert varlen_blocker(mistral, "cuda", torch.bfloat16, False) is None
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", None)
+    assert varlen_blocker(_config("bert"), "cuda", torch.bfloat16, False) == (
+        "this torch has no torch.nn.attention.varlen")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_runs_encoders_in_both_directions_and_decoders_causally(arch, monkeypatch):
+    """What the kernel is asked for: full attention per sequence for BERT/RoBERTa (as their padded sdpa runs),
+    causal for decoders, once per layer, and never an attention mask."""
+    calls = []
+
+    @functools.wraps(reference_varlen)  # the same signature: scale, window_size and grouped heads
+    def spy(*args, **kw):
+        calls.append(kw.get("window_size"))
+        return reference_varlen(*args, **kw)
+
+    monkeypatch.setattr(packing, "VARLEN_KERNEL", spy)
+    model = tiny_model(arch)
+    packed_forward(model, _packed(arch, _items(arch)), backend="varlen")
+    want = (-1, -1) if arch in ENCODERS else (-1, 0)
+    assert calls == [want] * model.config.num_hidden_layers
 
 
 def test_unsupported_models_are_refused_in_one_line():
