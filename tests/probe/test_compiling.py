@@ -76,7 +76,7 @@ def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch, cap
         return model
 
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)  # Inductor's C++ build: not needed
-    _goes_on_eagerly(tmp_path, caplog, "the model's forward did not compile (TorchRuntimeError", untraceable)
+    _goes_on_eagerly(tmp_path, caplog, "the training step did not compile (TorchRuntimeError", untraceable)
 
 
 @pytest.mark.slow
