@@ -141,9 +141,12 @@ def finetune_cmd(
                                      "in calibration too."),
     graph_bucket: int = typer.Option(32, "--graph-bucket", help="With --cuda-graphs and --padding longest: pad "
                                      "each batch to a multiple of this many tokens (fewer shapes to capture)."),
-    compile_mode: str = typer.Option(None, "--compile", metavar="MODE", help="torch.compile the training model "
+    compile_mode: str = typer.Option(None, "--compile", metavar="MODE", help="torch.compile the training step "
                                      "in this mode: default | reduce-overhead (CUDA graphs; the fast one on a "
-                                     "GPU) | max-autotune | max-autotune-no-cudagraphs."),
+                                     "GPU) | max-autotune | max-autotune-no-cudagraphs | auto (with --padding "
+                                     "auto: time eager and compiled, compile where the whole run's estimate, "
+                                     "compile time included, says it pays; the default on a GPU with --padding "
+                                     "auto) | off (eager; the default otherwise)."),
     task: str = _TASK,
     split: str = typer.Option(None, "--split", help="Training split (default train)."),
     eval_split: str = typer.Option(None, "--eval-split", help="Held-out split (default: test for tweets, "
@@ -205,7 +208,7 @@ def finetune_cmd(
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
-        compile=compile_mode,
+        compile=_compile_setting(compile_mode, padding, cuda_graphs),
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
         eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)
@@ -369,6 +372,18 @@ def bench_cmd(
 
 
 # ------------------------------------------------------------------------------------------ analyze, heatmap
+
+
+def _compile_setting(given: str | None, padding: str, cuda_graphs: bool) -> str | None:
+    """finetune's --compile: ``off`` is eager (None); unset, ``auto`` on a GPU under --padding auto (compile
+    where it pays), else eager (on a CPU compiling takes long: ask for it)."""
+    if given == "off":
+        return None
+    if given is None:
+        import torch
+
+        return "auto" if padding == "auto" and not cuda_graphs and torch.cuda.is_available() else None
+    return given
 
 
 def _data_config(dataset, split, text_column, text_pair_column, label_column, padding, max_length,

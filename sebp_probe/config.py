@@ -85,6 +85,8 @@ METHODS = ("dense", "sebp", "resprop")  # resprop: gradient reuse (approximate),
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # Inductor records CUDA graphs in these
+# --compile auto: --padding auto times eager and compiled (this mode) candidates and compiles where that pays
+COMPILE_AUTO, AUTO_COMPILE_MODE = "auto", "default"
 DEFAULT_MAX_STEPS = 200
 
 
@@ -209,8 +211,12 @@ class FinetuneConfig:
             raise ValueError("--cuda-graphs does not take --fp16 (its loss scaler is updated on the host); "
                              "use --bf16")
         if self.compile is not None:
-            if self.compile not in COMPILE_MODES:
-                raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {', '.join(COMPILE_MODES)}")
+            if self.compile not in (*COMPILE_MODES, COMPILE_AUTO):
+                raise ValueError(f"unknown compile mode {self.compile!r}; choose one of {', '.join(COMPILE_MODES)} "
+                                 f"or {COMPILE_AUTO}")
+            if self.compile == COMPILE_AUTO and self.data.padding != "auto":
+                raise ValueError("--compile auto chooses by timing, which --padding auto does: add --padding auto, "
+                                 "or give a compile mode")
             if self.cuda_graphs:
                 raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
                                  "CUDA graphs itself)")
@@ -268,6 +274,19 @@ class FinetuneConfig:
         if self.eps is not None or self.auto_eps or self.report:
             return "threshold"
         return "exact"
+
+    @property
+    def compile_mode(self) -> str | None:
+        """The ``torch.compile`` mode compiled candidates and runs use (``auto``: ``AUTO_COMPILE_MODE``)."""
+        return AUTO_COMPILE_MODE if self.compile == COMPILE_AUTO else self.compile
+
+    def optimizer_steps(self, n_batches: int) -> int:
+        """The run's planned optimizer steps with ``n_batches`` micro-batches an epoch."""
+        if self.max_steps is not None:
+            return self.max_steps
+        if self.epochs is not None:
+            return max(1, math.ceil(self.epochs * n_batches / self.grad_accum))
+        return DEFAULT_MAX_STEPS
 
     @property
     def uses_report(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from .assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
-from .config import FinetuneConfig, FinetuneError
+from .config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneError
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
 from .metrics import compare_runs, loss_gap, timed_steps
@@ -177,6 +177,9 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         emit("padding", choice.to_dict())
     del first
     plan = _run_plan(cfg, choice)
+    line = _compiled_sebp_note(plan)
+    if line:
+        emit("note", {"text": line})
 
     # Everything is checked: only now is an old run set aside (deleted once the new one has taken a step) and
     # the new one written.
@@ -274,7 +277,8 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
             return PaddingChoice.from_dict(stored)
     model = wrap_lora(first.model, first.task, cfg) if cfg.lora else first.model
     model.to(acc.device).train()
-    head, _ = set_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None)
+    head, _ = set_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None,
+                       cfg.data.padding)
     cands = candidate_layers(model, cfg, report_layers) if "sebp" in cfg.methods() else {}
     payload = [None]
     if acc.is_main_process:
@@ -313,9 +317,25 @@ def _run_plan(cfg: FinetuneConfig, choice: PaddingChoice | None) -> list[tuple[s
         return [(m, cfg) for m in cfg.methods()]
     methods = cfg.methods() if cfg.compare or cfg.method == "resprop" else (choice.method,)
     timed = lambda m: m if m in choice.best else "dense"  # noqa: E731 - resprop (approximate, not timed by auto)
+    compiled = lambda m: cfg.compile if cfg.compile != COMPILE_AUTO else (  # noqa: E731
+        AUTO_COMPILE_MODE if choice.best_compiled.get(timed(m)) else None)
     return [(m, replace(cfg, data=replace(cfg.data, padding=choice.best[timed(m)]),
-                        head=choice.best_head.get(timed(m)) or cfg.head))
-            for m in methods]  # resprop takes dense's fastest layout and head
+                        head=choice.best_head.get(timed(m)) or cfg.head, compile=compiled(m)))
+            for m in methods]  # resprop takes dense's fastest layout, head and compile
+
+
+def _compiled_sebp_note(plan: list[tuple[str, FinetuneConfig]]) -> str | None:
+    """One line where an SEBP run compiles: what SEBP covers under Inductor (the linears; the norms and
+    activations only where the user asked for them, as opaque ops Inductor cannot fuse)."""
+    cfg = next((c for m, c in plan if m == "sebp" and c.compile), None)
+    if cfg is None:
+        return None
+    forced = [f for f, on in (("--sebp-norms", cfg.sebp_norms), ("--sebp-acts", cfg.sebp_acts)) if on]
+    if forced:
+        return (f"--compile with {' and '.join(forced)}: those run as opaque sebp:: ops, which keep Inductor from "
+                "fusing them with the residual adds around them")
+    return ("--compile: SEBP runs on the linear layers only; the norms and activations are left to Inductor, which "
+            "fuses them with the residual adds (--sebp-norms / --sebp-acts put them on SEBP)")
 
 
 def _check_graphs_possible(cfg: FinetuneConfig, acc, what: str = "--cuda-graphs") -> None:

@@ -28,9 +28,9 @@ from sebp_kernels import SEBPConfig
 from .assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
 from .compiling import compile_or_eager
-from .config import DEFAULT_MAX_STEPS, GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
+from .config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
-from .losses import batch_loss, has_no_target, set_head, token_counts
+from .losses import batch_loss, has_no_target, ready_to_compile, set_head, token_counts
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from .patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
@@ -151,7 +151,7 @@ class Run:
         model.to(self.acc.device)
         model.train()
         self.head = set_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
-                             self.cfg.compile is not None)
+                             self.cfg.compile is not None, self.cfg.data.padding)
         calib = None
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
@@ -186,6 +186,19 @@ class Run:
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})
         return info
+
+    def _step_loss(self, model) -> Callable:
+        """What a training step calls for its loss: :func:`batch_loss`. Under ``--compile`` the model compiles in
+        place (its forward: evaluation, and the model's own loss) and, where the labelled-rows head runs (it
+        goes around the model's forward), the whole step's loss compiles too, the forward inlined in its graph
+        (:func:`~sebp_probe.compiling.compile_or_eager`: one line and eager where it cannot)."""
+        cfg, labelled = self.cfg, self.head[0] == "labelled"
+        if not cfg.compile:
+            return batch_loss
+        if labelled:
+            ready_to_compile(model, cfg.data.padding, self.acc.autocast)
+        return compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None) \
+            or batch_loss
 
     # -- bookkeeping
 
@@ -298,19 +311,13 @@ class Run:
         # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
         keep_grads = cfg.cuda_graphs or (graphed_compile(cfg, acc) and cfg.grad_accum > 1)
         dynamo_before = dynamo_counts()
-        if cfg.compile:  # in place: the module, its parameter names and checkpoints stay as they are
-            compile_or_eager(model, cfg.compile, dev)
-            if keep_grads:
-                for p in params:
-                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        loss_fn = self._step_loss(model)
+        if cfg.compile and keep_grads:
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         n_batches = len(train_loader)
         A = cfg.grad_accum
-        if cfg.max_steps is not None:
-            total = cfg.max_steps
-        elif cfg.epochs is not None:
-            total = max(1, math.ceil(cfg.epochs * n_batches / A))
-        else:
-            total = DEFAULT_MAX_STEPS
+        total = cfg.optimizer_steps(n_batches)
         eval_every = cfg.eval_steps or max(1, total // 4)
         step = 0
         if state is not None:
@@ -377,7 +384,7 @@ class Run:
                     ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
                     with ctx:
                         with acc.autocast():  # the head path calls the backbone past the prepared forward
-                            loss = batch_loss(model, batch)
+                            loss = loss_fn(model, batch)
                         loss_sum += loss.detach().float()
                         if use_events:
                             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -472,7 +479,8 @@ class Run:
             summary["padding_rows"] = padding_rows
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), dynamo_before))
-            summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks}
+            summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,
+                                  "scope": "step" if head == "labelled" else "forward"}
         if error:
             summary["error"] = error
         if self.main:

@@ -15,12 +15,14 @@ the same way without passing it around; ``labelled_head`` overrides it for one c
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .families import note
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import kept_rows_family
-from .packing import packed_call, packed_forward, unwrap
+from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")
 _ATTR = "_sebp_head_task"
@@ -82,17 +84,30 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
     return None
 
 
+def compiled_head_problem(task: str, padding: str) -> str | None:
+    """Why the labelled-rows head stays out of a compiled step (``torch.compile(batch_loss)``) on ``padding``
+    batches, or None: on padded causal-LM and masked-LM batches it counts its labelled rows on the device (a
+    host ``nonzero``), which would break the graph; packed batches carry that count as Python ints, and a
+    classifier's [CLS] rows need no count. ``auto``: None (each layout is judged when it is timed)."""
+    if task in ("causal-lm", "mlm") and padding not in ("packed", "auto"):
+        return (f"under --compile on --padding {padding} batches it counts the labelled rows on the device (a "
+                "host nonzero), which breaks the compiled step; packed batches carry that count")
+    return None
+
+
 def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, graphs: bool = False,
-             compiled: bool = False) -> tuple[str, str | None]:
+             compiled: bool = False, padding: str | None = None) -> tuple[str, str | None]:
     """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path runs
-    in one process (it calls the backbone itself, past DDP's forward), without CUDA graphs (it reads the
-    labelled-row count on the host) and without ``--compile``, which compiles the model's forward: the head
-    path goes around it. (The head path itself compiles: ``torch.compile(batch_loss)`` traces a packed batch's
-    step in one graph, tests/probe/test_compile_graphs.py.)"""
+    in one process (it calls the backbone itself, past DDP's forward) and without CUDA graphs (it reads the
+    labelled-row count on the host). ``compiled``: the run compiles. With ``padding`` (the run's layout:
+    finetune compiles the whole step's loss, tests/probe/test_compile_graphs.py) the head compiles with it,
+    except where :func:`compiled_head_problem` says; without it only the model's forward compiles (a
+    Trainer's ``torch_compile``), which the head path goes around."""
     why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
            "CUDA graphs cannot hold its host-side row count" if graphs else
-           "torch.compile (--compile) compiles the model's forward, which the head path goes around (it calls "
-           "the backbone itself)" if compiled else None)
+           "torch.compile compiles the model's forward, which the head path goes around (it calls the backbone "
+           "itself)" if compiled and padding is None else
+           compiled_head_problem(task, padding) if compiled else None)
     if head == "labelled" and why is None:
         why = use_head(model, task, head)
         if why is not None:
@@ -102,6 +117,20 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
         return "full", why
     use_head(model, task, head)
     return head, None
+
+
+def head_of(model: torch.nn.Module) -> str:
+    """The head :func:`batch_loss` computes for ``model`` now: ``labelled`` or ``full``."""
+    return "full" if getattr(unwrap(model), _ATTR, None) is None else "labelled"
+
+
+def ready_to_compile(model: torch.nn.Module, padding: str, autocast=contextlib.nullcontext) -> None:
+    """Make before compiling the one-time switch a packed step would otherwise make inside the traced code,
+    breaking its graph there: the model's attention to the varlen kernel, where it runs (a GPU, bf16/fp16)."""
+    if padding == "packed":
+        with autocast():
+            if attention_backend(model) == "varlen":
+                enable_varlen(model)
 
 
 def token_counts(batch: dict) -> tuple[torch.Tensor, int]:

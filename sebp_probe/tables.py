@@ -51,23 +51,42 @@ def finetune_progress(console_):
 
 
 def padding_table(choice: dict):
-    """The layouts ``--padding auto`` timed (forward+backward ms per batch, dense and SEBP) and its choice."""
+    """The layouts ``--padding auto`` timed (forward+backward ms per batch, dense and SEBP; compiled too under
+    ``--compile``, with their compile seconds and each row's least whole-run estimate) and its choice."""
     from rich import box
     from rich.table import Table
 
-    table = Table(title="--padding auto: ms per batch (fwd+bwd)", box=box.SIMPLE_HEAD)
-    heads = any("head" in r for r in choice["table"])  # the labelled-rows head timed against the full one
-    for col in ("layout", *(("head",) if heads else ()), "padding %", "dense", "SEBP", "note"):
+    rows = choice["table"]
+    heads = any("head" in r for r in rows)  # the labelled-rows head timed against the full one
+    compiled = any(k.endswith("_compiled_ms") or k == "compiled_skipped" for r in rows for k in r)
+    eager = any(k in r for r in rows for k in ("dense_ms", "sebp_ms"))
+    title = "--padding auto: ms per batch (fwd+bwd)"
+    if compiled:
+        title += f"; run s: the run's {choice.get('micro_batches')} micro-batches x ms + compile s"
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    cols = ["layout", *(("head",) if heads else ()), "padding %", *(("dense", "SEBP") if eager else ()),
+            *(("dense\ncompiled", "SEBP\ncompiled", "compile s\ndense/SEBP", "run s\n(least)") if compiled else ()),
+            "note"]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "head", "note") else "right")
-    fmt = lambda r, k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
-    for r in choice["table"]:
+    fmt = lambda r, k, f="{:.1f}": f.format(r[k]) if k in r else "-"  # noqa: E731
+    for r in rows:
         chosen = r["padding"] == choice["padding"] and r.get("head") == choice.get("head") and "skipped" not in r
-        notes = [f"chosen: {'SEBP' if choice['method'] == 'sebp' else 'dense'}"] if chosen else []
+        what = ("SEBP" if choice["method"] == "sebp" else "dense") + (" compiled" if choice.get("compiled") else "")
+        notes = [f"chosen: {what}"] if chosen else []
         if r.get("sebp_layers") == 0:
             notes.append("no layer sparse enough for SEBP")
+        if r.get("compiled_skipped"):
+            notes.append(f"not compiled: {r['compiled_skipped']}")
         note = r.get("skipped") or "; ".join(notes)
+        cells = [fmt(r, "dense_ms"), fmt(r, "sebp_ms")] if eager else []
+        if compiled:
+            runs = [v for k, v in r.items() if k.endswith("_run_s")]
+            cells += [fmt(r, "dense_compiled_ms"), fmt(r, "sebp_compiled_ms"),
+                      f"{fmt(r, 'dense_compiled_compile_s')}/{fmt(r, 'sebp_compiled_compile_s')}",
+                      f"{min(runs):.1f}" if runs else "-"]
         table.add_row(r["padding"], *((r.get("head", "-"),) if heads else ()), f"{100 * r['padding_share']:.1f}",
-                      fmt(r, "dense_ms"), fmt(r, "sebp_ms"), note)
+                      *cells, note)
     return table
 
 

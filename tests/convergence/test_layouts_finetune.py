@@ -161,3 +161,24 @@ def test_auto_table_with_both_heads_marks_the_chosen_pair():
     assert "head" in next(w for w in lines if w[0] == "layout")
     assert "chosen:" not in rows[("longest", "labelled")] and rows[("longest", "full")][-2:] == ["chosen:", "SEBP"]
     assert rows[("packed", "-")][-2:] == ["an", "encoder"]
+
+
+def test_auto_table_shows_compiled_candidates_their_compile_seconds_and_run_cost():
+    from rich.console import Console
+
+    from sebp_probe.strategy import pick
+    from sebp_probe.tables import padding_table
+
+    table = [{"padding": "longest", "padding_share": 0.3, "dense_ms": 10.0, "sebp_ms": 9.0, "dense_compiled_ms": 5.0,
+              "dense_compiled_compile_s": 60.0, "sebp_compiled_ms": 4.0, "sebp_compiled_compile_s": 75.5},
+             {"padding": "bucket", "padding_share": 0.05, "dense_ms": 8.0, "sebp_ms": 8.5,
+              "compiled_skipped": "the labelled-rows head counts on the host"}]
+    choice = pick(table, ("dense", "sebp"), 100_000).to_dict()
+    console = Console(width=200, record=True)
+    console.print(padding_table(choice))
+    text = console.export_text()
+    assert "100000 micro-batches" in text
+    lines = {line.split()[0]: line.split() for line in text.splitlines() if line.strip()}
+    assert lines["longest"][4:8] == ["5.0", "4.0", "60.0/75.5", "475.5"]  # 4 ms x 100000 / 1000 + 75.5
+    assert lines["longest"][-3:] == ["chosen:", "SEBP", "compiled"]
+    assert lines["bucket"][4:8] == ["-", "-", "-/-", "800.0"] and lines["bucket"][8:10] == ["not", "compiled:"]

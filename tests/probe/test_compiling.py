@@ -10,6 +10,7 @@ import torch
 import torch._dynamo as dynamo
 
 from sebp_probe import compiling
+from sebp_probe.config import DataConfig
 from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
 from tests.probe.test_finetune_compile import _losses, _run
 from tests.tiny_models import tiny_model
@@ -51,6 +52,23 @@ def test_no_c_compiler_trains_eagerly(tmp_path, monkeypatch, caplog):
 
 
 @pytest.mark.slow
+def test_compile_auto_without_a_c_compiler_times_and_trains_eagerly(tmp_path, caplog):
+    """``--padding auto --compile auto``: the compiled candidates cannot run: one line, the eager candidates
+    only, and an eager run."""
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")}), \
+            caplog.at_level(logging.WARNING, logger=LOGGER):
+        out = _run(tmp_path, "auto", method="dense", compile="auto",
+                   data=DataConfig(max_length=24, batch_size=8, padding="auto"))
+    (line,) = _lines(caplog)
+    assert line.startswith("--compile auto: torch.compile cannot run here (InductorError: InvalidCxxCompiler")
+    assert line.endswith("; training eagerly") and "\n" not in line
+    assert out["status"] == "completed" and "compile" not in out
+    rows = [r for r in out["padding_choice"]["table"] if "skipped" not in r]
+    assert rows and all("dense_ms" in r and not any("compiled" in k for k in r) for r in rows)
+    assert not out["padding_choice"]["compiled"]
+
+
+@pytest.mark.slow
 def test_unsupported_python_or_torch_trains_eagerly(tmp_path, monkeypatch, caplog):
     def unsupported():
         raise RuntimeError("Python 3.99+ not yet supported for torch.compile")
@@ -76,7 +94,7 @@ def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch, cap
         return model
 
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)  # Inductor's C++ build: not needed
-    _goes_on_eagerly(tmp_path, caplog, "the model's forward did not compile (TorchRuntimeError", untraceable)
+    _goes_on_eagerly(tmp_path, caplog, "the training step did not compile (TorchRuntimeError", untraceable)
 
 
 @pytest.mark.slow

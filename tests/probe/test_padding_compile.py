@@ -1,0 +1,145 @@
+"""``--padding auto`` with compiled candidates (``--compile MODE`` / ``--compile auto``): the whole-run cost
+model, the choice among compiled and eager entries, the plan each run takes from it, the table, the head a
+compiled run keeps, and the CLI's default."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from sebp_probe import compiling, strategy
+from sebp_probe import finetune as ft
+from sebp_probe.cli import _compile_setting
+from sebp_probe.config import DataConfig, FinetuneConfig
+from sebp_probe.losses import set_head
+from sebp_probe.strategy import PaddingChoice, choose_padding, pick, whole_run_s
+from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
+from tests.tiny_models import tiny_model
+
+# a layout whose compiled step is twice as fast, after a minute of compiling
+_ROW = {"padding": "longest", "padding_share": 0.3, "dense_ms": 10.0, "dense_compiled_ms": 5.0,
+        "dense_compiled_compile_s": 60.0}
+
+
+def test_whole_run_cost_counts_steady_time_per_micro_batch_and_compile_once():
+    assert whole_run_s(10.0, 100) == pytest.approx(1.0)
+    assert whole_run_s(5.0, 100, compile_s=60.0) == pytest.approx(60.5)
+    assert whole_run_s(5.0, 100_000, compile_s=60.0) == pytest.approx(560.0)
+
+
+@pytest.mark.parametrize("micro,compiled", [(100, False), (100_000, True)])
+def test_a_long_compile_pays_only_in_a_long_run(micro, compiled):
+    choice = pick([dict(_ROW)], ("dense",), micro)
+    assert (choice.padding, choice.method, choice.compiled, choice.micro_batches) == ("longest", "dense", compiled,
+                                                                                        micro)
+    assert choice.best_compiled == {"dense": compiled}
+    row = choice.table[0]
+    assert row["dense_run_s"] == pytest.approx(whole_run_s(10.0, micro))
+    assert row["dense_compiled_run_s"] == pytest.approx(whole_run_s(5.0, micro, 60.0))
+
+
+def test_each_method_takes_its_own_least_whole_run_cost():
+    table = [dict(_ROW, sebp_ms=9.0, sebp_compiled_ms=4.0, sebp_compiled_compile_s=90.0),
+             {"padding": "packed", "padding_share": 0.0, "dense_ms": 8.0, "sebp_ms": 8.5},
+             {"padding": "max_length", "padding_share": 0.6, "skipped": "why"}]
+    short, long = pick([dict(r) for r in table], ("dense", "sebp"), 1000), pick(table, ("dense", "sebp"), 10**6)
+    assert (short.padding, short.method, short.compiled) == ("packed", "dense", False)
+    assert short.best == {"dense": "packed", "sebp": "packed"} and short.best_compiled == {"dense": False,
+                                                                                           "sebp": False}
+    assert (long.padding, long.method, long.compiled) == ("longest", "sebp", True)
+    assert long.best == {"dense": "longest", "sebp": "longest"} and long.best_compiled == {"dense": True,
+                                                                                          "sebp": True}
+    assert PaddingChoice.from_dict(long.to_dict()) == long
+
+
+def test_an_older_stored_choice_reads_as_eager():
+    old = {"padding": "bucket", "method": "sebp", "best": {"dense": "bucket", "sebp": "bucket"}}
+    choice = PaddingChoice.from_dict(old)
+    assert not choice.compiled and choice.best_compiled == {} and choice.micro_batches is None
+
+
+def _cfg(**kw) -> FinetuneConfig:
+    return FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding="auto"), **kw)
+
+
+def test_each_run_compiles_only_where_its_choice_did_under_compile_auto():
+    choice = PaddingChoice("longest", "sebp", {"dense": "packed", "sebp": "longest"}, best_compiled={
+        "dense": False, "sebp": True})
+    plan = dict(ft._run_plan(_cfg(compile="auto", compare=True), choice))
+    assert plan["dense"].compile is None and plan["dense"].data.padding == "packed"
+    assert plan["sebp"].compile == "default" and plan["sebp"].data.padding == "longest"
+    fixed = dict(ft._run_plan(_cfg(compile="max-autotune-no-cudagraphs", compare=True), choice))
+    assert {c.compile for c in fixed.values()} == {"max-autotune-no-cudagraphs"}
+
+
+def test_compile_auto_needs_padding_auto():
+    with pytest.raises(ValueError, match="--compile auto.*--padding auto"):
+        FinetuneConfig(data=DataConfig(padding="longest"), compile="auto")
+    assert _cfg(compile="auto").compile_mode == "default" and _cfg().compile_mode is None
+
+
+def test_a_compiled_sebp_run_says_what_sebp_covers():
+    line = ft._compiled_sebp_note([("sebp", _cfg(compile="default"))])
+    assert line.startswith("--compile: SEBP runs on the linear layers only") and "\n" not in line
+    forced = ft._compiled_sebp_note([("sebp", _cfg(compile="default", sebp_acts=True))])
+    assert forced.startswith("--compile with --sebp-acts: those run as opaque sebp:: ops")
+    assert ft._compiled_sebp_note([("dense", _cfg(method="dense", compile="default")), ("sebp", _cfg())]) is None
+
+
+def test_the_cli_compiles_by_default_only_on_a_gpu_under_padding_auto(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _compile_setting(None, "auto", False) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _compile_setting(None, "auto", False) == "auto"
+    assert _compile_setting(None, "longest", False) is None and _compile_setting(None, "auto", True) is None
+    assert _compile_setting("off", "auto", False) is None and _compile_setting("default", "auto", False) == "default"
+
+
+@pytest.mark.parametrize("arch,task,padding,head", [
+    ("llama", "causal-lm", "packed", "labelled"),
+    ("llama", "causal-lm", "longest", "full"),  # the labelled rows' count would break the compiled step
+    ("llama", "causal-lm", "auto", "labelled"),  # each layout judged when timed
+    ("bert", "classification", "longest", "labelled"),
+])
+def test_a_compiled_run_keeps_the_labelled_head_where_its_step_compiles(arch, task, padding, head):
+    used, why = set_head(tiny_model(arch), task, "labelled", compiled=True, padding=padding)
+    assert used == head
+    assert (why is None) == (head == "labelled")
+    if why:
+        assert "nonzero" in why and "--padding longest" in why
+
+
+@pytest.mark.slow
+def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(monkeypatch):
+    """``--compile auto``: every layout eager and compiled (a fresh compile each: Dynamo's caches reset), the
+    first calls timed apart as compile seconds, and the least whole-run cost chosen. aot_eager stands in for
+    Inductor (its C++ compile takes minutes on two CPU cores); the compiled callables are the same."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
+    monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    monkeypatch.setattr(strategy, "PADDINGS", ("longest", "packed"))  # two layouts, two batches each: enough
+    monkeypatch.setattr(strategy, "SAMPLE_BATCHES", 2)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    model = tiny_model("llama")
+    data = synthetic_data("causal-lm", n=48, prompt=0.5)
+    cfg = _cfg(method="dense", compile="auto", max_steps=7, grad_accum=2, calib_batches=0)
+    set_head(model, "causal-lm", "labelled", compiled=True, padding="auto")
+    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"))
+    rows = {(r["padding"], r["head"]): r for r in choice.table}
+    assert list(rows) == [(p, h) for p in ("longest", "packed") for h in ("labelled", "full")]
+    assert choice.micro_batches == 14
+    for (padding, head), r in rows.items():
+        assert r["dense_run_s"] == pytest.approx(whole_run_s(r["dense_ms"], 14))
+        if head == "labelled" and padding != "packed":  # the host nonzero would break the compiled step
+            assert "nonzero" in r["compiled_skipped"] and "dense_compiled_ms" not in r
+            continue
+        assert r["dense_compiled_compile_s"] > 0 and r["dense_compiled_ms"] > 0
+        assert r["dense_compiled_run_s"] == pytest.approx(whole_run_s(r["dense_compiled_ms"], 14,
+                                                                      r["dense_compiled_compile_s"]))
+    costs = [(r[f"{name}_run_s"], name.endswith("_compiled"), p, h) for (p, h), r in rows.items()
+             for name in ("dense", "dense_compiled") if f"{name}_run_s" in r]
+    assert (choice.compiled, choice.padding, choice.head) == min(costs)[1:]
+    # three compiled candidates, each compiled afresh: at least one graph each, and no break
+    assert dynamo.utils.counters["stats"]["unique_graphs"] >= 3
+    assert not dynamo.utils.counters["graph_break"]
