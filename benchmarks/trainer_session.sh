@@ -45,8 +45,8 @@ EOF
 }
 if [ -d "$WHL" ]; then
   wheels=()
-  for spec in "trl 1.16" "datasets 5.2" "dill 0.4.1 0.4.1" "multiprocess 0.70.11 0.70.19" "liger_kernel" "pyarrow 24" "xxhash" \
-              "fsspec 2023.1.0 2026.9.0"; do
+  for spec in "trl 1.16" "datasets 5.2" "dill 0.4.1 0.4.1" "multiprocess 0.70.11 0.70.19" "liger_kernel" \
+              "pyarrow 24" "xxhash" "fsspec 2023.1.0 2026.9.0"; do
     set -- $spec
     if needs "$@"; then
       w=$(ls "$WHL"/"$1"-*.whl 2>/dev/null | head -1)
@@ -54,12 +54,14 @@ if [ -d "$WHL" ]; then
     fi
   done
   if [ ${#wheels[@]} -gt 0 ]; then
+    echo "installing into /tmp/site: ${wheels[*]##*/}" | tee -a "$RAW/env.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "${wheels[@]}" >/dev/null 2>&1 || echo "pip install failed: ${wheels[*]}"
   fi
 fi
-{ nvidia-smi -L; python3 -c "import torch, triton, transformers, accelerate, trl, datasets, pyarrow; print(*(f'{m.__name__} \
-{m.__version__}' for m in (torch, triton, transformers, accelerate, trl, datasets, pyarrow)))"; } 2>&1 | tee "$RAW/env.txt"
+{ nvidia-smi -L; python3 -c "import torch, triton, transformers, accelerate, trl, datasets, pyarrow
+print(*(f'{m.__name__} {m.__version__}' for m in (torch, triton, transformers, accelerate, trl, datasets, pyarrow)))"
+} 2>&1 | tee -a "$RAW/env.txt"
 bench() {  # name, then trainer_bench options
   local name=$1; shift
   local cmd=(python3 benchmarks/trainer_bench.py --out "$RAW/trainer_$name.json" "$@")
