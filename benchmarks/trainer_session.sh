@@ -19,6 +19,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform any -d .whl-trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
 #     liger-kernel==0.8.5 xxhash==4.1.0 fsspec==2026.9.0 pyarrow==26.0.1
+# BENCH_ARGS: options added to every bench (e.g. "--batch 4" or "--checkpointing" where the plain trainer's
+# logits do not fit), TAG: a suffix of the output names (set it with BENCH_ARGS).
 # Every step's JSON and log, the environment and the commands go into $OUT/trainer_raw.tgz (the whole of
 # /tmp/trainer_raw: on a machine kept warm, earlier calls' steps too).
 set -u
@@ -27,6 +29,7 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASE
 OUT=${OUT:-/tmp/out}
 WHL=${WHL:-.whl-trl}
 RAW=/tmp/trainer_raw
+TAG=${TAG:-}
 mkdir -p "$OUT" "$RAW"
 needs() {  # distribution [min] [max]: true where the image (or /tmp/site) lacks it or has a version outside
   python3 - "$@" <<'EOF'
@@ -64,10 +67,10 @@ print(*(f'{m.__name__} {m.__version__}' for m in (torch, triton, transformers, a
 } 2>&1 | tee -a "$RAW/env.txt"
 bench() {  # name, then trainer_bench options
   local name=$1; shift
-  local cmd=(python3 benchmarks/trainer_bench.py --out "$RAW/trainer_$name.json" "$@")
+  local cmd=(python3 benchmarks/trainer_bench.py --out "$RAW/trainer_$name$TAG.json" "$@" ${BENCH_ARGS:-})
   echo "=== $name $(date +%T): ${cmd[*]}" | tee -a "$RAW/commands.txt"
-  "${cmd[@]}" > "$RAW/trainer_$name.log" 2>&1
-  echo "rc=$?"; grep -E "steps/s|error|x$" "$RAW/trainer_$name.log" | tail -12
+  "${cmd[@]}" > "$RAW/trainer_$name$TAG.log" 2>&1
+  echo "rc=$?"; grep -E "steps/s|error|x$" "$RAW/trainer_$name$TAG.log" | tail -12
 }
 for s in ${STEPS:-smoke}; do
   case $s in
