@@ -36,3 +36,17 @@ def test_tiny_bench_writes_its_json(bench, tmp_path, isolated):
     assert doc["ratios"]["sebp/plain"] > 0
     assert len(plain["loss"]) == 3
     assert all(abs(a - b) <= 1e-4 * max(1.0, a) for a, b in zip(plain["loss"], sebp["loss"]))
+
+
+def test_gpu_session_script_names_the_bench_variants(bench):
+    """benchmarks/trainer_session.sh parses, and every variant its steps ask for is one the bench knows."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    script = Path(bench.__file__).with_name("trainer_session.sh")
+    if shutil.which("bash"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    asked = [v for group in re.findall(r"--variants (\S+)", script.read_text()) for v in group.split(",")]
+    assert {"plain", "sebp", "plain+compile", "sebp+compile", "liger"} <= set(asked) <= set(bench.VARIANTS)

@@ -1,0 +1,63 @@
+"""Worker of test_hf_trainer_ddp.py, run under torchrun (2 CPU processes, gloo; accelerate's DDP): for each kind
+named after the output folder (``trainer``: transformers' Trainer with a tiny BERT classifier; ``sft``: TRL's
+SFTTrainer with a tiny Llama on prompt/completion data), the same training twice from the same start, plain and
+after ``apply_sebp(trainer)``; writes ``<argv[1]>/rank<r>.json`` (a file per process: two processes' lines on
+one stdout can interleave) with both runs' logged losses and gradient norms, the head, the layers that run
+SEBP and this process's own calibrated densities.
+
+The main process calibrates with ``dense_fallback=0.9``, the other with ``dense_fallback=0.0`` (on its own it
+would keep every layer dense): a stand-in for the per-process timings that make processes choose differently,
+so that the test sees the other process take the main one's layers."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from sebp_kernels import SEBPLinear
+from sebp_probe.integrations.hf import apply_sebp
+from tests.convergence.test_hf_trainer import _args, _completions, _Rows
+from tests.tiny_models import tiny_model, word_tokenizer
+
+
+def make_trainer(kind: str, out: Path):
+    if kind == "trainer":
+        from transformers import Trainer
+
+        return Trainer(model=tiny_model("bert"), args=_args(out), train_dataset=_Rows("bert"))
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    return SFTTrainer(model=tiny_model("llama"), args=_args(out, SFTConfig, max_length=None),
+                      train_dataset=Dataset.from_list(_completions()), processing_class=word_tokenizer())
+
+
+def train(kind: str, sebp: bool, rank: int, out: Path) -> dict:
+    trainer = make_trainer(kind, out)
+    result = {}
+    if sebp:
+        handle = apply_sebp(trainer, dense_fallback=0.9 if rank == 0 else 0.0, fallback_if_slower=False)
+        model = trainer.model
+        result.update(head=handle.head, reason=handle.reason, layers=sorted(handle.layers),
+                      density=handle.calibration.density,
+                      swapped=all(isinstance(model.get_submodule(n), SEBPLinear) for n in handle.layers))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result.update(loss=[h["loss"] for h in logs], grad_norm=[h["grad_norm"] for h in logs],
+                  processes=trainer.accelerator.num_processes)
+    return result
+
+
+def main() -> None:
+    out, kinds = Path(sys.argv[1]), sys.argv[2:]
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    result = {"rank": rank}
+    for kind in kinds:
+        result[kind] = {"plain": train(kind, False, rank, out / kind), "sebp": train(kind, True, rank, out / kind)}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
