@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from .config import padding_help
+from .layouts import PADDED
 from .outputs import check_output_file
 from .tables import batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary
 
@@ -381,9 +382,9 @@ def _data_config(dataset, split, text_column, text_pair_column, label_column, pa
 
 
 def _check_padded(padding: str) -> None:
-    if padding not in ("max_length", "longest", "bucket"):
-        raise UserError(f"--padding {padding}: analyze and heatmap measure padded batches (max_length, longest or "
-                        "bucket); the report gives the padding every layout leaves, packed included")
+    if padding not in PADDED:
+        raise UserError(f"--padding {padding}: analyze and heatmap measure padded batches ({', '.join(PADDED)}); "
+                        "the report gives the padding every layout leaves, packed included")
 
 
 def _patterns(value: str | None) -> tuple[str, ...] | None:

@@ -18,6 +18,7 @@ import torch
 from .assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
 from .config import FinetuneConfig, FinetuneError
+from .layouts import LAYOUTS
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
 from .metrics import compare_runs, loss_gap, timed_steps
@@ -238,7 +239,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         summary["comparison"] = compare_runs(summaries["dense"], summaries[other], records["dense"],
                                              records[other], paired=same_batches)
         # the same sequences in every step unless one of the runs drew length-grouped batches
-        same_seqs = same_batches or "bucket" not in paddings.values()
+        same_seqs = same_batches or not any(LAYOUTS[p].grouped for p in paddings.values())
         summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records[other]) if same_seqs \
             else None
     statuses = [s["status"] for s in summaries.values()]
