@@ -1,4 +1,4 @@
-"""The generated blocks of README.md and docs/*.md are what benchmarks/make_docs.py makes from results/."""
+"""The generated blocks of README.md and docs/*.md are what tools/docs/make_docs.py makes from results/."""
 from __future__ import annotations
 
 import re
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def make_docs():
-    yield load_benchmark("make_docs")
+    yield load_benchmark("make_docs", folder="tools/docs")
     sys.modules.pop("make_docs", None)
 
 
