@@ -8,11 +8,10 @@ which then runs eagerly, as every later one does.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger(__name__)
+from .notes import note
+
 _PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
 
 
@@ -47,11 +46,12 @@ def inductor_problem(device: torch.device) -> str | None:
 
 def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device) -> bool:
     """``model.compile(mode=mode)`` (in place: the module, its parameter names and checkpoints stay as they
-    are), or one logged line and eager training where Inductor cannot run on ``device`` (returns False). A
-    forward that fails to compile at a call (a Dynamo error) logs one line and runs eagerly, then and after."""
+    are), or one note (:func:`.notes.note`) and eager training where Inductor cannot run on ``device`` (returns
+    False). A forward that fails to compile at a call (a Dynamo error) notes one line and runs eagerly, then and
+    after."""
     why = inductor_problem(device)
     if why is not None:
-        log.warning("--compile %s: torch.compile cannot run here (%s); training eagerly", mode, why)
+        note(f"--compile {mode}: torch.compile cannot run here ({why}); training eagerly")
         return False
     model.compile(mode=mode)
     compiled = model._compiled_call_impl  # what nn.Module.__call__ runs while it is set
@@ -62,8 +62,7 @@ def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device) ->
         except torch._dynamo.exc.TorchDynamoException as e:
             # the call runs again from the start, eagerly; a forward that fails eagerly too raises its own error
             model._compiled_call_impl = None
-            log.warning("--compile %s: the model's forward did not compile (%s); training eagerly", mode,
-                        _first_line(e))
+            note(f"--compile {mode}: the model's forward did not compile ({_first_line(e)}); training eagerly")
             return model(*args, **kwargs)
 
     model._compiled_call_impl = call

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .families import note
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import kept_rows_family
+from .notes import note
 from .packing import packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")
