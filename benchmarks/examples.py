@@ -3,7 +3,7 @@
     python benchmarks/examples.py            # writes results/examples/{analyze,finetune}.json
 
 Each file holds the command, the machine, the versions, the date and the command's standard output (100
-columns, as piped); `python benchmarks/make_docs.py` puts it into README.md.
+columns, as piped); `python tools/docs/make_docs.py` puts it into README.md.
 """
 from __future__ import annotations
 

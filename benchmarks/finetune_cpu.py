@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
 
-from sebp_probe.config import PADDINGS, DataConfig, FinetuneConfig  # noqa: E402
+from sebp_probe.config import AUTO, DataConfig, FinetuneConfig  # noqa: E402
 from sebp_probe.finetune import finetune  # noqa: E402
+from sebp_probe.layouts import LAYOUTS  # noqa: E402
 from sebp_probe.rundir import device_name, versions  # noqa: E402
 
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    configs = [(padding, method) for padding in PADDINGS for method in ("dense", "sebp")] + [("auto", "sebp")]
+    configs = [(padding, method) for padding in LAYOUTS for method in ("dense", "sebp")] + [(AUTO, "sebp")]
     runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):

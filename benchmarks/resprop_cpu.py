@@ -34,7 +34,8 @@ from sebp_probe import ReuseDropCollector, __version__, patch_resprop  # noqa: E
 from sebp_probe.analyze import layer_type  # noqa: E402
 from sebp_probe.assets import load_model  # noqa: E402
 from sebp_probe.config import DataConfig  # noqa: E402
-from sebp_probe.textdata import PadCollator, load_text_data, padding_side, tokenize  # noqa: E402
+from sebp_probe.batching import PadCollator  # noqa: E402
+from sebp_probe.textdata import load_text_data, padding_side, tokenize  # noqa: E402
 
 from resprop_variants import parse, variant  # noqa: E402
 

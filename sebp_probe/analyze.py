@@ -25,6 +25,7 @@ from .knee import (
     recommend_top_n,
     rows_above,
 )
+from .notes import collect_notes, note
 from .report import SCHEMA, SCHEMA_VERSION
 from .resprop import ReuseDropCollector
 
@@ -391,11 +392,19 @@ def analyze(
     task: str | None = None,
     device: str | None = None,
     progress: Progress | None = None,
+    on_note: Callable[[str], None] | None = None,
 ):
-    """Load the model and ``data_cfg``'s dataset, collect, summarize; return (report, loaded model)."""
-    loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
-    loaded.model.to(resolve_device(device))
-    return _report_for(loaded, data, cfg, settings, progress), loaded
+    """Load the model and ``data_cfg``'s dataset, collect, summarize; return (report, loaded model). Every note
+    (:mod:`.notes`: the data's, a family's fallbacks) goes to ``on_note`` as it is said and into the report's
+    ``notes``."""
+    with collect_notes(on_note) as notes:
+        loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
+        for line in data.identity.get("notes", []):
+            note(line)
+        loaded.model.to(resolve_device(device))
+        report = _report_for(loaded, data, cfg, settings, progress)
+    report["notes"] = notes
+    return report, loaded
 
 
 def analyze_for_finetune(loaded, data_cfg, settings: AnalyzeSettings = AnalyzeSettings(),

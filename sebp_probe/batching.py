@@ -1,20 +1,19 @@
-"""Batch layouts beyond padding every batch: ``bucket`` (batches of similar lengths) and ``packed`` (the batch's
-sequences concatenated into rows of a token budget, padding-free), and the padding each strategy leaves.
+"""The parts of the batch layouts (:mod:`.layouts` names them): the padding collator, the bucket sampler
+(batches of similar lengths), the packed collator (the batch's sequences concatenated into rows of a token
+budget, padding-free), and the padding each layout leaves.
 
-Under ``max_length``, ``longest`` and ``packed`` a step trains on the same ``batch_size`` sequences (the
-training sampler draws them); the strategy only lays them out, so the step's loss is the same. ``bucket``
-draws other batches: sequences of similar length together.
+Under the layouts that are not ``grouped`` (``max_length``, ``longest``, ``packed``) a step trains on the same
+``batch_size`` sequences (the training sampler draws them); the layout only lays them out, so the step's loss is
+the same. ``bucket`` draws other batches: sequences of similar length together.
 
-Training loader per strategy (``items`` from :func:`~sebp_probe.textdata.tokenize`)::
+Training loader per layout (``items`` from :func:`~sebp_probe.textdata.tokenize`; :mod:`.train_data`)::
 
-    max_length, longest: DataLoader(items, batch_size=bs, sampler=EpochSampler(len(items), seed),
-                                    collate_fn=PadCollator(pad_id, task, padding, max_length, side))
-    bucket:              DataLoader(items, batch_sampler=LengthGroupedBatchSampler(lengths(items), bs, seed),
-                                    collate_fn=PadCollator(pad_id, task, "longest", max_length, side))
-    packed:              DataLoader(items, batch_size=bs, sampler=EpochSampler(len(items), seed),
-                                    collate_fn=PackedCollator(pad_id, task, max_length))
+    not grouped: DataLoader(items, batch_size=bs, sampler=EpochSampler(len(items), seed), collate_fn=collate)
+    grouped:     DataLoader(items, batch_sampler=LengthGroupedBatchSampler(lengths(items), bs, seed),
+                            collate_fn=collate)
 
-and each packed batch's loss is :func:`sebp_probe.packing.packed_loss`.
+with ``collate = collator(layout, pad_id, task, max_length, side)``; each packed batch's loss is
+:func:`sebp_probe.packing.packed_loss`.
 """
 from __future__ import annotations
 
@@ -23,7 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-STRATEGIES = ("max_length", "longest", "bucket", "packed")
+from .layouts import LAYOUTS, Layout
+
 MEGABATCH = 50  # batches per megabatch of the bucket sampler: wide enough to find similar lengths, still random
 
 
@@ -43,7 +43,7 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 
 def random_batches(n: int, batch_size: int, seed: int, epoch: int = 0) -> list[list[int]]:
-    """The batches of an epoch under ``max_length``, ``longest`` and ``packed``: a random permutation in chunks."""
+    """The batches of an epoch under the layouts that are not ``grouped``: a random permutation in chunks."""
     perm = torch.randperm(n, generator=epoch_generator(seed, epoch)).tolist()
     return [perm[i: i + batch_size] for i in range(0, n, batch_size)]
 
@@ -92,6 +92,40 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         n, bs = len(self.lens), self.batch_size
         return n // bs if self.drop_last else -(-n // bs)
+
+
+class PadCollator:
+    """Pads token lists into a batch: to ``max_length`` or the batch's longest, on the left or right; with
+    ``multiple``, the longest rounded up to a multiple of it (at most ``max_length``): fewer batch shapes."""
+
+    def __init__(self, pad_id: int, task: str, padding: str, max_length: int, side: str, multiple: int = 1):
+        self.pad_id, self.task, self.padding, self.max_length, self.side = pad_id, task, padding, max_length, side
+        self.multiple = multiple
+
+    def __call__(self, items: list[dict]) -> dict:
+        L = self.max_length
+        if self.padding != "max_length":
+            longest = max(len(i["input_ids"]) for i in items)
+            L = max(longest, min(self.max_length, -(-longest // self.multiple) * self.multiple))
+        ids = torch.full((len(items), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), L), dtype=torch.long)
+        labels = torch.full((len(items), L), -100, dtype=torch.long) if self.task == "causal-lm" else None
+        for row, it in enumerate(items):
+            n = len(it["input_ids"])
+            sl = slice(0, n) if self.side == "right" else slice(L - n, L)
+            ids[row, sl] = torch.tensor(it["input_ids"])
+            mask[row, sl] = 1
+            if labels is not None:
+                labels[row, sl] = torch.tensor(it["labels"])
+                # A causal LM shifts labels by one: the first real token is predicted by the position before
+                # it, a pad under left padding. Mask it, so pads never carry loss (as under right padding).
+                labels[row, sl.start] = -100
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if labels is not None:
+            batch["labels"] = labels
+        elif self.task == "classification":
+            batch["labels"] = torch.tensor([it["label"] for it in items])
+        return batch  # mlm: labels come with the masking (sebp_probe.mlm.MLMCollator)
 
 
 def _best_fit_decreasing(lens: Sequence[int], budget: int) -> list[list[int]]:
@@ -192,29 +226,39 @@ class PackedCollator:
         return batch
 
 
-def padding_share(lens: Sequence[int], batch_size: int, max_length: int, strategy: str, seed: int = 0,
+def batch_order(layout: Layout, lens: Sequence[int], batch_size: int, seed: int, epoch: int = 0) -> list[list[int]]:
+    """The indices of each batch of an epoch under ``layout``, as its training sampler draws them."""
+    if layout.grouped:
+        return length_grouped_batches(lens, batch_size, seed, epoch)
+    return random_batches(len(lens), batch_size, seed, epoch)
+
+
+def collator(layout: Layout, pad_id: int, task: str, max_length: int, side: str = "right", multiple: int = 1):
+    """The collate function of ``layout``'s batches (``side`` and ``multiple`` as :class:`PadCollator` takes
+    them; packed rows take neither)."""
+    if layout.packed:
+        return PackedCollator(pad_id, task, max_length)
+    return PadCollator(pad_id, task, layout.pad_to, max_length, side, multiple)
+
+
+def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout: str, seed: int = 0,
                   budget: int | None = None) -> float:
-    """Share of the token slots of an epoch (epoch 0 of ``seed``) that hold padding under ``strategy``, for
-    examples of ``lens`` tokens (cut to ``max_length``, as tokenizing does) in batches of ``batch_size``;
-    ``budget``: the packed rows' (default ``max_length``)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown padding strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    """Share of the token slots of an epoch (epoch 0 of ``seed``) that hold padding under ``layout`` (a name of
+    :data:`~sebp_probe.layouts.LAYOUTS`), for examples of ``lens`` tokens (cut to ``max_length``, as tokenizing
+    does) in batches of ``batch_size``; ``budget``: the packed rows' (default ``max_length``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    lay = LAYOUTS[layout]
     lens = [min(int(n), max_length) for n in lens]
     real = sum(lens)
     if not real:
         raise ValueError("no tokens to lay out")
-    if strategy == "bucket":
-        batches = length_grouped_batches(lens, batch_size, seed)
-    else:
-        batches = random_batches(len(lens), batch_size, seed)
     slots = 0
-    for b in batches:
+    for b in batch_order(lay, lens, batch_size, seed):
         bl = [lens[i] for i in b]
-        if strategy == "max_length":
-            slots += len(b) * max_length
-        elif strategy == "packed":
+        if lay.packed:
             rows = pack_rows(bl, max_length if budget is None else budget)
             slots += len(rows) * max(sum(bl[i] for i in r) for r in rows)
         else:
-            slots += len(b) * max(bl)
+            slots += len(b) * (max_length if lay.pad_to == "max_length" else max(bl))
     return 1.0 - real / slots

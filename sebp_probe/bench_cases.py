@@ -39,10 +39,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .textdata import PadCollator
-from .batching import PackedCollator, length_grouped_batches, padding_share, random_batches
+from .batching import batch_order, collator, padding_share
+from .layouts import LAYOUTS
 
-LAYOUTS = ("max_length", "longest", "bucket", "packed")
 PAD_ID = 0
 
 
@@ -147,18 +146,13 @@ def make_items(case: ModelCase, lengths: list[int], vocab: int, seed: int) -> li
 
 def layout_indices(lengths: list[int], batch: int, seed: int) -> dict[str, list[list[int]]]:
     """The pool's sequences per batch of each layout (see the module docstring)."""
-    rand = random_batches(len(lengths), batch, seed)
-    return {"max_length": rand, "longest": rand, "bucket": length_grouped_batches(lengths, batch, seed),
-            "packed": rand}
+    return {name: batch_order(lay, lengths, batch, seed) for name, lay in LAYOUTS.items()}
 
 
 def layout_batches(case: ModelCase, items: list[dict], seed: int) -> dict[str, list[dict]]:
     """CPU batches of each layout, collated as training collates them (right padding)."""
     idx = layout_indices([len(it["input_ids"]) for it in items], case.batch, seed)
-    collate = {"max_length": PadCollator(PAD_ID, case.task, "max_length", case.max_length, "right"),
-               "longest": PadCollator(PAD_ID, case.task, "longest", case.max_length, "right"),
-               "bucket": PadCollator(PAD_ID, case.task, "longest", case.max_length, "right"),
-               "packed": PackedCollator(PAD_ID, case.task, case.max_length)}
+    collate = {name: collator(lay, PAD_ID, case.task, case.max_length) for name, lay in LAYOUTS.items()}
     return {lay: [collate[lay]([items[i] for i in b]) for b in idx[lay]] for lay in LAYOUTS}
 
 
@@ -166,7 +160,7 @@ def layout_padding(lengths: list[int], case: ModelCase, seed: int, packed_backen
     """Padding share of each layout on the pool's batches (packed by varlen: 0, one flattened row)."""
     out = {lay: padding_share(lengths, case.batch, case.max_length, lay, seed) for lay in LAYOUTS}
     if packed_backend == "varlen":
-        out["packed"] = 0.0
+        out.update({name: 0.0 for name, lay in LAYOUTS.items() if lay.packed})
     return {k: round(v, 4) for k, v in out.items()}
 
 

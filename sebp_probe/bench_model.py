@@ -37,9 +37,10 @@ from dataclasses import asdict
 
 import torch
 
-from .bench_cases import LAYOUTS, ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
+from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
     layout_padding, make_items, sample_lengths, summarize
 from .families import FAMILIES, names
+from .layouts import LAYOUTS
 
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"))
 WARMUP = 2

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .batching import STRATEGIES, PackingError, padding_share
+from .batching import PackingError, padding_share
 from .hooks import ROW_GROUPS, LayerStats
 from .knee import backward_gemm_flops, rows_above
+from .layouts import LAYOUTS
 
 CAUSES = ("padding", "label_less", "other_zero", "near_zero", "active")
 SKIPPED = ("label_less", "other_zero", "near_zero")  # what SEBP skips among the real tokens' rows
@@ -43,7 +44,7 @@ IGNORE_INDEX = -100
 # Stacking SEBP is worth it from 10% of the backward GEMM FLOPs skipped: finetune's default --dense-fallback
 # (0.9) keeps a layer dense under that share of skippable rows.
 SEBP_WORTH = 0.10
-# A layout must leave a point less padding than a simpler one (earlier in STRATEGIES) to be recommended.
+# A layout must leave a point less padding than a simpler one (earlier in LAYOUTS) to be recommended.
 LAYOUT_TIE = 0.01
 _TEXT = {"padding": "the padding left", "label_less": "label-less rows", "other_zero": "other exactly-zero rows",
          "near_zero": "rows below eps"}
@@ -209,16 +210,16 @@ def layout_advice(summary: dict, lengths: np.ndarray, batch_size: int, max_lengt
     lens = [int(n) for n in lengths]
     pad_max = padding_share(lens, batch_size, max_length, "max_length")
     table = {}
-    for layout in STRATEGIES:
-        if layout == "packed" and packed_reason:
+    for layout in LAYOUTS:
+        if LAYOUTS[layout].packed and packed_reason:
             table[layout] = {"applies": False, "reason": packed_reason}
             continue
         p = padding_share(lens, batch_size, max_length, layout)
         by = {"padding": p, **{c: (1 - p) * v for c, v in skip_real.items()}}
         table[layout] = {"applies": True, "padding_share": p, "dense_backward_vs_max_length": (1 - pad_max) / (1 - p),
                          "sebp_skips": sum(by.values()), "sebp_skips_by_cause": by}
-    best = "max_length"
-    for layout in STRATEGIES:
+    best = next(iter(LAYOUTS))
+    for layout in LAYOUTS:
         if table[layout]["applies"] and table[layout]["padding_share"] < table[best]["padding_share"] - LAYOUT_TIE:
             best = layout
     pick = table[best]

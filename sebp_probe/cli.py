@@ -9,8 +9,10 @@ import typer
 from rich.console import Console
 
 from .config import padding_help
+from .layouts import PADDED
 from .outputs import check_output_file
-from .tables import batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary
+from .tables import (batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary,
+                     print_note)
 
 app = typer.Typer(
     name="sebp-probe",
@@ -32,7 +34,8 @@ class UserError(Exception):
 
 
 class _Notes(logging.Handler):
-    """Prints each distinct fallback line of the library (:func:`sebp_probe.families.note`) once, on stderr."""
+    """Prints each distinct note said outside a command's own collection (:mod:`sebp_probe.notes`: the
+    benchmark's, say) once, on stderr, as the commands print theirs."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -42,7 +45,7 @@ class _Notes(logging.Handler):
         msg = " ".join(record.getMessage().split())
         if msg not in self.said:
             self.said.add(msg)
-            err_console.print(f"[yellow]note:[/yellow] {msg}", highlight=False, soft_wrap=True)
+            print_note(err_console, msg)
 
 
 def one_line_errors(fn):
@@ -396,19 +399,13 @@ def _data_config(dataset, split, text_column, text_pair_column, label_column, pa
 
 
 def _check_padded(padding: str) -> None:
-    if padding not in ("max_length", "longest", "bucket"):
-        raise UserError(f"--padding {padding}: analyze and heatmap measure padded batches (max_length, longest or "
-                        "bucket); the report gives the padding every layout leaves, packed included")
+    if padding not in PADDED:
+        raise UserError(f"--padding {padding}: analyze and heatmap measure padded batches ({', '.join(PADDED)}); "
+                        "the report gives the padding every layout leaves, packed included")
 
 
 def _patterns(value: str | None) -> tuple[str, ...] | None:
     return tuple(p.strip() for p in value.split(",") if p.strip()) if value else None
-
-
-def _print_notes(notes: list[str], where: Console) -> None:
-    """What the data loading did that the user should know (labels mapped, rows dropped): a line each."""
-    for note in notes:
-        where.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 @app.command("analyze")
@@ -475,8 +472,8 @@ def analyze_cmd(
     torch.manual_seed(seed)
     progress, on_batch = batch_progress(err_console if as_json else console, "analyzing")
     with progress:
-        report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch)
-    _print_notes(report["dataset"].get("notes", []), err_console if as_json else console)
+        report, _ = analyze(model, cfg, settings, task=task, device=device, progress=on_batch,
+                            on_note=functools.partial(print_note, err_console if as_json else console))
     if output:
         path = save_report(report, output)
         (err_console if as_json else console).print(f"report written to {path}", highlight=False, soft_wrap=True)
@@ -537,8 +534,8 @@ def heatmap_cmd(
     torch.manual_seed(seed)
     progress, on_batch = batch_progress(console, "collecting")
     with progress:
-        pictures, info = heatmaps(model, cfg, layer, settings, task=task, device=device, progress=on_batch)
-    _print_notes(info["notes"], console)
+        pictures, info = heatmaps(model, cfg, layer, settings, task=task, device=device, progress=on_batch,
+                                  on_note=functools.partial(print_note, console))
     p = info["padding"]
     title = (f"{info['name']} on {info['data']}: |dL/dY|, padding {p['padding']} to {p['max_length']} "
              f"({p['padding_side']}), CDF over {max_batches} batches of {p['batch_size']}")

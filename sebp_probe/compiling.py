@@ -8,12 +8,12 @@ runs eagerly, as every later one does (and every other callable compiled for the
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from .notes import note
+
 _PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
 
 
@@ -70,7 +70,7 @@ class Fallback:
 
     def _fail(self, what: str, e: BaseException) -> None:
         self.why = _first_line(e)
-        log.warning("--compile %s: %s did not compile (%s); training eagerly", self.mode, what, self.why)
+        note(f"--compile {self.mode}: {what} did not compile ({self.why}); training eagerly")
         for undo in self._undo:
             undo()
 
@@ -80,7 +80,7 @@ def cannot_compile(mode: str, device: torch.device) -> bool:
     ``--compile MODE: torch.compile cannot run here (why); training eagerly``."""
     why = inductor_problem(device)
     if why is not None:
-        log.warning("--compile %s: torch.compile cannot run here (%s); training eagerly", mode, why)
+        note(f"--compile {mode}: torch.compile cannot run here ({why}); training eagerly")
     return why is not None
 
 

@@ -8,25 +8,20 @@ from typing import Literal
 from sebp_kernels import SEBPConfig
 from sebp_kernels.config import MODES
 
-Padding = Literal["max_length", "longest", "bucket", "packed", "auto"]
+from .layouts import LAYOUTS
+
 Side = Literal["left", "right"]
 TASKS = ("classification", "causal-lm", "mlm")
-# How the sequences of a batch are laid out (sebp_probe.batching), each with its help line; "auto" lets finetune
-# measure and choose.
-LAYOUT_HELP = {
-    "max_length": "every batch padded to --max-length",
-    "longest": "each batch padded to its longest sequence",
-    "bucket": "batches of similar lengths, each padded to its longest",
-    "packed": "sequences packed into rows without padding, where exact (docs/finetune.md lists the model families; "
-              "else bucket)",
-}
-PADDINGS = tuple(LAYOUT_HELP)
+# Not a layout but a choice among them: finetune measures every layout and takes the fastest.
+AUTO = "auto"
+AUTO_HELP = "measure every layout on your batches, dense and SEBP, and train with the fastest"
 
 
 def padding_help(auto: bool = False) -> str:
-    """The --padding help: every layout with its line (and ``auto`` first where finetune offers it)."""
-    items = [("auto", "measure every layout on your batches, dense and SEBP, and train with the fastest")] * auto
-    return " | ".join(f"{name} ({text})" for name, text in [*items, *LAYOUT_HELP.items()]) + "."
+    """The --padding help: every layout of :data:`~sebp_probe.layouts.LAYOUTS` with its line (and ``auto``
+    first where finetune offers it)."""
+    items = [(AUTO, AUTO_HELP)] * auto + [(name, lay.help) for name, lay in LAYOUTS.items()]
+    return " | ".join(f"{name} ({text})" for name, text in items) + "."
 
 __all__ = ["DataConfig", "FinetuneConfig", "FinetuneError", "SEBPConfig", "TASKS"]
 
@@ -56,7 +51,7 @@ class DataConfig:
     text_column: str | None = None
     text_pair_column: str | None = None
     label_column: str | None = None
-    padding: Padding = "max_length"
+    padding: str = "max_length"  # a name of sebp_probe.layouts.LAYOUTS, or "auto"
     max_length: int = 128
     padding_side: Side | None = None
     batch_size: int = 32
@@ -66,8 +61,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.dataset or not str(self.dataset).strip():
             raise ValueError("dataset must be a name or a path")
-        if self.padding not in (*PADDINGS, "auto"):
-            raise ValueError(f"padding must be one of {', '.join(PADDINGS)} or auto, got {self.padding!r}")
+        if self.padding not in (*LAYOUTS, AUTO):
+            raise ValueError(f"padding must be one of {', '.join(LAYOUTS)} or {AUTO}, got {self.padding!r}")
         if self.padding_side not in (None, "left", "right"):
             raise ValueError(f"padding side must be 'left' or 'right', got {self.padding_side!r}")
         if not isinstance(self.max_length, int) or self.max_length < 2:
@@ -221,10 +216,11 @@ class FinetuneConfig:
                 raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
                                  "CUDA graphs itself)")
         graphed = self.cuda_graphs or self.compile in GRAPHED_COMPILE_MODES
-        if graphed and self.data.padding == "packed":
+        if graphed and self.data.padding in LAYOUTS and not LAYOUTS[self.data.padding].fixed_shapes:
+            fixed = [name for name, lay in LAYOUTS.items() if lay.fixed_shapes]
             raise ValueError(f"{'--cuda-graphs' if self.cuda_graphs else '--compile ' + self.compile} records CUDA "
-                             "graphs, which need few fixed batch shapes; packed rows change from batch to batch: "
-                             "use --padding longest, bucket or auto")
+                             f"graphs, which need few fixed batch shapes; {self.data.padding} batches change from "
+                             f"batch to batch: use --padding {', '.join(fixed)} or {AUTO}")
         if self.sebp_first and not self.compare:
             raise ValueError("--sebp-first orders the two runs of --compare: add --compare")
         self._check_sebp_settings()

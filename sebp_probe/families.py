@@ -8,19 +8,16 @@ have the SEBP norm and activation (:mod:`.patch`), whether packed rows run exact
 labelled-rows head reads the LM head (:mod:`.heads`: the masked-LM transform, a logit softcap or divisor), and
 whether Liger-Kernel has a patch the whole-model benchmark runs.
 
-A family not in the map still runs, with fallbacks said in one line each (:func:`note`): SEBP on every linear
+A family not in the map still runs, with fallbacks said in one line each (:func:`.notes.note`): SEBP on every linear
 but the output head, the model's own loss, bucketed batches instead of packed ones. Class names were checked
 against transformers 5.x.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
-
-log = logging.getLogger("sebp_probe")
 
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BERT_TARGETS = ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense")
@@ -173,8 +170,3 @@ def family_of(model: nn.Module) -> Family | None:
 def names(pick: Callable[[Family], object]) -> list[str]:
     """The model types whose entry has ``pick(entry)`` true, in the map's order (for messages)."""
     return [t for t, f in FAMILIES.items() if pick(f)]
-
-
-def note(message: str) -> None:
-    """Say one line about a fallback (the CLI prints each line once, as ``note: ...``)."""
-    log.warning(message)

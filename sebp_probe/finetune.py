@@ -18,9 +18,11 @@ import torch
 from .assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
 from .config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneError
+from .layouts import LAYOUTS
 from .loop import Event, Run, graphed_compile, wrap_lora
 from .losses import set_head
 from .metrics import compare_runs, loss_gap, timed_steps
+from .notes import collect_notes, note
 from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, check_resume_processes,
                      device_name, has_progress, read_json, versions, write_json)
 from .strategy import PaddingChoice, choose_padding
@@ -95,11 +97,19 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
              load_fn: Callable[[], LoadedModel] | None = None, data: TrainData | None = None) -> dict:
     """Train ``cfg.method`` (or dense then SEBP with ``cfg.compare``), write the output directory, and return
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
-    configs and synthetic batches). Raises FinetuneError for bad input, a diverged run included."""
+    configs and synthetic batches). Every note of the run (:mod:`.notes`: the data's, a family's fallbacks,
+    the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. Raises
+    FinetuneError for bad input, a diverged run included."""
+    emit = on_event or (lambda kind, payload: None)
+    with collect_notes(lambda text: emit("note", {"text": text})) as notes:
+        return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
+
+
+def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
+              load_fn: Callable[[], LoadedModel] | None, data: TrainData | None, notes: list[str]) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
-    emit = on_event or (lambda kind, payload: None)
     if cfg.precision == "fp16" and not torch.cuda.is_available():
         raise FinetuneError("fp16 training needs a CUDA GPU; use --bf16 on CPU")
     dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
@@ -152,9 +162,9 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
             data = load_train_data(cfg, first)
     if resuming:
         check_resume_data(out, data.identity)
-    for note in dict.fromkeys(n for part in data.identity.values() if isinstance(part, dict)
-                              for n in part.get("notes", [])):
-        emit("note", {"text": note})
+    for part in data.identity.values():
+        for line in part.get("notes", []) if isinstance(part, dict) else []:
+            note(line)
     cfg = _packed_or_bucket(cfg, first)
     if cfg.auto_eps and not resuming:
         first.model.to(acc.device)
@@ -202,6 +212,9 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     acc.wait_for_everyone()
 
     def on_run_event(kind: str, payload: dict) -> None:
+        if kind == "note":  # the run's notes take the one channel (said once, listed in the summary)
+            note(payload["text"])
+            return
         if kind == "step" and aside is not None:  # the new run has taken its first step: the old one goes
             aside.discard()
         emit(kind, payload)
@@ -243,12 +256,13 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         summary["comparison"] = compare_runs(summaries["dense"], summaries[other], records["dense"],
                                              records[other], paired=same_batches)
         # the same sequences in every step unless one of the runs drew length-grouped batches
-        same_seqs = same_batches or "bucket" not in paddings.values()
+        same_seqs = same_batches or not any(LAYOUTS[p].grouped for p in paddings.values())
         summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records[other]) if same_seqs \
             else None
     statuses = [s["status"] for s in summaries.values()]
     summary["status"] = next((s for s in ("diverged", "interrupted") if s in statuses), "completed")
     summary["output_dir"] = str(out)
+    summary["notes"] = notes
     if acc.is_main_process and not restored:
         if cfg.compare:
             write_json(out / SUMMARY, summary)
@@ -298,7 +312,6 @@ def _packed_or_bucket(cfg: FinetuneConfig, first: LoadedModel) -> FinetuneConfig
     if cfg.data.padding != "packed":
         return cfg
     from .batching import PackingError
-    from .families import note
     from .packing import check_packable
 
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from .analyze import AnalyzeSettings, Progress, _to_device, collect, load_assets, padding_info, resolve_device
 from .knee import EpsResult, detect_eps
+from .notes import collect_notes, note
 from .patch import _logical_name, name_matches
 
 
@@ -112,12 +114,23 @@ def heatmaps(
     task: str | None = None,
     device: str | None = None,
     progress: Progress | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> tuple[list[LayerPicture], dict]:
     """Pictures of the layers matching ``layer_pattern``: the shortest and the longest of the analysed
-    samples, and the statistics of ``settings.max_batches`` batches. Returns (pictures, model info)."""
+    samples, and the statistics of ``settings.max_batches`` batches. Returns (pictures, model info); every
+    note (:mod:`.notes`) goes to ``on_note`` as it is said and into the info's ``notes``."""
+    with collect_notes(on_note) as notes:
+        pictures, info = _heatmaps(model_name, data_cfg, layer_pattern, settings, task, device, progress)
+    return pictures, {**info, "notes": notes}
+
+
+def _heatmaps(model_name, data_cfg, layer_pattern: str, settings: AnalyzeSettings, task: str | None,
+              device: str | None, progress: Progress | None) -> tuple[list[LayerPicture], dict]:
     from .textdata import make_loader, tokenize
 
     loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
+    for line in data.identity.get("notes", []):
+        note(line)
     layers = match_layers(loaded.model, layer_pattern)
     if len(layers) > MAX_HEATMAP_LAYERS:
         raise ValueError(f"layer pattern {layer_pattern!r} matches {len(layers)} layers; narrow it to at most "
@@ -133,5 +146,4 @@ def heatmaps(
     pictures = heatmap_data(loaded.model, batches, sample_batch, layers, settings, side, progress)
     for p in pictures:
         p.labels = ["shortest", "longest"]
-    return pictures, {"name": loaded.name, "data": cfg.dataset, "padding": padding_info(loaded, cfg),
-                      "notes": data.identity.get("notes", [])}
+    return pictures, {"name": loaded.name, "data": cfg.dataset, "padding": padding_info(loaded, cfg)}

@@ -19,9 +19,9 @@ import contextlib
 
 import torch
 
-from .families import note
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import kept_rows_family
+from .notes import note
 from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")

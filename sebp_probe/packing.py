@@ -31,9 +31,11 @@ import torch
 
 from .batching import PackingError
 from .families import FAMILIES, family_of, names
+from .layouts import PADDED
 
 VARLEN = "sebp_varlen"  # the attention implementation name under which varlen runs (sdpa for other calls)
-OTHER_STRATEGIES = "use --padding bucket, longest or max_length"
+# the padded layouts, nearest to packed first
+OTHER_LAYOUTS = f"use --padding {', '.join(PADDED[:0:-1])} or {PADDED[0]}"
 
 
 def _find_kernel() -> Callable | None:
@@ -73,7 +75,7 @@ def _kind(base: torch.nn.Module) -> str:
     decoders = names(lambda f: f.packed and f.block == "decoder")
     encoders = names(lambda f: f.packed and f.first_token)
     raise PackingError(f"padding 'packed' runs exactly only on {', '.join(decoders)} causal LMs and "
-                       f"{', '.join(encoders)} classifiers, not {name}; {OTHER_STRATEGIES}")
+                       f"{', '.join(encoders)} classifiers, not {name}; {OTHER_LAYOUTS}")
 
 
 def check_packable(model: torch.nn.Module, task: str) -> None:
@@ -81,11 +83,11 @@ def check_packable(model: torch.nn.Module, task: str) -> None:
     base = unwrap(model)
     kind = _kind(base)
     if (kind == "decoder") != (task == "causal-lm"):
-        raise PackingError(f"padding 'packed' cannot train {type(base).__name__} for {task}; {OTHER_STRATEGIES}")
+        raise PackingError(f"padding 'packed' cannot train {type(base).__name__} for {task}; {OTHER_LAYOUTS}")
     attn = base.config._attn_implementation
     if attn not in ("sdpa", "eager", VARLEN):
         raise PackingError(f"padding 'packed' needs the 'sdpa' or 'eager' attention, not {attn!r}; load the "
-                           f"model with one of them, or {OTHER_STRATEGIES}")
+                           f"model with one of them, or {OTHER_LAYOUTS}")
 
 
 def _attention_dropout(config) -> float:

@@ -2,7 +2,7 @@
 fastest.
 
 Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
-measured on top of each layout, never only against padded dense. Each applicable layout (:data:`PADDINGS`;
+measured on top of each layout, never only against padded dense. Each applicable layout (:data:`.LAYOUTS`;
 ``packed`` only where :func:`~sebp_probe.packing.check_packable` allows it and the batch shapes may change) is
 timed on a few batches from inside the first epoch: one untimed forward+backward per batch and method (kernel
 compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches
@@ -40,8 +40,9 @@ from sebp_kernels import SEBPConfig
 from .batching import PackingError, lengths, padding_share
 from .calibration import apply_sebp, measure_density, rng_devices, sync
 from .compiling import Fallback, cannot_compile, compile_fn, inductor_problem
-from .config import COMPILE_AUTO, PADDINGS, FinetuneConfig
+from .config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
+from .layouts import LAYOUTS
 from .losses import batch_loss, compiled_head_problem, head_of, ready_to_compile
 from .packing import check_packable
 from .train_data import TrainData, make_loaders, to_device
@@ -193,10 +194,11 @@ def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: fl
 
 def _why_not(model, cfg: FinetuneConfig, task: str, padding: str, graphs: bool) -> str | None:
     """Why ``padding`` cannot run here (None: it can)."""
-    if padding != "packed":
+    layout = LAYOUTS[padding]
+    if graphs and not layout.fixed_shapes:
+        return f"CUDA graphs need fixed batch shapes; {padding} batches change from batch to batch"
+    if not layout.packed:
         return None
-    if graphs:
-        return "CUDA graphs need fixed batch shapes; packed rows change from batch to batch"
     try:
         check_packable(model, task)
     except PackingError as e:
@@ -226,7 +228,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
     table = []
     with torch.random.fork_rng(devices=rng_devices(device)):
-        for padding in PADDINGS:
+        for padding in LAYOUTS:
             share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed), 4)
             reason = _why_not(model, cfg, data.task, padding, graphs)
             if reason:

@@ -8,6 +8,11 @@ console = Console()
 WIDE_CONSOLE = 150
 
 
+def print_note(console_: Console, text: str) -> None:
+    """A note (:mod:`sebp_probe.notes`) as every command prints it, whatever said it: ``note: TEXT``."""
+    console_.print(f"note: {text}", highlight=False, soft_wrap=True)
+
+
 def finetune_progress(console_):
     """A rich progress bar fed by finetune's events: one bar per run, live loss and backward speedup."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -37,7 +42,7 @@ def finetune_progress(console_):
             vals = ", ".join(f"{k[5:]} {v:.4f}" for k, v in p.items() if k.startswith("eval_"))
             progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
         elif kind == "note":
-            progress.console.print(f"note: {p['text']}", highlight=False, soft_wrap=True)
+            print_note(progress.console, p["text"])
         elif kind == "skipped":
             progress.console.print(f"{run}: already completed, kept", highlight=False)
         elif kind == "padding":

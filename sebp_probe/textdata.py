@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from .assets import AssetError, LoadedModel, _one_line, _package_dir, hub_miss, offline_variable
+from .batching import PadCollator
 from .config import TASKS, DataConfig
+from .layouts import LAYOUTS, PADDED
 
 LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "category", "target", "answerKey")
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "question", "input")
@@ -379,40 +381,6 @@ def tokenize(loaded: LoadedModel, data: TextData, max_length: int) -> list[dict]
     return out
 
 
-class PadCollator:
-    """Pads token lists into a batch: to ``max_length`` or the batch's longest, on the left or right; with
-    ``multiple``, the longest rounded up to a multiple of it (at most ``max_length``): fewer batch shapes."""
-
-    def __init__(self, pad_id: int, task: str, padding: str, max_length: int, side: str, multiple: int = 1):
-        self.pad_id, self.task, self.padding, self.max_length, self.side = pad_id, task, padding, max_length, side
-        self.multiple = multiple
-
-    def __call__(self, items: list[dict]) -> dict:
-        L = self.max_length
-        if self.padding != "max_length":
-            longest = max(len(i["input_ids"]) for i in items)
-            L = max(longest, min(self.max_length, -(-longest // self.multiple) * self.multiple))
-        ids = torch.full((len(items), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(items), L), dtype=torch.long)
-        labels = torch.full((len(items), L), -100, dtype=torch.long) if self.task == "causal-lm" else None
-        for row, it in enumerate(items):
-            n = len(it["input_ids"])
-            sl = slice(0, n) if self.side == "right" else slice(L - n, L)
-            ids[row, sl] = torch.tensor(it["input_ids"])
-            mask[row, sl] = 1
-            if labels is not None:
-                labels[row, sl] = torch.tensor(it["labels"])
-                # A causal LM shifts labels by one: the first real token is predicted by the position before
-                # it, a pad under left padding. Mask it, so pads never carry loss (as under right padding).
-                labels[row, sl.start] = -100
-        batch = {"input_ids": ids, "attention_mask": mask}
-        if labels is not None:
-            batch["labels"] = labels
-        elif self.task == "classification":
-            batch["labels"] = torch.tensor([it["label"] for it in items])
-        return batch  # mlm: labels come with the masking (sebp_probe.mlm.MLMCollator)
-
-
 def make_loader(loaded: LoadedModel, data: TextData, cfg: DataConfig, shuffle: bool = False,
                 seed: int | None = None) -> torch.utils.data.DataLoader:
     """A DataLoader of padded batches {input_ids, attention_mask, labels} for ``loaded.model``.
@@ -425,7 +393,10 @@ def make_loader(loaded: LoadedModel, data: TextData, cfg: DataConfig, shuffle: b
     items = tokenize(loaded, data, cfg.max_length)
     if not items:
         raise AssetError(f"dataset {cfg.dataset!r} has no non-empty text")
-    collate = PadCollator(loaded.tokenizer.pad_token_id, data.task, cfg.padding, cfg.max_length,
+    layout = LAYOUTS.get(cfg.padding)
+    if layout is None or layout.packed:
+        raise ValueError(f"padding {cfg.padding!r}: the analysis measures padded batches ({', '.join(PADDED)})")
+    collate = PadCollator(loaded.tokenizer.pad_token_id, data.task, layout.pad_to, cfg.max_length,
                           padding_side(loaded, cfg))
     seed = cfg.seed if seed is None else seed
     if data.task == "mlm":

@@ -10,10 +10,11 @@ import torch
 
 from .assets import AssetError, LoadedModel
 
-from .batching import LengthGroupedBatchSampler, PackedCollator, lengths
-from .config import PADDINGS, FinetuneConfig, FinetuneError
+from .batching import LengthGroupedBatchSampler, PadCollator, collator, lengths
+from .config import FinetuneConfig, FinetuneError
+from .layouts import LAYOUTS
 from .mlm import MLMCollator
-from .textdata import BUNDLED_DATASETS, PadCollator, load_text_data, padding_side, tokenize
+from .textdata import BUNDLED_DATASETS, load_text_data, padding_side, tokenize
 
 
 @dataclass
@@ -76,34 +77,34 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
-    """(train loader, eval loader, sampler) for ``cfg.data.padding`` (a strategy, not ``auto``; see
-    :mod:`.batching`): the sampler has ``set_epoch``. Evaluation batches are padded to their longest (or to
-    ``max_length``), whatever the training layout. ``pin``: batches in page-locked memory (on a GPU), so that
-    their copy to the device does not wait for the work already queued there (a copy from pageable memory does)."""
-    strategy = cfg.data.padding
-    if strategy not in PADDINGS:
-        raise FinetuneError(f"padding {strategy!r} is not a batch layout; 'auto' is resolved before training")
+    """(train loader, eval loader, sampler) for ``cfg.data.padding`` (a layout of :data:`.layouts.LAYOUTS`, not
+    ``auto``): the sampler has ``set_epoch``. Evaluation batches are padded as the layout pads (packed runs: to
+    the longest). ``pin``: batches in page-locked memory (on a GPU), so that their copy to the device does not
+    wait for the work already queued there (a copy from pageable memory does)."""
+    layout = LAYOUTS.get(cfg.data.padding)
+    if layout is None:
+        raise FinetuneError(f"padding {cfg.data.padding!r} is not a batch layout; 'auto' is resolved before training")
     multiple = cfg.graph_bucket if cfg.cuda_graphs else 1  # graphs: few batch shapes
 
-    def pad(how: str):
-        collate = PadCollator(data.pad_id, data.task, how, cfg.data.max_length, data.padding_side, multiple)
+    def mlm(collate):
         return MLMCollator(collate, *data.mlm, seed=cfg.seed) if data.task == "mlm" else collate
 
     # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
     gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
     bs = cfg.data.batch_size
-    if strategy == "bucket":
+    collate = collator(layout, data.pad_id, data.task, cfg.data.max_length, data.padding_side, multiple)
+    collate = collate if layout.packed else mlm(collate)  # packed rows train no masked LM (check_packable)
+    if layout.grouped:
         sampler = LengthGroupedBatchSampler(lengths(data.train), bs, cfg.seed)
-        train = torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=pad("longest"),
+        train = torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=collate,
                                             generator=gen(), pin_memory=pin)
     else:
         sampler = EpochSampler(len(data.train), cfg.seed)
-        collate = PackedCollator(data.pad_id, data.task, cfg.data.max_length) if strategy == "packed" \
-            else pad(strategy)
         train = torch.utils.data.DataLoader(data.train, batch_size=bs, sampler=sampler, collate_fn=collate,
                                             generator=gen(), pin_memory=pin)
-    ev = torch.utils.data.DataLoader(data.eval, batch_size=bs, shuffle=False,
-                                     collate_fn=pad("max_length" if strategy == "max_length" else "longest"),
+    pad_eval = PadCollator(data.pad_id, data.task, layout.eval_pad_to, cfg.data.max_length, data.padding_side,
+                           multiple)
+    ev = torch.utils.data.DataLoader(data.eval, batch_size=bs, shuffle=False, collate_fn=mlm(pad_eval),
                                      generator=gen(), pin_memory=pin)
     return train, ev, sampler
 

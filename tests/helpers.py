@@ -233,14 +233,15 @@ def run_torchrun(args: list[str], timeout: float, **popen_kw) -> tuple[str, str]
     return out, err
 
 
-def load_benchmark(name: str):
-    """The module of ``benchmarks/NAME.py`` (scripts, not a package), registered in ``sys.modules`` under ``name``
-    (dataclasses and pickling look their module up there); the caller may pop it again."""
+def load_benchmark(name: str, folder: str = "benchmarks"):
+    """The module of ``FOLDER/NAME.py`` (scripts, not a package: ``benchmarks/``, ``tools/docs/``), registered in
+    ``sys.modules`` under ``name`` (dataclasses and pickling look their module up there); the caller may pop it
+    again."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

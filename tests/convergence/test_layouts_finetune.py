@@ -12,7 +12,7 @@ from transformers import AutoModelForMaskedLM
 from sebp_probe import finetune as ft
 from sebp_probe.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
-from sebp_probe.config import PADDINGS
+from sebp_probe.layouts import LAYOUTS
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import tiny_config, tiny_model
 
@@ -88,7 +88,7 @@ def test_auto_times_every_layout_and_trains_with_the_fastest(tmp_path):
     s = ft.finetune(cfg, load_fn=_loader("llama"), data=data, on_event=lambda k, p: events.append((k, p)))
     choice = s["padding_choice"]
     table = {(r["padding"], r["head"]): r for r in choice["table"]}  # the labelled head timed against the full
-    assert list(table) == [(p, h) for p in PADDINGS for h in ("labelled", "full")]
+    assert list(table) == [(p, h) for p in LAYOUTS for h in ("labelled", "full")]
     assert all("dense_ms" in r and "sebp_ms" in r for r in table.values())
     every = [(r[f"{m}_ms"], m, p, h) for (p, h), r in table.items() for m in ("dense", "sebp")]
     assert (choice["method"], choice["padding"], choice["head"]) == min(every)[1:]  # never slower than any dense

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from sebp_probe.assets import AssetError, load_model, model_identity
+from sebp_probe.batching import PadCollator
 from sebp_probe.config import DataConfig
-from sebp_probe.textdata import PadCollator, load_text_data, make_loader
+from sebp_probe.textdata import load_text_data, make_loader
 
 
 class WordTokenizer:

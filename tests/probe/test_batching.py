@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from sebp_probe.textdata import PadCollator
-from sebp_probe.batching import (STRATEGIES, LengthGroupedBatchSampler, PackedCollator, PackingError,
+from sebp_probe.batching import (LengthGroupedBatchSampler, PackedCollator, PackingError, PadCollator,
                                  length_grouped_batches, pack_rows, padding_share, random_batches)
+from sebp_probe.layouts import LAYOUTS
 
 
 def skewed(n: int = 1000, seed: int = 0) -> list[int]:
@@ -129,13 +129,13 @@ def test_padding_share_on_known_batches():
     assert padding_share([10, 10, 10, 7], 4, 32, "packed") == pytest.approx(1 - 37 / 40)
     # lengths beyond max_length are cut, as tokenizing does
     assert padding_share([50, 50], 2, 32, "longest") == 0.0
-    with pytest.raises(ValueError, match="unknown padding strategy"):
+    with pytest.raises(ValueError, match="unknown layout"):
         padding_share([3], 1, 8, "sorted")
 
 
-def test_padding_share_ranks_the_strategies_on_skewed_lengths():
+def test_padding_share_ranks_the_layouts_on_skewed_lengths():
     lens = skewed(2000)
-    share = {s: padding_share(lens, 32, 128, s, seed=1) for s in STRATEGIES}
+    share = {s: padding_share(lens, 32, 128, s, seed=1) for s in LAYOUTS}
     assert share["max_length"] > share["longest"] > share["bucket"] > share["packed"]
     assert share["longest"] > 0.5 and share["bucket"] < 0.1 and share["packed"] < 0.05
     assert padding_share(lens, 32, 128, "packed", seed=1) == share["packed"]  # deterministic

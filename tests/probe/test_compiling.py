@@ -1,9 +1,7 @@
 """``finetune --compile`` on the CPU: compiled (Inductor) exact SEBP trains as compiled dense does; and where
 it cannot run (no C compiler, a Python/torch Dynamo does not support, a forward that does not trace) one
-logged line says so and the run trains eagerly, to the eager run's losses."""
+note in the summary says so and the run trains eagerly, to the eager run's losses."""
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -15,9 +13,6 @@ from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
 from tests.probe.test_finetune_compile import _losses, _run
 from tests.tiny_models import tiny_model
 
-LOGGER = "sebp_probe.compiling"
-
-
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     monkeypatch.setattr(compiling, "_PROBED", {})
@@ -26,14 +21,9 @@ def _fresh(monkeypatch):
     dynamo.reset()
 
 
-def _lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
-
-
-def _goes_on_eagerly(tmp_path, caplog, needle: str, make_model=lambda: tiny_model("bert")) -> None:
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        compiled = _run(tmp_path, "compiled", make_model, compile="default")
-    (line,) = _lines(caplog)
+def _goes_on_eagerly(tmp_path, needle: str, make_model=lambda: tiny_model("bert")) -> None:
+    compiled = _run(tmp_path, "compiled", make_model, compile="default")
+    (line,) = compiled["notes"]
     assert line.startswith("--compile default: ") and needle in line and line.endswith("; training eagerly")
     assert "\n" not in line
     eager = _run(tmp_path, "eager", make_model)
@@ -43,23 +33,22 @@ def _goes_on_eagerly(tmp_path, caplog, needle: str, make_model=lambda: tiny_mode
 
 
 @pytest.mark.slow
-def test_no_c_compiler_trains_eagerly(tmp_path, monkeypatch, caplog):
+def test_no_c_compiler_trains_eagerly(tmp_path, monkeypatch):
     # Inductor's own patch (monkeypatch's undo left its config without the key: later compiles in the process
     # failed with "config.cpp.cxx does not exist")
     with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
-        _goes_on_eagerly(tmp_path, caplog, "torch.compile cannot run here (InductorError: InvalidCxxCompiler")
+        _goes_on_eagerly(tmp_path, "torch.compile cannot run here (InductorError: InvalidCxxCompiler")
     assert torch._inductor.config.cpp.cxx != (None, "/nonexistent/c++")
 
 
 @pytest.mark.slow
-def test_compile_auto_without_a_c_compiler_times_and_trains_eagerly(tmp_path, caplog):
+def test_compile_auto_without_a_c_compiler_times_and_trains_eagerly(tmp_path):
     """``--padding auto --compile auto``: the compiled candidates cannot run: one line, the eager candidates
     only, and an eager run."""
-    with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")}), \
-            caplog.at_level(logging.WARNING, logger=LOGGER):
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
         out = _run(tmp_path, "auto", method="dense", compile="auto",
                    data=DataConfig(max_length=24, batch_size=8, padding="auto"))
-    (line,) = _lines(caplog)
+    (line,) = out["notes"]
     assert line.startswith("--compile auto: torch.compile cannot run here (InductorError: InvalidCxxCompiler")
     assert line.endswith("; training eagerly") and "\n" not in line
     assert out["status"] == "completed" and "compile" not in out
@@ -69,12 +58,12 @@ def test_compile_auto_without_a_c_compiler_times_and_trains_eagerly(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_unsupported_python_or_torch_trains_eagerly(tmp_path, monkeypatch, caplog):
+def test_unsupported_python_or_torch_trains_eagerly(tmp_path, monkeypatch):
     def unsupported():
         raise RuntimeError("Python 3.99+ not yet supported for torch.compile")
 
     monkeypatch.setattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", unsupported)
-    _goes_on_eagerly(tmp_path, caplog, "cannot run here (RuntimeError: Python 3.99+ not yet supported")
+    _goes_on_eagerly(tmp_path, "cannot run here (RuntimeError: Python 3.99+ not yet supported")
 
 
 @torch.library.custom_op("sebp_test::no_fake", mutates_args=())
@@ -87,23 +76,22 @@ _no_fake.register_autograd(lambda ctx, grad: grad)
 
 
 @pytest.mark.slow
-def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch, caplog):
+def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch):
     def untraceable():
         model = tiny_model("bert")
         model.classifier.register_forward_hook(lambda module, args, out: _no_fake(out))
         return model
 
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)  # Inductor's C++ build: not needed
-    _goes_on_eagerly(tmp_path, caplog, "the training step did not compile (TorchRuntimeError", untraceable)
+    _goes_on_eagerly(tmp_path, "the training step did not compile (TorchRuntimeError", untraceable)
 
 
 @pytest.mark.slow
-def test_compiled_exact_sebp_trains_as_compiled_dense(tmp_path, caplog):
+def test_compiled_exact_sebp_trains_as_compiled_dense(tmp_path):
     """Inductor on the CPU, a few steps of a tiny BERT: dense and exact SEBP (linears, norms, activations as
     ``sebp::`` ops) compiled, the same losses up to rounding, no graph break, no fallback line."""
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        out = _run(tmp_path, "run", compile="default", compare=True)
-    assert not _lines(caplog)
+    out = _run(tmp_path, "run", compile="default", compare=True)
+    assert not out["notes"]
     dense, sebp = out["runs"]["dense"], out["runs"]["sebp"]
     for s in (dense, sebp):
         assert s["status"] == "completed" and s["compile"]["graphs"] >= 1 and s["compile"]["graph_breaks"] == 0

@@ -1,6 +1,7 @@
-"""The generated blocks of README.md and docs/*.md are what benchmarks/make_docs.py makes from results/."""
+"""The generated blocks of README.md and docs/*.md are what tools/docs/make_docs.py makes from results/."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def make_docs():
-    yield load_benchmark("make_docs")
+    yield load_benchmark("make_docs", folder="tools/docs")
     sys.modules.pop("make_docs", None)
 
 
@@ -82,3 +83,32 @@ def test_captions_name_gpu_versions_date_and_command(make_docs):
         for line in captions:
             assert "torch " in line and re.search(r"20\d\d-\d\d-\d\d", line), (name, line)
             assert "`" in line and "results/" in line, (name, line)
+
+def _command(path: Path) -> str | None:
+    """The command a result file records: ``command`` at the top of a JSON or in its ``environment``, or a
+    ``.txt`` header line naming the script."""
+    if path.suffix == ".json":
+        doc = json.loads(path.read_text())
+        return doc.get("command") or (doc.get("environment") or {}).get("command")
+    if path.suffix == ".txt":
+        return next((line for line in path.read_text().splitlines()[:6] if ".py" in line), None)
+    return None
+
+
+def test_every_result_is_in_the_readme_with_the_command_that_made_it():
+    """results/README.md lists every folder (and every tuning file), and every file there records its command:
+    a figure is drawn from the JSON beside it, raw/ folders hold the run files that the README describes."""
+    readme = (ROOT / "results" / "README.md").read_text()
+    rows = [line.split(" | ")[0] for line in readme.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`([\w.-]+)/?`", row)}
+    folders = {p.name for p in (ROOT / "results").iterdir() if p.is_dir()}
+    tuning = {p.name for p in (ROOT / "results" / "tuning").iterdir()}
+    assert folders | tuning <= listed, (folders | tuning) - listed
+    for path in sorted((ROOT / "results").rglob("*")):
+        rel = path.relative_to(ROOT / "results")
+        if path.is_dir() or path.name == "README.md" or "raw" in rel.parts:
+            continue
+        if path.suffix == ".png":
+            assert path.with_suffix(".json").exists(), rel
+            continue
+        assert _command(path), f"results/{rel} records no command"

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
-from sebp_probe.batching import PackedCollator
+from sebp_probe.batching import PackedCollator, PadCollator
 from sebp_probe.families import FAMILIES, family_of
 from sebp_probe.losses import batch_loss, set_head
 from sebp_probe.packing import check_packable
 from sebp_probe.patch import patch_sebp, patched_activations
-from sebp_probe.textdata import PadCollator
 from tests.tiny_models import FAMILY_TASKS, family_model
 
 CASES = [*FAMILY_TASKS.items(), *((t, "mlm") for t in ("bert", "roberta", "electra", "distilbert", "modernbert"))]

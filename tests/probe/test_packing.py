@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from sebp_kernels import SEBPConfig
 from sebp_probe import packing, patch_model
-from sebp_probe.textdata import PadCollator
-from sebp_probe.batching import PackedCollator, PackingError
+from sebp_probe.batching import PackedCollator, PackingError, PadCollator
 from sebp_probe.packing import attention_backend, check_packable, packed_forward, packed_loss, varlen_blocker
 from tests.tiny_models import ENCODERS, tiny_config, tiny_model
 

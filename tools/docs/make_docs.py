@@ -8,8 +8,8 @@ measured is typed into the prose. A page holds generated markdown between two ma
     ...what the generator registered as NAME returns...
     <!-- END generated:NAME -->
 
-    python benchmarks/make_docs.py            # rewrite every block in place
-    python benchmarks/make_docs.py --check    # exit 1 with one line naming the stale blocks
+    python tools/docs/make_docs.py            # rewrite every block in place
+    python tools/docs/make_docs.py --check    # exit 1 with one line naming the stale blocks
 
 The engine is :mod:`docgen`; the generators are in :mod:`blocks_kernels` (docs/kernels.md),
 :mod:`blocks_results` (README.md, docs/benchmarks.md, docs/finetune.md) and :mod:`blocks_families` (the model
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_docs: {err}", file=sys.stderr)
         return 1
     if args.check and stale:
-        print(f"make_docs: stale generated block(s) {', '.join(stale)}: run python benchmarks/make_docs.py",
+        print(f"make_docs: stale generated block(s) {', '.join(stale)}: run python tools/docs/make_docs.py",
               file=sys.stderr)
         return 1
     if not args.check and stale:

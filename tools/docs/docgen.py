@@ -1,4 +1,4 @@
-"""The engine of benchmarks/make_docs.py: pages, blocks, result files and the formatting the tables share.
+"""The engine of tools/docs/make_docs.py: pages, blocks, result files and the formatting the tables share.
 
 A page holds generated markdown between two markers (``<!-- BEGIN generated:NAME -->`` ...
 ``<!-- END generated:NAME -->``); a generator is a small function decorated with ``@block("NAME")`` that takes a
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!-- (BEGIN|END) generated:([A-Za-z0-9_.-]+) -->")
 
 GENERATORS: dict[str, Callable[["Page"], str]] = {}

@@ -17,7 +17,6 @@ BERT_VARIANTS = (("linears", "layouts_h100/model_bert-base.json"),
                  ("linears + norms", "pad_rows_h100/model_bert-base_norms.json"),
                  ("linears + norms + activations", "layouts_fused_h100/model_bert-base.json"),
                  ("linears + norms + activations, rows selected", "pad_rows_h100/model_bert-base_select.json"))
-LAYOUTS = ("max_length", "longest", "bucket", "packed")
 HEAD = "head_h100/head.json"
 FINETUNE_CPU = "finetune_cpu/finetune_cpu.json"
 
@@ -51,7 +50,7 @@ def layouts_summary(page: Page) -> str:
         sources.append(src)
         rows = m["rows"]
         fastest = min(rows, key=lambda r: r["ms"])
-        for layout in LAYOUTS:
+        for layout in m["layouts"]:  # as the benchmark wrote them: sebp_probe.layouts.LAYOUTS' order
             dense, sebp = _best(rows, layout, "dense"), _best(rows, layout, "sebp")
             if dense is None:
                 continue
