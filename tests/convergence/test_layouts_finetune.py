@@ -121,7 +121,7 @@ def test_resprop_at_reuse_zero_trains_as_dense(tmp_path):
 
 
 def test_packed_with_cuda_graphs_is_refused():
-    with pytest.raises(ValueError, match="packed rows change"):
+    with pytest.raises(ValueError, match="packed batches change from batch to batch"):
         FinetuneConfig(data=DataConfig(padding="packed"), cuda_graphs=True, precision="bf16")
 
 
