@@ -442,6 +442,38 @@ def fsdp_h200(page: Page) -> str:
     return captioned(page, [src], table(header, body, "lllrrlrr") + "\n\n" + note)
 
 
+FSDP_SFT = "fsdp_sft_h100/fsdp_sft.json"
+
+
+@block("fsdp_sft_h100")
+def fsdp_sft_h100(page: Page) -> str:
+    """FSDP2 on two GPUs on SFT-length batches: compiled and eager pairs, by place in the process."""
+    src = page.load(FSDP_SFT)
+    d = src.data
+    body = []
+    for p in d["pairs"].values():
+        for method, r in sorted(p["runs"].items(), key=lambda kv: kv[1]["place"]):
+            sebp = f"{r['sebp_layers']} of {r['sebp_layers'] + r['dense_layers']}" if method == "sebp" else "-"
+            body.append([p["label"], method, str(r["place"]), sebp, str(p["timed_steps"]), f1(r["step_ms"]),
+                         f1(r["backward_ms"]), f1(r["peak_mem_gib_rank0"]), f3(r["eval_loss"]),
+                         f3(p["max_abs_loss_gap"])])
+    header = ["pair", "method", "run in its process", "projections on SEBP", "steps timed", "median step ms",
+              "median backward ms", "peak GiB (rank 0)", "held-out loss", "largest loss gap in the pair"]
+    places = "; ".join(f"{k}: dense / SEBP step {times(v['step_ratio'])}, backward {times(v['backward_ratio'])}, "
+                       f"SEBP's peak memory {v['peak_mem_ratio']:.3f} of dense's" for k, v in d["by_place"].items())
+    r = d["resume"]
+    note = (f"{d['model']}; {d['data']}. FSDP2 through `accelerate launch --use_fsdp --fsdp_version 2`, full "
+            f"shard, each decoder layer a unit; 30 steps a run, the medians over the steps after the third that "
+            f"no run of the pair compiled in. Same place in the process: {places}.\n\n"
+            f"Resume (exact SEBP, eager, 16 steps): killed by SIGTERM, resumed from step {r['resumed_from_step']}; "
+            f"against the run uninterrupted the losses differ by at most {r['max_abs_loss_gap_after_resume']:.3f} "
+            f"after the resume and by {r['max_abs_loss_gap_before_kill']:.3f} before the kill, where both ran the "
+            f"same code from the same start (steps {', '.join(map(str, r['identical_steps'][:4]))} identical). "
+            f"FSDP1 (`--fsdp_version 1`): {d['fsdp1']['status']}, {d['fsdp1']['steps']} steps with SEBP on "
+            f"{d['fsdp1']['sebp_layers']} projections. A resume by one process: `{d['resume_other_process_count']}`.")
+    return captioned(page, [src], table(header, body, "llllrrrrrr") + "\n\n" + note)
+
+
 COMPARE = "compare_h100/compare.json"
 
 
