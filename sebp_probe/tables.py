@@ -205,7 +205,7 @@ def _ms(v: float | None) -> str:
 
 
 def _entry(r: dict) -> str:
-    return f"{r['layout']} {r['method']} {r['head']}"
+    return f"{r['layout']} {r['method']} {r['head']}" + (f" {r['timing']}" if "timing" in r else "")
 
 
 def _model_tables(m: dict) -> None:
@@ -224,16 +224,20 @@ def _model_tables(m: dict) -> None:
                         f"batches of {c['batch']} from one pool; max length {c['max_length']}; packed: "
                         f"{m['packed_backend']}{extra}); x: speedup vs dense on the layout / vs the fastest "
                         "non-SEBP entry", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("layout", "method", "head", "eager", "graphs", "peak\nGiB", "pad\n%", "x\nlayout", "x\nbest"):
+    compiled = any(r["timing"] == "compiled" for r in m["rows"])
+    cols = ("layout", "method", "head", "eager", "graphs") + (("compiled", "compile\ns") if compiled else ()) + (
+        "peak\nGiB", "pad\n%", "x\nlayout", "x\nbest")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "method", "head") else "right", no_wrap=True)
     timed: dict[tuple, dict] = {}
     for r in m["rows"]:
         timed.setdefault((r["layout"], r["method"], r["head"]), {})[r["timing"]] = r
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for (layout, method, head), t in timed.items():
-        e, g = t.get("eager"), t.get("graphs")
-        first = e or g
-        table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]),
+        e, g, c = t.get("eager"), t.get("graphs"), t.get("compiled")
+        first = e or g or c
+        comp = (_ms(c and c["ms"]), fmt(c and c["compile_s"], "{:.1f}")) if compiled else ()
+        table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]), *comp,
                       fmt(first["peak_gib"] if e else None), fmt(100 * first["padding_share"], "{:.0f}"),
                       fmt(first.get("vs_dense_same_layout")), fmt(first.get("vs_fastest_baseline")))
     console.print(table)
@@ -247,7 +251,7 @@ def _model_tables(m: dict) -> None:
         console.print(f"loss check: every entry's loss within {worst['loss_gap']:.2g} (relative, largest: "
                       f"{_entry(worst)}) of dense's with the full head on the same batches{noise}",
                       highlight=False, soft_wrap=True)
-    for timing in ("eager", "graphs"):
+    for timing in ("eager", "graphs", "compiled"):
         limits = [li for li in m["limits"] if li["timing"] == timing]
         if not limits:
             continue
@@ -262,6 +266,9 @@ def _model_tables(m: dict) -> None:
                           f"{li['sebp_speedup']:.2f}", f"{li['limit_speedup']:.2f}", f"{li['sebp_of_limit']:.2f}",
                           f"{100 * li['inactive_share']:.1f}")
         console.print(table)
+    recompiled = ", ".join(f"{_entry(r)} ({r['recompiles']})" for r in m["rows"] if r.get("recompiles"))
+    if recompiled:  # the compiled entries whose later batches did not reuse the first one's graphs
+        console.print(f"recompiled after the first step: {recompiled}", highlight=False, soft_wrap=True)
     for timing, s in m["summary"].items():
         pick = lambda e: e and f"{_entry(e)} {e['ms']:.2f} ms"  # noqa: E731
         base, best = s["fastest_baseline"], s["fastest"]
