@@ -45,7 +45,7 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
                    mode: str | None, backend: str) -> tuple[list[dict], dict]:
     """The compiled entry of ``step(model, batch) -> loss`` on ``batches`` (see the module docstring): the
     per-batch times of ``timer(model, loss_fn)`` (as eager entries are timed) and ``{compile_s, recompiles,
-    graph_breaks}``."""
+    graph_breaks, graphs}`` (``graphs``: those the first step compiled, one per piece between breaks)."""
     torch._dynamo.reset()
     compiled = torch.compile(step, dynamic=True, backend=backend, **({"mode": mode} if backend == "inductor" else {}))
     graphs0, breaks0 = dynamo_counts()

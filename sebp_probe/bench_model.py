@@ -23,11 +23,11 @@ Entries, one result row each, layout x method x head x timing:
   recompiles and graph breaks on the row (:mod:`.bench_compile`).
 
 Entries that cannot run are listed in ``skipped`` with the reason; each row's ``loss_gap`` compares its loss with
-dense's under the full head on the same batches (all entries compute the same loss: a check of the run). Derived per timing and over ``all`` timings
-(``summary``, :func:`~sebp_probe.bench_cases.summarize`): the fastest ``dense`` entry, the fastest non-SEBP entry
-(dense, CCE or Liger: the bar SEBP must clear), the fastest entry, and what ``--padding auto`` would pick (dense
-or SEBP); per layout and head (``limits``): SEBP's speedup over
-dense on that layout, the layout's limit (:mod:`.bench_cases`) and SEBP's share of the limit's speedup
+dense's under the full head on the same batches (all entries compute the same loss: a check of the run). Derived
+per timing and over ``all`` timings (``summary``, :func:`~sebp_probe.bench_cases.summarize`): the fastest
+``dense`` entry, the fastest non-SEBP entry (dense, CCE or Liger: the bar SEBP must clear), the fastest entry,
+and what ``--padding auto`` would pick (dense or SEBP); per layout, head and timing (``limits``): SEBP's speedup
+over dense on that layout, the layout's limit (:mod:`.bench_cases`) and SEBP's share of the limit's speedup
 (limit_ms / sebp_ms, 1 = all of it).
 """
 from __future__ import annotations
@@ -302,13 +302,8 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
 
 def _step_fn(method: str, head: str) -> Callable:
     """The entry's loss as a function of (model, batch): what eager steps call and the compiled timing compiles."""
-    if method == "cce":
-        return cce_loss
     labelled = head == "labelled"
-
-    def step(model, batch):
-        return batch_loss(model, batch, labelled_head=labelled)
-    return step
+    return cce_loss if method == "cce" else lambda model, batch: batch_loss(model, batch, labelled_head=labelled)
 
 
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, n_batches: int = 8,

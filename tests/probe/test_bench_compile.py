@@ -80,6 +80,27 @@ def test_cli_selections_and_compile_mode(tmp_path):
         ("dense", "eager"), ("dense", "compiled"), ("cce", "eager"), ("cce", "compiled")}
 
 
+def test_tables_show_compiled_rows_in_80_columns(capsys, monkeypatch):
+    from sebp_probe import tables
+    from tests.cli.test_bench_cli import _model_result
+
+    m = _model_result()
+    m["rows"] += [dict(r, timing="compiled", ms=r["ms"] * 0.7, compile_s=61.25, recompiles=2 if r["head"] == "labelled"
+                       else 0, graph_breaks=0) for r in m["rows"] if r["timing"] == "eager" and r["method"] != "liger"]
+    m["rows"].append(dict(m["rows"][-1], method="cce", head="labelled", ms=50.0, recompiles=0))
+    m["summary"] = bench_cases.summarize(m["rows"])
+    monkeypatch.setattr(tables.console, "width", 80)
+    tables.bench_tables({"models": [m]})
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
+    assert "comp s: its first step" in out and "packed cce labelled - - 50.00 61" in out
+    assert "recompiled after the first step: max_length dense labelled (2)" in out
+    assert "llama-3.2-1b-sft, all: fastest dense packed dense labelled compiled 63.00 ms" in out
+    assert "fastest non-SEBP packed cce labelled compiled 50.00 ms" in out
+    prose = ("llama-3.2-1b-sft, ", "not run (", "loss check", "recompiled after")
+    assert "…" not in raw and max(len(line) for line in raw.splitlines() if not line.startswith(prose)) <= 80
+
+
 def test_docs_table_renders_compiled_rows(tmp_path, monkeypatch):
     """The full table gets compiled and compile-seconds columns where a result has compiled rows; results
     without them render as before (the committed ones: tests/probe/test_docs.py)."""
