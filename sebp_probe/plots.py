@@ -191,8 +191,9 @@ _BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""),
 def plot_bench_models(models: list[dict], path: str | Path | None = None):
     """Step milliseconds per layout of each whole-model result (:func:`sebp_probe.bench_model.bench_model`), one
     row of panels per model, one panel per timing (eager, CUDA graphs, compiled): grouped bars of dense,
-    Liger-Kernel, Cut-Cross-Entropy and SEBP (full and labelled-rows head), a black tick at each layout's limit over its SEBP bar, and the fastest
-    non-SEBP entry starred with a dashed line across. Returns the path written, or without ``path`` the Figure."""
+    Liger-Kernel, Cut-Cross-Entropy and SEBP (full and labelled-rows head), a black tick at each layout's limit
+    over its SEBP bar, and the fastest non-SEBP entry of the timing starred with a dashed line across. Returns
+    the path written, or without ``path`` the Figure."""
     from matplotlib.figure import Figure
 
     path = check_image_path(path) if path is not None else None
