@@ -46,6 +46,27 @@ def test_cce_reason_when_it_does_not_import(monkeypatch):
     assert bench_peers.cce_reason("causal-lm").startswith("cut_cross_entropy does not import (ModuleNotFoundError")
 
 
+@pytest.mark.parametrize("layout", ["longest", "packed"])
+def test_cce_loss_reads_the_labelled_rows(layout, monkeypatch):
+    """The CCE entry's rows and targets (its kernel replaced by plain cross-entropy on the rows it is given: the
+    real one compiles on a CPU, the slow test below): the model's own loss on padded and packed batches."""
+    cce = pytest.importorskip("cut_cross_entropy")
+    given = []
+
+    def reference(e, c, targets, impl):
+        given.append((e.shape[0], impl))
+        return torch.nn.functional.cross_entropy(e @ c.T, targets)
+
+    monkeypatch.setattr(cce, "linear_cross_entropy", reference)
+    model = bench_model.build_model(LLAMA, torch.float32, torch.device("cpu"))
+    batches, _ = bench_model._pool(LLAMA, model.config, 1, 0, "mask", True)
+    batch = batches[layout][0]
+    want = bench_model.batch_loss(model, batch, labelled_head=False)
+    assert bench_peers.cce_loss(model, batch).item() == pytest.approx(want.item(), rel=1e-5)
+    labelled = int((batch["labels"][..., 1:] != -100).sum()) if layout == "longest" else batch["n_targets"]
+    assert given == [(labelled, "torch_compile")]  # the labelled rows only; CCE's CPU path
+
+
 def test_summary_bar_is_over_every_timing():
     rows = [dict(layout=lay, method=m, head=h, timing=t, ms=ms) for lay, m, h, t, ms in
             (("packed", "dense", "full", "eager", 30.0), ("packed", "sebp", "full", "eager", 25.0),
