@@ -29,14 +29,13 @@ from collections.abc import Callable
 
 import torch
 
+from .compiling import inductor_problem
 from .loop import dynamo_counts
 
 
 def compile_reason(device: torch.device, backend: str) -> str | None:
     """Why the compiled entries cannot run on ``device`` (None: they can): Inductor's probe
     (:func:`~sebp_probe.compiling.inductor_problem`); other backends are not probed."""
-    from .compiling import inductor_problem
-
     why = inductor_problem(device) if backend == "inductor" else None
     return None if why is None else f"torch.compile cannot run here ({why})"
 
@@ -45,7 +44,8 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
                    mode: str | None, backend: str) -> tuple[list[dict], dict]:
     """The compiled entry of ``step(model, batch) -> loss`` on ``batches`` (see the module docstring): the
     per-batch times of ``timer(model, loss_fn)`` (as eager entries are timed) and ``{compile_s, recompiles,
-    graph_breaks, graphs}`` (``graphs``: those the first step compiled, one per piece between breaks)."""
+    graph_breaks, compiled_graphs}`` (``compiled_graphs``: those the first step compiled, one per piece between
+    breaks)."""
     torch._dynamo.reset()
     compiled = torch.compile(step, dynamic=True, backend=backend, **({"mode": mode} if backend == "inductor" else {}))
     graphs0, breaks0 = dynamo_counts()
@@ -60,5 +60,5 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
     runs = [timer(model, lambda b=b: compiled(model, b)) for b in batches]
     graphs2, breaks2 = dynamo_counts()
     stats = {"compile_s": round(compile_s, 2), "recompiles": graphs2 - graphs1, "graph_breaks": breaks2 - breaks0,
-             "graphs": graphs1 - graphs0}
+             "compiled_graphs": graphs1 - graphs0}
     return runs, stats

@@ -50,7 +50,6 @@ from .losses import batch_loss
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"),
             ("cce", "labelled"))
 METHODS = ("dense", "sebp", "liger", "cce")
-TIMINGS = ("eager", "graphs", "compiled")
 WARMUP = 2
 
 
@@ -413,8 +412,9 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     model = liger = None  # the models are gone before the next case
     if cuda:
         torch.cuda.empty_cache()
-    ref = lambda lay: runs.get((lay, "dense", "full", "eager")) or runs.get((lay, "dense", "full", "compiled"))  # noqa
-    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], ref(key[0]), extra.get(key, {}),
+    ref = {lay: runs.get((lay, "dense", "full", "eager")) or runs.get((lay, "dense", "full", "compiled"))
+           for lay in LAYOUTS}
+    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], ref[key[0]], extra.get(key, {}),
                  counts.get(key[2]) if key[1] == "sebp" else None)
             for key, rs in runs.items() if rs and key not in failed]
     skipped = [{k: e[k] for k in ("layout", "method", "head", "timing", "reason")} for e in entries if e["reason"]]
