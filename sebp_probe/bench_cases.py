@@ -274,27 +274,30 @@ def layout_limits(runs: dict, failed: dict, info: dict) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per timing: the fastest dense entry, the fastest non-SEBP one (dense or Liger), the fastest of all, and
-    what ``--padding auto`` would pick (dense or SEBP, with the head that measured faster); each row also gets
-    its speedup over dense on its layout and head, and over the fastest non-SEBP entry."""
+    """Per timing (eager, graphs, compiled) and over ``all`` of them: the fastest dense entry, the fastest
+    non-SEBP one (dense, Cut-Cross-Entropy or Liger: the bar SEBP must clear), the fastest of all, and what
+    ``--padding auto`` would pick (dense or SEBP, with the head that measured faster; the picks over ``all``
+    name their timing). Each row also gets its speedup over dense on its layout, head and timing, and over the
+    fastest non-SEBP entry of every timing."""
     out = {}
-    for timing in ("eager", "graphs"):
-        rs = [r for r in rows if r["timing"] == timing]
+    for timing in ("eager", "graphs", "compiled", "all"):
+        rs = [r for r in rows if timing in ("all", r["timing"])]
         if not rs:
             continue
+        keys = ("layout", "method", "head", "ms") + (("timing",) if timing == "all" else ())
 
         def best(keep):
             pick = min((r for r in rs if keep(r)), key=lambda r: r["ms"], default=None)
-            return pick and {k: pick[k] for k in ("layout", "method", "head", "ms")}
+            return pick and {k: pick[k] for k in keys}
 
         out[timing] = {"fastest_dense": best(lambda r: r["method"] == "dense"),
                        "fastest_baseline": best(lambda r: r["method"] != "sebp"),
                        "fastest": best(lambda r: True),
-                       "auto_pick": best(lambda r: r["method"] != "liger")}
-        base = out[timing]["fastest_baseline"]
-        dense = {(r["layout"], r["head"]): r["ms"] for r in rs if r["method"] == "dense"}
-        for r in rs:
-            d = dense.get((r["layout"], r["head"]))
-            r["vs_dense_same_layout"] = round(d / r["ms"], 3) if d else None
-            r["vs_fastest_baseline"] = round(base["ms"] / r["ms"], 3) if base else None
+                       "auto_pick": best(lambda r: r["method"] in ("dense", "sebp"))}
+    base = out.get("all", {}).get("fastest_baseline")
+    dense = {(r["layout"], r["head"], r["timing"]): r["ms"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        d = dense.get((r["layout"], r["head"], r["timing"]))
+        r["vs_dense_same_layout"] = round(d / r["ms"], 3) if d else None
+        r["vs_fastest_baseline"] = round(base["ms"] / r["ms"], 3) if base else None
     return out

@@ -12,25 +12,28 @@ Entries, one result row each, layout x method x head x timing:
 - method ``dense``: the model as built (bf16 parameters, sdpa attention; packed batches by varlen flash
   attention on CUDA in bf16/fp16, else by a mask); ``sebp``: every attention and MLP projection (and, under the
   full head, a decoder's LM head) an exact ``SEBPLinear``, with ``norms`` and ``acts`` the norms and MLP
-  activations too; ``liger``: a second copy of the model (same weights) patched by Liger-Kernel (its RMSNorm,
-  SwiGLU, RoPE and fused linear cross-entropy over all rows), decoders on CUDA where ``liger_kernel`` imports;
+  activations too (the row's ``sebp_layers`` counts them); the peers (:mod:`.bench_peers`): ``liger``, a
+  second copy of the model patched by Liger-Kernel, and ``cce``, the backbone and Cut-Cross-Entropy on the
+  labelled rows (causal LMs);
 - head ``full``: the model's own loss (logits of every position); ``labelled``: the last layer and the head on
   the rows the loss reads only (:func:`~sebp_probe.losses.batch_loss` with ``labelled_head``);
-- timing ``eager``, and with ``graphs`` also ``graphs``: forward and backward replayed as CUDA graphs, where a
-  batch has a fixed shape and the step no host sync.
+- timing ``eager``; with ``graphs`` also ``graphs``: forward and backward replayed as CUDA graphs, where a
+  batch has a fixed shape and the step no host sync; with ``compile`` (a ``torch.compile`` mode) also
+  ``compiled``: the step's loss function compiled once per entry with dynamic shapes, its compile seconds,
+  recompiles and graph breaks on the row (:mod:`.bench_compile`).
 
 Entries that cannot run are listed in ``skipped`` with the reason; each row's ``loss_gap`` compares its loss with
-dense's under the full head on the same batches (all entries compute the same loss: a check of the run). Derived per timing (``summary``): the fastest
-``dense`` entry, the fastest non-SEBP entry (dense or Liger: the bar SEBP must clear), the fastest entry, and what
-``--padding auto`` would pick (dense or SEBP, full head); per layout and head (``limits``): SEBP's speedup over
-dense on that layout, the layout's limit (:mod:`.bench_cases`) and SEBP's share of the limit's speedup
+dense's under the full head on the same batches (all entries compute the same loss: a check of the run). Derived
+per timing and over ``all`` timings (``summary``, :func:`~sebp_probe.bench_cases.summarize`): the fastest
+``dense`` entry, the fastest non-SEBP entry (dense, CCE or Liger: the bar SEBP must clear), the fastest entry,
+and what ``--padding auto`` would pick (dense or SEBP); per layout, head and timing (``limits``): SEBP's speedup
+over dense on that layout, the layout's limit (:mod:`.bench_cases`) and SEBP's share of the limit's speedup
 (limit_ms / sebp_ms, 1 = all of it).
 """
 from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -39,10 +42,15 @@ import torch
 
 from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
     layout_padding, make_items, sample_lengths, summarize
-from .families import FAMILIES, names
+from .bench_compile import compile_reason, compiled_steps
+from .bench_peers import cce_loss, cce_reason, liger_patch, liger_reason
+from .families import FAMILIES
 from .layouts import LAYOUTS
+from .losses import batch_loss
 
-VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"))
+VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"),
+            ("cce", "labelled"))
+METHODS = ("dense", "sebp", "liger", "cce")
 WARMUP = 2
 
 
@@ -83,77 +91,29 @@ def packed_backend(cfg, device: torch.device, dtype: torch.dtype) -> str:
     return "mask" if varlen_blocker(cfg, device.type, dtype, training=True) else "varlen"
 
 
-def liger_reason(case: ModelCase, device: torch.device) -> str | None:
-    """Why the Liger entries cannot run (None: they can)."""
-    if not getattr(FAMILIES.get(case.arch), "liger", False):
-        known = " and ".join(FAMILIES[t].name for t in names(lambda f: f.liger))
-        return f"Liger-Kernel has no patch for {case.arch} here (the benchmark runs its patches for {known})"
-    if device.type != "cuda":
-        return "Liger-Kernel's Triton kernels need a CUDA GPU"
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return f"liger_kernel does not import ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
-    return None
-
-
-def liger_copy(case: ModelCase, dtype: torch.dtype, device: torch.device):
-    """A second copy of the model patched by Liger-Kernel, and a context manager to run its steps in.
-
-    ``apply_liger_kernel_to_llama/_qwen2(model=...)`` patches the instance's norms, MLPs and forward (its fused
-    linear cross-entropy), but also the globals of the transformers module (RoPE, norm and MLP classes), which
-    every other model of that module would then use. Those globals are put back at once and set again only
-    within the context, around the Liger model's forward."""
-    import liger_kernel.transformers as lk
-
-    model = build_model(case, dtype, device)
-    apply = getattr(lk, f"apply_liger_kernel_to_{case.arch}")  # apply_liger_kernel_to_llama, ..._qwen2
-    module = sys.modules[type(model.model.layers[0]).__module__]
-    before = dict(vars(module))
-    apply(model=model)  # defaults: rope, rms_norm, swiglu, fused_linear_cross_entropy
-    patched = {k: v for k, v in vars(module).items() if before.get(k, module) is not v}
-    for k in patched:
-        if k in before:
-            setattr(module, k, before[k])
-        else:
-            delattr(module, k)
-
-    @contextlib.contextmanager
-    def liger_globals():
-        for k, v in patched.items():
-            setattr(module, k, v)
-        try:
-            yield
-        finally:
-            for k in patched:
-                if k in before:
-                    setattr(module, k, before[k])
-                else:
-                    delattr(module, k)
-
-    return model, liger_globals
-
-
-def plan_entries(case: ModelCase, graphs: bool, device: torch.device, liger: str | None) -> list[dict]:
-    """Every entry of the case, with ``reason`` where it cannot run."""
+def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dict[str, str | None],
+                 compiled: bool = False, compile_why: str | None = None, layouts=LAYOUTS,
+                 methods=METHODS) -> list[dict]:
+    """Every entry of the case in ``layouts`` and ``methods``, with ``reason`` where it cannot run. ``peers``:
+    method -> why it cannot run (liger, cce); ``compiled``: the compiled timing too (``compile_why``: why it
+    cannot run here). Liger compiles with its graph breaks (its loss reads a count on the host)."""
     out = []
-    for layout in LAYOUTS:
-        for method, head in VARIANTS:
-            why = None
-            if method == "liger":
-                why = liger
-            elif head == "labelled" and layout == "packed" and case.task == "classification":
+    for layout in (lay for lay in LAYOUTS if lay in layouts):
+        for method, head in (v for v in VARIANTS if v[0] in methods):
+            why = peers.get(method)
+            if why is None and head == "labelled" and layout == "packed" and case.task == "classification":
                 why = "the [CLS]-rows last layer takes padded batches only"
             out.append(dict(layout=layout, method=method, head=head, timing="eager", reason=why))
-            if not graphs:
-                continue
-            gwhy = why or ("CUDA graphs need a GPU" if device.type != "cuda" else
-                           "packed rows change shape from batch to batch" if layout == "packed" else
-                           "Liger's fused linear cross-entropy reads a count on the host (.item())"
-                           if method == "liger" else
-                           "the labelled-rows head finds its rows on the host (nonzero)" if head == "labelled"
-                           else None)
-            out.append(dict(layout=layout, method=method, head=head, timing="graphs", reason=gwhy))
+            if graphs:
+                gwhy = why or ("CUDA graphs need a GPU" if device.type != "cuda" else
+                               "packed rows change shape from batch to batch" if layout == "packed" else
+                               "Liger's fused linear cross-entropy reads a count on the host (.item())"
+                               if method == "liger" else
+                               "the labelled rows are found on the host (nonzero)" if head == "labelled" else None)
+                out.append(dict(layout=layout, method=method, head=head, timing="graphs", reason=gwhy))
+            if compiled:
+                out.append(dict(layout=layout, method=method, head=head, timing="compiled",
+                                reason=why or compile_why))
     return out
 
 
@@ -310,54 +270,102 @@ def _pool(case: ModelCase, cfg, n_batches: int, seed: int, backend: str, pad_mas
     return batches, info
 
 
+def _peers(case: ModelCase, dev: torch.device) -> dict[str, str | None]:
+    return {"liger": liger_reason(case.arch, dev), "cce": cce_reason(case.task)}
+
+
+def check_selection(layouts, methods) -> None:
+    """ValueError unless ``layouts`` and ``methods`` are non-empty selections of known names."""
+    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, METHODS)):
+        bad = [x for x in got if x not in known]
+        if bad or not got:
+            raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(known)}" if bad
+                             else f"no {what} selected; choose from {', '.join(known)}")
+
+
 def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bool = True,
-         dtype: torch.dtype = torch.bfloat16, device: str | None = None, seed: int = 0) -> dict:
+         dtype: torch.dtype = torch.bfloat16, device: str | None = None, seed: int = 0, compile: str | None = None,
+         layouts=LAYOUTS, methods=METHODS) -> dict:
     """What :func:`bench_model` would run, without a GPU or a model: the pool, each layout's batches, padding
-    and inactive share of the backward FLOPs per head, and every entry (with why it would be skipped)."""
+    and inactive share of the backward FLOPs per head, and every entry (with why it would be skipped; whether
+    Inductor runs here is found by the run, not the plan)."""
     check_pad_mask(case, pad_mask)
+    check_selection(layouts, methods)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = model_config(case)
     _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask)
     for lay in info["layouts"].values():
         del lay["flops"]
-    entries = plan_entries(case, graphs, dev, liger_reason(case, dev))
-    return {"case": asdict(case), "device": dev.type, **info, "entries": entries}
+    entries = plan_entries(case, graphs, dev, _peers(case, dev), compile is not None, None, layouts, methods)
+    return {"case": asdict(case), "device": dev.type, "compile": compile, **info, "entries": entries}
+
+
+def _step_fn(method: str, head: str) -> Callable:
+    """The entry's loss as a function of (model, batch): what eager steps call and the compiled timing compiles."""
+    labelled = head == "labelled"
+    return cce_loss if method == "cce" else lambda model, batch: batch_loss(model, batch, labelled_head=labelled)
 
 
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, n_batches: int = 8,
                 mode: str = "exact", graphs: bool = False, progress: Callable[[str], None] | None = None,
                 pad_mask: bool = True, breakdown: bool = False, norms: bool = False, acts: bool = False,
                 keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0,
-                pad_rows: bool = True) -> dict:
+                pad_rows: bool = True, compile: str | None = None, compile_backend: str = "inductor",
+                layouts=LAYOUTS, methods=METHODS, note: Callable[[str], None] | None = None) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
     decoders' padded layouts without the padding mask (right padding: same loss and gradients, the causal
     kernel). ``breakdown``: one backward of each eager entry on its layout's first batch, GPU kernel time by
     kind. ``keep_dx``: the SEBP entries take dX from :mod:`sebp_kernels.zero_rows` (its buffers count in their
     peak; the pool is emptied after each). ``device``: ``cpu`` runs everything but the CUDA-only entries
-    (a check of the run, not a timing)."""
+    (a check of the run, not a timing). ``compile``: a ``torch.compile`` mode, for the compiled timing too
+    (``compile_backend``: ``aot_eager`` runs Dynamo and AOTAutograd without Inductor, a quick check).
+    ``layouts``, ``methods``: the entries to run (the pool and its layouts' statistics are the same).
+    ``progress``: what runs now; ``note``: lines to keep (each compiled entry's compile seconds)."""
     from .graphs import CaptureError
-    from .losses import batch_loss
     from .packing import attention_backend
     from .train_data import to_device
 
     check_pad_mask(case, pad_mask)
+    check_selection(layouts, methods)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     model = build_model(case, dtype, dev)
     backend = attention_backend(model)
     batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask)
-    why_liger = liger_reason(case, dev)
-    liger = None if why_liger else liger_copy(case, dtype, dev)
-    entries = plan_entries(case, graphs, dev, why_liger)
+    peers = _peers(case, dev)
+    liger = None if peers["liger"] or "liger" not in methods else liger_patch(build_model(case, dtype, dev),
+                                                                             case.arch)
+    why_compile = compile_reason(dev, compile_backend) if compile is not None else None
+    entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods)
     runs = {(e["layout"], e["method"], e["head"], e["timing"]): [] for e in entries if e["reason"] is None}
     failed: dict[tuple, str] = {}
     kernels: dict[str, dict] = {}
     counts: dict[str, dict] = {}
+    extra: dict[tuple, dict] = {}  # per compiled entry: compile seconds, recompiles, graph breaks
+
+    def entry(method: str, head: str):
+        """(model, context manager) of an entry's steps."""
+        if method == "liger":
+            return liger[0], liger[1]()
+        if method == "sebp":
+            return model, sebp_patched(model, case, head, mode, norms, acts, keep_dx, pad_rows)
+        return model, contextlib.nullcontext()
+
+    def out_of_run(key: tuple, e: Exception, m) -> None:  # the entry is out, the others go on
+        failed[key] = f"{type(e).__name__}: " + " ".join(str(e).split())[:160]
+        m.zero_grad(set_to_none=True)  # the failed step's tensors are gone now: give their memory back
+        if cuda:
+            torch.cuda.empty_cache()
+
+    n_compiled = sum(k[3] == "compiled" for k in runs)
+    timer = lambda m, fn: time_eager(m, fn, repeats, warmup, cuda)  # noqa: E731
     for layout in LAYOUTS:
+        on_device = []
         for bi, cpu_batch in enumerate(batches[layout]):
             batch = to_device(cpu_batch, dev)
             if not pad_mask and layout != "packed":
                 del batch["attention_mask"]
+            on_device.append(batch)
             for method, head in VARIANTS:
                 keys = [k for k in ((layout, method, head, t) for t in ("eager", "graphs"))
                         if k in runs and k not in failed]
@@ -365,31 +373,50 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                     continue
                 if progress:
                     progress(f"{case.name}: {layout}, {method}, {head} head, batch {bi + 1}/{len(batches[layout])}")
-                m = liger[0] if method == "liger" else model
-                ctx = (liger[1]() if method == "liger" else contextlib.nullcontext() if method == "dense" else
-                       sebp_patched(model, case, head, mode, norms, acts, keep_dx, pad_rows))
+                m, ctx = entry(method, head)
                 with ctx as patched:
                     if method == "sebp":
                         counts[head] = patched
-
-                    def loss_fn(m=m, labelled=head == "labelled"):
-                        return batch_loss(m, batch, labelled_head=labelled)
-
+                    step = _step_fn(method, head)
+                    loss_fn = lambda m=m, step=step: step(m, batch)  # noqa: E731
                     for key in keys:
                         try:
-                            runs[key].append(time_eager(m, loss_fn, repeats, warmup, cuda) if key[3] == "eager"
+                            runs[key].append(timer(m, loss_fn) if key[3] == "eager"
                                              else time_graphs(m, batch, repeats, warmup))
-                        except (torch.OutOfMemoryError, CaptureError) as e:  # the entry is out, the others go on
-                            failed[key] = f"{type(e).__name__}: " + " ".join(str(e).split())[:160]
-                        if key in failed:  # the failed step's tensors are gone now: give their memory back
-                            m.zero_grad(set_to_none=True)
-                            torch.cuda.empty_cache()
+                        except (torch.OutOfMemoryError, CaptureError) as e:
+                            out_of_run(key, e, m)
                     if breakdown and cuda and bi == 0 and keys[0] not in failed:
                         kernels[f"{layout} {method} {head}"] = backward_breakdown(m, loss_fn)
-    del model, liger
+        for method, head in VARIANTS:  # compiled: entry by entry, each compiled once for the layout's batches
+            key = (layout, method, head, "compiled")
+            if key not in runs:
+                continue
+            done = sum(k[3] == "compiled" for k in (*extra, *failed))
+            if progress:
+                progress(f"{case.name}: compiling {layout}, {method}, {head} head ({done + 1}/{n_compiled})")
+            m, ctx = entry(method, head)
+            with ctx as patched:
+                if method == "sebp":
+                    counts[head] = patched
+                try:
+                    runs[key], extra[key] = compiled_steps(m, _step_fn(method, head), on_device, timer, compile,
+                                                           compile_backend)
+                except Exception as e:  # noqa: BLE001 - whatever stops a compile (Dynamo, Inductor, OOM), the
+                    out_of_run(key, e, m)  # entry is out and the others go on
+            if note:
+                x = extra.get(key)
+                note(f"{case.name}: {layout}, {method}, {head} head, compiled ({done + 1}/{n_compiled}): " +
+                     (f"{x['compile_s']:.1f} s to compile, {x['recompiles']} recompiles, "
+                      f"{statistics.fmean(r['step_ms'] for r in runs[key]):.2f} ms a step" if x else failed[key]))
+    if compile is not None:  # the last entry's graphs hold its model
+        torch._dynamo.reset()
+    model = liger = None  # the models are gone before the next case
     if cuda:
         torch.cuda.empty_cache()
-    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], runs.get((key[0], "dense", "full", "eager")))
+    ref = {lay: runs.get((lay, "dense", "full", "eager")) or runs.get((lay, "dense", "full", "compiled"))
+           for lay in LAYOUTS}
+    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], ref[key[0]], extra.get(key, {}),
+                 counts.get(key[2]) if key[1] == "sebp" else None)
             for key, rs in runs.items() if rs and key not in failed]
     skipped = [{k: e[k] for k in ("layout", "method", "head", "timing", "reason")} for e in entries if e["reason"]]
     skipped += [dict(zip(("layout", "method", "head", "timing"), k), reason=r) for k, r in failed.items()]
@@ -398,7 +425,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         del lay["flops"]
     result = {"case": asdict(case), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
               "pad_mask": pad_mask, "norms": norms, "acts": acts, "keep_dx": keep_dx, "pad_rows": pad_rows,
-              "graphs": graphs,
+              "graphs": graphs, "compile": compile, "layouts_run": list(layouts), "methods_run": list(methods),
               "repeats": repeats, "warmup": warmup, **info, "sebp_layers": counts, "rows": rows,
               "skipped": skipped, "limits": limits, "summary": summarize(rows)}
     if breakdown:
@@ -406,9 +433,12 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     return result
 
 
-def _row(key: tuple, rs: list[dict], padding: float, ref: list[dict] | None) -> dict:
+def _row(key: tuple, rs: list[dict], padding: float, ref: list[dict] | None, extra: dict,
+         sebp_layers: dict | None) -> dict:
     """One entry's result; ``loss_gap``: the largest relative difference of its loss from dense's with the full
-    head on the same batches (every entry computes the same loss: a check of the run, bf16 rounding aside)."""
+    head on the same batches (eager, else compiled; every entry computes the same loss: a check of the run, bf16
+    rounding aside); ``extra``: the compiled timing's compile seconds, recompiles and graph breaks;
+    ``sebp_layers``: the SEBP kinds patched (linears, norms, acts)."""
     layout, method, head, timing = key
     peaks = [r["peak_gib"] for r in rs if r["peak_gib"] is not None]
     gaps = [abs(r["loss"] - d["loss"]) / max(abs(d["loss"]), 1e-12) for r, d in zip(rs, ref or [])
@@ -419,4 +449,5 @@ def _row(key: tuple, rs: list[dict], padding: float, ref: list[dict] | None) -> 
             "backward_ms": round(statistics.fmean(r["backward_ms"] for r in rs), 3),
             "peak_gib": round(max(peaks), 3) if peaks else None, "padding_share": padding,
             "loss_gap": float(f"{max(gaps):.3g}") if gaps else None,
-            "per_batch_ms": [round(r["step_ms"], 3) for r in rs]}
+            "per_batch_ms": [round(r["step_ms"], 3) for r in rs], **extra,
+            **({"sebp_layers": {k: sebp_layers[k] for k in ("linears", "norms", "acts")}} if sebp_layers else {})}

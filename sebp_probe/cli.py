@@ -8,7 +8,7 @@ import sys
 import typer
 from rich.console import Console
 
-from .config import padding_help
+from .config import COMPILE_MODES, padding_help
 from .layouts import PADDED
 from .outputs import check_output_file
 from .tables import (batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary,
@@ -278,6 +278,15 @@ def bench_cmd(
     pad_rows: bool = typer.Option(True, "--pad-rows/--no-pad-rows", help="Whole model: the SEBP linears take "
                                   "a batch's padding rows from its attention mask (checked once) instead of "
                                   "selecting them (sebp_kernels.pad_rows)."),
+    compile_mode: str = typer.Option(None, "--compile", metavar="MODE", help="Whole model: also time every "
+                                     "entry compiled (torch.compile with dynamic shapes, once per entry; compile "
+                                     "seconds and recompiles per row) in this mode: default | reduce-overhead | "
+                                     "max-autotune | max-autotune-no-cudagraphs. SEBP entries patch the linears "
+                                     "only unless --norms/--acts (Inductor fuses those)."),
+    layouts: str = typer.Option(None, "--layouts", help="Whole model: only these layouts, comma-separated "
+                                "(max_length, longest, bucket, packed; default all)."),
+    methods: str = typer.Option(None, "--methods", help="Whole model: only these methods, comma-separated "
+                                "(dense, sebp, liger, cce; default all)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -295,6 +304,8 @@ def bench_cmd(
     - `sebp-probe bench llama-3.2-3b --scope model --no-pad-mask --breakdown` : causal attention without the
       padding mask, and where the backward's GPU time goes
     - `sebp-probe bench llama-3.2-1b-sft --scope model --tiny` : the whole run on a tiny model (CPU: seconds)
+    - `sebp-probe bench llama-3.2-1b-sft --scope model --compile default --layouts packed,longest` : compiled
+      entries too (and Cut-Cross-Entropy, Liger compiled), on two layouts
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; ideal +io =
@@ -337,11 +348,22 @@ def bench_cmd(
             raise UserError(f"--no-pad-mask: {e}") from None
         if figure:
             check_image_path(figure)
-    elif not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure or not pad_rows:
-        raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --no-pad-rows, --tiny and --figure "
-                        "are for the whole-model run (--scope model or all)")
+    elif (not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure or not pad_rows or compile_mode
+          or layouts or methods):
+        raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --no-pad-rows, --tiny, --figure, "
+                        "--compile, --layouts and --methods are for the whole-model run (--scope model or all)")
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise UserError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+    split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
+    chosen = dict(layouts=split(layouts) if layouts is not None else bench_cases.LAYOUTS,
+                  methods=split(methods) if methods is not None else bench_model.METHODS)
+    try:
+        bench_model.check_selection(**chosen)
+    except ValueError as e:
+        raise UserError(f"--layouts/--methods: {e}") from None
     if dry_run:
-        plans = [bench_model.plan(c, model_batches, graphs, pad_mask, bench.DTYPES[dtype]) for c in cases]
+        plans = [bench_model.plan(c, model_batches, graphs, pad_mask, bench.DTYPES[dtype], compile=compile_mode,
+                                  **chosen) for c in cases]
         console.print_json(json.dumps(bench.run_plan(shapes, dens, plans)))
         return
     device = "cpu" if tiny and not torch.cuda.is_available() else "cuda"
@@ -353,6 +375,9 @@ def bench_cmd(
         def progress(msg: str) -> None:
             status.update(msg)
 
+        def note(msg: str) -> None:
+            console.print(msg, highlight=False, soft_wrap=True)
+
         for s in shapes:
             for r in bench.bench_layer(s, dens, bench.DTYPES[dtype], mode, repeats, progress=progress):
                 result["layers"].append(r.to_dict())
@@ -360,7 +385,7 @@ def bench_cmd(
             result["models"].append(bench_model.bench_model(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
                 pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
-                pad_rows=pad_rows))
+                pad_rows=pad_rows, compile=compile_mode, note=note, **chosen))
     if output:  # first: what was measured survives any trouble with the tables
         from pathlib import Path
 

@@ -17,6 +17,13 @@ from .notes import note
 _PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
 
 
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) by Dynamo in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def _probe_fn(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x) * 2 + 1
 

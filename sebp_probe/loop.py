@@ -27,7 +27,7 @@ from sebp_kernels import SEBPConfig
 
 from .assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
-from .compiling import compile_or_eager
+from .compiling import compile_or_eager, dynamo_counts
 from .config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
 from .losses import batch_loss, has_no_target, ready_to_compile, set_head, token_counts
@@ -104,13 +104,6 @@ def _warm_cublas(device: torch.device) -> None:
     for dtype in (torch.float32, torch.bfloat16):  # cuBLAS and cuBLASLt (addmm with a bias) workspaces
         a = torch.ones(8, 8, device=device, dtype=dtype)
         torch.nn.functional.linear(a @ a, a, a[0]).sum().item()
-
-
-def dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) by Dynamo in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def _untimed_reason(compiled: bool, captured: bool, new_shape: bool) -> str | None:

@@ -183,19 +183,22 @@ def plot_training_curves(runs: dict, out_dir) -> list:
 _BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""),
                  (("dense", "labelled"), "dense, labelled head", "#bdbdbd", "//"),
                  (("liger", "full"), "Liger-Kernel", "#ff7f0e", ""),
+                 (("cce", "labelled"), "Cut-Cross-Entropy", "#2ca02c", "//"),
                  (("sebp", "full"), "SEBP", "#1f77b4", ""),
                  (("sebp", "labelled"), "SEBP, labelled head", "#9ecae1", "//"))
 
 
 def plot_bench_models(models: list[dict], path: str | Path | None = None):
     """Step milliseconds per layout of each whole-model result (:func:`sebp_probe.bench_model.bench_model`), one
-    row of panels per model, one panel per timing (eager, CUDA graphs): grouped bars of dense, Liger-Kernel and
-    SEBP (full and labelled-rows head), a black tick at each layout's limit over its SEBP bar, and the fastest
-    non-SEBP entry starred with a dashed line across. Returns the path written, or without ``path`` the Figure."""
+    row of panels per model, one panel per timing (eager, CUDA graphs, compiled): grouped bars of dense,
+    Liger-Kernel, Cut-Cross-Entropy and SEBP (full and labelled-rows head), a black tick at each layout's limit
+    over its SEBP bar, and the fastest non-SEBP entry of the timing starred with a dashed line across. Returns
+    the path written, or without ``path`` the Figure."""
     from matplotlib.figure import Figure
 
     path = check_image_path(path) if path is not None else None
-    timings = [t for t in ("eager", "graphs") if any(r["timing"] == t for m in models for r in m["rows"])]
+    timings = [t for t in ("eager", "graphs", "compiled")
+               if any(r["timing"] == t for m in models for r in m["rows"])]
     fig = Figure(figsize=(6.5 * max(len(timings), 1), 3.8 * len(models)), layout="constrained")
     axes = fig.subplots(len(models), max(len(timings), 1), squeeze=False)
     for row, m in zip(axes, models):

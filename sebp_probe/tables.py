@@ -244,21 +244,28 @@ def _model_tables(m: dict) -> None:
                      ", dX zero rows kept" if m.get("keep_dx") else "",
                      ", rows selected (no padding rows from the mask)" if m.get("pad_rows") is False else ""))
     pool = m["pool"]
+    compiled = any(r["timing"] == "compiled" for r in m["rows"])
+    extra += "; compiled: torch.compile, comp s: its first step's seconds" if compiled else ""
     table = Table(title=f"{c['name']}: step ms (forward+backward; median per batch, mean over {pool['batches']} "
                         f"batches of {c['batch']} from one pool; max length {c['max_length']}; packed: "
                         f"{m['packed_backend']}{extra}); x: speedup vs dense on the layout / vs the fastest "
                         "non-SEBP entry", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("layout", "method", "head", "eager", "graphs", "peak\nGiB", "pad\n%", "x\nlayout", "x\nbest"):
+    # with compiled rows: their ms and compile seconds in place of the padding share (80 columns)
+    cols = ("layout", "method", "head", "eager", "graphs") + (("com-\npiled", "comp\ns") if compiled else ()) + (
+        "peak\nGiB",) + (() if compiled else ("pad\n%",)) + ("x\nlayout", "x\nbest")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "method", "head") else "right", no_wrap=True)
     timed: dict[tuple, dict] = {}
     for r in m["rows"]:
         timed.setdefault((r["layout"], r["method"], r["head"]), {})[r["timing"]] = r
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for (layout, method, head), t in timed.items():
-        e, g = t.get("eager"), t.get("graphs")
-        first = e or g
-        table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]),
-                      fmt(first["peak_gib"] if e else None), fmt(100 * first["padding_share"], "{:.0f}"),
+        e, g, comp = t.get("eager"), t.get("graphs"), t.get("compiled")
+        first = e or g or comp
+        comp = (_ms(comp and comp["ms"]), fmt(comp and comp["compile_s"], "{:.0f}")) if compiled else ()
+        pad = () if compiled else (fmt(100 * first["padding_share"], "{:.0f}"),)
+        table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]), *comp,
+                      fmt(first["peak_gib"] if e else None), *pad,
                       fmt(first.get("vs_dense_same_layout")), fmt(first.get("vs_fastest_baseline")))
     console.print(table)
     gaps = [r for r in m["rows"] if r.get("loss_gap") is not None]
@@ -271,7 +278,7 @@ def _model_tables(m: dict) -> None:
         console.print(f"loss check: every entry's loss within {worst['loss_gap']:.2g} (relative, largest: "
                       f"{_entry(worst)}) of dense's with the full head on the same batches{noise}",
                       highlight=False, soft_wrap=True)
-    for timing in ("eager", "graphs"):
+    for timing in ("eager", "graphs", "compiled"):
         limits = [li for li in m["limits"] if li["timing"] == timing]
         if not limits:
             continue
@@ -286,8 +293,11 @@ def _model_tables(m: dict) -> None:
                           f"{li['sebp_speedup']:.2f}", f"{li['limit_speedup']:.2f}", f"{li['sebp_of_limit']:.2f}",
                           f"{100 * li['inactive_share']:.1f}")
         console.print(table)
+    recompiled = ", ".join(f"{_entry(r)} ({r['recompiles']})" for r in m["rows"] if r.get("recompiles"))
+    if recompiled:  # the compiled entries whose later batches did not reuse the first one's graphs
+        console.print(f"recompiled after the first step: {recompiled}", highlight=False, soft_wrap=True)
     for timing, s in m["summary"].items():
-        pick = lambda e: e and f"{_entry(e)} {e['ms']:.2f} ms"  # noqa: E731
+        pick = lambda e: e and f"{_entry(e)}{' ' + e['timing'] if timing == 'all' else ''} {e['ms']:.2f} ms"  # noqa
         base, best = s["fastest_baseline"], s["fastest"]
         gain = f" (x{base['ms'] / best['ms']:.2f} vs the fastest non-SEBP)" if base and best else ""
         console.print(f"{c['name']}, {timing}: fastest dense {pick(s['fastest_dense'])}; fastest non-SEBP "

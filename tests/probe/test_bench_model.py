@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sebp_probe import bench_cases, bench_model
+from sebp_probe import bench_cases, bench_model, bench_peers
 from sebp_probe.batching import PackedCollator
 from sebp_probe.bench_cases import LAYOUTS, MODEL_CASES, Geometry
 
@@ -164,23 +164,25 @@ def test_liger_patch_is_confined_to_its_model(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
     rope = ml.apply_rotary_pos_emb
     case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
-    model, context = bench_model.liger_copy(case, torch.float32, torch.device("cpu"))
+    model, context = bench_peers.liger_patch(bench_model.build_model(case, torch.float32, torch.device("cpu")),
+                                             case.arch)
     assert ml.apply_rotary_pos_emb is rope and not hasattr(ml, "LigerOnly") and model() == "liger forward"
     with context():
         assert ml.apply_rotary_pos_emb == "liger rope" and ml.LigerOnly == "new name"
     assert ml.apply_rotary_pos_emb is rope and not hasattr(ml, "LigerOnly")
-    assert bench_model.liger_reason(MODEL_CASES["bert-base"], torch.device("cuda")).startswith(
+    assert bench_peers.liger_reason("bert", torch.device("cuda")).startswith(
         "Liger-Kernel has no patch for bert")
 
 
 @pytest.fixture(scope="module")
 def tiny_results() -> dict:
-    """The whole benchmark of the tiny BERT and Llama cases on the CPU: 2 batches, one timed step each."""
+    """The whole benchmark of the tiny BERT and Llama cases on the CPU: 2 batches, one timed step each (the
+    Cut-Cross-Entropy entry compiles on a CPU: tests/probe/test_bench_compile.py)."""
     out = {}
     for name in ("bert-base", "llama-3.2-1b-sft"):
         out[name] = bench_model.bench_model(bench_cases.tiny(MODEL_CASES[name]), torch.bfloat16, repeats=1,
                                             n_batches=2, graphs=True, breakdown=True, norms=True, acts=True,
-                                            device="cpu", warmup=0)
+                                            device="cpu", warmup=0, methods=("dense", "sebp", "liger"))
     return out
 
 
@@ -207,8 +209,8 @@ def test_whole_benchmark_on_a_cpu(tiny_results, name):
     for li in r["limits"]:
         assert 0 < li["inactive_share"] < 1 and li["limit_ms"] < li["dense_ms"]
     pick = r["summary"]["eager"]["auto_pick"]
-    assert set(r["summary"]) == {"eager"} and pick["ms"] == min(
-        e["ms"] for e in r["rows"] if e["method"] != "liger" and e["timing"] == "eager")
+    assert set(r["summary"]) == {"eager", "all"} and pick["ms"] == min(
+        e["ms"] for e in r["rows"] if e["method"] in ("dense", "sebp") and e["timing"] == "eager")
     assert r["pool"]["sequences"] == 2 * r["case"]["batch"] == len(r["pool"]["lengths"])
 
 
@@ -240,7 +242,7 @@ def test_packed_rows_by_varlen_as_on_a_gpu(name, monkeypatch):
     monkeypatch.setattr(packing, "VARLEN_KERNEL", reference_varlen)
     monkeypatch.setattr(packing, "attention_backend", lambda model: "varlen")
     r = bench_model.bench_model(bench_cases.tiny(MODEL_CASES[name]), torch.float32, repeats=1,
-                                n_batches=1, device="cpu", warmup=0)
+                                n_batches=1, device="cpu", warmup=0, methods=("dense", "sebp"))
     assert r["packed_backend"] == "varlen" and r["layouts"]["packed"]["padding_share"] == 0.0
     packed = {(x["method"], x["head"]) for x in r["rows"] if x["layout"] == "packed"}
     heads = ("full", "labelled") if name != "bert-base" else ("full",)  # the [CLS]-rows layer: padded only

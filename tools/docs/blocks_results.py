@@ -88,17 +88,27 @@ def layouts_trim(page: Page) -> str:
 
 @block("layouts_full")
 def layouts_full(page: Page) -> str:
-    """Every entry of every model: layout, method, head, eager and graphs ms, peak memory."""
+    """Every entry of every model: layout, method, head, eager, graphs and (where measured) compiled ms with the
+    compile seconds, peak memory."""
     parts = []
     for src, m in _models(page):
-        graphs = {(r["layout"], r["method"], r["head"]): r for r in m["rows"] if r["timing"] == "graphs"}
+        by_timing: dict[str, dict] = {}
+        for r in m["rows"]:
+            by_timing.setdefault(r["timing"], {})[(r["layout"], r["method"], r["head"])] = r
+        compiled = "compiled" in by_timing
         body = []
-        for r in (r for r in m["rows"] if r["timing"] == "eager"):
-            g = graphs.get((r["layout"], r["method"], r["head"]))
-            body.append([r["layout"], r["method"], r["head"], f1(r["ms"]), f1(g["ms"]) if g else "-",
-                         f2(r["peak_gib"]), times(r["vs_dense_same_layout"])])
-        header = ["layout", "method", "head", "eager ms", "graphs ms", "peak GiB", "vs dense, same layout"]
-        parts.append(f"**{_case(m)}**\n\n" + captioned(page, [src], table(header, body, "lllrrrr")))
+        for key in dict.fromkeys((r["layout"], r["method"], r["head"]) for r in m["rows"]):
+            e, g, c = (by_timing.get(t, {}).get(key) for t in ("eager", "graphs", "compiled"))
+            first = e or g or c
+            comp = [f1(c["ms"]) if c else "-", f1(c["compile_s"]) if c else "-"] if compiled else []
+            body.append([*key, f1(e["ms"]) if e else "-", f1(g["ms"]) if g else "-", *comp,
+                         f2(e["peak_gib"]) if e else "-",
+                         times(first["vs_dense_same_layout"]) if first.get("vs_dense_same_layout") else "-"])
+        header = ["layout", "method", "head", "eager ms", "graphs ms", *(["compiled ms", "compile s"] if compiled
+                                                                          else []), "peak GiB",
+                  "vs dense, same layout"]
+        align = "lll" + "r" * (len(header) - 3)
+        parts.append(f"**{_case(m)}**\n\n" + captioned(page, [src], table(header, body, align)))
     return "\n\n".join(parts)
 
 

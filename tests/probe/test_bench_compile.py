@@ -1,0 +1,197 @@
+"""The whole-model benchmark's compiled timing and its Cut-Cross-Entropy peer, off the GPU: the plan lists the
+compiled entries and why some cannot run, the summary's bar over every timing, the CLI's selections, the docs
+table with compiled rows, and (slow: Inductor compiles on two CPU cores take a minute each) tiny runs whose
+compiled and CCE entries give dense's loss, with compile seconds and recompiles on their rows."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from sebp_probe import bench_cases, bench_model, bench_peers, packing
+from sebp_probe.bench_cases import MODEL_CASES
+from tests.helpers import load_benchmark
+from tests.probe.test_compile_graphs import traceable_varlen
+
+LLAMA = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
+BERT = bench_cases.tiny(MODEL_CASES["bert-base"])
+
+
+def test_plan_lists_compiled_entries_and_skip_reasons():
+    p = bench_model.plan(LLAMA, n_batches=2, graphs=True, device="cpu", compile="default")
+    timings = {(e["layout"], e["method"], e["head"], e["timing"]): e["reason"] for e in p["entries"]}
+    assert p["compile"] == "default"
+    assert timings[("packed", "dense", "full", "compiled")] is None
+    assert timings[("longest", "sebp", "labelled", "compiled")] is None
+    assert "need a CUDA GPU" in timings[("longest", "liger", "full", "compiled")]
+    assert timings[("longest", "cce", "labelled", "graphs")] == "CUDA graphs need a GPU"
+    if bench_peers.cce_reason("causal-lm") is None:  # installed with the bench extra
+        assert timings[("packed", "cce", "labelled", "compiled")] is None
+    bert = bench_model.plan(BERT, n_batches=2, device="cpu", compile="default", layouts=("longest",),
+                            methods=("dense", "cce"))
+    assert {(e["method"], e["timing"]) for e in bert["entries"]} == {(m, t) for m in ("dense", "cce")
+                                                                    for t in ("eager", "compiled")}
+    assert all("a classifier has no LM head" in e["reason"] for e in bert["entries"] if e["method"] == "cce")
+    plain = bench_model.plan(LLAMA, n_batches=2, device="cpu")  # no --compile: no compiled entries
+    assert {e["timing"] for e in plain["entries"]} == {"eager"}
+    with pytest.raises(ValueError, match="unknown layout 'padded'"):
+        bench_model.plan(LLAMA, device="cpu", layouts=("padded",))
+
+
+def test_cce_reason_when_it_does_not_import(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # import raises ImportError
+    assert bench_peers.cce_reason("causal-lm").startswith("cut_cross_entropy does not import (ModuleNotFoundError")
+
+
+@pytest.mark.parametrize("layout", ["longest", "packed"])
+def test_cce_loss_reads_the_labelled_rows(layout, monkeypatch):
+    """The CCE entry's rows and targets (its kernel replaced by plain cross-entropy on the rows it is given: the
+    real one compiles on a CPU, the slow test below): the model's own loss on padded and packed batches."""
+    cce = pytest.importorskip("cut_cross_entropy")
+    given = []
+
+    def reference(e, c, targets, impl):
+        given.append((e.shape[0], impl))
+        return torch.nn.functional.cross_entropy(e @ c.T, targets)
+
+    monkeypatch.setattr(cce, "linear_cross_entropy", reference)
+    model = bench_model.build_model(LLAMA, torch.float32, torch.device("cpu"))
+    batches, _ = bench_model._pool(LLAMA, model.config, 1, 0, "mask", True)
+    batch = batches[layout][0]
+    want = bench_model.batch_loss(model, batch, labelled_head=False)
+    assert bench_peers.cce_loss(model, batch).item() == pytest.approx(want.item(), rel=1e-5)
+    labelled = int((batch["labels"][..., 1:] != -100).sum()) if layout == "longest" else batch["n_targets"]
+    assert given == [(labelled, "torch_compile")]  # the labelled rows only; CCE's CPU path
+
+
+def test_summary_bar_is_over_every_timing():
+    rows = [dict(layout=lay, method=m, head=h, timing=t, ms=ms) for lay, m, h, t, ms in
+            (("packed", "dense", "full", "eager", 30.0), ("packed", "sebp", "full", "eager", 25.0),
+             ("packed", "dense", "full", "compiled", 20.0), ("packed", "cce", "labelled", "compiled", 16.0),
+             ("packed", "sebp", "full", "compiled", 18.0), ("longest", "liger", "full", "graphs", 17.0))]
+    s = bench_cases.summarize(rows)
+    assert set(s) == {"eager", "graphs", "compiled", "all"}
+    assert s["all"]["fastest_baseline"] == {"layout": "packed", "method": "cce", "head": "labelled", "ms": 16.0,
+                                            "timing": "compiled"}
+    assert s["all"]["auto_pick"]["method"] == "sebp" and s["all"]["auto_pick"]["timing"] == "compiled"
+    assert s["compiled"]["fastest_dense"]["ms"] == 20.0 and s["eager"]["fastest_baseline"]["method"] == "dense"
+    assert rows[4]["vs_dense_same_layout"] == round(20 / 18, 3)  # against dense of its own timing
+    assert rows[1]["vs_fastest_baseline"] == round(16 / 25, 3)  # the bar of every timing
+
+
+def test_cli_selections_and_compile_mode(tmp_path):
+    from typer.testing import CliRunner
+
+    from sebp_probe.cli import app
+
+    run = lambda *a: CliRunner().invoke(app, ["bench", "llama-3.2-1b-sft", "--scope", "model", "--tiny", *a])  # noqa
+    bad = run("--compile", "fast")
+    assert bad.exit_code == 1 and "--compile must be one of default" in bad.output
+    bad = run("--methods", "dense,flash")
+    assert bad.exit_code == 1 and "--layouts/--methods: unknown method 'flash'" in bad.output
+    bad = CliRunner().invoke(app, ["bench", "bert-base", "--compile", "default"])
+    assert bad.exit_code == 1 and "are for the whole-model run" in bad.output
+    ok = run("--compile", "default", "--layouts", "packed", "--methods", "dense,cce", "--dry-run")
+    assert ok.exit_code == 0, ok.output
+    (plan,) = json.loads(ok.output)["models"]
+    assert {(e["method"], e["timing"]) for e in plan["entries"]} == {
+        ("dense", "eager"), ("dense", "compiled"), ("cce", "eager"), ("cce", "compiled")}
+
+
+def test_tables_show_compiled_rows_in_80_columns(capsys, monkeypatch):
+    from sebp_probe import tables
+    from tests.cli.test_bench_cli import _model_result
+
+    m = _model_result()
+    m["rows"] += [dict(r, timing="compiled", ms=r["ms"] * 0.7, compile_s=61.25, recompiles=2 if r["head"] == "labelled"
+                       else 0, graph_breaks=0) for r in m["rows"] if r["timing"] == "eager" and r["method"] != "liger"]
+    m["rows"].append(dict(m["rows"][-1], method="cce", head="labelled", ms=50.0, recompiles=0))
+    m["summary"] = bench_cases.summarize(m["rows"])
+    monkeypatch.setattr(tables.console, "width", 80)
+    tables.bench_tables({"models": [m]})
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
+    assert "comp s: its first step" in out and "packed cce labelled - - 50.00 61" in out
+    assert "recompiled after the first step: max_length dense labelled (2)" in out
+    assert "llama-3.2-1b-sft, all: fastest dense packed dense labelled compiled 63.00 ms" in out
+    assert "fastest non-SEBP packed cce labelled compiled 50.00 ms" in out
+    prose = ("llama-3.2-1b-sft, ", "not run (", "loss check", "recompiled after")
+    assert "…" not in raw and max(len(line) for line in raw.splitlines() if not line.startswith(prose)) <= 80
+
+
+def test_docs_table_renders_compiled_rows(tmp_path, monkeypatch):
+    """The full table gets compiled and compile-seconds columns where a result has compiled rows; results
+    without them render as before (the committed ones: tests/probe/test_docs.py)."""
+    load_benchmark("make_docs")  # puts benchmarks/ on the path, imports the block modules
+    blocks, docgen = sys.modules["blocks_results"], sys.modules["docgen"]
+    row = dict(layout="packed", head="full", padding_share=0.0, peak_gib=1.0, loss_gap=0.0)
+    rows = [dict(row, method="dense", timing="eager", ms=30.0, vs_dense_same_layout=1.0),
+            dict(row, method="dense", timing="compiled", ms=20.0, compile_s=41.5, recompiles=0,
+                 vs_dense_same_layout=1.0),
+            dict(row, method="cce", head="labelled", timing="compiled", ms=16.0, compile_s=37.0, recompiles=0,
+                 vs_dense_same_layout=None)]
+    model = {"case": {"name": "tiny", "batch": 4, "max_length": 64}, "rows": rows}
+    (tmp_path / "results" / "x").mkdir(parents=True)
+    (tmp_path / "results" / "x" / "m.json").write_text(json.dumps(
+        {"command": "sebp-probe bench", "environment": {"gpu": "H100", "date": "today"}, "models": [model]}))
+    monkeypatch.setattr(blocks, "LAYOUT_FILES", ("x/m.json",))
+    text = blocks.layouts_full(docgen.Page(tmp_path, tmp_path / "docs" / "benchmarks.md"))
+    assert "| compiled ms | compile s |" in text
+    assert "| packed | dense | full | 30.0 | - | 20.0 | 41.5 |" in text
+    assert "| packed | cce | labelled | - | - | 16.0 | 37.0 |" in text
+
+
+# ------------------------------------------------------------------------------------ runs (slow: compiles)
+
+
+@pytest.fixture(scope="module")
+def packed_run() -> dict:
+    """The tiny Llama's packed layout, dense and CCE, eager and compiled by Inductor, 3 batches; packed rows
+    as a GPU runs them (one flattened row, varlen attention by a traceable stand-in)."""
+    if bench_peers.cce_reason("causal-lm") is not None:
+        pytest.skip(bench_peers.cce_reason("causal-lm"))
+    dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packing, "VARLEN_KERNEL", traceable_varlen)
+        mp.setattr(packing, "attention_backend", lambda model: "varlen")
+        yield bench_model.bench_model(LLAMA, torch.float32, repeats=1, n_batches=3, device="cpu", warmup=0,
+                                      compile="default", layouts=("packed",), methods=("dense", "cce"))
+    dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_and_cce_entries_give_dense_loss(packed_run):
+    rows = {(r["method"], r["head"], r["timing"]): r for r in packed_run["rows"]}
+    assert set(rows) == {(m, h, t) for m, h in (("dense", "full"), ("dense", "labelled"), ("cce", "labelled"))
+                         for t in ("eager", "compiled")}
+    assert all(r["loss_gap"] < 1e-5 for r in rows.values())  # fp32: the same loss as eager dense
+    for key, r in rows.items():
+        if key[2] == "compiled":
+            assert r["compile_s"] > 0 and r["recompiles"] >= 0 and r["graph_breaks"] >= 0 and r["ms"] > 0
+        else:
+            assert "compile_s" not in r
+    # dynamic shapes: the packed batches' other token counts reuse the first batch's graphs
+    assert rows[("dense", "full", "compiled")]["recompiles"] == 0
+    assert rows[("dense", "full", "compiled")]["graph_breaks"] == 0
+    assert packed_run["summary"]["all"]["fastest_baseline"]["method"] in ("dense", "cce")
+
+
+@pytest.mark.slow
+def test_compiled_sebp_patches_the_linears_only():
+    """SEBP under compile (Dynamo and AOTAutograd; Inductor's own compile is the test above) patches the
+    linears only by default, and gives dense's loss."""
+    dynamo.reset()
+    try:
+        r = bench_model.bench_model(LLAMA, torch.float32, repeats=1, n_batches=2, device="cpu", warmup=0,
+                                    compile="default", compile_backend="aot_eager", layouts=("longest",),
+                                    methods=("dense", "sebp"))
+    finally:
+        dynamo.reset()
+    rows = {(r["method"], r["head"], r["timing"]): r for r in r["rows"]}
+    sebp = rows[("sebp", "full", "compiled")]
+    assert sebp["sebp_layers"]["linears"] > 0 and sebp["sebp_layers"]["norms"] == sebp["sebp_layers"]["acts"] == 0
+    assert sebp["loss_gap"] < 1e-5 and sebp["recompiles"] == 0 and sebp["graph_breaks"] == 0
+    assert {li["timing"] for li in r["limits"]} == {"eager", "compiled"}
