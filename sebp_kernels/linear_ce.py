@@ -116,10 +116,53 @@ def linear_cross_entropy(
                          "torch.autocast or cast them alike")
     else:
         compute = weight.dtype
+    if torch.compiler.is_compiling():  # one opaque op: the chunk loop would specialize the graph on the row count
+        need_db = bias is not None and bias.requires_grad
+        return _linear_ce_op(h, weight, bias, y, compute, float(label_smoothing), reduction, chunk_rows or 0,
+                             h.requires_grad, weight.requires_grad, need_db)[0]
     fused = _fused_ce(h, compute)
     chunk = chunk_rows or balanced_chunk_rows(h.shape[0], default_chunk_rows(weight.shape[0], compute,
                                                                             fused is not None))
     return _LinearCrossEntropy.apply(h, weight, bias, y, compute, float(label_smoothing), reduction, chunk, fused)
+
+
+# Under torch.compile: the loss and every gradient from one custom op, which Dynamo does not trace into. Traced,
+# the Python chunk loop would make the graph depend on the number of labelled rows, and every batch with another
+# count (every packed batch) would compile again. Its outputs: the loss and dL/dh, dL/dW, dL/db (empty where not
+# needed); its backward scales them by dL/dloss, as the autograd Function's does.
+@torch.library.custom_op("sebp::linear_ce", mutates_args=())
+def _linear_ce_op(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                  compute: torch.dtype, smoothing: float, reduction: str, chunk_rows: int, need_dh: bool,
+                  need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    fused = _fused_ce(h, compute)
+    chunk = chunk_rows or balanced_chunk_rows(h.shape[0], default_chunk_rows(weight.shape[0], compute,
+                                                                            fused is not None))
+    with torch.autocast(h.device.type, enabled=False):
+        loss, grads = _chunked(h, weight, bias, y, compute, smoothing, reduction, chunk, need_dh, need_dw,
+                               need_db, fused)
+    empty = h.new_empty(0)
+    return loss, *(g if g is not None else empty for g in grads)
+
+
+@_linear_ce_op.register_fake
+def _(h, weight, bias, y, compute, smoothing, reduction, chunk_rows, need_dh, need_dw, need_db):
+    empty = h.new_empty(0)
+    return (h.new_empty((), dtype=torch.promote_types(compute, torch.float32)),
+            h.new_empty(h.shape) if need_dh else empty, weight.new_empty(weight.shape) if need_dw else empty,
+            bias.new_empty(bias.shape) if need_db else empty)
+
+
+def _linear_ce_setup(ctx, inputs, output) -> None:
+    ctx.needs = inputs[8:11]
+    ctx.save_for_backward(*output[1:])
+
+
+def _linear_ce_backward(ctx, dloss, *_):
+    grads = [g * dloss.to(g.dtype) if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+_linear_ce_op.register_autograd(_linear_ce_backward, setup_context=_linear_ce_setup)
 
 
 def _fused_ce(h: torch.Tensor, compute: torch.dtype):

@@ -255,3 +255,36 @@ def test_balanced_chunks_cover_the_rows_evenly(n, most):
     chunks = -(-n // per) if n else 1
     assert 1 <= per <= max(most, 1) and chunks == max(1, -(-n // most))  # no more chunks than the cap needs
     assert n - (chunks - 1) * per <= per and (chunks == 1 or n - (chunks - 1) * per > per - 128 * chunks)
+
+
+def test_compiled_loss_and_gradients_equal_eager_without_a_recompile_per_row_count():
+    """Under torch.compile the head is one opaque op: the loss and gradients are eager's, and batches with other
+    numbers of labelled rows (every packed batch) reuse the one graph."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    w = torch.randn(50, 16, requires_grad=True)
+    b = torch.randn(50, requires_grad=True)
+
+    def loss_of(h, y, n):
+        return linear_cross_entropy(h, w, y, bias=b, labelled=n, chunk_rows=8, label_smoothing=0.1)
+
+    compiled = torch.compile(loss_of, dynamic=True, backend="aot_eager", fullgraph=True)
+    for rows in (33, 35, 40, 47, 50):
+        h = torch.randn(rows, 16, requires_grad=True)
+        y = torch.randint(0, 50, (rows,))
+        y[::3] = -100
+        n = int((y != -100).sum())
+        got = []
+        for fn in (compiled, loss_of):
+            loss = fn(h, y, n)
+            loss.backward()
+            got.append((loss.detach(), h.grad, w.grad, b.grad))
+            h.grad = w.grad = b.grad = None
+        for a, e in zip(*got):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+    dynamo.reset()
