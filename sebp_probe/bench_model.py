@@ -99,7 +99,7 @@ def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dic
     cannot run here). Liger compiles with its graph breaks (its loss reads a count on the host)."""
     out = []
     for layout in (lay for lay in LAYOUTS if lay in layouts):
-        for method, head in (v for v in VARIANTS if v[0] in methods):
+        for method, head in (v for v in VARIANTS if v[0] in methods or f"{v[0]}:{v[1]}" in methods):
             why = peers.get(method)
             if why is None and head == "labelled" and layout == "packed" and case.task == "classification":
                 why = "the [CLS]-rows last layer takes padded batches only"
@@ -275,8 +275,10 @@ def _peers(case: ModelCase, dev: torch.device) -> dict[str, str | None]:
 
 
 def check_selection(layouts, methods) -> None:
-    """ValueError unless ``layouts`` and ``methods`` are non-empty selections of known names."""
-    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, METHODS)):
+    """ValueError unless ``layouts`` and ``methods`` are non-empty selections of known names (a method, or one
+    of its heads as ``method:head``)."""
+    variants = tuple(f"{m}:{h}" for m, h in VARIANTS)  # one head of a method: "sebp:labelled"
+    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, METHODS + variants)):
         bad = [x for x in got if x not in known]
         if bad or not got:
             raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(known)}" if bad

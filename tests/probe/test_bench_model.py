@@ -250,3 +250,11 @@ def test_packed_rows_by_varlen_as_on_a_gpu(name, monkeypatch):
     assert r["layouts"]["packed"]["shapes"][0][0] < r["case"]["batch"]  # fewer rows than sequences
     # fp32: every layout, method and head, the same loss (BERT's case keeps hidden dropout: other masks per entry)
     assert max(x["loss_gap"] for x in r["rows"]) < (1e-5 if name != "bert-base" else 0.05)
+
+
+def test_one_head_of_a_method_can_be_selected():
+    case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
+    p = bench_model.plan(case, n_batches=1, device="cpu", layouts=("packed",), methods=("sebp:labelled", "cce"))
+    assert {(e["method"], e["head"]) for e in p["entries"]} == {("sebp", "labelled"), ("cce", "labelled")}
+    with pytest.raises(ValueError, match="unknown method 'sebp:half'"):
+        bench_model.plan(case, n_batches=1, device="cpu", methods=("sebp:half",))
