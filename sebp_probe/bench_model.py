@@ -313,7 +313,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 pad_mask: bool = True, breakdown: bool = False, norms: bool = False, acts: bool = False,
                 keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0,
                 pad_rows: bool = True, compile: str | None = None, compile_backend: str = "inductor",
-                layouts=LAYOUTS, methods=METHODS, note: Callable[[str], None] | None = None) -> dict:
+                layouts=LAYOUTS, methods=METHODS, note: Callable[[str], None] | None = None,
+                partial: Callable[[dict], None] | None = None) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
     decoders' padded layouts without the padding mask (right padding: same loss and gradients, the causal
     kernel). ``breakdown``: one backward of each eager entry on its layout's first batch, GPU kernel time by
@@ -322,7 +323,9 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     (a check of the run, not a timing). ``compile``: a ``torch.compile`` mode, for the compiled timing too
     (``compile_backend``: ``aot_eager`` runs Dynamo and AOTAutograd without Inductor, a quick check).
     ``layouts``, ``methods``: the entries to run (the pool and its layouts' statistics are the same).
-    ``progress``: what runs now; ``note``: lines to keep (each compiled entry's compile seconds)."""
+    ``progress``: what runs now; ``note``: lines to keep (each compiled entry's compile seconds); ``partial``:
+    given the result so far (``complete`` False) after each layout's eager entries and each compiled entry, so
+    that a run cut short (a time limit, an error) keeps what it measured."""
     from .graphs import CaptureError
     from .packing import attention_backend
     from .train_data import to_device
@@ -359,6 +362,24 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
         if cuda:
             torch.cuda.empty_cache()
 
+    def assemble(complete: bool) -> dict:
+        """The result of the entries measured so far."""
+        ref = {lay: runs.get((lay, "dense", "full", "eager")) or runs.get((lay, "dense", "full", "compiled"))
+               for lay in LAYOUTS}
+        rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], ref[key[0]], extra.get(key, {}),
+                     counts.get(key[2]) if key[1] == "sebp" else None)
+                for key, rs in runs.items() if rs and key not in failed]
+        skipped = [{k: e[k] for k in ("layout", "method", "head", "timing", "reason")} for e in entries if e["reason"]]
+        skipped += [dict(zip(("layout", "method", "head", "timing"), k), reason=r) for k, r in failed.items()]
+        limits = layout_limits({k: v for k, v in runs.items() if v}, failed, info)
+        shown = {**info, "layouts": {lay: {k: v for k, v in d.items() if k != "flops"}
+                                     for lay, d in info["layouts"].items()}}
+        return {"case": asdict(case), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
+                "pad_mask": pad_mask, "norms": norms, "acts": acts, "keep_dx": keep_dx, "pad_rows": pad_rows,
+                "graphs": graphs, "compile": compile, "layouts_run": list(layouts), "methods_run": list(methods),
+                "repeats": repeats, "warmup": warmup, **shown, "sebp_layers": counts, "rows": rows,
+                "skipped": skipped, "limits": limits, "summary": summarize(rows), "complete": complete}
+
     n_compiled = sum(k[3] == "compiled" for k in runs)
     timer = lambda m, fn: time_eager(m, fn, repeats, warmup, cuda)  # noqa: E731
     for layout in LAYOUTS:
@@ -389,6 +410,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                             out_of_run(key, e, m)
                     if breakdown and cuda and bi == 0 and keys[0] not in failed:
                         kernels[f"{layout} {method} {head}"] = backward_breakdown(m, loss_fn)
+        if partial and any(k[0] == layout for k in runs):
+            partial(assemble(False))
         for method, head in VARIANTS:  # compiled: entry by entry, each compiled once for the layout's batches
             key = (layout, method, head, "compiled")
             if key not in runs:
@@ -410,26 +433,14 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 note(f"{case.name}: {layout}, {method}, {head} head, compiled ({done + 1}/{n_compiled}): " +
                      (f"{x['compile_s']:.1f} s to compile, {x['recompiles']} recompiles, "
                       f"{statistics.fmean(r['step_ms'] for r in runs[key]):.2f} ms a step" if x else failed[key]))
+            if partial:
+                partial(assemble(False))
     if compile is not None:  # the last entry's graphs hold its model
         torch._dynamo.reset()
     model = liger = None  # the models are gone before the next case
     if cuda:
         torch.cuda.empty_cache()
-    ref = {lay: runs.get((lay, "dense", "full", "eager")) or runs.get((lay, "dense", "full", "compiled"))
-           for lay in LAYOUTS}
-    rows = [_row(key, rs, info["layouts"][key[0]]["padding_share"], ref[key[0]], extra.get(key, {}),
-                 counts.get(key[2]) if key[1] == "sebp" else None)
-            for key, rs in runs.items() if rs and key not in failed]
-    skipped = [{k: e[k] for k in ("layout", "method", "head", "timing", "reason")} for e in entries if e["reason"]]
-    skipped += [dict(zip(("layout", "method", "head", "timing"), k), reason=r) for k, r in failed.items()]
-    limits = layout_limits(runs, failed, info)
-    for lay in info["layouts"].values():
-        del lay["flops"]
-    result = {"case": asdict(case), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
-              "pad_mask": pad_mask, "norms": norms, "acts": acts, "keep_dx": keep_dx, "pad_rows": pad_rows,
-              "graphs": graphs, "compile": compile, "layouts_run": list(layouts), "methods_run": list(methods),
-              "repeats": repeats, "warmup": warmup, **info, "sebp_layers": counts, "rows": rows,
-              "skipped": skipped, "limits": limits, "summary": summarize(rows)}
+    result = assemble(True)
     if breakdown:
         result["backward_kernels"] = kernels if cuda else {"skipped": "the kernel breakdown needs a CUDA GPU"}
     return result

@@ -369,6 +369,12 @@ def bench_cmd(
     device = "cpu" if tiny and not torch.cuda.is_available() else "cuda"
     if device == "cuda":
         bench._require_cuda()
+    from pathlib import Path
+
+    from .rundir import write_json
+
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
     result = {"command": "sebp-probe " + shlex.join(sys.argv[1:]), "environment": bench.environment(),
               "dtype": dtype, "mode": mode, "densities": dens, "layers": [], "models": []}
     with console.status("benchmarking") as status:
@@ -381,16 +387,17 @@ def bench_cmd(
         for s in shapes:
             for r in bench.bench_layer(s, dens, bench.DTYPES[dtype], mode, repeats, progress=progress):
                 result["layers"].append(r.to_dict())
+        def partial(model_so_far: dict) -> None:  # a run cut short keeps what it measured
+            if output:
+                write_json(Path(output), {**result, "models": [*result["models"], model_so_far], "complete": False})
+
         for case in cases:
             result["models"].append(bench_model.bench_model(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
                 pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
-                pad_rows=pad_rows, compile=compile_mode, note=note, **chosen))
+                pad_rows=pad_rows, compile=compile_mode, note=note, partial=partial, **chosen))
     if output:  # first: what was measured survives any trouble with the tables
-        from pathlib import Path
-
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(Path(output), result)
     if figure and result["models"]:
         console.print(f"figure written to {plot_bench_models(result['models'], figure)}", highlight=False,
                       soft_wrap=True)

@@ -258,3 +258,16 @@ def test_one_head_of_a_method_can_be_selected():
     assert {(e["method"], e["head"]) for e in p["entries"]} == {("sebp", "labelled"), ("cce", "labelled")}
     with pytest.raises(ValueError, match="unknown method 'sebp:half'"):
         bench_model.plan(case, n_batches=1, device="cpu", methods=("sebp:half",))
+
+
+def test_a_run_cut_short_keeps_what_it_measured():
+    """bench_model hands out the result so far after each layout (and each compiled entry): what the CLI writes
+    to -o while it runs, marked incomplete."""
+    case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
+    seen = []
+    final = bench_model.bench_model(case, torch.float32, repeats=1, n_batches=1, device="cpu", warmup=0,
+                                    methods=("dense", "sebp"), layouts=("max_length", "packed"), partial=seen.append)
+    assert [s["complete"] for s in seen] == [False, False] and final["complete"]
+    assert {r["layout"] for r in seen[0]["rows"]} == {"max_length"}
+    assert seen[-1]["rows"] == final["rows"]
+    assert all("flops" not in lay for s in seen for lay in s["layouts"].values())
