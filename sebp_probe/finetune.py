@@ -107,6 +107,63 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
 def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
               load_fn: Callable[[], LoadedModel] | None, data: TrainData | None, notes: list[str]) -> dict:
+    """Check the settings, load the first model, data and report, choose the layout; only then write the
+    output directory, run the plan and summarize it."""
+    acc = _accelerator(cfg)
+    out = Path(cfg.output_dir)
+    resuming, stale = check_output_dir(cfg, resume, overwrite)
+    if resuming:
+        check_resume_processes(out, acc.num_processes)
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run
+    load_fn, first, data = _first_model_and_data(cfg, load_fn, data)
+    if resuming:
+        check_resume_data(out, data.identity)
+    for part in data.identity.values():
+        for line in part.get("notes", []) if isinstance(part, dict) else []:
+            note(line)
+    cfg = _packed_or_bucket(cfg, first)
+    if cfg.auto_eps and not resuming:
+        first.model.to(acc.device)
+    report = _load_report(cfg, first, out, resuming,
+                          progress=lambda done, total: emit("analysis", {"done": done, "total": total}), acc=acc)
+    report_layers = _report_layers(cfg, report)
+    _check_sebp_candidates(cfg, first, data, report_layers, acc)
+    choice = None
+    if cfg.data.padding == "auto":
+        choice = _padding_choice(cfg, first, data, report_layers, acc, out if resuming else None)
+        emit("padding", choice.to_dict())
+    del first
+    plan = _run_plan(cfg, choice)
+    line = _compiled_sebp_note(plan)
+    if line:
+        emit("note", {"text": line})
+    # Everything is checked: only now is an old run set aside (deleted once the new one has taken a step) and
+    # the new one written.
+    made_dir = not out.exists()
+    aside = _start_output(cfg, out, stale, resuming, report, choice, data, acc)
+    summaries, records = _run_plan_runs(plan, cfg, out, acc, data, load_fn, report_layers, resuming, made_dir,
+                                        aside, emit)
+    restored = aside is not None and bool(aside.names)
+    if restored:  # no step taken (diverged at the first): the old run stays as it was, its plots included
+        aside.restore()
+    summary = _overall_summary(cfg, plan, choice, summaries, records, out, notes)
+    if acc.is_main_process and not restored:
+        if cfg.compare:
+            write_json(out / SUMMARY, summary)
+        summary["plots"] = _plot(records, out)
+    acc.wait_for_everyone()
+    acc.end_training()
+    err = next((s.get("error") for s in summaries.values() if s.get("error")), None)
+    if err:
+        raise FinetuneError(err)
+    return summary
+
+
+def _accelerator(cfg: FinetuneConfig):
+    """The run's ``Accelerator``, refused where accelerate would compile on its own, where each process would
+    train alone, or where CUDA graphs cannot run."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
@@ -139,14 +196,12 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
         _check_graphs_possible(cfg, acc)
     if graphed_compile(cfg, acc):
         _check_graphs_possible(cfg, acc, f"--compile {cfg.compile}")
-    out = Path(cfg.output_dir)
-    resuming, stale = check_output_dir(cfg, resume, overwrite)
-    if resuming:
-        check_resume_processes(out, acc.num_processes)
-    from accelerate.utils import set_seed
+    return acc
 
-    set_seed(cfg.seed)  # the new head's initialization and the --auto-eps analysis are part of the run
 
+def _first_model_and_data(cfg: FinetuneConfig, load_fn: Callable[[], LoadedModel] | None,
+                          data: TrainData | None) -> tuple[Callable[[], LoadedModel], LoadedModel, TrainData]:
+    """(how each run loads its model, the first model, the data): from the assets unless given."""
     if load_fn is None:
         task = model_task(cfg.model, cfg.task, cfg.data.max_length)
         if data is None:
@@ -160,40 +215,31 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
         first = load_fn()
         if data is None:
             data = load_train_data(cfg, first)
-    if resuming:
-        check_resume_data(out, data.identity)
-    for part in data.identity.values():
-        for line in part.get("notes", []) if isinstance(part, dict) else []:
-            note(line)
-    cfg = _packed_or_bucket(cfg, first)
-    if cfg.auto_eps and not resuming:
-        first.model.to(acc.device)
-    report = _load_report(cfg, first, out, resuming,
-                          progress=lambda done, total: emit("analysis", {"done": done, "total": total}), acc=acc)
-    report_layers = None
-    if report is not None:
-        from .report import layer_configs_from_report
+    return load_fn, first, data
 
-        # No --mode: each layer's recommendation (threshold where the analysis found a knee, else exact).
-        report_layers = layer_configs_from_report(report, cfg.mode, backend=cfg.backend)
-    cands = {}
-    if "sebp" in cfg.methods():  # bad targets and an eps that drops everything fail before anything is written
-        cands = candidate_layers(first.model, cfg, report_layers)
-        if any(c.mode == "threshold" and c.eps > 0 for c in cands.values()):
-            _check_some_rows_active(first.model, cfg, data, cands, acc)
-    choice = None
-    if cfg.data.padding == "auto":
-        choice = _padding_choice(cfg, first, data, report_layers, acc, out if resuming else None)
-        emit("padding", choice.to_dict())
-    del first
-    plan = _run_plan(cfg, choice)
-    line = _compiled_sebp_note(plan)
-    if line:
-        emit("note", {"text": line})
 
-    # Everything is checked: only now is an old run set aside (deleted once the new one has taken a step) and
-    # the new one written.
-    made_dir = not out.exists()
+def _report_layers(cfg: FinetuneConfig, report: dict | None) -> dict | None:
+    """No --mode: each layer's recommendation (threshold where the analysis found a knee, else exact)."""
+    if report is None:
+        return None
+    from .report import layer_configs_from_report
+
+    return layer_configs_from_report(report, cfg.mode, backend=cfg.backend)
+
+
+def _check_sebp_candidates(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, report_layers: dict | None,
+                           acc) -> None:
+    """Bad targets and an eps that drops everything fail before anything is written."""
+    if "sebp" not in cfg.methods():
+        return
+    cands = candidate_layers(first.model, cfg, report_layers)
+    if any(c.mode == "threshold" and c.eps > 0 for c in cands.values()):
+        _check_some_rows_active(first.model, cfg, data, cands, acc)
+
+
+def _start_output(cfg: FinetuneConfig, out: Path, stale, resuming: bool, report: dict | None,
+                  choice: PaddingChoice | None, data: TrainData, acc) -> SetAside | None:
+    """Set an old run aside (main process; returned) and write the new run's report and settings."""
     aside = None
     if acc.is_main_process:
         aside = SetAside(out, stale)
@@ -210,6 +256,14 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
                 "train_examples": len(data.train), "eval_examples": len(data.eval),
                 **({"padding_choice": choice.to_dict()} if choice else {})})
     acc.wait_for_everyone()
+    return aside
+
+
+def _run_plan_runs(plan: list[tuple[str, FinetuneConfig]], cfg: FinetuneConfig, out: Path, acc, data: TrainData,
+                   load_fn: Callable[[], LoadedModel], report_layers: dict | None, resuming: bool, made_dir: bool,
+                   aside: SetAside | None, emit: Event) -> tuple[dict, dict]:
+    """Each run of the plan in order, until one does not complete: (method -> summary, method -> records). A
+    failure before any step leaves no trace of the new run (the old one restored)."""
 
     def on_run_event(kind: str, payload: dict) -> None:
         if kind == "note":  # the run's notes take the one channel (said once, listed in the summary)
@@ -238,10 +292,12 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
         elif aside is not None:
             aside.discard()
         raise
-    restored = aside is not None and bool(aside.names)
-    if restored:  # no step taken (diverged at the first): the old run stays as it was, its plots included
-        aside.restore()
+    return summaries, records
 
+
+def _overall_summary(cfg: FinetuneConfig, plan: list[tuple[str, FinetuneConfig]], choice: PaddingChoice | None,
+                     summaries: dict, records: dict, out: Path, notes: list[str]) -> dict:
+    """The one run's summary, or with ``--compare`` both runs' and their comparison; the worst status."""
     summaries = {m: summaries[m] for m in ("dense", cfg.method) if m in summaries}  # dense first, whatever the order
     records = {m: records[m] for m in summaries if m in records}
     paddings = {m: c.data.padding for m, c in plan}
@@ -263,17 +319,7 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
     summary["status"] = next((s for s in ("diverged", "interrupted") if s in statuses), "completed")
     summary["output_dir"] = str(out)
     summary["notes"] = notes
-    if acc.is_main_process and not restored:
-        if cfg.compare:
-            write_json(out / SUMMARY, summary)
-        summary["plots"] = _plot(records, out)
-    acc.wait_for_everyone()
-    acc.end_training()
-    err = next((s.get("error") for s in summaries.values() if s.get("error")), None)
-    if err:
-        raise FinetuneError(err)
     return summary
-
 
 def _same_batches(plan: list[tuple[str, FinetuneConfig]]) -> bool:
     """Do the runs of the plan draw the same batches in every step (one layout)?"""

@@ -9,16 +9,14 @@
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import math
 import shutil
-import signal
 import statistics
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,12 +27,12 @@ from .assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
 from .compiling import compile_or_eager, dynamo_counts
 from .config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
-from .graphs import StepGraphs, shape_key
-from .losses import batch_loss, has_no_target, ready_to_compile, set_head, token_counts
+from .losses import batch_loss, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from .patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from .train_data import TrainData, first_batches, make_loaders
+from .train_step import MicroBatches, StepTally, StopRequest, untimed_reason
 
 Event = Callable[[str, dict], None]
 
@@ -65,30 +63,6 @@ def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-class StopRequest:
-    """Turns the first SIGINT/SIGTERM into a flag read at the next step boundary; a second one interrupts."""
-
-    def __init__(self):
-        self.requested = False
-        self._old: dict = {}
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        return False
-
-
 def _lr_at(step: int, total: int, cfg: FinetuneConfig) -> float:
     warm = int(total * cfg.warmup_ratio)
     if step < warm:
@@ -106,16 +80,45 @@ def _warm_cublas(device: torch.device) -> None:
         torch.nn.functional.linear(a @ a, a, a[0]).sum().item()
 
 
-def _untimed_reason(compiled: bool, captured: bool, new_shape: bool) -> str | None:
-    """Why a step is left out of the run's times (None: it is timed): Dynamo compiled during it, a CUDA graph was
-    captured, or the GPU ran a batch of its shape for the first time in this run (cuBLAS heuristics, allocator
-    blocks, kernel loads: the first run of a --compare would pay these and the second find them warm)."""
-    return "compile" if compiled else "graph capture" if captured else "new shape" if new_shape else None
-
-
 def graphed_compile(cfg: FinetuneConfig, acc) -> bool:
     """Does ``--compile`` record CUDA graphs here (its mode does, on a CUDA device)?"""
     return cfg.compile in GRAPHED_COMPILE_MODES and acc.device.type == "cuda"
+
+
+@dataclass
+class _Prepared:
+    """A run's prepared objects and its steps' count."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: object
+    eval_loader: object
+    sampler: object
+    params: list  # the trainable parameters, after prepare
+    loss_fn: Callable
+    keep_grads: bool  # CUDA graphs add into the .grad tensors: zeroed, never set to None
+    total: int
+    eval_every: int
+    taken_before: int  # padding rows the calibration's backwards took
+    dynamo_before: tuple[int, int]
+
+
+@dataclass
+class _Progress:
+    """Where a run stands: its last step, its status and its last checkpoint."""
+
+    step: int
+    last_ckpt: str | None
+    status: str = "completed"
+    error: str | None = None
+    run_peak: float = 0.0  # the steps' peak memory so far (MB)
+
+    def diverged(self, loss: float) -> None:
+        where = f"last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
+            "no checkpoint was written before it (use --save-steps)"
+        self.status = "diverged"
+        self.error = (f"loss became non-finite ({loss}) at step {self.step + 1}; stopped before applying "
+                      f"that step; {where}")
 
 
 class Run:
@@ -291,8 +294,34 @@ class Run:
                 torch.cuda.empty_cache()
 
     def _train(self, loaded, model, calib, state) -> dict:
-        cfg, acc, dev = self.cfg, self.acc, self.acc.device
-        train_loader, eval_loader, sampler = make_loaders(cfg, self.data, pin=dev.type == "cuda")
+        """Prepare, then step until the end, a divergence or a stop request; then the summary. One host wait per
+        step, for the loss (a non-finite loss stops the run before its update): the optimizer's work and the
+        next batch's copy run on the GPU while the host goes on. A step's time is the host's, from the end of
+        the step before (the first: from a synchronized GPU); at a step after which something else runs
+        (evaluation, checkpoint, the end) the GPU is waited for, so that no GPU work is left out of the steps'
+        times or counted in them twice."""
+        t = self._prepare(model)
+        p = _Progress(step=self._resume_state(state), last_ckpt=state["path"] if state else None)
+        self.emit("start", {"run": self.method, "total": t.total, "step": p.step, "resumed": state is not None,
+                            "patched": len((calib or {}).get("layers", {})),
+                            "fallback_dense": (calib or {}).get("fallback_dense", [])})
+        batches = self._batches(t, p.step * self.cfg.grad_accum)
+        micro = MicroBatches(self.acc, self.cfg.grad_accum, self.cfg.cuda_graphs)
+        sync(self.acc.device)
+        with StopRequest() as stop:
+            while p.step < t.total:
+                if not self._step(t, p, micro, batches, stop, calib):
+                    break
+        micro.close()  # the graphs and their memory pool go before the model is saved
+        if p.status == "completed":
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            self._save_model(t.model, loaded)
+        return self._finish(t, p, calib)
+
+    def _prepare(self, model) -> _Prepared:
+        """Loaders, optimizer, ``Accelerator.prepare``, the step's loss and the steps' count."""
+        cfg, acc = self.cfg, self.acc
+        train_loader, eval_loader, sampler = make_loaders(cfg, self.data, pin=acc.device.type == "cuda")
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         model, optimizer, train_loader, eval_loader = acc.prepare(model, optimizer, train_loader, eval_loader)
         # after prepare: FSDP2 puts new (DTensor) Parameters in the model, and accelerate's clip_grad_norm_ finds
@@ -308,174 +337,129 @@ class Run:
         if cfg.compile and keep_grads:
             for p in params:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-        n_batches = len(train_loader)
-        A = cfg.grad_accum
-        total = cfg.optimizer_steps(n_batches)
-        eval_every = cfg.eval_steps or max(1, total // 4)
-        step = 0
-        if state is not None:
-            acc.load_state(state["path"])
-            step = state["step"]
-        self.emit("start", {"run": self.method, "total": total, "step": step, "resumed": state is not None,
-                            "patched": len((calib or {}).get("layers", {})),
-                            "fallback_dense": (calib or {}).get("fallback_dense", [])})
+        total = cfg.optimizer_steps(len(train_loader))
+        return _Prepared(model, optimizer, train_loader, eval_loader, sampler, params, loss_fn, keep_grads, total,
+                         cfg.eval_steps or max(1, total // 4), taken_before, dynamo_before)
 
-        def stream(start_micro: int):
-            epoch, offset = divmod(start_micro, n_batches)
-            while True:
-                train_loader.set_epoch(epoch)
-                sampler.set_epoch(epoch)
-                loader = acc.skip_first_batches(train_loader, offset) if offset else train_loader
-                for b in loader:
-                    yield epoch, b
-                epoch, offset = epoch + 1, 0
+    def _resume_state(self, state: dict | None) -> int:
+        """The step to start from: a resumed run's, its RNG and optimizer states restored (after prepare)."""
+        if state is None:
+            return 0
+        self.acc.load_state(state["path"])
+        return state["step"]
 
-        batches = stream(step * A)
-        use_events = dev.type == "cuda"
-        graphs: dict = {}  # --cuda-graphs: batch shape -> its StepGraphs, captured at its first batch
-        pool = torch.cuda.graph_pool_handle() if cfg.cuda_graphs else None  # one memory pool for all of them
-        status, error, last_ckpt = "completed", None, state["path"] if state else None
-        run_peak = 0.0
-        seen_shapes: set = set()  # batch shapes this run has stepped on (the GPU's first run of one is warm-up)
-        # One host wait per step, for the loss (a non-finite loss stops the run before its update): the
-        # optimizer's work and the next batch's copy run on the GPU while the host goes on. A step's time is
-        # the host's, from the end of the step before (the first: from a synchronized GPU); at a step after which
-        # something else runs (evaluation, checkpoint, the end) the GPU is waited for, so that no GPU work is
-        # left out of the steps' times or counted in them twice.
-        sync(dev)
-        with StopRequest() as stop:
-            while step < total:
-                t_step = time.perf_counter()
-                loss_sum, tokens_dev, rows, epoch = torch.zeros((), device=dev), torch.zeros((), device=dev), 0, 0
-                empty_dev = torch.zeros((), dtype=torch.long, device=dev)  # micro-batches without a target
-                timers: list = []  # the backward's CUDA events, read after the wait for the loss
-                bwd_ms = 0.0
-                replayed = 0  # micro-batches run as graph replays (--cuda-graphs)
-                captured, compiled = len(graphs), dynamo_counts()[0] if cfg.compile else 0
-                new_shape = False
-                for i in range(A):
-                    epoch, batch = next(batches)
-                    key = shape_key(batch)
-                    new_shape |= key not in seen_shapes
-                    seen_shapes.add(key)
-                    real, slots = token_counts(batch)
-                    tokens_dev += real
-                    empty_dev += has_no_target(batch)
-                    rows += slots
-                    if cfg.cuda_graphs:
-                        step_graphs = graphs.get(key)
-                        if step_graphs is None:  # adds into the .grad tensors, keeping what they hold
-                            step_graphs = graphs[key] = StepGraphs(model, batch, scale=1.0 / A, pool=pool)
-                        loss_sum += step_graphs.forward(batch).detach().float()
-                        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        ev0.record()
-                        step_graphs.backward()
-                        ev1.record()
-                        timers.append((ev0, ev1))
-                        replayed += 1
-                        continue
-                    ctx = acc.no_sync(model) if i < A - 1 else contextlib.nullcontext()
-                    with ctx:
-                        with acc.autocast():  # the head path calls the backbone past the prepared forward
-                            loss = loss_fn(model, batch)
-                        loss_sum += loss.detach().float()
-                        if use_events:
-                            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            ev0.record()
-                            acc.backward(loss / A)
-                            ev1.record()
-                            timers.append((ev0, ev1))
-                        else:
-                            t0 = time.perf_counter()
-                            acc.backward(loss / A)
-                            bwd_ms += (time.perf_counter() - t0) * 1e3
-                mean_loss = acc.reduce(loss_sum / A, "mean").item()  # the step's one wait for the GPU
-                tokens, empty = int(tokens_dev), int(empty_dev)
-                for ev0, ev1 in timers:
-                    ev1.synchronize()  # (done by now)
-                    bwd_ms += ev0.elapsed_time(ev1)
-                # Ctrl-C / SIGTERM: every process stops after the same step. Across processes that takes a
-                # reduction (accelerate's trigger), made here, where the host waits anyway: a request that comes
-                # later is seen in the next step, which then finishes. One process reads its flag at the step's end.
-                many = acc.num_processes > 1
-                if many and stop.requested:
-                    acc.set_trigger()
-                stopping = many and acc.check_trigger()
-                if not math.isfinite(mean_loss):
-                    status = "diverged"
-                    where = f"last good checkpoint: {last_ckpt}" if last_ckpt else \
-                        "no checkpoint was written before it (use --save-steps)"
-                    error = (f"loss became non-finite ({mean_loss}) at step {step + 1}; stopped before applying "
-                             f"that step; {where}")
-                    break
-                if cfg.max_grad_norm is not None:
-                    acc.clip_grad_norm_(params, cfg.max_grad_norm)
-                lr = _lr_at(step, total, cfg)
-                for g in optimizer.param_groups:
-                    g["lr"] = lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=not keep_grads)  # the graphs keep adding into these
-                step += 1
-                evaluating = step % eval_every == 0 or step == total
-                saving = bool(cfg.save_steps) and step % cfg.save_steps == 0 and step < total
-                if evaluating or saving or stopping:
-                    sync(dev)
-                rec = {"type": "train", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
-                       "backward_ms": bwd_ms, "step_ms": (time.perf_counter() - t_step) * 1e3,
-                       "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": rows}
-                untimed = _untimed_reason(cfg.compile and dynamo_counts()[0] > compiled, len(graphs) > captured,
-                                          new_shape and dev.type == "cuda")
-                if untimed:  # not in the run's times: summary.json reports these steps' seconds apart
-                    rec["untimed"] = untimed
-                if empty:
-                    rec["batches_without_target"] = empty
-                if cfg.cuda_graphs:
-                    rec["graph_replays"] = replayed  # of the step's grad_accum micro-batches
-                    rec["graphs"] = len(graphs)  # captured so far (one per batch shape)
-                if dev.type == "cuda":  # this step's own peak too (the run's peak is the running maximum)
-                    rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
-                    run_peak = rec["peak_mem_mb"] = max(run_peak, rec["peak_mem_mb"])
-                    torch.cuda.reset_peak_memory_stats(dev)
-                self._log(rec)
-                live = self._vs_dense_backward()
-                if live:
-                    rec = {**rec, "vs_dense_backward": live}
-                self.emit("step", {"run": self.method, **rec, "total": total})
-                if evaluating:
-                    ev = {"type": "eval", "step": step, **evaluate(model, eval_loader, acc, self.data.task)}
-                    self._log(ev)
-                    self.emit("eval", {"run": self.method, **ev})
-                if stopping or (not many and stop.requested):
-                    status = "interrupted"
-                    last_ckpt = str(self._save_checkpoint(step, calib))
-                    break
-                if saving:
-                    last_ckpt = str(self._save_checkpoint(step, calib))
-        for step_graphs in graphs.values():
-            step_graphs.close()  # and with the last of them their memory pool, before the model is saved
-        graphs.clear()
-        if status == "completed":
-            last_ckpt = str(self._save_checkpoint(step, calib))
-            self._save_model(model, loaded)
-        head, why = self.head
-        summary = {"status": status, "method": self.method, "total_steps": total, "head": head,
+    def _batches(self, t: _Prepared, start_micro: int) -> Iterator:
+        """(epoch, micro-batch) from micro-batch ``start_micro`` on, epoch after epoch."""
+        n_batches = len(t.train_loader)
+        epoch, offset = divmod(start_micro, n_batches)
+        while True:
+            t.train_loader.set_epoch(epoch)
+            t.sampler.set_epoch(epoch)
+            loader = self.acc.skip_first_batches(t.train_loader, offset) if offset else t.train_loader
+            for b in loader:
+                yield epoch, b
+            epoch, offset = epoch + 1, 0
+
+    def _step(self, t: _Prepared, p: _Progress, micro: MicroBatches, batches: Iterator, stop: StopRequest,
+              calib: dict | None) -> bool:
+        """One optimizer step, its record, evaluation and checkpoint. False: the run stops after it."""
+        cfg, dev = self.cfg, self.acc.device
+        t_step = time.perf_counter()
+        before = (len(micro.graphs), dynamo_counts()[0] if cfg.compile else 0)  # graphs captured, compiled
+        tally = micro.run(batches, t.model, t.loss_fn)
+        mean_loss = self.acc.reduce(tally.loss_sum / cfg.grad_accum, "mean").item()  # the step's one wait
+        stopping = self._stop_agreed(stop)
+        if not math.isfinite(mean_loss):
+            p.diverged(mean_loss)
+            return False
+        lr = self._optimizer_step(t, p.step)
+        p.step += 1
+        evaluating = p.step % t.eval_every == 0 or p.step == t.total
+        saving = bool(cfg.save_steps) and p.step % cfg.save_steps == 0 and p.step < t.total
+        if evaluating or saving or stopping:
+            sync(dev)
+        rec = self._step_record(p, tally, mean_loss, lr, t_step, micro, before)
+        self._log(rec)
+        live = self._vs_dense_backward()
+        self.emit("step", {"run": self.method, **rec, **({"vs_dense_backward": live} if live else {}),
+                           "total": t.total})
+        if evaluating:
+            ev = {"type": "eval", "step": p.step, **evaluate(t.model, t.eval_loader, self.acc, self.data.task)}
+            self._log(ev)
+            self.emit("eval", {"run": self.method, **ev})
+        if stopping or (self.acc.num_processes == 1 and stop.requested):
+            p.status = "interrupted"
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            return False
+        if saving:
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+        return True
+
+    def _stop_agreed(self, stop: StopRequest) -> bool:
+        """Ctrl-C / SIGTERM: every process stops after the same step. Across processes that takes a reduction
+        (accelerate's trigger), made here, where the host waits anyway: a request that comes later is seen in
+        the next step, which then finishes. One process reads its flag at the step's end (False here)."""
+        if self.acc.num_processes == 1:
+            return False
+        if stop.requested:
+            self.acc.set_trigger()
+        return self.acc.check_trigger()
+
+    def _optimizer_step(self, t: _Prepared, step: int) -> float:
+        """Clip, set the learning rate of ``step``, step and zero the gradients; returns the learning rate."""
+        if self.cfg.max_grad_norm is not None:
+            self.acc.clip_grad_norm_(t.params, self.cfg.max_grad_norm)
+        lr = _lr_at(step, t.total, self.cfg)
+        for g in t.optimizer.param_groups:
+            g["lr"] = lr
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=not t.keep_grads)  # the graphs keep adding into these
+        return lr
+
+    def _step_record(self, p: _Progress, tally: StepTally, mean_loss: float, lr: float, t_step: float,
+                     micro: MicroBatches, before: tuple[int, int]) -> dict:
+        """The step's line of metrics.jsonl; a step that compiled, captured or ran a new shape is untimed."""
+        cfg, dev = self.cfg, self.acc.device
+        tokens, empty = int(tally.tokens), int(tally.empty)
+        rec = {"type": "train", "step": p.step, "epoch": tally.epoch, "loss": mean_loss, "lr": lr,
+               "backward_ms": tally.backward_ms(), "step_ms": (time.perf_counter() - t_step) * 1e3,
+               "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": tally.rows}
+        untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
+                                  tally.new_shape and dev.type == "cuda")
+        if untimed:  # not in the run's times: summary.json reports these steps' seconds apart
+            rec["untimed"] = untimed
+        if empty:
+            rec["batches_without_target"] = empty
+        if cfg.cuda_graphs:
+            rec["graph_replays"] = tally.replayed  # of the step's grad_accum micro-batches
+            rec["graphs"] = len(micro.graphs)  # captured so far (one per batch shape)
+        if dev.type == "cuda":  # this step's own peak too (the run's peak is the running maximum)
+            rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
+            p.run_peak = rec["peak_mem_mb"] = max(p.run_peak, rec["peak_mem_mb"])
+            torch.cuda.reset_peak_memory_stats(dev)
+        return rec
+
+    def _finish(self, t: _Prepared, p: _Progress, calib: dict | None) -> dict:
+        """The run's summary: written to summary.json and sent as the ``end`` event."""
+        cfg, dev, (head, why) = self.cfg, self.acc.device, self.head
+        summary = {"status": p.status, "method": self.method, "total_steps": t.total, "head": head,
                    **({"head_fallback_reason": why} if why else {}),
                    "batches_without_target": sum(r.get("batches_without_target", 0) for r in self.records),
-                   **summarize_records(self.records), "checkpoint": last_ckpt,
-                   "model_dir": str(self.dir / MODEL_DIR) if status == "completed" else None,
-                   "calibration": calib, "device": device_name(dev), "num_processes": acc.num_processes,
+                   **summarize_records(self.records), "checkpoint": p.last_ckpt,
+                   "model_dir": str(self.dir / MODEL_DIR) if p.status == "completed" else None,
+                   "calibration": calib, "device": device_name(dev), "num_processes": self.acc.num_processes,
                    "peak_mem_kind": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
                    "process max RSS (CPU: grows over the runs of one process)"}
-        padding_rows = pad_rows_summary(model)
+        padding_rows = pad_rows_summary(t.model)
         if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
-            padding_rows["taken"] -= taken_before
+            padding_rows["taken"] -= t.taken_before
             summary["padding_rows"] = padding_rows
         if cfg.compile:  # what Dynamo made of this run's model (this process)
-            graphs, breaks = (a - b for a, b in zip(dynamo_counts(), dynamo_before))
+            graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,
                                   "scope": "step" if head == "labelled" else "forward"}
-        if error:
-            summary["error"] = error
+        if p.error:
+            summary["error"] = p.error
         if self.main:
             write_json(self.dir / SUMMARY, summary)
         self.emit("end", {"run": self.method, "summary": summary})
