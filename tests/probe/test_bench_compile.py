@@ -125,7 +125,7 @@ def test_tables_show_compiled_rows_in_80_columns(capsys, monkeypatch):
 def test_docs_table_renders_compiled_rows(tmp_path, monkeypatch):
     """The full table gets compiled and compile-seconds columns where a result has compiled rows; results
     without them render as before (the committed ones: tests/probe/test_docs.py)."""
-    load_benchmark("make_docs")  # puts benchmarks/ on the path, imports the block modules
+    load_benchmark("make_docs", folder="tools/docs")  # puts tools/docs/ on the path, imports the block modules
     blocks, docgen = sys.modules["blocks_results"], sys.modules["docgen"]
     row = dict(layout="packed", head="full", padding_share=0.0, peak_gib=1.0, loss_gap=0.0)
     rows = [dict(row, method="dense", timing="eager", ms=30.0, vs_dense_same_layout=1.0),
