@@ -94,13 +94,26 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         return n // bs if self.drop_last else -(-n // bs)
 
 
+HOST_COUNTS = ("n_targets", "max_row_targets")  # ints a batch may carry for the labelled-rows head
+
+
+def target_counts(labels: torch.Tensor) -> dict[str, int]:
+    """A causal-LM batch's ``n_targets`` and ``max_row_targets``: the positions whose next token carries a label
+    (what the labelled-rows head computes), in all and the most in one row, as Python ints, so that no step
+    reads them from the device (:func:`sebp_probe.heads.head_loss`; under ``torch.compile``, no graph break)."""
+    per_row = (labels[:, 1:] != -100).sum(1)
+    return {"n_targets": int(per_row.sum()), "max_row_targets": int(per_row.max()) if per_row.numel() else 0}
+
+
 class PadCollator:
     """Pads token lists into a batch: to ``max_length`` or the batch's longest, on the left or right; with
-    ``multiple``, the longest rounded up to a multiple of it (at most ``max_length``): fewer batch shapes."""
+    ``multiple``, the longest rounded up to a multiple of it (at most ``max_length``): fewer batch shapes.
+    ``counts``: causal-LM batches carry :func:`target_counts` too (what a compiled labelled-rows head reads)."""
 
-    def __init__(self, pad_id: int, task: str, padding: str, max_length: int, side: str, multiple: int = 1):
+    def __init__(self, pad_id: int, task: str, padding: str, max_length: int, side: str, multiple: int = 1,
+                 counts: bool = False):
         self.pad_id, self.task, self.padding, self.max_length, self.side = pad_id, task, padding, max_length, side
-        self.multiple = multiple
+        self.multiple, self.counts = multiple, counts and task == "causal-lm"
 
     def __call__(self, items: list[dict]) -> dict:
         L = self.max_length
@@ -123,6 +136,8 @@ class PadCollator:
         batch = {"input_ids": ids, "attention_mask": mask}
         if labels is not None:
             batch["labels"] = labels
+            if self.counts:
+                batch.update(target_counts(labels))
         elif self.task == "classification":
             batch["labels"] = torch.tensor([it["label"] for it in items])
         return batch  # mlm: labels come with the masking (sebp_probe.mlm.MLMCollator)
@@ -219,8 +234,7 @@ class PackedCollator:
         batch = {"input_ids": ids, "position_ids": pos, "sequence_ids": seq, "labels": labels, "cu_seqlens": cu,
                  "flat_index": torch.cat(flat), "max_seqlen": int(seq_lens.max()), "order": torch.tensor(order)}
         if causal:  # a row's position t predicts label t + 1; each sequence's first label is -100, the tail's too
-            per_row = (labels[:, 1:] != -100).sum(1)
-            batch.update(n_targets=int(per_row.sum()), max_row_targets=int(per_row.max()))
+            batch.update(target_counts(labels))
         else:
             batch["labels"] = torch.tensor([items[i]["label"] for i in order])
         return batch
@@ -233,12 +247,13 @@ def batch_order(layout: Layout, lens: Sequence[int], batch_size: int, seed: int,
     return random_batches(len(lens), batch_size, seed, epoch)
 
 
-def collator(layout: Layout, pad_id: int, task: str, max_length: int, side: str = "right", multiple: int = 1):
-    """The collate function of ``layout``'s batches (``side`` and ``multiple`` as :class:`PadCollator` takes
-    them; packed rows take neither)."""
+def collator(layout: Layout, pad_id: int, task: str, max_length: int, side: str = "right", multiple: int = 1,
+             counts: bool = False):
+    """The collate function of ``layout``'s batches (``side``, ``multiple`` and ``counts`` as
+    :class:`PadCollator` takes them; packed rows take none: they always carry their counts)."""
     if layout.packed:
         return PackedCollator(pad_id, task, max_length)
-    return PadCollator(pad_id, task, layout.pad_to, max_length, side, multiple)
+    return PadCollator(pad_id, task, layout.pad_to, max_length, side, multiple, counts)
 
 
 def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout: str, seed: int = 0,

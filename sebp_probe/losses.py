@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 
+from .batching import HOST_COUNTS
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import kept_rows_family
 from .notes import note
@@ -39,13 +40,17 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
             task = None
     else:
         task = _task_of(model) if labelled_head else None
+    targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
     if task is None:
-        return packed_forward(model, batch).loss if packed else model(**batch, **no_cache(model)).loss
+        if packed:
+            return packed_forward(model, batch).loss
+        inputs = {k: v for k, v in batch.items() if k not in HOST_COUNTS}
+        return model(**inputs, **no_cache(model)).loss
     if not packed:
-        return head_loss(model, batch, task, last_layer_rows_only=True).loss
+        return head_loss(model, {k: v for k, v in batch.items() if k not in HOST_COUNTS}, task,
+                         last_layer_rows_only=True, targets=targets).loss
     if task == "classification":
         raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
-    targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
     with packed_call(model, batch) as inputs:
         return head_loss(model, inputs, task, last_layer_rows_only=True, targets=targets).loss
 
@@ -86,12 +91,13 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
 
 def compiled_head_problem(task: str, padding: str) -> str | None:
     """Why the labelled-rows head stays out of a compiled step (``torch.compile(batch_loss)``) on ``padding``
-    batches, or None: on padded causal-LM and masked-LM batches it counts its labelled rows on the device (a
-    host ``nonzero``), which would break the graph; packed batches carry that count as Python ints, and a
-    classifier's [CLS] rows need no count. ``auto``: None (each layout is judged when it is timed)."""
-    if task in ("causal-lm", "mlm") and padding not in ("packed", "auto"):
-        return (f"under --compile on --padding {padding} batches it counts the labelled rows on the device (a "
-                "host nonzero), which breaks the compiled step; packed batches carry that count")
+    batches, or None: on masked-LM batches it counts its labelled rows on the device (a host ``nonzero``), which
+    would break the graph; causal-LM batches of a compiled run carry that count as Python ints
+    (:func:`~sebp_probe.batching.target_counts`), and a classifier's [CLS] rows need no count. ``auto``: None
+    (each layout is judged when it is timed)."""
+    if task == "mlm" and padding not in ("packed", "auto"):
+        return (f"under --compile on --padding {padding} masked-LM batches it counts the labelled rows on the "
+                "device (a host nonzero), which breaks the compiled step")
     return None
 
 

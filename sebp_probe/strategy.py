@@ -234,7 +234,9 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
             if reason:
                 table.append({"padding": padding, "padding_share": share, "skipped": reason})
                 continue
-            pcfg = replace(cfg, data=replace(cfg.data, padding=padding), compile=None)  # only its batches are used
+            # only its batches are used; a compiling run's carry the labelled rows' counts (a layout's own --compile
+            # mode: auto is --padding auto's alone)
+            pcfg = replace(cfg, data=replace(cfg.data, padding=padding), compile=cfg.compile and "default")
             batches = _spread_batches(pcfg, data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
             slots = real / (1.0 - share) / n_batches  # the epoch's mean padded batch size
             for head in heads:

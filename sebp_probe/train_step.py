@@ -104,8 +104,9 @@ class MicroBatches:
         self.graphs.clear()
 
     def _count(self, tally: StepTally, batch, key) -> None:
-        tally.new_shape |= key not in self.seen_shapes
-        self.seen_shapes.add(key)
+        shapes = tuple(k for k in key if len(k) == 3)  # the tensors' (name, shape, dtype): a count a batch carries
+        tally.new_shape |= shapes not in self.seen_shapes  # (n_targets, max_seqlen) is no new shape to the GPU
+        self.seen_shapes.add(shapes)
         real, slots = token_counts(batch)
         tally.tokens += real
         tally.empty += has_no_target(batch)

@@ -6,9 +6,10 @@ and the BERT's packed batch by varlen attention (in both directions, the model's
 gradients. ``aot_eager`` runs the graphs Inductor would get without Inductor's C++ compile (minutes on two CPU
 cores); ``finetune --compile default`` runs Inductor (tests/probe/test_finetune_compile.py).
 
-What still breaks, by design: the labelled-rows head on a padded causal-LM or masked-LM batch counts its labelled
-rows on the device (``nonzero``, then the most in one sequence): a padded batch goes to the model as keyword
-arguments, so it carries no host-side count as a packed batch does (``n_targets``)."""
+A padded causal-LM batch traces without a break where its collator counted the labelled rows on the host
+(``PadCollator(counts=True)``, what a compiled finetune run's loaders do: ``n_targets``, ``max_row_targets``, as
+packed batches always carry). What still breaks, by design: without those counts (and on masked-LM batches) the
+labelled-rows head counts its labelled rows on the device (``nonzero``, then the most in one sequence)."""
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,7 @@ def _case(name: str, monkeypatch) -> tuple[torch.nn.Module, dict]:
         monkeypatch.setattr(packing, "VARLEN_KERNEL", traceable_varlen)
         monkeypatch.setattr(packing, "attention_backend", lambda model: "varlen")
         packing.enable_varlen(model)  # a one-time switch of the model, made before compiling
-    return model, (_padded(arch, items) if layout == "longest" else _packed(arch, items))
+    return model, (_padded(arch, items, counts=True) if layout == "longest" else _packed(arch, items))
 
 
 def _step(loss_fn, model, batch) -> tuple[torch.Tensor, dict]:
@@ -68,7 +69,8 @@ def _step(loss_fn, model, batch) -> tuple[torch.Tensor, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sebp", [False, True], ids=["dense", "sebp"])
-@pytest.mark.parametrize("case", ["llama-packed-mask", "llama-packed-varlen", "bert-longest", "bert-packed-varlen"])
+@pytest.mark.parametrize("case", ["llama-packed-mask", "llama-packed-varlen", "llama-longest", "bert-longest",
+                                  "bert-packed-varlen"])
 def test_compiled_step_is_one_graph_and_equals_eager(case, sebp, monkeypatch):
     model, batch = _case(case, monkeypatch)
     if sebp:
@@ -98,8 +100,9 @@ def test_packed_labelled_head_traces_in_one_graph():
 
 
 @pytest.mark.slow
-def test_padded_causal_lm_labelled_head_breaks_at_its_row_count():
-    """The break that remains (see the module docstring), named so that a change to it shows here."""
+def test_padded_causal_lm_labelled_head_breaks_at_its_row_count_without_the_counts():
+    """The break that remains without the collator's counts (see the module docstring), named so that a change
+    to it shows here."""
     model, items = tiny_model("llama"), _items("llama")
     use_head(model, "causal-lm", "labelled")
     ex = dynamo.explain(batch_loss)(model, _padded("llama", items))

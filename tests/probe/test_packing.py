@@ -42,8 +42,8 @@ def _items(arch: str, lengths=LENGTHS, seed: int = 0) -> list[dict]:
     return out
 
 
-def _padded(arch: str, items: list[dict]) -> dict:
-    return PadCollator(_pad(arch), _task(arch), "longest", BUDGET, "right")(items)
+def _padded(arch: str, items: list[dict], counts: bool = False) -> dict:
+    return PadCollator(_pad(arch), _task(arch), "longest", BUDGET, "right", counts=counts)(items)
 
 
 def _packed(arch: str, items: list[dict]) -> dict:
