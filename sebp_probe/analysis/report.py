@@ -18,7 +18,7 @@ A report (schema version 2) is a JSON object::
 Per layer, ``mode``/``eps``/``top_n`` are exactly what :class:`sebp_kernels.SEBPConfig` takes; ``stats``
 holds the measurements behind them, including ``shape`` = [in_features, out_features] and the rows of
 dL/dY by cause (``rows_by_cause``: padding, label_less, other_zero, near_zero, active; see
-:mod:`sebp_probe.causes`).
+:mod:`sebp_probe.analysis.causes`).
 
 Version 2 added ``layouts`` (required), the per-layer ``rows_by_cause``, ``label_less_positions``,
 ``padding_not_zero`` and ``backward_flops_by_cause``, and the totals' ``backward_flops_by_cause`` and

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import torch
 
-from .assets import LoadedModel, load_model, model_task
+from ..data.assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
-from .config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneError
-from .layouts import LAYOUTS
+from ..config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneError
+from ..layouts import LAYOUTS
 from .loop import Event, Run, graphed_compile, wrap_lora
-from .losses import set_head
+from ..model.losses import set_head
 from .metrics import compare_runs, loss_gap, timed_steps
-from .notes import collect_notes, note
+from ..notes import collect_notes, note
 from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, check_resume_processes,
                      device_name, has_progress, read_json, versions, write_json)
 from .strategy import PaddingChoice, choose_padding
-from .train_data import TrainData, first_batches, load_train_data
+from ..data.train_data import TrainData, first_batches, load_train_data
 
 __all__ = ["FinetuneError", "finetune"]
 
@@ -34,7 +34,7 @@ __all__ = ["FinetuneError", "finetune"]
 def _analysis_on_main(loaded: LoadedModel, cfg: FinetuneConfig, acc, progress) -> dict:
     """``--auto-eps``: the main process analyses, the others take its report (one analysis, not one per
     process). An analysis that fails stops every process with the main one's message."""
-    from .analyze import analyze_for_finetune
+    from ..analysis.analyze import analyze_for_finetune
 
     if acc is None or acc.num_processes == 1:
         return analyze_for_finetune(loaded, cfg.data, progress=progress)
@@ -61,7 +61,7 @@ def _load_report(cfg: FinetuneConfig, loaded: LoadedModel, out: Path, resume: bo
     data parallel only the main process analyses, see :func:`_analysis_on_main`)."""
     if not cfg.uses_report:
         return None
-    from . import report as rep
+    from ..analysis import report as rep
 
     saved = out / "report.json"
     if cfg.report:
@@ -172,7 +172,7 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
                           progress=lambda done, total: emit("analysis", {"done": done, "total": total}), acc=acc)
     report_layers = None
     if report is not None:
-        from .report import layer_configs_from_report
+        from ..analysis.report import layer_configs_from_report
 
         # No --mode: each layer's recommendation (threshold where the analysis found a knee, else exact).
         report_layers = layer_configs_from_report(report, cfg.mode, backend=cfg.backend)
@@ -199,7 +199,7 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
         aside = SetAside(out, stale)
         out.mkdir(parents=True, exist_ok=True)
         if report is not None and cfg.auto_eps and not resuming:
-            from .report import save_report
+            from ..analysis.report import save_report
 
             save_report(report, out / "report.json")
         if not resuming:
@@ -311,8 +311,8 @@ def _packed_or_bucket(cfg: FinetuneConfig, first: LoadedModel) -> FinetuneConfig
     in one line."""
     if cfg.data.padding != "packed":
         return cfg
-    from .batching import PackingError
-    from .packing import check_packable
+    from ..data.batching import PackingError
+    from ..model.packing import check_packable
 
     try:
         check_packable(first.model, first.task)
@@ -368,6 +368,6 @@ def _check_graphs_possible(cfg: FinetuneConfig, acc, what: str = "--cuda-graphs"
 
 
 def _plot(records: dict[str, list[dict]], out: Path) -> list[str]:
-    from .plots import plot_training_curves
+    from ..analysis.plots import plot_training_curves
 
     return [str(p) for p in plot_training_curves(records, out)]

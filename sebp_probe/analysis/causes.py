@@ -13,14 +13,14 @@ Every row of a layer's dL/dY (one per token) falls into exactly one cause, per b
 * ``near_zero``: not padding, not zero, max |row| <= the layer's eps (what ``threshold`` mode skips on top);
 * ``active``: not padding, max |row| > eps.
 
-The collector (:mod:`sebp_probe.hooks`) is told which rows are padding and which label-less
+The collector (:mod:`sebp_probe.analysis.hooks`) is told which rows are padding and which label-less
 (:func:`row_groups`) and keeps an octave histogram of each group's row max, so the split is exact at every eps
 that is 0 or a power of two (as the knee detector's are). Two diagnostics come with it: ``label_less_positions``
 (label-less rows, zero or not) and ``padding_not_zero`` (pad rows that are not exactly zero: a loss that reads a
 pad position, e.g. a left-padded [CLS] classifier).
 
 The layout advice (:func:`layout_advice`) takes the padding every layout leaves on the analysed samples
-(:func:`sebp_probe.batching.padding_share`) and assumes every real token's row is skipped by SEBP as often as
+(:func:`sebp_probe.data.batching.padding_share`) and assumes every real token's row is skipped by SEBP as often as
 measured: on a layout leaving padding share p, SEBP skips p + (1 - p) * (share of the real rows' backward FLOPs
 that are label-less, other zero or near zero).
 """
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .batching import PackingError, padding_share
+from ..data.batching import PackingError, padding_share
 from .hooks import ROW_GROUPS, LayerStats
 from .knee import backward_gemm_flops, rows_above
-from .layouts import LAYOUTS
+from ..layouts import LAYOUTS
 
 CAUSES = ("padding", "label_less", "other_zero", "near_zero", "active")
 SKIPPED = ("label_less", "other_zero", "near_zero")  # what SEBP skips among the real tokens' rows
@@ -168,7 +168,7 @@ def type_causes(stats: list[dict]) -> dict:
 
 def packed_issue(model: nn.Module, task: str) -> str | None:
     """Why ``packed`` cannot run ``model`` exactly for ``task`` (one line), or None when it can."""
-    from .packing import check_packable
+    from ..model.packing import check_packable
 
     try:
         check_packable(model, task)

@@ -6,14 +6,14 @@ Under the layouts that are not ``grouped`` (``max_length``, ``longest``, ``packe
 ``batch_size`` sequences (the training sampler draws them); the layout only lays them out, so the step's loss is
 the same. ``bucket`` draws other batches: sequences of similar length together.
 
-Training loader per layout (``items`` from :func:`~sebp_probe.textdata.tokenize`; :mod:`.train_data`)::
+Training loader per layout (``items`` from :func:`~sebp_probe.data.textdata.tokenize`; :mod:`.train_data`)::
 
     not grouped: DataLoader(items, batch_size=bs, sampler=EpochSampler(len(items), seed), collate_fn=collate)
     grouped:     DataLoader(items, batch_sampler=LengthGroupedBatchSampler(lengths(items), bs, seed),
                             collate_fn=collate)
 
 with ``collate = collator(layout, pad_id, task, max_length, side)``; each packed batch's loss is
-:func:`sebp_probe.packing.packed_loss`.
+:func:`sebp_probe.model.packing.packed_loss`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .layouts import LAYOUTS, Layout
+from ..layouts import LAYOUTS, Layout
 
 MEGABATCH = 50  # batches per megabatch of the bucket sampler: wide enough to find similar lengths, still random
 
@@ -125,7 +125,7 @@ class PadCollator:
             batch["labels"] = labels
         elif self.task == "classification":
             batch["labels"] = torch.tensor([it["label"] for it in items])
-        return batch  # mlm: labels come with the masking (sebp_probe.mlm.MLMCollator)
+        return batch  # mlm: labels come with the masking (sebp_probe.data.mlm.MLMCollator)
 
 
 def _best_fit_decreasing(lens: Sequence[int], budget: int) -> list[list[int]]:
@@ -178,7 +178,7 @@ class PackedCollator:
     - ``order`` [n]: the place in the collated list of each sequence;
     - causal LM: ``n_targets``, ``max_row_targets`` (ints): the positions whose next token carries a label (what
       the labelled-rows head computes), in all and the most in one row, so that no step reads them from the
-      device (:func:`sebp_probe.heads.head_loss`).
+      device (:func:`sebp_probe.model.heads.head_loss`).
 
     Real tokens: ``int(cu_seqlens[-1])``; token slots: ``input_ids.numel()``.
     """

@@ -16,8 +16,8 @@ import torch
 
 from .assets import AssetError, LoadedModel, _one_line, _package_dir, hub_miss, offline_variable
 from .batching import PadCollator
-from .config import TASKS, DataConfig
-from .layouts import LAYOUTS, PADDED
+from ..config import TASKS, DataConfig
+from ..layouts import LAYOUTS, PADDED
 
 LABEL_COLUMNS = ("label", "labels", "sentiment", "class", "category", "target", "answerKey")
 TEXT_COLUMNS = ("text", "sentence", "content", "review", "tweet", "document", "question", "input")

@@ -4,7 +4,7 @@ make (:func:`batch_loss`).
 Two heads (``FinetuneConfig.head``):
 
 - ``full``: the model's own loss, ``model(**batch).loss`` (packed batches through
-  :func:`~sebp_probe.packing.packed_forward`);
+  :func:`~sebp_probe.model.packing.packed_forward`);
 - ``labelled``: the rows no loss reaches are left out where that is exact (:mod:`.heads`): causal LM and masked
   LM run the head and the last layer's position-wise work on the labelled rows only; BERT/RoBERTa classifiers
   run their last layer on the [CLS] rows only (padded batches; packed ones run the full last layer). The same
@@ -21,7 +21,7 @@ import torch
 
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import kept_rows_family
-from .notes import note
+from ..notes import note
 from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .notes import note
+from ..notes import note
 
 _PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
 

@@ -3,7 +3,7 @@ fastest.
 
 Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
 measured on top of each layout, never only against padded dense. Each applicable layout (:data:`.LAYOUTS`;
-``packed`` only where :func:`~sebp_probe.packing.check_packable` allows it and the batch shapes may change) is
+``packed`` only where :func:`~sebp_probe.model.packing.check_packable` allows it and the batch shapes may change) is
 timed on a few batches from inside the first epoch: one untimed forward+backward per batch and method (kernel
 compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches
 of one layout differ in size (under ``bucket`` by far: its first batch holds the longest sequences), so a few
@@ -11,7 +11,7 @@ of them would say little about an epoch; a
 layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
 of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
 candidate layers whose share of active rows on those batches is at most ``dense_fallback``, as a run's
-calibration would. Where the run's head is the labelled-rows path (:mod:`sebp_probe.losses`), every layout is
+calibration would. Where the run's head is the labelled-rows path (:mod:`sebp_probe.model.losses`), every layout is
 also timed with the model's own (full) head: which of the two is faster depends on the layout and on the
 host's launch overhead, so measurement chooses it as well.
 
@@ -37,15 +37,15 @@ import torch
 
 from sebp_kernels import SEBPConfig
 
-from .batching import PackingError, lengths, padding_share
+from ..data.batching import PackingError, lengths, padding_share
 from .calibration import apply_sebp, measure_density, rng_devices, sync
 from .compiling import Fallback, cannot_compile, compile_fn, inductor_problem
-from .config import COMPILE_AUTO, FinetuneConfig
+from ..config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
-from .layouts import LAYOUTS
-from .losses import batch_loss, compiled_head_problem, head_of, ready_to_compile
-from .packing import check_packable
-from .train_data import TrainData, make_loaders, to_device
+from ..layouts import LAYOUTS
+from ..model.losses import batch_loss, compiled_head_problem, head_of, ready_to_compile
+from ..model.packing import check_packable
+from ..data.train_data import TrainData, make_loaders, to_device
 
 SAMPLE_BATCHES = 3
 
@@ -211,10 +211,10 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                    reps: int = 2, heads: tuple[str | None, ...] = (None,)) -> PaddingChoice:
     """Time each layout dense and (with ``candidates``) with SEBP on ``model``, eager and/or compiled as
     ``cfg.compile`` says; see the module docstring. ``heads``: the heads to time each layout with
-    (:func:`~sebp_probe.losses.use_head`; None: the one set on ``model``); the head set last stays. ``model``
+    (:func:`~sebp_probe.model.losses.use_head`; None: the one set on ``model``); the head set last stays. ``model``
     is left unpatched, without gradients, and Dynamo's caches reset."""
-    from .losses import use_head
-    from .patch import unpatch_model
+    from ..model.losses import use_head
+    from ..model.patch import unpatch_model
 
     lens = lengths(data.train)
     real = sum(min(n, cfg.data.max_length) for n in lens)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TASKS
+from ..config import TASKS
 
 ENCODER_TYPES = {
     "bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "albert", "xlm-roberta", "mpnet",

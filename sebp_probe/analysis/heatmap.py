@@ -1,6 +1,6 @@
 """Pictures of chosen layers' |dL/dY|: the statistics of a few batches and the full gradient of a small one.
 
-No CLI code here; :mod:`sebp_probe.cli` only parses, calls and prints (:mod:`sebp_probe.plots` draws).
+No CLI code here; :mod:`sebp_probe.cli` only parses, calls and prints (:mod:`sebp_probe.analysis.plots` draws).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 
 from .analyze import AnalyzeSettings, Progress, _to_device, collect, load_assets, padding_info, resolve_device
 from .knee import EpsResult, detect_eps
-from .notes import collect_notes, note
-from .patch import _logical_name, name_matches
+from ..notes import collect_notes, note
+from ..model.patch import _logical_name, name_matches
 
 
 @contextlib.contextmanager
@@ -126,7 +126,7 @@ def heatmaps(
 
 def _heatmaps(model_name, data_cfg, layer_pattern: str, settings: AnalyzeSettings, task: str | None,
               device: str | None, progress: Progress | None) -> tuple[list[LayerPicture], dict]:
-    from .textdata import make_loader, tokenize
+    from ..data.textdata import make_loader, tokenize
 
     loaded, data, cfg = load_assets(model_name, data_cfg, settings.max_batches, task)
     for line in data.identity.get("notes", []):

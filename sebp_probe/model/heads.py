@@ -10,7 +10,7 @@ Tasks: ``causal-lm`` (labels shifted by one as the model's loss does; a ``shift_
 already shifted; a Gemma logit softcap or a Granite logit divisor applied as the model does) and ``mlm`` (the
 masked-LM heads of the model-family registry, :mod:`sebp_probe.families`: transform, then the decoder tied to
 the word embeddings, plus its bias). With ``last_layer_rows_only`` the last transformer
-layer too runs its position-wise work on the labelled rows only (:mod:`sebp_probe.last_layer`); for
+layer too runs its position-wise work on the labelled rows only (:mod:`sebp_probe.model.last_layer`); for
 ``classification`` (BERT-like encoders) that is the head path's only change: the last layer computes the [CLS] rows,
 and the loss is the model's own.
 """
@@ -26,7 +26,7 @@ from torch import nn
 from sebp_kernels import linear_cross_entropy
 from sebp_kernels.linear_ce import labelled_rows
 
-from .families import FAMILIES, family_of
+from ..families import FAMILIES, family_of
 from .last_layer import KeptRows, LastLayerError, kept_rows_family, last_layer_on_rows
 
 IGNORE_INDEX = -100

@@ -15,7 +15,7 @@ Entries, one result row each, layout x method x head x timing:
   activations too; ``liger``: a second copy of the model (same weights) patched by Liger-Kernel (its RMSNorm,
   SwiGLU, RoPE and fused linear cross-entropy over all rows), decoders on CUDA where ``liger_kernel`` imports;
 - head ``full``: the model's own loss (logits of every position); ``labelled``: the last layer and the head on
-  the rows the loss reads only (:func:`~sebp_probe.losses.batch_loss` with ``labelled_head``);
+  the rows the loss reads only (:func:`~sebp_probe.model.losses.batch_loss` with ``labelled_head``);
 - timing ``eager``, and with ``graphs`` also ``graphs``: forward and backward replayed as CUDA graphs, where a
   batch has a fixed shape and the step no host sync.
 
@@ -39,8 +39,8 @@ import torch
 
 from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
     layout_padding, make_items, sample_lengths, summarize
-from .families import FAMILIES, names
-from .layouts import LAYOUTS
+from ..families import FAMILIES, names
+from ..layouts import LAYOUTS
 
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"))
 WARMUP = 2
@@ -76,9 +76,9 @@ def build_model(case: ModelCase, dtype: torch.dtype, device: torch.device):
 
 def packed_backend(cfg, device: torch.device, dtype: torch.dtype) -> str:
     """How packed rows are expected to run on ``device`` without building the model (the plan): what
-    :func:`~sebp_probe.packing.attention_backend`, which the run asks, picks for the model of ``cfg`` in
-    training (the same :func:`~sebp_probe.packing.varlen_blocker`; encoders and decoders alike)."""
-    from .packing import varlen_blocker
+    :func:`~sebp_probe.model.packing.attention_backend`, which the run asks, picks for the model of ``cfg`` in
+    training (the same :func:`~sebp_probe.model.packing.varlen_blocker`; encoders and decoders alike)."""
+    from ..model.packing import varlen_blocker
 
     return "mask" if varlen_blocker(cfg, device.type, dtype, training=True) else "varlen"
 
@@ -200,7 +200,7 @@ def time_eager(model, loss_fn: Callable[[], torch.Tensor], repeats: int, warmup:
 
 def time_graphs(model, batch: dict, repeats: int, warmup: int) -> dict:
     """The same as CUDA-graph replays of ``model(**batch).loss`` and its backward (no peak)."""
-    from .graphs import replay_ms
+    from ..train.graphs import replay_ms
 
     try:
         f, b = replay_ms(model, batch, repeats, skip=warmup)
@@ -217,7 +217,7 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
     The labelled head computes its LM head itself (a plain nn.Linear is what it reads), so that one stays."""
     from sebp_kernels import SEBPConfig, zero_rows
 
-    from .patch import pad_rows_summary, patch_sebp, unpatch_model
+    from ..model.patch import pad_rows_summary, patch_sebp, unpatch_model
 
     # decoders: every projection, and under the full head the LM head (its rows at label -100 get no gradient)
     targets = None if case.task == "classification" else \
@@ -335,10 +335,10 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     kind. ``keep_dx``: the SEBP entries take dX from :mod:`sebp_kernels.zero_rows` (its buffers count in their
     peak; the pool is emptied after each). ``device``: ``cpu`` runs everything but the CUDA-only entries
     (a check of the run, not a timing)."""
-    from .graphs import CaptureError
-    from .losses import batch_loss
-    from .packing import attention_backend
-    from .train_data import to_device
+    from ..train.graphs import CaptureError
+    from ..model.losses import batch_loss
+    from ..model.packing import attention_backend
+    from ..data.train_data import to_device
 
     check_pad_mask(case, pad_mask)
     dev = torch.device(device)

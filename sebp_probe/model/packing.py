@@ -1,4 +1,4 @@
-"""The loss of a packed batch (:class:`~sebp_probe.batching.PackedCollator`), equal to that of the same
+"""The loss of a packed batch (:class:`~sebp_probe.data.batching.PackedCollator`), equal to that of the same
 sequences padded: attention never crosses a sequence, positions restart for each sequence.
 
 Two attention layouts (``backend``), for decoders' causal LMs and encoders' classifiers alike (the families of
@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .batching import PackingError
-from .families import FAMILIES, family_of, names
-from .layouts import PADDED
+from ..data.batching import PackingError
+from ..families import FAMILIES, family_of, names
+from ..layouts import PADDED
 
 VARLEN = "sebp_varlen"  # the attention implementation name under which varlen runs (sdpa for other calls)
 # the padded layouts, nearest to packed first

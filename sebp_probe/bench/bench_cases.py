@@ -6,16 +6,16 @@ Same data for every layout: a case samples one pool of ``batch x n_batches`` seq
 distribution, random tokens, labels as fine-tuning has them), and every layout lays out that pool:
 
 - ``max_length``, ``longest``, ``packed``: the pool in random order cut into ``n_batches`` batches of ``batch``
-  sequences (:func:`~sebp_probe.batching.random_batches`, the training sampler's order), padded to
+  sequences (:func:`~sebp_probe.data.batching.random_batches`, the training sampler's order), padded to
   ``max_length``, to each batch's longest, or packed into rows of at most ``max_length`` tokens
-  (:class:`~sebp_probe.batching.PackedCollator`);
-- ``bucket``: the same pool regrouped by length (:func:`~sebp_probe.batching.length_grouped_batches`). The pool
+  (:class:`~sebp_probe.data.batching.PackedCollator`);
+- ``bucket``: the same pool regrouped by length (:func:`~sebp_probe.data.batching.length_grouped_batches`). The pool
   is smaller than the sampler's megabatch, so it is sorted whole: training sorts 50 batches at a time and gets
   batches at least this similar.
 
 Each layout thus runs the same sequences in ``n_batches`` batches, and its mean time per batch compares what
 the whole pool costs. The padding share of a layout is 1 - real tokens / token slots on those batches
-(:func:`~sebp_probe.batching.padding_share`, which forms the same batches from the same seed); packed rows run
+(:func:`~sebp_probe.data.batching.padding_share`, which forms the same batches from the same seed); packed rows run
 by varlen attention are one flattened row without any padding (share 0).
 
 Limit of a layout (:func:`backward_flops`): the step time if the backward GEMMs of the rows whose dL/dY is zero
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .batching import batch_order, collator, padding_share
-from .layouts import LAYOUTS
+from ..data.batching import batch_order, collator, padding_share
+from ..layouts import LAYOUTS
 
 PAD_ID = 0
 
@@ -130,7 +130,7 @@ def sample_lengths(kind: str, n: int, max_length: int, seed: int) -> list[int]:
 
 
 def make_items(case: ModelCase, lengths: list[int], vocab: int, seed: int) -> list[dict]:
-    """Tokenized examples as :func:`~sebp_probe.textdata.tokenize` gives them: random ids (never the pad id);
+    """Tokenized examples as :func:`~sebp_probe.data.textdata.tokenize` gives them: random ids (never the pad id);
     classification a random label of 2, causal LM labels -100 on the first ``prompt`` share of the tokens."""
     g = torch.Generator().manual_seed(seed + 1)
     items = []

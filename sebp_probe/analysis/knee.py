@@ -1,6 +1,6 @@
 """From gradient histograms to SEBP settings: the noise threshold eps, the row capacity N, and what they save.
 
-numpy, scipy and kneed only. The histograms come from :mod:`sebp_probe.hooks`, which buckets magnitudes by
+numpy, scipy and kneed only. The histograms come from :mod:`sebp_probe.analysis.hooks`, which buckets magnitudes by
 their float32 bit pattern, so every bucket edge is an exact float32 value:
 
 * fine buckets (8 per octave): bucket 0 holds exact zeros; bucket ``j >= 1`` holds values in
@@ -60,7 +60,7 @@ def lower_edges(edges: np.ndarray) -> np.ndarray:
 
 
 def fine_histogram(values: np.ndarray) -> np.ndarray:
-    """numpy twin of the device-side bucketing of :mod:`sebp_probe.hooks`: counts of |values| per fine
+    """numpy twin of the device-side bucketing of :mod:`sebp_probe.analysis.hooks`: counts of |values| per fine
     bucket (float32 bits, 8 buckets per octave; bucket 0 = exact zeros; every NaN in the canonical NaN's)."""
     bits = np.abs(np.asarray(values, dtype=np.float32)).ravel().view(np.int32).astype(np.int64)
     bits[bits > _INF_BITS] = _NAN_BITS

@@ -25,9 +25,9 @@ from .knee import (
     recommend_top_n,
     rows_above,
 )
-from .notes import collect_notes, note
+from ..notes import collect_notes, note
 from .report import SCHEMA, SCHEMA_VERSION
-from .resprop import ReuseDropCollector
+from ..model.resprop import ReuseDropCollector
 
 Progress = Callable[[int, int], None]
 
@@ -44,7 +44,7 @@ class AnalyzeSettings:
     target_modules / exclude_modules: which linears (patterns as in :func:`sebp_probe.patch_model`).
     quantile, margin, tile: N = quantile of per-batch rows above eps, times (1 + margin), rounded up to a
     multiple of tile (the kernels' row block).
-    min_gap_decades: the narrowest noise/signal gap that counts as a knee (see :mod:`sebp_probe.knee`).
+    min_gap_decades: the narrowest noise/signal gap that counts as a knee (see :mod:`sebp_probe.analysis.knee`).
     train_mode: run the model in train mode (dropout on), as fine-tuning does.
     reuse: also measure, per layer, what gradient reuse (``finetune --method resprop``) would drop of dL/dY at
     each reuse level, with P from the previous batch's dL/dY (:class:`sebp_probe.ReuseDropCollector`).
@@ -87,7 +87,7 @@ def collect(
 ) -> GradientStats:
     """Run forward + backward over ``batches`` (dicts a Hugging Face model takes, with labels) with the
     collector attached; parameters are not updated. Stops after ``settings.max_batches``. ``task`` says
-    which rows are label-less (None: guessed from the labels, see :func:`sebp_probe.causes.grouper`)."""
+    which rows are label-less (None: guessed from the labels, see :func:`sebp_probe.analysis.causes.grouper`)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.train(settings.train_mode)
@@ -249,8 +249,8 @@ def summarize(stats: GradientStats, settings: AnalyzeSettings = AnalyzeSettings(
 
 def build_report(summary: dict, model_info: dict, dataset_info: dict, padding: dict, layouts: dict | None) -> dict:
     """Wrap a :func:`summarize` result with identities and the layout advice
-    (:func:`sebp_probe.causes.layout_advice`; None without token lengths) into a schema-versioned report."""
-    from ._version import __version__
+    (:func:`sebp_probe.analysis.causes.layout_advice`; None without token lengths) into a schema-versioned report."""
+    from .._version import __version__
 
     return {
         "schema": SCHEMA,
@@ -326,8 +326,8 @@ def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | 
     The task decides how the data is read and the data decides the classifier's size, so the task is
     guessed from the model's config first.
     """
-    from .assets import load_model, model_task
-    from .textdata import load_text_data
+    from ..data.assets import load_model, model_task
+    from ..data.textdata import load_text_data
 
     cfg = _limit_samples(data_cfg, max_batches)
     task = model_task(model_name, task, cfg.max_length)
@@ -337,7 +337,7 @@ def load_assets(model_name: str, data_cfg, max_batches: int | None, task: str | 
 
 
 def padding_info(loaded, cfg) -> dict:
-    from .textdata import padding_side
+    from ..data.textdata import padding_side
 
     return {"padding": cfg.padding, "max_length": cfg.max_length,
             "padding_side": padding_side(loaded, cfg),
@@ -345,8 +345,8 @@ def padding_info(loaded, cfg) -> dict:
 
 
 def _report_for(loaded, data, cfg, settings: AnalyzeSettings, progress: Progress | None) -> dict:
-    from .assets import model_identity
-    from .textdata import make_loader
+    from ..data.assets import model_identity
+    from ..data.textdata import make_loader
 
     loader = make_loader(loaded, data, cfg)
     reuse = ReuseDropCollector(loaded.model, settings.target_modules, settings.exclude_modules) \
@@ -410,7 +410,7 @@ def analyze(
 def analyze_for_finetune(loaded, data_cfg, settings: AnalyzeSettings = AnalyzeSettings(),
                          progress: Progress | None = None) -> dict:
     """The report for an already loaded model (on its current device), as ``finetune --auto-eps`` needs."""
-    from .textdata import load_text_data
+    from ..data.textdata import load_text_data
 
     cfg = _limit_samples(data_cfg, settings.max_batches)
     return _report_for(loaded, load_text_data(cfg, loaded.task), cfg, settings, progress)

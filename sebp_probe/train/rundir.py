@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import FinetuneConfig, FinetuneError
+from ..config import FinetuneConfig, FinetuneError
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
@@ -208,7 +208,7 @@ def versions() -> dict:
     import accelerate
     import transformers
 
-    from ._version import __version__
+    from .._version import __version__
 
     v = {"sebp_probe": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
          "accelerate": accelerate.__version__, "python": platform.python_version()}

@@ -16,7 +16,7 @@ Attention dropout and hidden dropout draw other random numbers than the full lay
 Layers handled: those the model-family registry names (:mod:`sebp_probe.families`: decoder layers of the
 Llama-like families, with split or fused q/k/v projections, per-head or whole-projection query/key norms, and
 norms before, around or after attention and MLP; BERT-like encoder layers); attention "sdpa" or "eager", and for
-decoders the varlen attention of packed batches (:mod:`sebp_probe.packing`): on its flattened row the kept
+decoders the varlen attention of packed batches (:mod:`sebp_probe.model.packing`): on its flattened row the kept
 queries attend, through sdpa, to the keys of their own sequence up to their position.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .families import Family, family_of, model_type
+from ..families import Family, family_of, model_type
 from .packing import VARLEN
 
 ATTENTION = ("sdpa", "eager", VARLEN)

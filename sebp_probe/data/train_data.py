@@ -11,8 +11,8 @@ import torch
 from .assets import AssetError, LoadedModel
 
 from .batching import LengthGroupedBatchSampler, PadCollator, collator, lengths
-from .config import FinetuneConfig, FinetuneError
-from .layouts import LAYOUTS
+from ..config import FinetuneConfig, FinetuneError
+from ..layouts import LAYOUTS
 from .mlm import MLMCollator
 from .textdata import BUNDLED_DATASETS, load_text_data, padding_side, tokenize
 

@@ -106,7 +106,7 @@ def plot_heatmaps(pictures: list, path: str | Path | None = None, title: str | N
     """One row per layer: |dL/dY| of a short and of a long sample (rows = tokens, columns = features, log
     colour scale, exact zeros grey) and the CDF of |dL/dY| with the knee, gap and eps marked.
 
-    ``pictures``: :class:`sebp_probe.heatmap.LayerPicture` objects. Returns the path written, or without
+    ``pictures``: :class:`sebp_probe.analysis.heatmap.LayerPicture` objects. Returns the path written, or without
     ``path`` the Figure itself (a notebook shows it inline).
     """
     from matplotlib.colors import LogNorm
@@ -188,7 +188,7 @@ _BENCH_SERIES = ((("dense", "full"), "dense", "#7f7f7f", ""),
 
 
 def plot_bench_models(models: list[dict], path: str | Path | None = None):
-    """Step milliseconds per layout of each whole-model result (:func:`sebp_probe.bench_model.bench_model`), one
+    """Step milliseconds per layout of each whole-model result (:func:`sebp_probe.bench.bench_model.bench_model`), one
     row of panels per model, one panel per timing (eager, CUDA graphs): grouped bars of dense, Liger-Kernel and
     SEBP (full and labelled-rows head), a black tick at each layout's limit over its SEBP bar, and the fastest
     non-SEBP entry starred with a dashed line across. Returns the path written, or without ``path`` the Figure."""

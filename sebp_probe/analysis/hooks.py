@@ -13,7 +13,7 @@ the same numbers:
   and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
   (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
 
-Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.knee`): an integer shift, no
+Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.analysis.knee`): an integer shift, no
 logarithm, and every bucket edge is an exact float32, so row counts above a threshold at an edge are exact.
 bfloat16 gradients map onto the same buckets without conversion; float16 and float64 are bucketed as
 float32 (float64 magnitudes below ~1e-45 then count as zero, in the histograms and in the zero-row counts).
@@ -23,7 +23,7 @@ The per-row statistics are exact; the histogram of single elements is taken on a
 when a gradient holds more than ``ELEMENT_SAMPLE`` values (see :func:`reduce_grad`).
 
 Told which rows of a batch are padding and which are label-less (``row_groups``, one int8 per token, see
-:mod:`sebp_probe.causes`), the collector also keeps, per layer and batch, the octave histogram of the row max
+:mod:`sebp_probe.analysis.causes`), the collector also keeps, per layer and batch, the octave histogram of the row max
 of each group, in the same reduction; it applies the groups to every hook call with one row per token.
 
 Usage::
@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT, octave_histogram
-from .patch import _logical_name, find_targets
+from ..model.patch import _logical_name, find_targets
 
 _ABS_MASK = 0x7FFFFFFF
 # Per-layer row of a batch's statistics, in both paths (the layout of sebp_kernels._triton.rowstats):
@@ -336,7 +336,7 @@ def _merge(parts: list[np.ndarray], n_layers: int) -> np.ndarray:
 class GradientStatsCollector:
     """Context manager that gathers dL/dY statistics of target linears, batch by batch.
 
-    Targets are found with :func:`sebp_probe.patch.find_targets` (same names as patching; default: the
+    Targets are found with :func:`sebp_probe.model.patch.find_targets` (same names as patching; default: the
     attention and MLP projections), so it works on plain and SEBP-patched models alike. Layer names are the
     logical ones (a peft ``...q_proj.base_layer`` is reported as ``...q_proj``). All hooks are removed when
     the ``with`` block ends, also on error.

@@ -385,5 +385,5 @@ def _require_cuda() -> None:
 
 def run_plan(shapes: Sequence[LayerShape], densities: Sequence[float], models: Sequence[dict]) -> dict:
     """What a run would do, without a GPU (for --dry-run); ``models``: the whole-model plans
-    (:func:`sebp_probe.bench_model.plan`)."""
+    (:func:`sebp_probe.bench.bench_model.plan`)."""
     return {"layers": [asdict(s) for s in shapes], "densities": list(densities), "models": list(models)}

@@ -20,8 +20,8 @@ from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_k
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, PadRows
 
-from .families import Family, family_of, model_type
-from .notes import note
+from ..families import Family, family_of, model_type
+from ..notes import note
 
 # Output heads: left dense by "all-linear" unless named explicitly.
 HEAD_NAMES: tuple[str, ...] = ("classifier", "classification_head", "lm_head", "score", "qa_outputs", "cls",

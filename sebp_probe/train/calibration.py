@@ -16,14 +16,14 @@ import torch
 
 from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
-from .config import FinetuneConfig, FinetuneError
+from ..config import FinetuneConfig, FinetuneError
 from .graphs import replay_ms
-from .losses import batch_loss
-from .patch import find_targets, patch_sebp
+from ..model.losses import batch_loss
+from ..model.patch import find_targets, patch_sebp
 
 
 def _linear_name(modules: dict, name: str) -> str:
-    from .report import linear_name
+    from ..analysis.report import linear_name
 
     real = linear_name(modules, name)
     if real is None:
@@ -152,7 +152,7 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
 
     Leaves no gradients and no trace in the RNG.
     """
-    from .patch import unpatch_model
+    from ..model.patch import unpatch_model
 
     dense_ms, sebp_ms, reason, norm_names = [], [], None, []
     if graphs:
@@ -203,7 +203,7 @@ def take_main_choice(model, c: Calibration, candidates: dict[str, SEBPConfig]) -
         return c
     from accelerate.utils import broadcast_object_list
 
-    from .patch import patched_activations, unpatch_model
+    from ..model.patch import patched_activations, unpatch_model
 
     chosen = broadcast_object_list([{"layers": {n: sc.to_dict() for n, sc in c.layers.items()},
                                      "norms": bool(c.norms), "acts": bool(patched_activations(model))}])[0]

@@ -25,16 +25,16 @@ import torch
 
 from sebp_kernels import SEBPConfig
 
-from .assets import LoadedModel
+from ..data.assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
 from .compiling import compile_or_eager
-from .config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
+from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from .graphs import StepGraphs, shape_key
-from .losses import batch_loss, has_no_target, ready_to_compile, set_head, token_counts
+from ..model.losses import batch_loss, has_no_target, ready_to_compile, set_head, token_counts
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
-from .patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
+from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
-from .train_data import TrainData, first_batches, make_loaders
+from ..data.train_data import TrainData, first_batches, make_loaders
 
 Event = Callable[[str, dict], None]
 
@@ -164,7 +164,7 @@ class Run:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
         elif self.method == "resprop":  # no calibration: the reuse level is the user's trade of accuracy for time
-            from .resprop import patch_resprop
+            from ..model.resprop import patch_resprop
 
             names = patch_resprop(model, self.cfg.reuse, list(self.cfg.targets) if self.cfg.targets else None)
             self.emit("calibrated", {"run": self.method, "layers": {n: {"reuse": self.cfg.reuse} for n in names},
@@ -191,7 +191,7 @@ class Run:
         """What a training step calls for its loss: :func:`batch_loss`. Under ``--compile`` the model compiles in
         place (its forward: evaluation, and the model's own loss) and, where the labelled-rows head runs (it
         goes around the model's forward), the whole step's loss compiles too, the forward inlined in its graph
-        (:func:`~sebp_probe.compiling.compile_or_eager`: one line and eager where it cannot)."""
+        (:func:`~sebp_probe.train.compiling.compile_or_eager`: one line and eager where it cannot)."""
         cfg, labelled = self.cfg, self.head[0] == "labelled"
         if not cfg.compile:
             return batch_loss
@@ -503,7 +503,7 @@ class Run:
 
     def _save_model(self, model, loaded: LoadedModel) -> None:
         """The fine-tuned model as a plain Hugging Face model: LoRA merged, SEBP layers back to nn.Linear."""
-        from .patch import unpatch_model
+        from ..model.patch import unpatch_model
 
         from accelerate.utils import DistributedType
 
