@@ -4,9 +4,10 @@ linear backward with and without the rows the activation hands on (no selection 
     python3 benchmarks/act_bench.py OUT.json
 
 Shapes: BERT-base's GELU (16384 x 3072) and the Llama-3.2-3B SwiGLU (4096 x 8192), bf16; dL/dH with the
-padding layout of ``sebp_probe.bench`` (the first rows of each sequence active) at densities 0.06, 0.2, 1.0.
+padding layout of ``sebp_probe.bench.bench`` (the first rows of each sequence active) at densities 0.06, 0.2, 1.0.
 "bwd_*_kernels": the backward's kernels alone (Hugging Face: the ops autograd runs; SEBP: the pass and the
-compaction). Medians of CUDA-graph replays (the autograd backwards "bwd_hf"/"bwd_sebp": eager calls) with a cold L2 (``sebp_probe.bench.time_methods``).
+compaction). Medians of CUDA-graph replays (the autograd backwards "bwd_hf"/"bwd_sebp": eager calls) with a cold L2
+(``sebp_probe.bench.bench.time_methods``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import sebp_backward_triton
 from sebp_kernels._triton.act import act_backward_triton, act_forward_triton
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
-from sebp_probe.bench import _Flush, environment, padded_rows, time_methods
+from sebp_probe.bench.bench import _Flush, environment, padded_rows, time_methods
 
 CASES = [("bert-base gelu", "gelu", 16384, 3072, 512, 768), ("llama-3.2-3b swiglu", "swiglu", 4096, 8192, 4096, 3072)]
 

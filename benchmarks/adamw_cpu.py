@@ -1,5 +1,5 @@
 """CPU: one AdamW step over the bundled MiniLM's parameters, torch's default implementation against the fused
-one that ``finetune`` uses (``sebp_probe.loop.make_optimizer``).
+one that ``finetune`` uses (``sebp_probe.train.loop.make_optimizer``).
 
 Usage: python benchmarks/adamw_cpu.py [--repeats 20] [--out results/tuning/adamw_cpu.json]
 """
@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import torch  # noqa: E402
 
-from sebp_probe.assets import load_model  # noqa: E402
-from sebp_probe.rundir import device_name, versions  # noqa: E402
+from sebp_probe.data.assets import load_model  # noqa: E402
+from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
 
 def step_ms(params: list[torch.nn.Parameter], repeats: int, **kwargs) -> float:

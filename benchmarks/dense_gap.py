@@ -19,7 +19,7 @@ from sebp_kernels._triton import sebp_backward_triton
 from sebp_kernels._triton.backward import _ieee
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
-from sebp_probe.bench import environment, padded_rows, resolve_shapes
+from sebp_probe.bench.bench import environment, padded_rows, resolve_shapes
 
 
 def bench(fn):

@@ -31,7 +31,7 @@ from sebp_kernels._triton.backward import _ieee
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
 from sebp_kernels._triton.tiles import grouped_tile
-from sebp_probe.bench import _Flush, time_methods
+from sebp_probe.bench.bench import _Flush, time_methods
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from dense_gap import layer_shapes, operands, padded, run_probe, write_rows  # noqa: E402

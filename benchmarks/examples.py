@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sebp_probe.rundir import versions  # noqa: E402
+from sebp_probe.train.rundir import versions  # noqa: E402
 
 EXAMPLES = {
     "analyze": ["analyze", "minilm", "tweets", "--max-batches", "4"],

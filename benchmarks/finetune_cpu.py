@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
 
 from sebp_probe.config import AUTO, DataConfig, FinetuneConfig  # noqa: E402
-from sebp_probe.finetune import finetune  # noqa: E402
+from sebp_probe.train.finetune import finetune  # noqa: E402
 from sebp_probe.layouts import LAYOUTS  # noqa: E402
-from sebp_probe.rundir import device_name, versions  # noqa: E402
+from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
 
 def run(args, padding: str, method: str, out: Path) -> dict:

@@ -1,7 +1,7 @@
 """Write a Llama model with random weights (seed 0) and a tokenizer to a directory, for the GPU fine-tuning runs
 of benchmarks/fsdp_session.sh and benchmarks/compare_session.sh (the device machine has no hub access).
 
-Shapes: ``1b`` (default), sebp_probe.bench_cases' Llama-3.2-1B; ``small``, a ~120M Llama (12 layers of 768).
+Shapes: ``1b`` (default), sebp_probe.bench.bench_cases' Llama-3.2-1B; ``small``, a ~120M Llama (12 layers of 768).
 The vocabulary is the tokenizer's: the bundled MiniLM's (30522 word pieces), so that the bundled tweets
 tokenize without a download.
 
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: E402
 
-from sebp_probe.bench_cases import _LLAMA_1B  # noqa: E402
+from sebp_probe.bench.bench_cases import _LLAMA_1B  # noqa: E402
 
 
 SHAPES = {"1b": _LLAMA_1B,

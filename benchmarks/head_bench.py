@@ -14,7 +14,7 @@ sequences of 512 tokens with 15% of the positions chosen (the standard masking),
 
   hf               the full head: logits of every position, then the model's loss (logits cast to fp32)
   gather           hidden[labelled] @ W^T, then cross-entropy
-  ours             sebp_kernels.linear_cross_entropy (model scope: sebp_probe.heads.head_loss)
+  ours             sebp_kernels.linear_cross_entropy (model scope: sebp_probe.model.heads.head_loss)
   ours+last_layer  head_loss(last_layer_rows_only=True) (model scope only)
   ours+last_layer+sebp  the same on a copy of the model (same weights) whose linears, norms and MLP
                    activations run the SEBP backward (exact; model scope, ``--sebp``): their fused Triton
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
 
 from sebp_kernels import linear_cross_entropy  # noqa: E402
-from sebp_probe.heads import head_loss  # noqa: E402
+from sebp_probe.model.heads import head_loss  # noqa: E402
 
 SHAPES = {
     "llama-3.2-1b": dict(arch="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
@@ -90,7 +90,7 @@ def make_batch(vocab: int, batch: int, seq: int, prompt: float, device: torch.de
     ids = torch.randint(104 if mlm else 0, vocab, (batch, seq), generator=g)  # MLM: no special token ids
     labels = ids.clone()
     if mlm:
-        from sebp_probe.mlm import mask_tokens
+        from sebp_probe.data.mlm import mask_tokens
 
         ids, labels = mask_tokens(ids, mask_token_id=103, vocab_size=vocab, special_ids=(0, 101, 102, 103),
                                   generator=g)
@@ -242,7 +242,7 @@ def sebp_method(model, task: str, chunk_rows: int | None):
     import copy
 
     from sebp_kernels import SEBPConfig
-    from sebp_probe.patch import patch_sebp
+    from sebp_probe.model.patch import patch_sebp
 
     twin = copy.deepcopy(model)
     patch_sebp(twin, SEBPConfig("exact"), norms=True, acts=True)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sebp_kernels import sebp_layer_norm, sebp_rms_norm
-from sebp_probe.bench import _Flush, environment, padded_rows, time_methods
+from sebp_probe.bench.bench import _Flush, environment, padded_rows, time_methods
 
 CASES = [("bert-base LayerNorm", "layer", 16384, 768, 512), ("llama-3.2-3b RMSNorm", "rms", 4096, 3072, 4096)]
 DENSITIES = (0.05, 0.2, 0.5, 1.0)

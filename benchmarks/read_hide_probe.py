@@ -28,7 +28,7 @@ import triton.language as tl
 from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import sebp_backward_triton
 from sebp_kernels._triton.select import _sm_count
-from sebp_probe.bench import _Flush, time_methods
+from sebp_probe.bench.bench import _Flush, time_methods
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from dense_gap import layer_shapes, operands, padded, run_probe, write_rows  # noqa: E402

@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import torch  # noqa: E402
 
 from sebp_probe import ReuseDropCollector, __version__, patch_resprop  # noqa: E402
-from sebp_probe.analyze import layer_type  # noqa: E402
-from sebp_probe.assets import load_model  # noqa: E402
+from sebp_probe.analysis.analyze import layer_type  # noqa: E402
+from sebp_probe.data.assets import load_model  # noqa: E402
 from sebp_probe.config import DataConfig  # noqa: E402
-from sebp_probe.batching import PadCollator  # noqa: E402
-from sebp_probe.textdata import load_text_data, padding_side, tokenize  # noqa: E402
+from sebp_probe.data.batching import PadCollator  # noqa: E402
+from sebp_probe.data.textdata import load_text_data, padding_side, tokenize  # noqa: E402
 
 from resprop_variants import parse, variant  # noqa: E402
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from sebp_kernels._triton import select
 from sebp_kernels._triton.tuning import cdiv
-from sebp_probe.bench import _Flush, padded_rows, time_methods
+from sebp_probe.bench.bench import _Flush, padded_rows, time_methods
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

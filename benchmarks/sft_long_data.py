@@ -2,7 +2,7 @@
 (benchmarks/fsdp_session.sh): the tweets alone are 20-60 tokens, so their batches leave little for SEBP.
 
 Each example's length in tokens (of the given tokenizer) follows the whole-model benchmark's ``sft``
-distribution (:func:`sebp_probe.bench_cases.sample_lengths`: log-normal, median 300 at 2048, up to 2048): the
+distribution (:func:`sebp_probe.bench.bench_cases.sample_lengths`: log-normal, median 300 at 2048, up to 2048): the
 prompt lists consecutive tweets of the training split and asks for the sentiment of each; the response is
 the list of sentiment words (the loss reads only it, as in supervised fine-tuning).
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sebp_probe.bench_cases import sample_lengths  # noqa: E402
-from sebp_probe.textdata import _tweets_rows  # noqa: E402
+from sebp_probe.bench.bench_cases import sample_lengths  # noqa: E402
+from sebp_probe.data.textdata import _tweets_rows  # noqa: E402
 
 HEAD = "Classify the sentiment of each tweet below as negative, neutral or positive, one word per tweet.\n"
 

@@ -20,7 +20,7 @@ from sebp_kernels._triton.backward import _ieee, sebp_backward_triton
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
 from sebp_kernels import SEBPConfig
-from sebp_probe.bench_cases import MODEL_CASES, layout_indices, sample_lengths
+from sebp_probe.bench.bench_cases import MODEL_CASES, layout_indices, sample_lengths
 
 from dense_gap import bench, write_rows
 

@@ -15,7 +15,7 @@ from sebp_kernels import SEBPConfig
 from sebp_kernels._triton import grads, norm, select
 from sebp_kernels._triton.act import _bwd, _fwd, act_backward_triton, act_forward_triton
 from sebp_kernels._triton.backward import sebp_backward_triton
-from sebp_probe.bench import padded_rows
+from sebp_probe.bench.bench import padded_rows
 
 
 def shared(launcher):

@@ -5,7 +5,7 @@
     python benchmarks/trainer_bench.py --out trainer.json --padding-free  # the same with TRL's padding-free batches
     python benchmarks/trainer_bench.py --out tiny.json --tiny --steps 2 --variants plain,sebp   # a CPU check
 
-The model is the case's (``--case``, from sebp_probe.bench_cases: random weights, fp32 parameters; on a GPU the
+The model is the case's (``--case``, from sebp_probe.bench.bench_cases: random weights, fp32 parameters; on a GPU the
 trainer's bf16 autocast), the data the case's sequences (``--max-length``, ``--batch``: its length distribution
 and prompt share, labels -100 on the prompt), the same batches for every variant. Variants:
 
@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
 
-from sebp_probe.bench_cases import MODEL_CASES, make_items, sample_lengths, tiny  # noqa: E402
-from sebp_probe.bench_model import build_model  # noqa: E402
-from sebp_probe.rundir import device_name, versions  # noqa: E402
+from sebp_probe.bench.bench_cases import MODEL_CASES, make_items, sample_lengths, tiny  # noqa: E402
+from sebp_probe.bench.bench_model import build_model  # noqa: E402
+from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
 VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile")
 

@@ -54,9 +54,9 @@ def plain_linear(linear: nn.Linear) -> nn.Linear:
 class SEBPLinear(nn.Linear):
     """Drop-in nn.Linear with the SEBP backward. Build it with :meth:`from_linear` to share Parameters."""
 
-    # set by sebp_probe.patch.patch_activations on the linears that read an SEBP activation's gradient
+    # set by sebp_probe.model.patch.patch_activations on the linears that read an SEBP activation's gradient
     _sebp_hint = None
-    # set by sebp_probe.patch.patch_model: the model's PadRows (sebp_kernels.pad_rows)
+    # set by sebp_probe.model.patch.patch_model: the model's PadRows (sebp_kernels.pad_rows)
     _sebp_pad_rows = None
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):

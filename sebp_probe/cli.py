@@ -197,7 +197,7 @@ def finetune_cmd(
     metrics.jsonl, summary.json, loss.png, eval.png, model/ (plain Hugging Face) and checkpoints/.
     """
     from .config import DataConfig, FinetuneConfig
-    from .finetune import finetune
+    from .train.finetune import finetune
 
     if bf16 and fp16:
         raise UserError("--bf16 and --fp16 exclude each other")
@@ -313,15 +313,15 @@ def bench_cmd(
     bandwidth measured in the run; triton = the fused SEBP backward (selection included); torch ref = the
     pure-torch SEBP. Whole model: step = forward + backward of one batch (median ms, mean over the batches every
     layout forms from one pool of sequences); the limit of a layout = its step with the backward GEMMs of the
-    inactive rows removed (see sebp_probe/bench_cases.py). Exit code 1 without a GPU (unless --tiny).
+    inactive rows removed (see sebp_probe/bench/bench_cases.py). Exit code 1 without a GPU (unless --tiny).
     """
     import json
     import shlex
 
     import torch
 
-    from . import bench, bench_cases, bench_model
-    from .plots import check_image_path, plot_bench_models
+    from .bench import bench, bench_cases, bench_model
+    from .analysis.plots import check_image_path, plot_bench_models
 
     if scope not in ("layers", "model", "all"):
         raise UserError(f"--scope must be layers, model or all, got {scope!r}")
@@ -371,7 +371,7 @@ def bench_cmd(
         bench._require_cuda()
     from pathlib import Path
 
-    from .rundir import write_json
+    from .train.rundir import write_json
 
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
@@ -488,8 +488,8 @@ def analyze_cmd(
     """
     import torch
 
-    from .analyze import AnalyzeSettings, analyze
-    from .report import save_report
+    from .analysis.analyze import AnalyzeSettings, analyze
+    from .analysis.report import save_report
 
     if padding_side not in (None, "left", "right"):
         raise UserError(f"--padding-side must be left or right, got {padding_side!r}")
@@ -551,9 +551,9 @@ def heatmap_cmd(
     """
     import torch
 
-    from .analyze import AnalyzeSettings
-    from .heatmap import heatmaps
-    from .plots import check_image_path, plot_heatmaps
+    from .analysis.analyze import AnalyzeSettings
+    from .analysis.heatmap import heatmaps
+    from .analysis.plots import check_image_path, plot_heatmaps
 
     check_output_file(output, overwrite)
     check_image_path(output)

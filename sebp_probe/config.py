@@ -100,12 +100,12 @@ class FinetuneConfig:
     ``fallback_if_slower``: the whole model stays dense when SEBP's backward measures slower at calibration.
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the
     linear layers in calibration). ``sebp_acts``: likewise the MLP activations (SwiGLU, GELU; see
-    :func:`~sebp_probe.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward
-    are replayed as CUDA graphs (:mod:`sebp_probe.graphs`), one pair per batch shape, in calibration too
+    :func:`~sebp_probe.model.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward
+    are replayed as CUDA graphs (:mod:`sebp_probe.train.graphs`), one pair per batch shape, in calibration too
     (one GPU); with padding ``longest`` the batches are padded to a multiple of ``graph_bucket`` tokens.
     ``head``: ``labelled`` computes the loss without the rows no loss reaches where that is exact (the LM
     head and the last layer on labelled rows only; a BERT/RoBERTa classifier's last layer on its [CLS] rows;
-    :mod:`sebp_probe.losses`), ``full`` the model's own loss. ``compile``: a ``torch.compile`` mode for the
+    :mod:`sebp_probe.model.losses`), ``full`` the model's own loss. ``compile``: a ``torch.compile`` mode for the
     training model (one of ``COMPILE_MODES``); the SEBP layers' backward compiles as ``sebp::`` custom ops
     (:mod:`sebp_kernels.registry`); on a GPU, the modes that record CUDA graphs (``reduce-overhead``,
     ``max-autotune``) also time calibration as graph replays.

@@ -21,9 +21,9 @@ class Layout:
     """One batch layout.
 
     pad_to: what each batch is padded to (``max_length``: ``--max-length``; ``longest``: its longest sequence),
-    as :class:`~sebp_probe.batching.PadCollator` takes it; None: sequences packed into rows
-    (:class:`~sebp_probe.batching.PackedCollator`), which only some model families run exactly.
-    grouped: batches of similar lengths (:class:`~sebp_probe.batching.LengthGroupedBatchSampler`), so a step
+    as :class:`~sebp_probe.data.batching.PadCollator` takes it; None: sequences packed into rows
+    (:class:`~sebp_probe.data.batching.PackedCollator`), which only some model families run exactly.
+    grouped: batches of similar lengths (:class:`~sebp_probe.data.batching.LengthGroupedBatchSampler`), so a step
     holds other sequences than under the random batches of the other layouts.
     fixed_shapes: its batches take few shapes, so CUDA graphs (``--cuda-graphs``, ``--compile
     reduce-overhead``) can record them.

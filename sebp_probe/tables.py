@@ -132,7 +132,7 @@ def _ms_iqr(part: dict, who: str) -> str:
 
 def comparison_line(cmp: dict, runs: dict) -> str:
     """The ``--compare`` headline: what the two runs' times may be read as (see
-    :func:`sebp_probe.metrics.compare_runs`), never a speedup where none was measured."""
+    :func:`sebp_probe.train.metrics.compare_runs`), never a speedup where none was measured."""
     t = cmp.get("timing", {})
     verdict = cmp.get("verdict")
     n = t.get("timed_steps", 0)
@@ -360,7 +360,7 @@ def print_analysis(report: dict, per_layer: bool) -> None:
     from rich import box
     from rich.table import Table
 
-    from .analyze import layer_type_rows
+    from .analysis.analyze import layer_type_rows
 
     m, d, p = report["model"], report["dataset"], report["padding"]
     console.print(f"[bold]{m['name']}[/bold] ({m['architecture']}, {m['task']}) on [bold]{d['name']}[/bold] "
@@ -451,7 +451,7 @@ def _print_reuse(reuse: dict) -> None:
     from rich import box
     from rich.table import Table
 
-    from .analyze import reuse_type_rows
+    from .analysis.analyze import reuse_type_rows
 
     rows = reuse_type_rows(reuse)
     shown = [lv for lv in _REUSE_SHOWN if rows and lv in rows[0]["dropped"]]

@@ -75,7 +75,7 @@ def collect_with_grads(model: LinearStack, steps, groups=None, **collector_kw):
     """Run the collector over ``steps``: each a list of (layer index, leading shape, dL/dY) calls of one
     batch; the gradients reach the hooks exactly as given. ``groups``: per step, the batch's row groups (the
     calls with that many rows get them) or None."""
-    from sebp_probe.hooks import GradientStatsCollector
+    from sebp_probe.analysis.hooks import GradientStatsCollector
 
     p = next(model.parameters())
     with GradientStatsCollector(model, target_modules="all-linear", **collector_kw) as col:

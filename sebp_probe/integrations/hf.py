@@ -9,13 +9,13 @@
 
 What :func:`apply_sebp` does, as a ``finetune`` run does before its first step:
 
-- the head (:mod:`sebp_probe.losses`): with ``head="labelled"`` the training loss of a causal LM (or masked LM)
+- the head (:mod:`sebp_probe.model.losses`): with ``head="labelled"`` the training loss of a causal LM (or masked LM)
   runs the output layer and the last transformer layer on the labelled rows only
-  (:func:`sebp_probe.heads.head_loss`), with the trainer's ``num_items_in_batch`` (so gradient accumulation
+  (:func:`sebp_probe.model.heads.head_loss`), with the trainer's ``num_items_in_batch`` (so gradient accumulation
   divides as the trainer does), its label smoothing, completion-only labels and TRL's padding-free batches
   (one flattened row, ``position_ids`` and ``cu_seq_lens_q``); a BERT/RoBERTa classifier's last layer computes
   its [CLS] rows only, under the trainer's own loss. Evaluation keeps the trainer's own loss.
-- the SEBP layers (:mod:`sebp_probe.calibration`): the candidates (``targets``, by default the attention and
+- the SEBP layers (:mod:`sebp_probe.train.calibration`): the candidates (``targets``, by default the attention and
   MLP projections, in exact mode; or each layer's setting from an ``analyze`` report) that the calibration on
   the trainer's first batches finds worth it, patched in place (same Parameters: an optimizer, peft LoRA and
   checkpoints see the same model).
@@ -40,12 +40,12 @@ import torch
 
 from sebp_kernels import SEBPConfig
 
-from .. import calibration as calib
+from ..train import calibration as calib
 from ..config import FinetuneConfig
-from ..heads import HeadError, head_loss, unwrap
-from ..last_layer import KeptRows, last_layer_on_rows
-from ..losses import HEADS, _task_of, set_head, use_head
-from ..patch import PatchError, patched_activations, unpatch_model
+from ..model.heads import HeadError, head_loss, unwrap
+from ..model.last_layer import KeptRows, last_layer_on_rows
+from ..model.losses import HEADS, _task_of, set_head, use_head
+from ..model.patch import PatchError, patched_activations, unpatch_model
 
 log = logging.getLogger(__name__)
 _HANDLE = "_sebp_handle"  # on the trainer: the handle of the call that changed it
@@ -191,7 +191,7 @@ def _candidates(model, report, targets: list[str] | None, backend: str) -> tuple
     model has none it knows. A bad report or ``targets`` naming nothing raise: the caller's mistake."""
     report_layers = None
     if report is not None:
-        from ..report import check_report_for_model, layer_configs_from_report, load_report, validate_report
+        from ..analysis.report import check_report_for_model, layer_configs_from_report, load_report, validate_report
 
         report = validate_report(dict(report)) if isinstance(report, Mapping) else load_report(report)
         check_report_for_model(report, model)

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sebp_probe.cli import app
-from sebp_probe.report import check_report_for_model, layer_configs_from_report, load_report
+from sebp_probe.analysis.report import check_report_for_model, layer_configs_from_report, load_report
 
 SMALL = ["--max-batches", "2", "--batch-size", "8", "--max-length", "32"]
 
@@ -94,7 +94,7 @@ def test_analyze_smollm2_left_padded_report_patches_the_model(tmp_path):
     assert report["model"]["model_type"] == "llama" and report["padding"]["padding_side"] == "left"
     assert len(report["layers"]) == 60
     from sebp_probe import patch_model
-    from sebp_probe.assets import load_model
+    from sebp_probe.data.assets import load_model
 
     model = load_model("smollm2").model
     check_report_for_model(report, model)

@@ -49,7 +49,7 @@ def test_a_tokenizer_that_is_not_the_models_is_refused(tmp_path, command, folder
     else:
         from transformers import AutoTokenizer
 
-        from sebp_probe.assets import minilm_dir
+        from sebp_probe.data.assets import minilm_dir
 
         _bert_without_tokenizer(model, vocab=120)
         AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(model)
@@ -200,7 +200,7 @@ def test_resume_on_another_number_of_processes_is_refused(tiny, tmp_path):
 def test_overwrite_keeps_the_old_run_until_the_new_one_took_a_step(tiny, tmp_path, monkeypatch, fail_at, error):
     import json
 
-    import sebp_probe.loop as loop
+    import sebp_probe.train.loop as loop
 
     out = tmp_path / "run"
     args = [tiny, *FAST, "--max-steps", "3", "--method", "dense", "-o", str(out)]
@@ -316,7 +316,7 @@ def test_max_length_above_the_models_positions_is_one_line(tiny, tmp_path, comma
 
 
 def test_roberta_positions_leave_out_the_padding_offset():
-    from sebp_probe.assets import max_positions
+    from sebp_probe.data.assets import max_positions
     from tests.tiny_models import tiny_config
 
     assert max_positions(tiny_config("roberta")) == 70 - 2  # pad_token_id 1: positions start at 2
@@ -350,7 +350,7 @@ def test_an_output_that_cannot_be_written_is_one_line_before_the_work(tiny, tmp_
     if case == "no permission":  # (a root user may write anywhere: the check is what is tested)
         monkeypatch.setattr(outputs.os, "access", lambda p, mode: Path(p) != tmp_path)
     calls = []
-    monkeypatch.setattr("sebp_probe.assets.resolve_model_path", lambda *a: calls.append(a))  # no work starts
+    monkeypatch.setattr("sebp_probe.data.assets.resolve_model_path", lambda *a: calls.append(a))  # no work starts
     args = ["--layer", "query"] if command == "heatmap" else []
     line = _error_line(_analyze(tiny, "tweets", *args, "-o", str(target)) if command == "analyze" else
                        _heatmap(tiny, "tweets", *args, "-o", str(target)))
@@ -412,7 +412,7 @@ def test_hub_names_offline_and_near_misses_say_so(tmp_path, monkeypatch, command
 
 
 def test_a_near_miss_online_keeps_the_hubs_reason():
-    from sebp_probe.assets import hub_miss
+    from sebp_probe.data.assets import hub_miss
 
     line = hub_miss("model", "SmolLM", ("minilm", "smollm2"), "404: not a valid model identifier", None)
     assert line == ("cannot load model 'SmolLM' from the hub: 404: not a valid model identifier; did you mean "
@@ -427,7 +427,7 @@ def test_texts_that_read_like_missing_values_stay_texts(tmp_path, suffix):
     import json
 
     from sebp_probe.config import DataConfig
-    from sebp_probe.textdata import load_text_data
+    from sebp_probe.data.textdata import load_text_data
 
     texts = ["NaN", "NA", "null", "None", "N/A", "", "hello"]
     f = tmp_path / f"d{suffix}"
@@ -444,9 +444,9 @@ def test_texts_that_read_like_missing_values_stay_texts(tmp_path, suffix):
 
 @pytest.mark.parametrize("missing", ["NA", "null", ""])
 def test_a_missing_label_is_still_refused(tmp_path, missing):
-    from sebp_probe.assets import AssetError
+    from sebp_probe.data.assets import AssetError
     from sebp_probe.config import DataConfig
-    from sebp_probe.textdata import load_text_data
+    from sebp_probe.data.textdata import load_text_data
 
     f = tmp_path / "d.csv"
     f.write_text(f"text,label\na,0\nb,{missing}\nc,1\n")
@@ -460,7 +460,7 @@ def test_repeated_rows_of_a_local_file_never_reach_both_splits(tiny, tmp_path, r
     import json
 
     from sebp_probe.config import DataConfig
-    from sebp_probe.textdata import load_text_data
+    from sebp_probe.data.textdata import load_text_data
 
     f = tmp_path / "d.csv"
     _labelled_csv(f, [0, 1, 2])

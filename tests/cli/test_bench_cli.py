@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sebp_probe import bench, bench_cases, bench_model
+from sebp_probe.bench import bench, bench_cases, bench_model
 from sebp_probe.cli import app
 
 runner = CliRunner()

@@ -20,7 +20,7 @@ SIZES = ["--max-samples", "24", "--batch-size", "8", "--max-length", "24"]
 
 
 def _save(model_type: str, path: Path) -> str:
-    from sebp_probe.assets import minilm_dir
+    from sebp_probe.data.assets import minilm_dir
 
     tok = AutoTokenizer.from_pretrained(minilm_dir())
     auto = AutoModelForCausalLM if FAMILY_TASKS.get(model_type, "causal-lm") == "causal-lm" \

@@ -23,7 +23,7 @@ FAST = ["--max-samples", "160", "--batch-size", "8", "--max-length", "32", "--ev
 
 
 def _tiny_bert(path: Path, hidden: int = 32) -> str:
-    from sebp_probe.assets import minilm_dir
+    from sebp_probe.data.assets import minilm_dir
 
     tok = AutoTokenizer.from_pretrained(minilm_dir())
     cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
@@ -202,10 +202,10 @@ def test_dataset_without_labels_is_refused(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_report_for_another_model_is_refused(tiny, tmp_path):
-    from sebp_probe.analyze import AnalyzeSettings, analyze_for_finetune
-    from sebp_probe.assets import load_model
+    from sebp_probe.analysis.analyze import AnalyzeSettings, analyze_for_finetune
+    from sebp_probe.data.assets import load_model
     from sebp_probe.config import DataConfig
-    from sebp_probe.report import save_report
+    from sebp_probe.analysis.report import save_report
 
     other = load_model(_tiny_bert(tmp_path / "wide", hidden=48), num_labels=3)
     report = analyze_for_finetune(other, DataConfig(max_samples=16, batch_size=8, max_length=32),
@@ -258,10 +258,10 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
 
 
 def test_topk_report_from_other_batch_shapes_is_refused(tiny, tmp_path):
-    from sebp_probe.analyze import AnalyzeSettings, analyze_for_finetune
-    from sebp_probe.assets import load_model
+    from sebp_probe.analysis.analyze import AnalyzeSettings, analyze_for_finetune
+    from sebp_probe.data.assets import load_model
     from sebp_probe.config import DataConfig
-    from sebp_probe.report import save_report
+    from sebp_probe.analysis.report import save_report
 
     loaded = load_model(tiny, num_labels=3)
     report = analyze_for_finetune(loaded, DataConfig(max_samples=16, batch_size=4, max_length=32),
@@ -274,7 +274,7 @@ def test_topk_report_from_other_batch_shapes_is_refused(tiny, tmp_path):
 
 
 def test_settings_added_later_do_not_block_resuming_older_runs():
-    from sebp_probe.rundir import config_changes as _config_changes
+    from sebp_probe.train.rundir import config_changes as _config_changes
 
     old = {"lr": 1e-4, "data": {"max_length": 32}}  # written before sebp_norms existed
     assert _config_changes(old, {**old, "sebp_norms": False}) == []
@@ -287,7 +287,7 @@ def test_peak_from_step3_is_summarised_and_compared():
     """On CUDA each train record carries its own step's peak beside the run's running maximum; the summary
     and the comparison add the peak from step 3 on (DDP may or may not still hold its first buckets at step
     2's peak, for dense and SEBP alike). Records without step peaks (CPU) give no such key."""
-    from sebp_probe.metrics import compare_runs as _compare, summarize_records
+    from sebp_probe.train.metrics import compare_runs as _compare, summarize_records
 
     def recs(step_peaks):
         out, run = [], 0.0

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from sebp_probe.train_data import TrainData
+from sebp_probe.data.train_data import TrainData
 
 
 def synthetic_data(task: str, n: int = 96, n_eval: int = 32, max_len: int = 24, min_len: int = 4,

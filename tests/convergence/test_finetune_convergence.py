@@ -11,9 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from sebp_kernels import SEBPConfig, SEBPLinear
-from sebp_probe import finetune as ft
-from sebp_probe import calibration, loop, rundir, train_data
-from sebp_probe.assets import LoadedModel
+from sebp_probe.train import finetune as ft
+from sebp_probe.train import calibration, loop, rundir
+from sebp_probe.data import train_data
+from sebp_probe.data.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import ENCODERS, tiny_config, tiny_model
@@ -233,7 +234,7 @@ def test_second_signal_interrupts_at_once():
 
 def test_calibration_times_both_backends_on_cuda_only():
     from sebp_kernels import SEBPConfig
-    from sebp_probe.calibration import backend_variants as _backend_variants
+    from sebp_probe.train.calibration import backend_variants as _backend_variants
 
     layers = {"a": SEBPConfig("exact"), "b": SEBPConfig("threshold", eps=1e-6)}
     assert _backend_variants(layers, torch.device("cpu")) == [layers]
@@ -340,7 +341,7 @@ def test_norms_and_activations_run_where_no_linear_qualifies(monkeypatch, arch):
     """Every row active (no linear under the fallback density): the SEBP norms and activations are still timed
     and kept when not slower, dropped with everything else when slower; either way the gradients are dense's."""
     from sebp_kernels import SEBPNorm
-    from sebp_probe.patch import patched_activations
+    from sebp_probe.model.patch import patched_activations
 
     task = "causal-lm" if arch == "llama" else "classification"
     batch = next(iter(train_data.make_loaders(FinetuneConfig(data=DataConfig(max_length=24, batch_size=8)),

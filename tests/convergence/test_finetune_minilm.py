@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from sebp_probe import finetune as ft
+from sebp_probe.train import finetune as ft
 from sebp_probe.config import DataConfig, FinetuneConfig
-from sebp_probe.report import layer_configs_from_report, load_report
+from sebp_probe.analysis.report import layer_configs_from_report, load_report
 from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
 
 pytestmark = pytest.mark.slow

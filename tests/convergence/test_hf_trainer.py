@@ -220,9 +220,9 @@ def test_sft_peft_lora(tmp_path):
 def test_sft_smollm2_on_tweets(tmp_path):
     """The bundled SmolLM2 on a few bundled tweets as prompt/completion (the sentiment word is the
     completion): the plain SFTTrainer's losses and gradient norms."""
-    from sebp_probe.assets import load_model
+    from sebp_probe.data.assets import load_model
     from sebp_probe.config import DataConfig
-    from sebp_probe.textdata import load_text_data
+    from sebp_probe.data.textdata import load_text_data
 
     data = load_text_data(DataConfig(dataset="tweets-sft", max_samples=8), "causal-lm")
     rows = [{"prompt": e["prompt"], "completion": e["response"]} for e in data.examples]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM
 
-from sebp_probe import finetune as ft
-from sebp_probe.assets import LoadedModel
+from sebp_probe.train import finetune as ft
+from sebp_probe.data.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from sebp_probe.layouts import LAYOUTS
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
@@ -166,7 +166,7 @@ def test_auto_table_with_both_heads_marks_the_chosen_pair():
 def test_auto_table_shows_compiled_candidates_their_compile_seconds_and_run_cost():
     from rich.console import Console
 
-    from sebp_probe.strategy import pick
+    from sebp_probe.train.strategy import pick
     from sebp_probe.tables import padding_table
 
     table = [{"padding": "longest", "padding_share": 0.3, "dense_ms": 10.0, "sebp_ms": 9.0, "dense_compiled_ms": 5.0,

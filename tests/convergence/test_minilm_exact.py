@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from sebp_kernels import SEBPConfig
-from sebp_probe.assets import load_model
+from sebp_probe.data.assets import load_model
 from sebp_probe.config import DataConfig
-from sebp_probe.patch import patch_model
-from sebp_probe.textdata import load_text_data, make_loader
+from sebp_probe.model.patch import patch_model
+from sebp_probe.data.textdata import load_text_data, make_loader
 
 
 def _train(model, batches, lr=5e-4):

@@ -4,7 +4,7 @@ with the largest gradient difference per parameter, relative to the gradient's l
 process: lines two processes print to one stdout can interleave). ``argv[2] == "lora"``: a tiny Llama with
 peft LoRA adapters, SEBP on its frozen base projections, every decoder layer sharded; the adapters' gradients
 are compared. ``argv[2] == "merge"``: that LoRA model sharded, its full state dict gathered and merged as
-``finetune`` saves a sharded LoRA run (sebp_probe.lora_merge); rank 0 compares it with peft's
+``finetune`` saves a sharded LoRA run (sebp_probe.train.lora_merge); rank 0 compares it with peft's
 ``merge_and_unload`` of the same model unsharded."""
 import json
 import sys
@@ -69,8 +69,8 @@ def merged_diffs(rank: int) -> dict:
     import peft
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from sebp_probe.lora_merge import lora_scalings, merge_lora_state
-    from sebp_probe.patch import unpatch_model
+    from sebp_probe.train.lora_merge import lora_scalings, merge_lora_state
+    from sebp_probe.model.patch import unpatch_model
     from tests.tiny_models import tiny_model
 
     sharded = build_lora(True)

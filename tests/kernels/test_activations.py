@@ -129,7 +129,7 @@ def test_hint_refuses_other_tensors():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "bert"])
 def test_patched_tiny_model_matches_dense(arch):
-    from sebp_probe.patch import patch_activations, patch_model, patched_activations, unpatch_model
+    from sebp_probe.model.patch import patch_activations, patch_model, patched_activations, unpatch_model
     from tests.tiny_models import padded_batch, tiny_model
 
     dense = tiny_model(arch)
@@ -186,7 +186,7 @@ def test_lora_on_the_mlp_and_gradient_checkpointing():
     """LoRA wrappers on gate/up/down (the hint goes to their base layers; down's LoRA branch adds to dL/dH),
     and transformers' gradient checkpointing (the forward runs again in the backward)."""
     peft = pytest.importorskip("peft")
-    from sebp_probe.patch import patch_activations, patch_model
+    from sebp_probe.model.patch import patch_activations, patch_model
     from tests.tiny_models import padded_batch, tiny_model
 
     batch = padded_batch("llama")
@@ -212,7 +212,7 @@ def test_lora_on_the_mlp_and_gradient_checkpointing():
 
 @pytest.mark.skipif(INTERPRET, reason="CPU autocast runs the torch path")
 def test_cpu_autocast_gives_hugging_faces_values():
-    from sebp_probe.patch import patch_activations, patch_model
+    from sebp_probe.model.patch import patch_activations, patch_model
     from tests.tiny_models import padded_batch, tiny_model
 
     dense, sebp = tiny_model("llama"), tiny_model("llama")
@@ -226,7 +226,7 @@ def test_cpu_autocast_gives_hugging_faces_values():
 
 
 def test_no_rows_worked_out_without_an_sebp_linear_to_read_them():
-    from sebp_probe.patch import patch_activations, patch_model
+    from sebp_probe.model.patch import patch_activations, patch_model
     from tests.tiny_models import padded_batch, tiny_model
 
     model = tiny_model("llama")

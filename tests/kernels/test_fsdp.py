@@ -47,7 +47,7 @@ def test_fsdp2_lora_adapters_get_dense_gradients_with_sebp_base_layers(tmp_path)
 @pytest.mark.slow
 def test_fsdp2_lora_gathered_and_merged_equals_merge_and_unload(tmp_path):
     """How finetune saves a sharded LoRA run: the full state dict gathered from the shards and merged key by key
-    (sebp_probe.lora_merge) equals peft's merge_and_unload of the same model unsharded, under the base keys."""
+    (sebp_probe.train.lora_merge) equals peft's merge_and_unload of the same model unsharded, under the base keys."""
     pytest.importorskip("peft")
     lines = _two_processes(tmp_path, "merge")
     diffs = next(r["diffs"] for r in lines if r["rank"] == 0)

@@ -86,7 +86,7 @@ def test_patch_model_hooks_the_backbone_and_unpatch_removes_it(monkeypatch):
     from sebp_probe import patch_model, unpatch_model
     from tests.tiny_models import padded_batch, tiny_model
 
-    from sebp_probe import patch as patch_module
+    from sebp_probe.model import patch as patch_module
 
     monkeypatch.setattr(patch_module, "_triton_backward_on", lambda device: False)
     model = tiny_model("bert")
@@ -104,7 +104,7 @@ def test_patch_model_hooks_the_backbone_and_unpatch_removes_it(monkeypatch):
     twin = copy.deepcopy(model)
     twin(**batch)
     assert twin.base_model._sebp_pad_rows.rows is not None and pad.rows is None  # each copy its own
-    from sebp_probe.patch import pad_rows_summary
+    from sebp_probe.model.patch import pad_rows_summary
 
     assert pad_rows_summary(model) is None  # never checked (no backward here)
     pad.state, pad.taken = ON, 7

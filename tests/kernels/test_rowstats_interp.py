@@ -26,8 +26,8 @@ if not INTERPRET:
 else:
     import numpy as np
 
-    from sebp_probe import hooks
-    from sebp_probe.knee import fine_histogram
+    from sebp_probe.analysis import hooks
+    from sebp_probe.analysis.knee import fine_histogram
     from tests.helpers import LinearStack, assert_same_stats, collect_with_grads, special_rows_grad
     from tests.tiny_models import padded_batch, tiny_model
 
@@ -171,7 +171,7 @@ else:
     @pytest.mark.parametrize("arch, side", [("bert", "right"), ("llama", "left")])
     def test_tiny_models_triton_path_equals_torch_path(arch, side):
         """Real backward passes: pad rows, CLS-only rows, left-padding noise rows."""
-        from sebp_probe.causes import grouper
+        from sebp_probe.analysis.causes import grouper
 
         model = tiny_model(arch)
         batches = [padded_batch(arch, (11, 4, 7, 9, 2), side=side, seed=s) for s in range(2)]

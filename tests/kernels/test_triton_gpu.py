@@ -552,7 +552,7 @@ def test_lora_model_with_sebp_norms_and_acts_on_the_gpu():
     import copy
 
     peft = pytest.importorskip("peft")
-    from sebp_probe.patch import patch_activations, patch_model, patch_norms
+    from sebp_probe.model.patch import patch_activations, patch_model, patch_norms
     from tests.tiny_models import padded_batch, tiny_model
 
     batch = {k: v.cuda() for k, v in padded_batch("llama").items()}
@@ -592,7 +592,7 @@ def test_torch_compile_runs_the_sebp_kernels_with_the_eager_gradients(mode):
     compiled graphs as CUDA graphs (which needs every allocation of the SEBP ops to end with the backward)."""
     import torch._dynamo as dynamo
 
-    from sebp_probe.patch import patch_activations, patch_model, patch_norms
+    from sebp_probe.model.patch import patch_activations, patch_model, patch_norms
     from tests.tiny_models import padded_batch, tiny_model
 
     batch = {k: v.cuda() for k, v in padded_batch("llama").items()}

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sebp_probe.analyze import AnalysisError, AnalyzeSettings, collect, reuse_report, reuse_type_rows
-from sebp_probe.resprop import ReuseDropCollector
+from sebp_probe.analysis.analyze import AnalysisError, AnalyzeSettings, collect, reuse_report, reuse_type_rows
+from sebp_probe.model.resprop import ReuseDropCollector
 from tests.tiny_models import tiny_model
 
 

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from sebp_probe.assets import AssetError, load_model, model_identity
-from sebp_probe.batching import PadCollator
+from sebp_probe.data.assets import AssetError, load_model, model_identity
+from sebp_probe.data.batching import PadCollator
 from sebp_probe.config import DataConfig
-from sebp_probe.textdata import load_text_data, make_loader
+from sebp_probe.data.textdata import load_text_data, make_loader
 
 
 class WordTokenizer:
@@ -192,7 +192,7 @@ def test_hub_dataset_names_reach_the_loader(monkeypatch):
     import sys
     import types
 
-    from sebp_probe.textdata import hub_candidates
+    from sebp_probe.data.textdata import hub_candidates
 
     assert hub_candidates("imdb") == [("imdb", None)]
     assert hub_candidates("glue/sst2") == [("glue", "sst2"), ("glue/sst2", None)]
@@ -224,7 +224,7 @@ def test_classification_head_labels(tmp_path):
     number of labels is refused in one line (transformers' own error pointed at a report it did not print)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
-    from sebp_probe.assets import minilm_dir
+    from sebp_probe.data.assets import minilm_dir
 
     tok = AutoTokenizer.from_pretrained(minilm_dir())
     cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,

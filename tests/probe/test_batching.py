@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sebp_probe.batching import (LengthGroupedBatchSampler, PackedCollator, PackingError, PadCollator,
+from sebp_probe.data.batching import (LengthGroupedBatchSampler, PackedCollator, PackingError, PadCollator,
                                  length_grouped_batches, pack_rows, padding_share, random_batches)
 from sebp_probe.layouts import LAYOUTS
 

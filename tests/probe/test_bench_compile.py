@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from sebp_probe import bench_cases, bench_model, bench_peers, packing
-from sebp_probe.bench_cases import MODEL_CASES
+from sebp_probe.bench import bench_cases, bench_model, bench_peers
+
+from sebp_probe.model import packing
+from sebp_probe.bench.bench_cases import MODEL_CASES
 from tests.helpers import load_benchmark
 from tests.probe.test_compile_graphs import traceable_varlen
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sebp_probe import bench_cases, bench_model, bench_peers
-from sebp_probe.batching import PackedCollator
-from sebp_probe.bench_cases import LAYOUTS, MODEL_CASES, Geometry
+from sebp_probe.bench import bench_cases, bench_model, bench_peers
+from sebp_probe.data.batching import PackedCollator
+from sebp_probe.bench.bench_cases import LAYOUTS, MODEL_CASES, Geometry
 
 
 
@@ -215,7 +215,7 @@ def test_whole_benchmark_on_a_cpu(tiny_results, name):
 
 
 def test_figure_of_the_results(tiny_results, tmp_path):
-    from sebp_probe.plots import plot_bench_models
+    from sebp_probe.analysis.plots import plot_bench_models
 
     models = list(tiny_results.values())
     graphed = json.loads(json.dumps(models[0]))
@@ -236,7 +236,7 @@ def test_packed_rows_by_varlen_as_on_a_gpu(name, monkeypatch):
     """The packed entries as a GPU runs them (one flattened row, varlen attention, BERT's in both directions;
     here a per-sequence sdpa in place of flash attention): no padding, the same loss as every padded layout,
     and for the decoder the labelled-rows head through the varlen last layer."""
-    from sebp_probe import packing
+    from sebp_probe.model import packing
     from tests.probe.test_packing import reference_varlen
 
     monkeypatch.setattr(packing, "VARLEN_KERNEL", reference_varlen)

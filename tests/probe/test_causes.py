@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from sebp_probe.analyze import AnalyzeSettings, collect, summarize
-from sebp_probe.batching import padding_share
-from sebp_probe.causes import (
+from sebp_probe.analysis.analyze import AnalyzeSettings, collect, summarize
+from sebp_probe.data.batching import padding_share
+from sebp_probe.analysis.causes import (
     CAUSES,
     LABEL_LESS,
     PADDING,

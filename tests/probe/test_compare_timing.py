@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sebp_probe.metrics import MIN_TIMED_STEPS, compare_runs, summarize_records, timed_steps
+from sebp_probe.train.metrics import MIN_TIMED_STEPS, compare_runs, summarize_records, timed_steps
 from sebp_probe.tables import comparison_line
 
 

@@ -1,10 +1,10 @@
-"""A training step's loss (:func:`sebp_probe.losses.batch_loss`) under ``torch.compile``: Dynamo captures the forward
-in one graph, with no graph break (so no host sync), and AOTAutograd the backward with it, on a tiny Llama's packed
-batch (both attention layouts) and a tiny BERT classifier's ``longest`` batch, both through the labelled-rows head,
-and the BERT's packed batch by varlen attention (in both directions, the model's own head); also with SEBP patched
-(exact mode, linears, norms and activations: the ``sebp::`` custom ops). The compiled step gives the eager loss and
-gradients. ``aot_eager`` runs the graphs Inductor would get without Inductor's C++ compile (minutes on two CPU
-cores); ``finetune --compile default`` runs Inductor (tests/probe/test_finetune_compile.py).
+"""A training step's loss (:func:`sebp_probe.model.losses.batch_loss`) under ``torch.compile``: Dynamo captures the
+forward in one graph, with no graph break (so no host sync), and AOTAutograd the backward with it, on a tiny Llama's
+packed batch (both attention layouts) and a tiny BERT classifier's ``longest`` batch, both through the labelled-rows
+head, and the BERT's packed batch by varlen attention (in both directions, the model's own head); also with SEBP
+patched (exact mode, linears, norms and activations: the ``sebp::`` custom ops). The compiled step gives the eager
+loss and gradients. ``aot_eager`` runs the graphs Inductor would get without Inductor's C++ compile (minutes on two
+CPU cores); ``finetune --compile default`` runs Inductor (tests/probe/test_finetune_compile.py).
 
 A padded causal-LM batch traces without a break where its collator counted the labelled rows on the host
 (``PadCollator(counts=True)``, what a compiled finetune run's loaders do: ``n_targets``, ``max_row_targets``, as
@@ -17,9 +17,9 @@ import torch
 import torch._dynamo as dynamo
 
 from sebp_kernels import SEBPConfig, registry
-from sebp_probe import packing
-from sebp_probe.losses import batch_loss, use_head
-from sebp_probe.patch import patch_sebp
+from sebp_probe.model import packing
+from sebp_probe.model.losses import batch_loss, use_head
+from sebp_probe.model.patch import patch_sebp
 from tests.probe.test_packing import _items, _packed, _padded
 from tests.tiny_models import tiny_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from sebp_probe import compiling
+from sebp_probe.train import compiling
 from sebp_probe.config import DataConfig
 from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
 from tests.probe.test_finetune_compile import _losses, _run

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
-from sebp_probe.batching import PackedCollator, PadCollator
+from sebp_probe.data.batching import PackedCollator, PadCollator
 from sebp_probe.families import FAMILIES, family_of
-from sebp_probe.losses import batch_loss, set_head
-from sebp_probe.packing import check_packable
-from sebp_probe.patch import patch_sebp, patched_activations
+from sebp_probe.model.losses import batch_loss, set_head
+from sebp_probe.model.packing import check_packable
+from sebp_probe.model.patch import patch_sebp, patched_activations
 from tests.tiny_models import FAMILY_TASKS, family_model
 
 CASES = [*FAMILY_TASKS.items(), *((t, "mlm") for t in ("bert", "roberta", "electra", "distilbert", "modernbert"))]
@@ -138,7 +138,7 @@ def test_packed_by_varlen_equals_padded_where_the_kernel_can_run(model_type, tas
     """Every packed family on one flattened row (a per-sequence sdpa in place of flash attention; encoders
     without causality), where the decision for a CUDA bf16 run picks varlen; the families it keeps on the mask
     (sliding windows, eager attention) refuse a forced varlen rather than attend past their window."""
-    from sebp_probe import packing
+    from sebp_probe.model import packing
     from tests.probe.test_packing import reference_varlen
 
     monkeypatch.setattr(packing, "VARLEN_KERNEL", reference_varlen)

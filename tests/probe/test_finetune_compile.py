@@ -9,9 +9,9 @@ import torch
 import torch._dynamo as dynamo
 
 from sebp_kernels import registry
-from sebp_probe import finetune as ft
-from sebp_probe import compiling, loop, rundir
-from sebp_probe.assets import LoadedModel
+from sebp_probe.train import finetune as ft
+from sebp_probe.train import compiling, loop, rundir
+from sebp_probe.data.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import tiny_model

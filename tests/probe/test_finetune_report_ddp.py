@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sebp_probe import analyze, finetune
+from sebp_probe.analysis import analyze
+from sebp_probe.train import finetune
 
 REPORT = {"schema": "stub"}
 

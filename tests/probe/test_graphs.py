@@ -1,10 +1,10 @@
-"""sebp_probe.graphs on a machine without a GPU: batch shape keys, and a clear refusal to capture."""
+"""sebp_probe.train.graphs on a machine without a GPU: batch shape keys, and a clear refusal to capture."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sebp_probe.graphs import CaptureError, StepGraphs, shape_key
+from sebp_probe.train.graphs import CaptureError, StepGraphs, shape_key
 from tests.tiny_models import padded_batch, tiny_model
 
 

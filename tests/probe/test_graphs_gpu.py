@@ -1,4 +1,4 @@
-"""CUDA-graph training steps (``sebp_probe.graphs``, ``finetune --cuda-graphs``) on a GPU: replays give the
+"""CUDA-graph training steps (``sebp_probe.train.graphs``, ``finetune --cuda-graphs``) on a GPU: replays give the
 eager step's loss and gradients, accumulate into the same ``.grad`` tensors, and a whole compared run
 trains with them."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from sebp_kernels import SEBPConfig
-from sebp_probe import finetune as ft
-from sebp_probe import calibration
-from sebp_probe.assets import LoadedModel
+from sebp_probe.train import finetune as ft
+from sebp_probe.train import calibration
+from sebp_probe.data.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
-from sebp_probe.graphs import StepGraphs
-from sebp_probe.patch import patch_activations, patch_model, patch_norms
+from sebp_probe.train.graphs import StepGraphs
+from sebp_probe.model.patch import patch_activations, patch_model, patch_norms
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import padded_batch, tiny_model
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from sebp_probe.heads import HeadError, head_loss
-from sebp_probe.mlm import mask_tokens
+from sebp_probe.model.heads import HeadError, head_loss
+from sebp_probe.data.mlm import mask_tokens
 from tests.helpers import assert_within_torch_error
 from tests.tiny_models import DECODERS, padded_batch, tiny_config
 
@@ -220,8 +220,8 @@ def test_training_and_held_out_losses_build_no_kv_cache():
     per-layer state would recompile the decoder layer's graph for every layer)."""
     from accelerate import Accelerator
 
-    from sebp_probe.losses import batch_loss
-    from sebp_probe.metrics import evaluate
+    from sebp_probe.model.losses import batch_loss
+    from sebp_probe.train.metrics import evaluate
     from tests.tiny_models import tiny_model
 
     model = tiny_model("llama")

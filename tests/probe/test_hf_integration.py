@@ -9,8 +9,8 @@ import torch
 
 from sebp_kernels import SEBPLinear
 from sebp_probe.integrations.hf import apply_sebp
-from sebp_probe.patch import PatchError
-from sebp_probe.report import ReportError, layer_configs_from_report
+from sebp_probe.model.patch import PatchError
+from sebp_probe.analysis.report import ReportError, layer_configs_from_report
 from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401 (a fresh accelerate state per test)
 from tests.tiny_models import padded_batch, tiny_model, word_tokenizer
 

@@ -10,10 +10,10 @@ import torch
 
 from sebp_kernels import SEBPConfig
 from sebp_probe import patch_model
-from sebp_probe.causes import grouper
-from sebp_probe.heatmap import capture_output_grads
-from sebp_probe.hooks import N_GROUPS, GradientStatsCollector, reduce_grad
-from sebp_probe.knee import detect_eps, fine_histogram, octave_histogram
+from sebp_probe.analysis.causes import grouper
+from sebp_probe.analysis.heatmap import capture_output_grads
+from sebp_probe.analysis.hooks import N_GROUPS, GradientStatsCollector, reduce_grad
+from sebp_probe.analysis.knee import detect_eps, fine_histogram, octave_histogram
 from tests.helpers import LinearStack, assert_same_stats, collect_with_grads, roundoff_first_queries, \
     special_rows_grad
 from tests.tiny_models import padded_batch, tiny_model
@@ -108,7 +108,7 @@ def test_bfloat16_and_float16_gradients_bucket_like_float32():
 
 
 def test_large_gradients_sample_rows_for_the_element_histogram_only():
-    from sebp_probe import hooks
+    from sebp_probe.analysis import hooks
 
     g = torch.randn(1000, 600) * torch.logspace(-9, 1, 600)
     g[::7] = 0
@@ -123,7 +123,7 @@ def test_large_gradients_sample_rows_for_the_element_histogram_only():
 
 def test_sync_free_bucket_counts_equal_bincount():
     """The GPU path (histc on bucket centres, chunked) is exercised on the CPU against bincount."""
-    from sebp_probe import hooks
+    from sebp_probe.analysis import hooks
 
     ids = torch.randint(0, 2049, (100_003,), dtype=torch.int32)
     ids[:5000] = 0

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from sebp_probe.knee import (
+from sebp_probe.analysis.knee import (
     N_FINE,
     N_OCTAVE,
     bucket_edges,

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from sebp_probe.heads import HeadError, head_loss
-from sebp_probe.last_layer import KeptRows, LastLayerError, last_layer, last_layer_on_rows
+from sebp_probe.model.heads import HeadError, head_loss
+from sebp_probe.model.last_layer import KeptRows, LastLayerError, last_layer, last_layer_on_rows
 from tests.helpers import assert_within_torch_error
 from tests.probe.test_heads import (assert_like_model, assert_rel, causal_model, loss_and_grads, mlm_batch,
                                    mlm_model, reference_loss)

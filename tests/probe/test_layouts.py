@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import typer
 
-from sebp_probe import bench_cases, strategy
-from sebp_probe.batching import padding_share
+from sebp_probe.bench import bench_cases
+from sebp_probe.train import strategy
+from sebp_probe.data.batching import padding_share
 from sebp_probe.cli import app
 from sebp_probe.config import DataConfig, FinetuneConfig, padding_help
 from sebp_probe.layouts import LAYOUTS, Layout
-from sebp_probe.train_data import TrainData, make_loaders
+from sebp_probe.data.train_data import TrainData, make_loaders
 from tests.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""sebp_probe.lora_merge (how a sharded LoRA run saves): the merged state dict equals peft's merge_and_unload,
+"""sebp_probe.train.lora_merge (how a sharded LoRA run saves): the merged state dict equals peft's merge_and_unload,
 unsharded here (tests/kernels/test_fsdp.py checks it gathered from FSDP2 shards); what it does not cover is
 refused in one line."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sebp_probe.lora_merge import lora_scalings, merge_lora_state
+from sebp_probe.train.lora_merge import lora_scalings, merge_lora_state
 from tests.tiny_models import tiny_model
 
 peft = pytest.importorskip("peft")

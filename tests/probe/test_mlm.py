@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from sebp_probe.assets import load_model
-from sebp_probe.batching import PadCollator
+from sebp_probe.data.assets import load_model
+from sebp_probe.data.batching import PadCollator
 from sebp_probe.config import DataConfig
-from sebp_probe.heads import head_loss
-from sebp_probe.mlm import MLMCollator, mask_tokens
-from sebp_probe.textdata import load_text_data, make_loader
+from sebp_probe.model.heads import head_loss
+from sebp_probe.data.mlm import MLMCollator, mask_tokens
+from sebp_probe.data.textdata import load_text_data, make_loader
 
 SPECIAL = (0, 101, 102)  # pad, [CLS], [SEP]
 MASK, VOCAB = 103, 1000

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from sebp_probe import finetune as ft
-from sebp_probe.assets import LoadedModel
+from sebp_probe.train import finetune as ft
+from sebp_probe.data.assets import LoadedModel
 from sebp_probe.config import DataConfig, FinetuneConfig
 from sebp_probe.notes import collect_notes, note
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401

@@ -1,4 +1,4 @@
-"""Packed batches (sebp_probe.packing) give the loss and gradients of the same sequences padded, on tiny BERT,
+"""Packed batches (sebp_probe.model.packing) give the loss and gradients of the same sequences padded, on tiny BERT,
 RoBERTa (classification), Llama, Qwen2 and Qwen3 (causal LM with prompt-masked labels); attention never
 crosses a sequence; the varlen backend's plumbing runs with a per-sequence sdpa in place of flash attention."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from sebp_kernels import SEBPConfig
-from sebp_probe import packing, patch_model
-from sebp_probe.batching import PackedCollator, PackingError, PadCollator
-from sebp_probe.packing import attention_backend, check_packable, packed_forward, packed_loss, varlen_blocker
+from sebp_probe.model import packing
+from sebp_probe import patch_model
+from sebp_probe.data.batching import PackedCollator, PackingError, PadCollator
+from sebp_probe.model.packing import attention_backend, check_packable, packed_forward, packed_loss, varlen_blocker
 from tests.tiny_models import ENCODERS, tiny_config, tiny_model
 
 ARCHS = ("bert", "roberta", "llama", "qwen2", "qwen3")
@@ -213,7 +214,7 @@ def test_packed_under_autocast_and_eager_attention(arch, impl):
 def test_labelled_rows_head_on_packed_batches(arch, backend, flash_stand_in, monkeypatch):
     """batch_loss(labelled_head=True) on a packed batch: the head and the last layer on the labelled rows only
     (varlen: the kept queries masked to their own sequence), same loss and gradients as the padded model."""
-    from sebp_probe.losses import batch_loss
+    from sebp_probe.model.losses import batch_loss
 
     monkeypatch.setattr(packing, "attention_backend", lambda model: backend)
     model, items = tiny_model(arch), _items(arch)
@@ -223,8 +224,8 @@ def test_labelled_rows_head_on_packed_batches(arch, backend, flash_stand_in, mon
 
 
 def test_labelled_rows_head_refuses_packed_classifiers():
-    from sebp_probe.heads import HeadError
-    from sebp_probe.losses import batch_loss
+    from sebp_probe.model.heads import HeadError
+    from sebp_probe.model.losses import batch_loss
 
     with pytest.raises(HeadError, match="padded batches only"):
         batch_loss(tiny_model("bert"), _packed("bert", _items("bert")), labelled_head=True)

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from sebp_probe import compiling, strategy
-from sebp_probe import finetune as ft
+from sebp_probe.train import compiling, strategy
+from sebp_probe.train import finetune as ft
 from sebp_probe.cli import _compile_setting
 from sebp_probe.config import DataConfig, FinetuneConfig
-from sebp_probe.losses import set_head
-from sebp_probe.strategy import PaddingChoice, choose_padding, pick, whole_run_s
+from sebp_probe.model.losses import set_head
+from sebp_probe.train.strategy import PaddingChoice, choose_padding, pick, whole_run_s
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import tiny_model
 

@@ -263,7 +263,7 @@ def test_patch_sebp_puts_in_linears_activations_and_norms():
     """patch_sebp patches every kind asked for, in order (the activations hand rows to the linears present);
     an empty per-layer dict patches no linear, the norms and activations still go in."""
     from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
-    from sebp_probe.patch import patch_sebp, patched_activations, unpatch_model
+    from sebp_probe.model.patch import patch_sebp, patched_activations, unpatch_model
     from tests.tiny_models import tiny_model
 
     model = tiny_model("llama")

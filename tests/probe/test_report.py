@@ -11,10 +11,10 @@ import torch
 
 from sebp_kernels import SEBPLinear
 from sebp_probe import patch_model, patched_layers
-from sebp_probe.analyze import AnalyzeSettings, build_report, collect, layer_type, layer_type_rows, summarize
-from sebp_probe.assets import model_identity
-from sebp_probe.causes import layout_advice
-from sebp_probe.report import (
+from sebp_probe.analysis.analyze import AnalyzeSettings, build_report, collect, layer_type, layer_type_rows, summarize
+from sebp_probe.data.assets import model_identity
+from sebp_probe.analysis.causes import layout_advice
+from sebp_probe.analysis.report import (
     SCHEMA_VERSION,
     ReportError,
     check_report_for_model,
@@ -199,7 +199,7 @@ def test_a_version_1_report_still_loads(tmp_path, llama_report):
 
 
 def test_nan_gradients_and_frozen_models_are_refused():
-    from sebp_probe.analyze import AnalysisError
+    from sebp_probe.analysis.analyze import AnalysisError
 
     model = tiny_model("bert")
     batch = padded_batch("bert", LENGTHS)

@@ -11,7 +11,7 @@ from torch import nn
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear
 from sebp_probe import (PatchError, ReuseDropCollector, find_targets, patch_model, patch_resprop, reset_resprop,
                         resprop_layers, unpatch_resprop)
-from sebp_probe.hooks import GradientStatsCollector
+from sebp_probe.analysis.hooks import GradientStatsCollector
 from tests.tiny_models import ENCODERS, padded_batch, tiny_model
 
 

@@ -1,11 +1,11 @@
-"""sebp_probe.train_step: what makes a step's batch a new shape (its first run on a GPU is warm-up, untimed)."""
+"""sebp_probe.train.train_step: what makes a step's batch a new shape (its first run on a GPU is warm-up, untimed)."""
 from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
 
-from sebp_probe.graphs import shape_key
-from sebp_probe.train_step import MicroBatches, StepTally
+from sebp_probe.train.graphs import shape_key
+from sebp_probe.train.train_step import MicroBatches, StepTally
 
 
 def _new(micro: MicroBatches, batch: dict) -> bool:

@@ -1,0 +1,489 @@
+"""Per-layer statistics of dL/dY, reduced on the device while the backward pass runs.
+
+A forward hook on every target linear puts a tensor hook on its output; in the backward that hook reduces
+dL/dY (flattened to rows x features) on the device and never copies the gradient itself. Two paths give
+the same numbers:
+
+* Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): one kernel per hook call
+  (:mod:`sebp_kernels._triton.rowstats`) adds the layer's counts, largest bit pattern and both histograms
+  into a per-collector int64 buffer, preallocated once per device; a batch ends with one device->host copy
+  of it. The backward then costs one launch per layer, the batch a few operations: the steps of small
+  models are bound by host time, so this is what keeps the collector cheap.
+* torch (everything else, e.g. plain CPU runs): the hook keeps each row's max |g|, its count of non-zeros
+  and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
+  (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
+
+Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.analysis.knee`): an integer shift, no
+logarithm, and every bucket edge is an exact float32, so row counts above a threshold at an edge are exact.
+bfloat16 gradients map onto the same buckets without conversion; float16 and float64 are bucketed as
+float32 (float64 magnitudes below ~1e-45 then count as zero, in the histograms and in the zero-row counts).
+Every NaN is bucketed as the canonical quiet NaN (float32 bits ``0x7FC00000``): payloads carry no meaning
+and torch's own reductions do not preserve them consistently.
+The per-row statistics are exact; the histogram of single elements is taken on a strided sample of rows
+when a gradient holds more than ``ELEMENT_SAMPLE`` values (see :func:`reduce_grad`).
+
+Told which rows of a batch are padding and which are label-less (``row_groups``, one int8 per token, see
+:mod:`sebp_probe.analysis.causes`), the collector also keeps, per layer and batch, the octave histogram of the row max
+of each group, in the same reduction; it applies the groups to every hook call with one row per token.
+
+Usage::
+
+    with GradientStatsCollector(model) as collector:
+        for batch in loader:
+            with collector.batch(batch["attention_mask"]):
+                model(**batch).loss.backward()
+    stats = collector.stats()
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT, octave_histogram
+from ..model.patch import _logical_name, find_targets
+
+_ABS_MASK = 0x7FFFFFFF
+# Per-layer row of a batch's statistics, in both paths (the layout of sebp_kernels._triton.rowstats):
+# non-zero elements, non-finite rows, float32 bits of the largest |g| (0 without a call), then the
+# fine-bucket histogram of the rows' max |g| (its bucket 0 counts the zero rows).
+_NONZERO, _NONFINITE_ROWS, _MAX_BITS = range(3)
+_N_SCALARS = 3
+# The row groups a batch can name (values 1, 2 of its int8 ``row_groups``; 0 is every other row). Each has an
+# octave histogram of its rows' max |g| after the fine one: a batch's row of statistics is _WIDTH wide.
+ROW_GROUPS = ("padding", "label_less")
+N_GROUPS = len(ROW_GROUPS)
+_GROUPS_AT = _N_SCALARS + N_FINE
+_WIDTH = _GROUPS_AT + N_GROUPS * N_OCTAVE
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton then runs on CPU tensors
+
+
+@dataclass
+class LayerStats:
+    """What the collector learned about one linear layer; per-batch lists hold one entry per batch.
+
+    A batch in which the layer received no gradient has ``rows == 0``.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    rows: list[int] = field(default_factory=list)
+    zero_rows: list[int] = field(default_factory=list)
+    nonfinite_rows: list[int] = field(default_factory=list)
+    elements: list[int] = field(default_factory=list)
+    zero_elements: list[int] = field(default_factory=list)
+    max_abs: list[float] = field(default_factory=list)
+    row_octaves: list[np.ndarray] = field(default_factory=list)  # per batch, row max|g| per octave bucket
+    group_octaves: list[np.ndarray] = field(default_factory=list)  # per batch, (N_GROUPS, N_OCTAVE): the same per group
+    element_hist: np.ndarray = field(default_factory=lambda: np.zeros(N_FINE, dtype=np.int64))
+    row_hist: np.ndarray = field(default_factory=lambda: np.zeros(N_FINE, dtype=np.int64))
+
+    @property
+    def seen(self) -> np.ndarray:
+        """Mask of the batches in which this layer received a gradient."""
+        return np.asarray(self.rows) > 0
+
+    def zero_row_fraction(self) -> np.ndarray:
+        """Per seen batch: share of rows of dL/dY that are exactly zero."""
+        m = self.seen
+        return np.asarray(self.zero_rows)[m] / np.asarray(self.rows)[m]
+
+    def zero_element_fraction(self) -> np.ndarray:
+        m = self.seen
+        return np.asarray(self.zero_elements)[m] / np.asarray(self.elements)[m]
+
+    def octaves(self) -> np.ndarray:
+        """(batches, N_OCTAVE) row-max histograms of the seen batches."""
+        rows = [o for o, s in zip(self.row_octaves, self.seen) if s]
+        return np.stack(rows) if rows else np.zeros((0, N_OCTAVE), dtype=np.int64)
+
+    def group_octaves_seen(self) -> np.ndarray:
+        """(batches, N_GROUPS, N_OCTAVE) row-max histograms of each row group, seen batches."""
+        rows = [o for o, s in zip(self.group_octaves, self.seen) if s]
+        return np.stack(rows) if rows else np.zeros((0, N_GROUPS, N_OCTAVE), dtype=np.int64)
+
+
+@dataclass
+class GradientStats:
+    """Everything a run of the collector gathered: per-layer statistics and the batches' token lengths."""
+
+    layers: dict[str, LayerStats]
+    lengths: list[np.ndarray] = field(default_factory=list)  # real tokens per sample, per batch
+    padded_lengths: list[int] = field(default_factory=list)  # sequence length of each batch
+    batches: int = 0
+
+
+_HISTC_CHUNK = 1 << 24  # float32 counts are exact up to 2**24
+
+
+def bucket_counts(ids: torch.Tensor, n: int, sync_free: bool | None = None) -> torch.Tensor:
+    """int64 counts of the integers ``ids`` (all in [0, n)) per value.
+
+    On CUDA ``torch.bincount`` reads ``ids.max()`` back to the host, a sync per call; ``torch.histc`` with a
+    fixed range does not, so the GPU path (``sync_free``, default: on CUDA) uses it on bucket centres, in
+    chunks small enough for its float32 counts to stay exact.
+    """
+    flat = ids.reshape(-1)
+    if not (flat.is_cuda if sync_free is None else sync_free):
+        return torch.bincount(flat, minlength=n)
+    out = torch.zeros(n, dtype=torch.int64, device=flat.device)
+    for chunk in flat.split(_HISTC_CHUNK):
+        out += torch.histc(chunk.float().add_(0.5), bins=n, min=0, max=n).to(torch.int64)
+    return out
+
+
+ELEMENT_SAMPLE = 1 << 14  # the element histogram reads at most about this many values per call
+
+
+def _abs_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 bit patterns of |x| as int32, NaN as ``_NAN_BITS`` (bfloat16 is the top half of a float32:
+    no conversion)."""
+    if x.dtype == torch.bfloat16:
+        bits = (x.view(torch.int16).to(torch.int32) << 16) & _ABS_MASK
+    else:
+        bits = (x if x.dtype == torch.float32 else x.float()).view(torch.int32) & _ABS_MASK
+    return bits.masked_fill_(bits > _INF_BITS, _NAN_BITS)
+
+
+def _buckets(bits: torch.Tensor) -> torch.Tensor:
+    """Fine bucket of each bit pattern: ceil(bits / 2**20), so bucket j holds ((j-1) << 20, j << 20]."""
+    return (bits.to(torch.int64) + ((1 << FINE_SHIFT) - 1)) >> FINE_SHIFT
+
+
+@dataclass
+class GradCall:
+    """What the backward hook keeps of one dL/dY until the end of the batch (all small)."""
+
+    rows: int
+    elements: int
+    row_max: torch.Tensor  # (rows,) max |g| of each row, on the device
+    nonzero: torch.Tensor  # (rows,) count of non-zero elements of each row, on the device
+    sample: torch.Tensor  # a copy of every ``step``-th row (all rows when small), for the element histogram
+    groups: torch.Tensor | None = None  # (rows,) int8 row group of each row, when the batch named them
+
+
+def summarize_grad(grad: torch.Tensor, groups: torch.Tensor | None = None) -> GradCall:
+    """The per-call work of the hook: two row reductions over dL/dY and a small copy; no host sync.
+
+    Everything else (bucketing, histograms) happens once per batch for all layers together in
+    :func:`reduce_calls`, so the hook launches only a handful of kernels.
+    """
+    g = grad.detach()
+    g2 = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
+    rows, cols = g2.shape
+    if g2.is_cuda:  # fused reductions, no full-size temporary (count_nonzero would make an int64 copy)
+        row_max = torch.linalg.vector_norm(g2, ord=float("inf"), dim=1)  # max |g| per row, NaN kept
+        nonzero = torch.linalg.vector_norm(g2, ord=0, dim=1, dtype=torch.float32)  # exact: <= cols
+    else:  # on the CPU these are ~10x faster than the norms
+        row_max = g2.abs().amax(dim=1)
+        nonzero = (g2 != 0).sum(dim=1)
+    return GradCall(rows, rows * cols, row_max, nonzero, g2[::_sample_step(g2)].clone(), groups)
+
+
+def _sample_step(grad2d: torch.Tensor) -> int:
+    """Every how many rows the element histogram reads one (both paths)."""
+    return max(1, -(-grad2d.numel() // ELEMENT_SAMPLE))
+
+
+@functools.lru_cache(maxsize=None)
+def _rowstats():
+    """The Triton row-statistics module, imported on first use; None when triton cannot be used here."""
+    try:
+        from sebp_kernels._triton import rowstats
+    except Exception as exc:  # no triton, or one that fails to initialise: the torch path still works
+        if torch.cuda.is_available() or _INTERPRET:
+            warnings.warn(f"Triton row statistics unavailable ({exc!r}); the collector uses torch ops",
+                          RuntimeWarning, stacklevel=3)
+        return None
+    assert (rowstats.NONZERO, rowstats.NONFINITE_ROWS, rowstats.MAX_BITS, rowstats.N_SCALARS) == \
+        (_NONZERO, _NONFINITE_ROWS, _MAX_BITS, _N_SCALARS)
+    return rowstats
+
+
+def _kernel_for(grad2d: torch.Tensor):
+    """The rowstats module when its kernel handles this 2-D gradient, else None (torch path)."""
+    if not (grad2d.is_cuda or _INTERPRET):
+        return None
+    mod = _rowstats()
+    return mod if mod is not None and mod.supported(grad2d) else None
+
+
+def _per_layer(layer: torch.Tensor, counts: list[int], total: int) -> torch.Tensor:
+    """The layer index of every row: layer[i] repeated counts[i] times (output size given: no sync)."""
+    return torch.repeat_interleave(layer, torch.tensor(counts, device=layer.device), output_size=total)
+
+
+def _group_hist(calls: list[GradCall], row_layer: torch.Tensor, rbits: torch.Tensor, n_layers: int) -> torch.Tensor:
+    """(L, N_GROUPS * N_OCTAVE) octave histograms of the rows' max |g| per layer and row group."""
+    size = n_layers * N_GROUPS * N_OCTAVE
+    if all(c.groups is None for c in calls):
+        return torch.zeros(n_layers, N_GROUPS * N_OCTAVE, dtype=torch.int64, device=rbits.device)
+    group = torch.cat([c.groups if c.groups is not None else
+                       torch.zeros(c.rows, dtype=torch.int8, device=rbits.device) for c in calls]).to(torch.int64)
+    octave = (rbits.to(torch.int64) + ((1 << OCTAVE_SHIFT) - 1)) >> OCTAVE_SHIFT
+    ids = torch.where(group > 0, row_layer * (N_GROUPS * N_OCTAVE) + (group - 1) * N_OCTAVE + octave, size)
+    return bucket_counts(ids, size + 1)[:size].view(n_layers, N_GROUPS * N_OCTAVE)  # the last bin: no group
+
+
+def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int):
+    """Per-layer statistics of a batch's calls, on the device: (batch (L, _WIDTH), element hist
+    (L, N_FINE)), int64.
+
+    A row of ``batch``: non-zero elements, non-finite rows, float32 bits of the largest |g| (0: no call),
+    then the histogram of the rows' max |g| (bucket 0: zero rows), then that of each row group in octave
+    buckets (zeros where the calls named no groups). The row statistics are exact; the
+    element histogram counts every value of a gradient of at most ``ELEMENT_SAMPLE`` values and otherwise
+    an evenly strided sample of its rows (it only draws the CDF of |g|; every decision uses the exact row
+    statistics).
+    """
+    device = calls[0].row_max.device
+    layer = torch.tensor(layer_of_call, device=device)
+    rows = [c.rows for c in calls]
+    row_layer = _per_layer(layer, rows, sum(rows))
+    rbits = _abs_bits(torch.cat([c.row_max.reshape(-1) for c in calls]))
+    row_hist = bucket_counts(row_layer * N_FINE + _buckets(rbits), n_layers * N_FINE).view(n_layers, N_FINE)
+    nonfinite = bucket_counts(row_layer * 2 + (rbits >= _INF_BITS), n_layers * 2).view(n_layers, 2)[:, 1]
+    max_bits = torch.zeros(n_layers, dtype=torch.int64, device=device)
+    max_bits.scatter_reduce_(0, row_layer, rbits.to(torch.int64), "amax")
+    nonzero = torch.zeros(n_layers, dtype=torch.int64, device=device)
+    nonzero.index_add_(0, row_layer, torch.cat([c.nonzero for c in calls]).to(torch.int64))
+    samples = [c.sample.reshape(-1) for c in calls]
+    sizes = [s.numel() for s in samples]
+    sample_layer = _per_layer(layer, sizes, sum(sizes))
+    ebits = _abs_bits(torch.cat(samples))
+    element_hist = bucket_counts(sample_layer * N_FINE + _buckets(ebits), n_layers * N_FINE).view(n_layers, N_FINE)
+    scalars = torch.stack([nonzero, nonfinite, max_bits], dim=1)
+    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers)], dim=1), element_hist
+
+
+def _rows_view(grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+
+
+def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All statistics of one dL/dY: (rows, elements, scalars, element histogram, row-max histogram), with
+    scalars = [zero rows, non-finite rows, zero elements, float32 bits of the largest |g|]. Takes the path
+    the collector would take for this tensor (Triton or torch)."""
+    g2 = _rows_view(grad.detach())
+    rows, elements = g2.shape[0], g2.numel()
+    kernel = _kernel_for(g2)
+    if kernel is None:
+        batch, element_hist = reduce_calls([summarize_grad(g2)], [0], 1)
+    else:
+        batch = torch.zeros(1, _WIDTH, dtype=torch.int64, device=g2.device)
+        element_hist = torch.zeros(1, N_FINE, dtype=torch.int64, device=g2.device)
+        kernel.row_stats_(g2, batch, element_hist, 0, _sample_step(g2), FINE_SHIFT)
+    b = batch[0]
+    scalars = torch.stack([b[_N_SCALARS], b[_NONFINITE_ROWS], elements - b[_NONZERO], b[_MAX_BITS]])
+    return rows, elements, scalars, element_hist[0], b[_N_SCALARS:_GROUPS_AT]
+
+
+class _DeviceBuffers:
+    """Where the row-statistics kernel accumulates a batch, on one device (allocated once per collector).
+
+    One int64 allocation holds ``stats`` (layers, _WIDTH; the layout of :func:`reduce_calls`) and
+    ``sample`` (layers, N_FINE, this batch's element histogram), so discarding a batch is one memset;
+    ``element_acc`` sums the element histograms of the kept batches.
+    """
+
+    def __init__(self, n_layers: int, device: torch.device, kernel) -> None:
+        self._kernel = kernel
+        self._flat = torch.zeros(n_layers * (_WIDTH + N_FINE), dtype=torch.int64, device=device)
+        self.stats = self._flat[: n_layers * _WIDTH].view(n_layers, _WIDTH)
+        self.groups = self.stats[:, _GROUPS_AT:]  # the kernel's group histograms: in ``stats``, one transfer
+        self.sample = self._flat[n_layers * _WIDTH:].view(n_layers, N_FINE)
+        self.element_acc = torch.zeros(n_layers, N_FINE, dtype=torch.int64, device=device)
+        self._host: torch.Tensor | None = None  # pinned on CUDA: the copy is one DMA, reused every batch
+
+    def add(self, layer: int, grad2d: torch.Tensor, groups: torch.Tensor | None) -> None:
+        """One launch, no host sync."""
+        self._kernel.row_stats_(grad2d, self.stats, self.sample, layer, _sample_step(grad2d), FINE_SHIFT,
+                                groups, self.groups, N_GROUPS, OCTAVE_SHIFT)
+
+    def take(self) -> np.ndarray:
+        """This batch's ``stats`` on the host (valid until the next call); the device side starts over."""
+        if self._host is None:
+            self._host = torch.empty(self.stats.shape, dtype=torch.int64, pin_memory=self.stats.is_cuda)
+        self.element_acc += self.sample
+        self._host.copy_(self.stats)  # waits for the batch's kernels
+        self._flat.zero_()
+        return self._host.numpy()
+
+    def discard(self) -> None:
+        self._flat.zero_()
+
+
+def _merge(parts: list[np.ndarray], n_layers: int) -> np.ndarray:
+    """Batch statistics from several sources (devices, paths) in one array: sums, and the max of max bits."""
+    if not parts:
+        return np.zeros((n_layers, _WIDTH), dtype=np.int64)
+    out = parts[0]
+    for p in parts[1:]:
+        top = np.maximum(out[:, _MAX_BITS], p[:, _MAX_BITS])
+        out = out + p
+        out[:, _MAX_BITS] = top
+    return out
+
+
+class GradientStatsCollector:
+    """Context manager that gathers dL/dY statistics of target linears, batch by batch.
+
+    Targets are found with :func:`sebp_probe.model.patch.find_targets` (same names as patching; default: the
+    attention and MLP projections), so it works on plain and SEBP-patched models alike. Layer names are the
+    logical ones (a peft ``...q_proj.base_layer`` is reported as ``...q_proj``). All hooks are removed when
+    the ``with`` block ends, also on error.
+    """
+
+    def __init__(self, model: nn.Module, target_modules=None, exclude_modules=None):
+        self.model = model
+        real = find_targets(model, target_modules, exclude_modules)
+        if not real:
+            raise ValueError("no linear layer to collect statistics from (check the target/exclude patterns)")
+        self._modules = {_logical_name(n): model.get_submodule(n) for n in real}
+        self.names = list(self._modules)
+        self._layers = {
+            n: LayerStats(n, m.in_features, m.out_features) for n, m in self._modules.items()
+        }
+        self._handles: list = []
+        self._pending: list[tuple[int, GradCall]] | None = None  # torch-path calls of the open batch
+        self._element_acc: torch.Tensor | None = None  # (layers, N_FINE) on the device, torch path
+        self._buffers: dict[torch.device, _DeviceBuffers] = {}  # Triton path
+        self._route: dict = {}  # (device, dtype) -> _DeviceBuffers, or None for the torch path
+        n = len(self.names)
+        self._rows, self._elements = [0] * n, [0] * n  # of the open batch, per layer
+        self._row_hist = np.zeros((n, N_FINE), dtype=np.int64)  # LayerStats.row_hist are rows of this
+        self._lengths: list[np.ndarray] = []
+        self._padded: list[int] = []
+        self._batches = 0
+        self._groups: dict[torch.device, torch.Tensor] = {}  # the open batch's row groups, per device
+        self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]  # made once: hooks run every step
+
+    def __enter__(self) -> "GradientStatsCollector":
+        for i, module in enumerate(self._modules.values()):
+            self._handles.append(module.register_forward_hook(partial(self._on_forward, i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending = None
+
+    def _on_forward(self, index: int, module, args, output) -> None:
+        if self._pending is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._grad_hooks[index])
+
+    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self._pending is None or not grad.numel():
+            return
+        g = _rows_view(grad)
+        rows, cols = g.shape
+        self._rows[index] += rows
+        self._elements[index] += rows * cols
+        key = (g.get_device(), g.dtype)
+        buffers = self._route[key] if key in self._route else self._add_route(key, g)
+        groups = self._groups_for(g) if self._groups else None
+        if buffers is None:
+            self._pending.append((index, summarize_grad(g, groups)))
+        else:
+            buffers.add(index, g, groups)
+
+    def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor | None:
+        """The batch's row groups on the gradient's device, where it has one row per token (else None: a
+        pooler's or classifier's rows are sequences)."""
+        groups = self._groups.get(grad2d.device)
+        if groups is None:
+            groups = self._groups[grad2d.device] = next(iter(self._groups.values())).to(grad2d.device,
+                                                                                       non_blocking=True)
+        return groups if groups.shape[0] == grad2d.shape[0] else None
+
+    def _add_route(self, key, grad2d: torch.Tensor) -> _DeviceBuffers | None:
+        kernel = _kernel_for(grad2d)
+        buffers = None
+        if kernel is not None:
+            buffers = self._buffers.get(grad2d.device)
+            if buffers is None:
+                buffers = self._buffers[grad2d.device] = _DeviceBuffers(len(self.names), grad2d.device, kernel)
+        self._route[key] = buffers
+        return buffers
+
+    @contextlib.contextmanager
+    def batch(self, attention_mask: torch.Tensor | None = None, row_groups: torch.Tensor | None = None):
+        """Collect the forward + backward run inside the block as one batch.
+
+        ``attention_mask`` (batch x seq, 1 on real tokens) gives the token lengths for the padding
+        statistics; ``row_groups`` (int8, one per token, flattened as the rows of dL/dY: 1 padding,
+        2 label-less, 0 other) splits each layer's rows by group. If the block raises, the batch is discarded.
+        """
+        if not self._handles:
+            raise RuntimeError("use the collector inside its `with` block")
+        if self._pending is not None:
+            raise RuntimeError("batches cannot nest")
+        self._pending = []
+        n = len(self.names)
+        self._rows, self._elements = [0] * n, [0] * n
+        self._groups = {} if row_groups is None else {row_groups.device: row_groups.reshape(-1).to(torch.int8)}
+        try:
+            yield self
+            self._flush(attention_mask)
+        except BaseException:
+            for buffers in self._buffers.values():
+                buffers.discard()
+            raise
+        finally:
+            self._pending = None
+            self._groups = {}
+
+    def _flush(self, attention_mask) -> None:
+        n = len(self.names)
+        parts = [buffers.take() for buffers in self._buffers.values()]  # one transfer per device
+        if self._pending:
+            batch, element_hist = reduce_calls([c for _, c in self._pending], [i for i, _ in self._pending], n)
+            if self._element_acc is None:
+                self._element_acc = element_hist
+            else:
+                self._element_acc += element_hist
+            parts.append(batch.cpu().numpy())  # the one transfer of the torch path
+        host = _merge(parts, n)
+        fine = host[:, _N_SCALARS:_GROUPS_AT]
+        groups = host[:, _GROUPS_AT:].reshape(n, N_GROUPS, N_OCTAVE).astype(np.int32)
+        zero_rows = fine[:, 0].tolist()
+        nonfinite = host[:, _NONFINITE_ROWS].tolist()
+        zero_elements = (np.asarray(self._elements, dtype=np.int64) - host[:, _NONZERO]).tolist()
+        max_abs = host[:, _MAX_BITS].astype(np.int32).view(np.float32).tolist()  # bits in [0, 2**31)
+        octaves = octave_histogram(fine).astype(np.int32)
+        self._row_hist = self._row_hist + fine  # a new array per batch: row_hist taken earlier stay as they were
+        for i, layer in enumerate(self._layers.values()):
+            layer.rows.append(self._rows[i])
+            layer.elements.append(self._elements[i])
+            layer.zero_rows.append(zero_rows[i])
+            layer.nonfinite_rows.append(nonfinite[i])
+            layer.zero_elements.append(zero_elements[i])
+            layer.max_abs.append(max_abs[i])
+            layer.row_octaves.append(octaves[i])
+            layer.group_octaves.append(groups[i])
+            layer.row_hist = self._row_hist[i]
+        if attention_mask is not None:
+            mask = attention_mask.reshape(attention_mask.shape[0], -1)
+            self._lengths.append(mask.sum(dim=1).cpu().numpy())
+            self._padded.append(int(mask.shape[1]))
+        self._batches += 1
+
+    def stats(self) -> GradientStats:
+        """The statistics gathered so far (histograms copied to the host)."""
+        accs = [b.element_acc for b in self._buffers.values()]
+        accs += [self._element_acc] if self._element_acc is not None else []
+        if accs:
+            acc = sum(a.cpu().numpy().astype(np.int64) for a in accs)
+            for i, layer in enumerate(self._layers.values()):
+                layer.element_hist = acc[i]
+        return GradientStats(layers=dict(self._layers), lengths=list(self._lengths),
+                             padded_lengths=list(self._padded), batches=self._batches)

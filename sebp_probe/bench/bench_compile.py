@@ -1,0 +1,63 @@
+"""The whole-model benchmark's compiled timing (:mod:`.bench_model` runs it).
+
+Timing ``compiled``: an entry's step function (its loss, :func:`~sebp_probe.model.losses.batch_loss` or
+:func:`cce_loss`) goes through ``torch.compile(..., dynamic=True)`` once per entry, after
+``torch._dynamo.reset()``, so each entry compiles its own graphs and its ``compile_s`` is its own (Inductor's
+on-disk cache stays: an entry whose graph an earlier entry compiled, the same model on another padded layout,
+say, finds it there, as a second run of a user's job would). ``dynamic=True`` makes the batch and sequence
+sizes symbols from the first call on, so a layout's later batches (padded to another length, or packed into
+another token count) reuse the graphs (but for Dynamo's 0/1 specialization: a size that is 1 in the first batch
+and more in a later one recompiles once, as the rows of packed batches run under a mask can; varlen-packed
+batches are always one row): ``recompiles`` counts the graphs Dynamo compiled after the entry's
+first step (0 is the aim), ``graph_breaks`` the breaks while tracing (breaks are allowed: a step that breaks
+runs the pieces between them compiled). ``compile_s``: the wall seconds of the first step, forward and
+backward (AOTAutograd compiles the backward at the first backward), which the timed steps leave out. The timed
+steps then run as eager ones do (:func:`~sebp_probe.bench.bench_model.time_eager`): ``forward_ms`` is the call of
+the compiled function (its guards and compiled forward graphs, the eager pieces between breaks),
+``backward_ms`` the compiled backward that AOTAutograd made with it.
+
+SEBP under compile: the entry patches what ``--norms`` and ``--acts`` ask for, by default the linears only.
+Each SEBP layer is an opaque custom op (``sebp::``) in the graph, and Inductor cannot fuse across one: SEBP
+norms and activations would keep it from fusing each norm, activation and residual add with its neighbours,
+which is most of what compiling buys a dense model; the linears are matmuls, which it does not fuse anyway.
+The row says which kinds it patched (``sebp_layers``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..train.compiling import dynamo_counts, inductor_problem
+
+
+def compile_reason(device: torch.device, backend: str) -> str | None:
+    """Why the compiled entries cannot run on ``device`` (None: they can): Inductor's probe
+    (:func:`~sebp_probe.train.compiling.inductor_problem`); other backends are not probed."""
+    why = inductor_problem(device) if backend == "inductor" else None
+    return None if why is None else f"torch.compile cannot run here ({why})"
+
+
+def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], timer: Callable,
+                   mode: str | None, backend: str) -> tuple[list[dict], dict]:
+    """The compiled entry of ``step(model, batch) -> loss`` on ``batches`` (see the module docstring): the
+    per-batch times of ``timer(model, loss_fn)`` (as eager entries are timed) and ``{compile_s, recompiles,
+    graph_breaks, compiled_graphs}`` (``compiled_graphs``: those the first step compiled, one per piece between
+    breaks)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=True, backend=backend, **({"mode": mode} if backend == "inductor" else {}))
+    graphs0, breaks0 = dynamo_counts()
+    cuda = next(model.parameters()).is_cuda
+    t0 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    compiled(model, batches[0]).backward()
+    if cuda:
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    graphs1 = dynamo_counts()[0]
+    runs = [timer(model, lambda b=b: compiled(model, b)) for b in batches]
+    graphs2, breaks2 = dynamo_counts()
+    stats = {"compile_s": round(compile_s, 2), "recompiles": graphs2 - graphs1, "graph_breaks": breaks2 - breaks0,
+             "compiled_graphs": graphs1 - graphs0}
+    return runs, stats

@@ -1,0 +1,214 @@
+"""Calibration: which candidate layers run SEBP, measured on the run's first batches before training.
+
+A few dense forward/backward passes measure each candidate layer's share of active rows under its SEBP
+setting (layers above ``dense_fallback`` stay dense: SEBP would not pay there), then dense and SEBP backward
+are timed interleaved on the same batches. The RNG is forked and the gradients discarded, so training is
+untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
+
+from ..config import FinetuneConfig, FinetuneError
+from .graphs import replay_ms
+from ..model.losses import batch_loss
+from ..model.patch import find_targets, patch_sebp
+
+
+def _linear_name(modules: dict, name: str) -> str:
+    from ..analysis.report import linear_name
+
+    real = linear_name(modules, name)
+    if real is None:
+        raise FinetuneError(f"layer {name!r} of the SEBP settings is not in this model")
+    return real
+
+
+def candidate_layers(model: torch.nn.Module, cfg: FinetuneConfig,
+                     report_layers: dict[str, SEBPConfig] | None) -> dict[str, SEBPConfig]:
+    """Name of an nn.Linear in ``model`` -> its SEBP setting, before the density check."""
+    if report_layers is not None:
+        modules = dict(model.named_modules())
+        return {_linear_name(modules, n): c for n, c in report_layers.items()}
+    return {n: cfg.sebp_config() for n in find_targets(model, list(cfg.targets) if cfg.targets else None)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_backward(model, batch, device, autocast) -> float:
+    with autocast():
+        loss = batch_loss(model, batch)
+    sync(device)
+    t0 = time.perf_counter()
+    loss.backward()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def graphed_backward_ms(model, batch, autocast, repeats: int = 3) -> float:
+    """Median milliseconds of the backward replayed as a CUDA graph (``--cuda-graphs``); the gradients it
+    wrote are dropped."""
+    return replay_ms(model, batch, repeats, autocast)[1]
+
+
+def rng_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig], device: torch.device,
+                    autocast=contextlib.nullcontext) -> dict[str, float]:
+    """Each candidate layer's share of rows of dL/dY that its SEBP setting keeps, over dense backward passes
+    on ``batches``. The caller discards the gradients (and forks the RNG when it matters)."""
+    modules = dict(model.named_modules())
+    counts = {n: [0, 0] for n in candidates}
+
+    def hook_for(name, scfg):
+        def fwd(_mod, _inp, out):
+            if out.requires_grad:
+                def grad(g):
+                    g2 = g.detach().reshape(-1, g.shape[-1])
+                    counts[name][0] += select_rows(g2, scfg).numel()
+                    counts[name][1] += g2.shape[0]
+                out.register_hook(grad)
+        return fwd
+
+    handles = [modules[n].register_forward_hook(hook_for(n, c)) for n, c in candidates.items()]
+    try:
+        for b in batches:
+            timed_backward(model, b, device, autocast)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (k / m if m else 1.0) for n, (k, m) in counts.items()}
+
+
+@dataclass
+class Calibration:
+    density: dict[str, float]
+    dense_backward_ms: float | None
+    sebp_backward_ms: float | None
+    layers: dict[str, SEBPConfig]
+    fallback: list[str]
+    reason: str | None = None
+    norms: list[str] = field(default_factory=list)  # norms with the SEBP backward (``sebp_norms``)
+    acts: list[str] = field(default_factory=list)  # MLPs with the SEBP activation (``sebp_acts``)
+
+    def to_dict(self) -> dict:
+        return {"density": self.density, "dense_backward_ms": self.dense_backward_ms,
+                "sebp_backward_ms": self.sebp_backward_ms, "fallback_dense": self.fallback,
+                "fallback_reason": self.reason, "layers": {n: s.to_dict() for n, s in self.layers.items()},
+                "norms": self.norms, "activations": self.acts}
+
+
+def backend_variants(layers: dict[str, SEBPConfig], device: torch.device,
+                      graphs: bool = False) -> list[dict[str, SEBPConfig]]:
+    """The SEBP implementations worth timing: on CUDA with backend ``auto``, both the Triton kernels and the
+    torch path (gather + cuBLAS + scatter, one host sync per layer), since which one wins depends on the GPU,
+    the dtype and the shapes; elsewhere just the configured one. With ``graphs`` only the Triton kernels: the
+    torch path's host sync cannot be captured."""
+    from sebp_kernels.functional import _triton_backward
+
+    if device.type != "cuda" or any(c.backend != "auto" for c in layers.values()):
+        return [layers]
+    if graphs:
+        return [{n: replace(c, backend="triton") for n, c in layers.items()}]
+    backends = ("triton", "torch") if _triton_backward() is not None else ("torch",)
+    return [{n: replace(c, backend=b) for n, c in layers.items()} for b in backends]
+
+
+def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: bool = False) -> list[str]:
+    """Patch ``layers`` into ``model``, with ``norms`` its norms too, with ``acts`` its MLP activations (also
+    without any SEBP linear: their fused kernels can pay where every row is active); return the names of the
+    model's SEBP norms (patched now or before)."""
+    patch_sebp(model, layer_configs=layers, norms=norms, acts=acts)
+    return [n for n, m in model.named_modules() if isinstance(m, SEBPNorm)] if norms else []
+
+
+def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
+              device: torch.device, autocast=contextlib.nullcontext, if_slower: bool = True,
+              reps: int = 2, norms: bool = False, acts: bool = False, graphs: bool = False) -> Calibration:
+    """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too,
+    with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
+
+    1. One dense backward per batch measures each layer's share of active rows under its setting; layers
+       above ``fallback`` stay dense (gathering nearly every row costs more than it saves). With ``norms`` or
+       ``acts``, those are timed even where no linear layer qualifies.
+    2. Dense and SEBP backward are timed interleaved on the same batches (median of ``reps`` rounds); on CUDA
+       with backend ``auto`` the Triton and the torch implementations are both timed and the faster kept.
+       With ``if_slower``, SEBP slower than dense leaves the whole model dense: SEBP never costs backward
+       time as timed here. With ``graphs`` both backward passes are timed as CUDA-graph replays, as
+       ``--cuda-graphs`` (and the graph-recording ``--compile`` modes) train; otherwise eagerly, also under
+       ``--compile default``, whose compiled backward can rank differently.
+
+    Leaves no gradients and no trace in the RNG.
+    """
+    from ..model.patch import unpatch_model
+
+    dense_ms, sebp_ms, reason, norm_names = [], [], None, []
+    if graphs:
+        timed = lambda b: graphed_backward_ms(model, b, autocast)  # noqa: E731
+    else:
+        timed = lambda b: timed_backward(model, b, device, autocast)  # noqa: E731
+    with torch.random.fork_rng(devices=rng_devices(device)):
+        density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
+        layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
+        if layers or norms or acts:
+            best = None
+            for cfgs in backend_variants(layers, device, graphs) if layers else [{}]:
+                apply_sebp(model, cfgs, norms, acts)
+                for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
+                    timed_backward(model, b, device, autocast)
+                d_ms, s_ms = [], []
+                for _ in range(reps):
+                    for b in batches:
+                        unpatch_model(model)
+                        d_ms.append(timed(b))
+                        apply_sebp(model, cfgs, norms, acts)
+                        s_ms.append(timed(b))
+                if best is None or statistics.median(s_ms) < statistics.median(best[2]):
+                    best = (cfgs, d_ms, s_ms)
+            layers, dense_ms, sebp_ms = best
+            norm_names = apply_sebp(model, layers, norms, acts)  # the chosen backend in place of the last one timed
+            if if_slower and statistics.median(sebp_ms) > statistics.median(dense_ms):
+                unpatch_model(model)
+                reason = "SEBP backward measured slower than dense on the calibration batches"
+                if device.type == "cuda" and not graphs:  # eager on a GPU: often the host's launch overhead
+                    reason += " (eager: where the host is the bound, --cuda-graphs may reverse it)"
+                layers, norm_names = {}, []
+        else:
+            dense_ms = [timed(b) for b in batches]
+        model.zero_grad(set_to_none=True)
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return Calibration(density, med(dense_ms), med(sebp_ms), layers,
+                       sorted(n for n in candidates if n not in layers), reason, norm_names)
+
+
+def take_main_choice(model, c: Calibration, candidates: dict[str, SEBPConfig]) -> Calibration:
+    """Under several processes (accelerate's state), every process takes the main process's choice of layers,
+    norms and activations (timings differ per process, and the processes must compute the same model); ``model``
+    is patched again to match. One process: ``c`` as it is."""
+    from accelerate import PartialState
+
+    if PartialState().num_processes == 1:
+        return c
+    from accelerate.utils import broadcast_object_list
+
+    from ..model.patch import patched_activations, unpatch_model
+
+    chosen = broadcast_object_list([{"layers": {n: sc.to_dict() for n, sc in c.layers.items()},
+                                     "norms": bool(c.norms), "acts": bool(patched_activations(model))}])[0]
+    unpatch_model(model)
+    c.layers = {n: SEBPConfig.from_dict(d) for n, d in chosen["layers"].items()}
+    c.fallback = sorted(n for n in candidates if n not in c.layers)
+    c.norms = apply_sebp(model, c.layers, chosen["norms"], chosen["acts"])
+    return c

@@ -1,0 +1,124 @@
+"""``--compile``: ``torch.compile`` of the training model in place and of a run's whole step loss, or, where
+it cannot run, one line saying why and the run goes on eagerly.
+
+Two things can stop it: Inductor cannot compile anything here (no C compiler for CPU code, a Python or torch
+that Dynamo does not support, no Triton for a GPU), found by compiling and running a tiny function first; or
+the code does not trace (an op without a shape-only implementation, say), found at its first call, which then
+runs eagerly, as every later one does (and every other callable compiled for the same run).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..notes import note
+
+_PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) by Dynamo in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def _probe_fn(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x) * 2 + 1
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def inductor_problem(device: torch.device) -> str | None:
+    """Why Inductor cannot compile code for ``device`` here, or None: a tiny function compiled and run once per
+    device type and process (a few seconds on a CPU the first time)."""
+    if device.type in _PROBED:
+        return _PROBED[device.type]
+    why = None
+    try:
+        torch._dynamo.eval_frame.check_if_dynamo_supported()
+        x = torch.linspace(-1, 1, 8, device=device)
+        got = torch.compile(_probe_fn, backend="inductor", fullgraph=True)(x)
+        if not torch.allclose(got, _probe_fn(x)):
+            why = "a compiled test function computed wrong values"
+    except Exception as e:  # whatever stops it, the run can still train eagerly
+        why = _first_line(e)
+    _PROBED[device.type] = why
+    return why
+
+
+class Fallback:
+    """What the compiled callables of one run share: the first call that fails to compile logs one line, and
+    from then on every one of them runs eagerly (``why``: that line's reason; None while they compile)."""
+
+    def __init__(self, mode: str):
+        self.mode, self.why = mode, None
+        self._undo: list[Callable[[], None]] = []
+
+    def guard(self, compiled: Callable, eager: Callable, what: str) -> Callable:
+        """``compiled``, or ``eager`` (with one line, then and after) once a call fails to compile."""
+
+        def call(*args, **kwargs):
+            if self.why is None:
+                try:
+                    return compiled(*args, **kwargs)
+                except torch._dynamo.exc.TorchDynamoException as e:
+                    self._fail(what, e)
+            # the call runs again from the start, eagerly; one that fails eagerly too raises its own error
+            return eager(*args, **kwargs)
+
+        return call
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        self.why = _first_line(e)
+        note(f"--compile {self.mode}: {what} did not compile ({self.why}); training eagerly")
+        for undo in self._undo:
+            undo()
+
+
+def cannot_compile(mode: str, device: torch.device) -> bool:
+    """Whether Inductor cannot run on ``device`` (:func:`inductor_problem`); if so, one logged line says so:
+    ``--compile MODE: torch.compile cannot run here (why); training eagerly``."""
+    why = inductor_problem(device)
+    if why is not None:
+        note(f"--compile {mode}: torch.compile cannot run here ({why}); training eagerly")
+    return why is not None
+
+
+def compile_fn(fn: Callable, mode: str, device: torch.device, what: str = "the training step",
+               fallback: Fallback | None = None) -> Callable | None:
+    """``torch.compile(fn, mode=mode)``, guarded by ``fallback`` (a new one by default: a call that fails to
+    compile logs one line naming ``what`` and runs ``fn`` eagerly, then and after); None, with one logged
+    line, where Inductor cannot run on ``device``. Each call of this makes a fresh compiled wrapper, but
+    Dynamo keeps its compiled code on ``fn``'s code object: call ``torch._dynamo.reset()`` between
+    candidates that must not share it."""
+    if cannot_compile(mode, device):
+        return None
+    return (fallback or Fallback(mode)).guard(torch.compile(fn, mode=mode), fn, what)
+
+
+def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
+                     step: Callable | None = None) -> Callable | None:
+    """``model.compile(mode=mode)`` (in place: the module, its parameter names and checkpoints stay as they
+    are) and, with ``step`` (the step's loss, a function of the model and a batch), ``torch.compile(step)``
+    too, returned: it compiles the work around the forward as well (the labelled-rows head), the model's
+    compiled forward inlined into its graph. Where Inductor cannot run on ``device``: one logged line, the
+    model left eager, None. A call of either that fails to compile logs one line, and both run eagerly, then
+    and after. Returns None without ``step``."""
+    if cannot_compile(mode, device):
+        return None
+    fallback = Fallback(mode)
+    model.compile(mode=mode)
+    compiled = model._compiled_call_impl  # what nn.Module.__call__ runs while it is set
+    fallback._undo.append(lambda: setattr(model, "_compiled_call_impl", None))
+    model._compiled_call_impl = fallback.guard(compiled, lambda *a, **k: model(*a, **k), "the model's forward")
+    if step is None:
+        return None
+    return fallback.guard(torch.compile(step, mode=mode), step, "the training step")
+

@@ -1,0 +1,511 @@
+"""One training run (dense or SEBP) on accelerate's ``Accelerator``: set up, train, evaluate, checkpoint, save.
+
+* ``accelerate launch`` / ``torchrun`` give DDP through ``Accelerator.prepare``; there is no communication
+  code here beyond accelerate's reduce/gather/trigger calls.
+* SIGINT/SIGTERM set a flag; at the next step boundary every process checkpoints and the run ends
+  ``interrupted``. A non-finite loss stops before the optimizer step and keeps the earlier checkpoints.
+* Resuming restores the RNG states with ``Accelerator.load_state`` and skips to the same batch, so a resumed
+  run reaches the uninterrupted run's result.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sebp_kernels import SEBPConfig
+
+from ..data.assets import LoadedModel
+from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
+from .compiling import compile_or_eager, dynamo_counts
+from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
+from ..model.losses import batch_loss, ready_to_compile, set_head
+from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
+from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
+from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
+from ..data.train_data import TrainData, first_batches, make_loaders
+from .train_step import MicroBatches, StepTally, StopRequest, untimed_reason
+
+Event = Callable[[str, dict], None]
+
+
+def wrap_lora(model: torch.nn.Module, task: str, cfg: FinetuneConfig) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise FinetuneError("--lora needs the 'peft' package: pip install peft") from None
+    targets = find_targets(model, list(cfg.targets) if cfg.targets else None)
+    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                      task_type={"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}.get(task))
+    return get_peft_model(model, lcfg)
+
+
+def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
+    """AdamW in its fused implementation (one kernel per parameter group and dtype, on the GPU and the CPU), as
+    Hugging Face's ``Trainer`` uses by default; the same update rule as the default multi-tensor one. On the GPU
+    the multi-tensor one took 6-7 ms of host time a step for BERT-base, longer than the GPU needed for it
+    (torch.profiler over training steps); on the CPU it took several times the fused one's time for MiniLM's
+    22.7M parameters (``benchmarks/adamw_cpu.py``). A torch without the fused kernel for these parameters
+    gets the default."""
+    if params and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params):
+        try:
+            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        except (RuntimeError, ValueError):  # a parameter kind or torch the fused kernel does not take
+            pass
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _lr_at(step: int, total: int, cfg: FinetuneConfig) -> float:
+    warm = int(total * cfg.warmup_ratio)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    return cfg.lr * max(0.0, (total - step) / max(1, total - warm))
+
+
+def _warm_cublas(device: torch.device) -> None:
+    """Make torch allocate the current stream's cuBLAS workspace now: it lives as long as the process, so the
+    first run of a --compare would count it in its peak and the second not. An eager run's first step
+    allocated it anyway; with --cuda-graphs the dense run's first matmul on this stream came with its final
+    evaluation, and the SEBP run's steps then carried 65 MiB the dense run's had not."""
+    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS and cuBLASLt (addmm with a bias) workspaces
+        a = torch.ones(8, 8, device=device, dtype=dtype)
+        torch.nn.functional.linear(a @ a, a, a[0]).sum().item()
+
+
+def graphed_compile(cfg: FinetuneConfig, acc) -> bool:
+    """Does ``--compile`` record CUDA graphs here (its mode does, on a CUDA device)?"""
+    return cfg.compile in GRAPHED_COMPILE_MODES and acc.device.type == "cuda"
+
+
+@dataclass
+class _Prepared:
+    """A run's prepared objects and its steps' count."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: object
+    eval_loader: object
+    sampler: object
+    params: list  # the trainable parameters, after prepare
+    loss_fn: Callable
+    keep_grads: bool  # CUDA graphs add into the .grad tensors: zeroed, never set to None
+    total: int
+    eval_every: int
+    taken_before: int  # padding rows the calibration's backwards took
+    dynamo_before: tuple[int, int]
+
+
+@dataclass
+class _Progress:
+    """Where a run stands: its last step, its status and its last checkpoint."""
+
+    step: int
+    last_ckpt: str | None
+    status: str = "completed"
+    error: str | None = None
+    run_peak: float = 0.0  # the steps' peak memory so far (MB)
+
+    def diverged(self, loss: float) -> None:
+        where = f"last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
+            "no checkpoint was written before it (use --save-steps)"
+        self.status = "diverged"
+        self.error = (f"loss became non-finite ({loss}) at step {self.step + 1}; stopped before applying "
+                      f"that step; {where}")
+
+
+class Run:
+    """One training run (dense or SEBP) in its run directory."""
+
+    def __init__(self, cfg: FinetuneConfig, method: str, run_dir: Path, accelerator, data: TrainData,
+                 load_fn: Callable[[], LoadedModel], report_layers: dict[str, SEBPConfig] | None,
+                 dense_steps: dict[int, float] | None, on_event: Event):
+        """``dense_steps``: step -> backward ms of a dense run on the same batches (``--compare`` with dense first
+        and one layout), which the progress compares this run's recent steps with."""
+        self.cfg, self.method, self.dir, self.acc, self.data = cfg, method, run_dir, accelerator, data
+        self.load_fn, self.report_layers, self.dense_steps, self.emit = load_fn, report_layers, dense_steps, on_event
+        self.main = accelerator.is_main_process
+        self.records: list[dict] = []
+
+    # -- setup
+
+    def _setup_model(self, state: dict | None):
+        from accelerate.utils import set_seed
+
+        set_seed(self.cfg.seed)
+        loaded = self.load_fn()
+        model = loaded.model
+        if self.cfg.lora:
+            model = wrap_lora(model, loaded.task, self.cfg)
+        model.to(self.acc.device)
+        model.train()
+        self.head = set_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
+                             self.cfg.compile is not None, self.cfg.data.padding)
+        calib = None
+        if self.method == "sebp":
+            if state is not None:  # resume: the layers chosen at the start, no new calibration
+                layers = {n: SEBPConfig.from_dict(d) for n, d in state["layers"].items()}
+                calib = state.get("calibration")
+                kept = calib or {"norms": layers, "activations": layers}  # what the start patched
+                apply_sebp(model, layers, self.cfg.sebp_norms and bool(kept.get("norms")),
+                           self.cfg.sebp_acts and bool(kept.get("activations")))
+            else:
+                cands = candidate_layers(model, self.cfg, self.report_layers)
+                calib = self._calibrate(model, cands)
+        elif self.method == "resprop":  # no calibration: the reuse level is the user's trade of accuracy for time
+            from ..model.resprop import patch_resprop
+
+            names = patch_resprop(model, self.cfg.reuse, list(self.cfg.targets) if self.cfg.targets else None)
+            self.emit("calibrated", {"run": self.method, "layers": {n: {"reuse": self.cfg.reuse} for n in names},
+                                     "fallback_dense": [], "fallback_reason": None})
+        return loaded, model, calib
+
+    def _calibrate(self, model, cands: dict[str, SEBPConfig]) -> dict:
+        batches = first_batches(self.cfg, self.data, self.acc.device)
+        if self.cfg.calib_batches == 0:  # no measurement: patch every candidate
+            c = Calibration({}, None, None, cands, [], norms=apply_sebp(model, cands, self.cfg.sebp_norms,
+                                                                         self.cfg.sebp_acts))
+        else:
+            c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
+                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
+                          acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg,
+                                                                                                   self.acc))
+        c = take_main_choice(model, c, cands)
+        c.acts = patched_activations(model)
+        info = c.to_dict()
+        self.emit("calibrated", {"run": self.method, **info})
+        return info
+
+    def _step_loss(self, model) -> Callable:
+        """What a training step calls for its loss: :func:`batch_loss`. Under ``--compile`` the model compiles in
+        place (its forward: evaluation, and the model's own loss) and, where the labelled-rows head runs (it
+        goes around the model's forward), the whole step's loss compiles too, the forward inlined in its graph
+        (:func:`~sebp_probe.train.compiling.compile_or_eager`: one line and eager where it cannot)."""
+        cfg, labelled = self.cfg, self.head[0] == "labelled"
+        if not cfg.compile:
+            return batch_loss
+        if labelled:
+            ready_to_compile(model, cfg.data.padding, self.acc.autocast)
+        return compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None) \
+            or batch_loss
+
+    # -- bookkeeping
+
+    def _log(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self.main:
+            with open(self.dir / METRICS, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
+    def _save_checkpoint(self, step: int, calib: dict | None) -> Path:
+        """Write the checkpoint of ``step`` atomically: into ``.partial-step-N``, its state file last, then
+        renamed to ``step-N``; a write cut short never looks like a checkpoint."""
+        from .rundir import PARTIAL
+
+        path = self.dir / CHECKPOINTS / f"step-{step:06d}"
+        tmp = path.with_name(PARTIAL + path.name)
+        if self.main:  # every process writes its shards into the folder (FSDP): it exists before they start
+            if tmp.exists():  # left by a write cut short at this step: start it afresh
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp))
+        self.acc.wait_for_everyone()  # every process's shards are written before the state file marks it complete
+        if self.main:
+            layers = (calib or {}).get("layers", {})
+            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib})
+            if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
+                shutil.rmtree(path)
+            tmp.rename(path)
+            for old in list_checkpoints(self.dir)[: -self.cfg.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        return path
+
+    def _restore(self) -> dict | None:
+        """The state of the last complete checkpoint (None: none, start afresh), the metrics cut back to its
+        step; says which checkpoint it took and which incomplete ones it passed over."""
+        from .rundir import partial_checkpoints
+
+        ckpts, partial = list_checkpoints(self.dir), partial_checkpoints(self.dir)
+        skipped = f"; passed over incomplete {', '.join(p.name for p in partial)} (a write cut short)" \
+            if partial else ""
+        if not ckpts:
+            self.emit("note", {"run": self.method, "text": f"{self.method}: no complete checkpoint in "
+                               f"{self.dir / CHECKPOINTS}: starting from step 0{skipped}"})
+            if self.main:
+                (self.dir / METRICS).unlink(missing_ok=True)
+            return None
+        state = read_json(ckpts[-1] / STATE)
+        state["path"] = str(ckpts[-1])
+        self.emit("note", {"run": self.method, "text": f"{self.method}: resuming from {ckpts[-1]} (step "
+                           f"{state['step']}){skipped}"})
+        kept = []
+        if (self.dir / METRICS).exists():
+            for line in (self.dir / METRICS).read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if rec.get("step", 0) <= state["step"]:
+                    kept.append(rec)
+        self.records = kept
+        if self.main:
+            tmp = self.dir / (METRICS + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.dir / METRICS)
+        return state
+
+    # -- the loop
+
+    def run(self, resume: bool) -> dict:
+        if self.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.acc.wait_for_everyone()
+        done = read_json(self.dir / SUMMARY)
+        if resume and done and done.get("status") == "completed":
+            self.records = [json.loads(x) for x in (self.dir / METRICS).read_text().splitlines() if x.strip()]
+            self.emit("skipped", {"run": self.method, "summary": done})
+            return done
+        state = self._restore() if resume else None
+        if not resume and self.main:
+            (self.dir / METRICS).unlink(missing_ok=True)
+        self.acc.wait_for_everyone()
+        loaded, model, calib = self._setup_model(state)
+        if self.acc.device.type == "cuda":
+            _warm_cublas(self.acc.device)
+            torch.cuda.reset_peak_memory_stats(self.acc.device)
+        try:
+            return self._train(loaded, model, calib, state)
+        finally:
+            self.acc.free_memory()  # forget this run's prepared objects: a checkpoint holds one run only
+            # DDP and accelerate's autocast wrapper of forward leave reference cycles: without a collection
+            # the first run of a --compare would still hold its memory during the second, inflating its peak.
+            del model, loaded
+            gc.collect()
+            if self.acc.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _train(self, loaded, model, calib, state) -> dict:
+        """Prepare, then step until the end, a divergence or a stop request; then the summary. One host wait per
+        step, for the loss (a non-finite loss stops the run before its update): the optimizer's work and the
+        next batch's copy run on the GPU while the host goes on. A step's time is the host's, from the end of
+        the step before (the first: from a synchronized GPU); at a step after which something else runs
+        (evaluation, checkpoint, the end) the GPU is waited for, so that no GPU work is left out of the steps'
+        times or counted in them twice."""
+        t = self._prepare(model)
+        p = _Progress(step=self._resume_state(state), last_ckpt=state["path"] if state else None)
+        self.emit("start", {"run": self.method, "total": t.total, "step": p.step, "resumed": state is not None,
+                            "patched": len((calib or {}).get("layers", {})),
+                            "fallback_dense": (calib or {}).get("fallback_dense", [])})
+        batches = self._batches(t, p.step * self.cfg.grad_accum)
+        micro = MicroBatches(self.acc, self.cfg.grad_accum, self.cfg.cuda_graphs)
+        sync(self.acc.device)
+        with StopRequest() as stop:
+            while p.step < t.total:
+                if not self._step(t, p, micro, batches, stop, calib):
+                    break
+        micro.close()  # the graphs and their memory pool go before the model is saved
+        if p.status == "completed":
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            self._save_model(t.model, loaded)
+        return self._finish(t, p, calib)
+
+    def _prepare(self, model) -> _Prepared:
+        """Loaders, optimizer, ``Accelerator.prepare``, the step's loss and the steps' count."""
+        cfg, acc = self.cfg, self.acc
+        train_loader, eval_loader, sampler = make_loaders(cfg, self.data, pin=acc.device.type == "cuda")
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+        model, optimizer, train_loader, eval_loader = acc.prepare(model, optimizer, train_loader, eval_loader)
+        # after prepare: FSDP2 puts new (DTensor) Parameters in the model, and accelerate's clip_grad_norm_ finds
+        # its model by these very objects (stale ones fail there comparing a Tensor with a DTensor)
+        params = [p for p in model.parameters() if p.requires_grad]
+        pad = pad_rows_of(model)
+        taken_before = pad.taken if pad is not None else 0  # the calibration's backwards are not the run's
+        # Graph replays add into .grad in place. Under --compile, a .grad that autograd took over from a graph's
+        # output (it does when .grad is None) would be overwritten by the next micro-batch's replay.
+        keep_grads = cfg.cuda_graphs or (graphed_compile(cfg, acc) and cfg.grad_accum > 1)
+        dynamo_before = dynamo_counts()
+        loss_fn = self._step_loss(model)
+        if cfg.compile and keep_grads:
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        total = cfg.optimizer_steps(len(train_loader))
+        return _Prepared(model, optimizer, train_loader, eval_loader, sampler, params, loss_fn, keep_grads, total,
+                         cfg.eval_steps or max(1, total // 4), taken_before, dynamo_before)
+
+    def _resume_state(self, state: dict | None) -> int:
+        """The step to start from: a resumed run's, its RNG and optimizer states restored (after prepare)."""
+        if state is None:
+            return 0
+        self.acc.load_state(state["path"])
+        return state["step"]
+
+    def _batches(self, t: _Prepared, start_micro: int) -> Iterator:
+        """(epoch, micro-batch) from micro-batch ``start_micro`` on, epoch after epoch."""
+        n_batches = len(t.train_loader)
+        epoch, offset = divmod(start_micro, n_batches)
+        while True:
+            t.train_loader.set_epoch(epoch)
+            t.sampler.set_epoch(epoch)
+            loader = self.acc.skip_first_batches(t.train_loader, offset) if offset else t.train_loader
+            for b in loader:
+                yield epoch, b
+            epoch, offset = epoch + 1, 0
+
+    def _step(self, t: _Prepared, p: _Progress, micro: MicroBatches, batches: Iterator, stop: StopRequest,
+              calib: dict | None) -> bool:
+        """One optimizer step, its record, evaluation and checkpoint. False: the run stops after it."""
+        cfg, dev = self.cfg, self.acc.device
+        t_step = time.perf_counter()
+        before = (len(micro.graphs), dynamo_counts()[0] if cfg.compile else 0)  # graphs captured, compiled
+        tally = micro.run(batches, t.model, t.loss_fn)
+        mean_loss = self.acc.reduce(tally.loss_sum / cfg.grad_accum, "mean").item()  # the step's one wait
+        stopping = self._stop_agreed(stop)
+        if not math.isfinite(mean_loss):
+            p.diverged(mean_loss)
+            return False
+        lr = self._optimizer_step(t, p.step)
+        p.step += 1
+        evaluating = p.step % t.eval_every == 0 or p.step == t.total
+        saving = bool(cfg.save_steps) and p.step % cfg.save_steps == 0 and p.step < t.total
+        if evaluating or saving or stopping:
+            sync(dev)
+        rec = self._step_record(p, tally, mean_loss, lr, t_step, micro, before)
+        self._log(rec)
+        live = self._vs_dense_backward()
+        self.emit("step", {"run": self.method, **rec, **({"vs_dense_backward": live} if live else {}),
+                           "total": t.total})
+        if evaluating:
+            ev = {"type": "eval", "step": p.step, **evaluate(t.model, t.eval_loader, self.acc, self.data.task)}
+            self._log(ev)
+            self.emit("eval", {"run": self.method, **ev})
+        if stopping or (self.acc.num_processes == 1 and stop.requested):
+            p.status = "interrupted"
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            return False
+        if saving:
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+        return True
+
+    def _stop_agreed(self, stop: StopRequest) -> bool:
+        """Ctrl-C / SIGTERM: every process stops after the same step. Across processes that takes a reduction
+        (accelerate's trigger), made here, where the host waits anyway: a request that comes later is seen in
+        the next step, which then finishes. One process reads its flag at the step's end (False here)."""
+        if self.acc.num_processes == 1:
+            return False
+        if stop.requested:
+            self.acc.set_trigger()
+        return self.acc.check_trigger()
+
+    def _optimizer_step(self, t: _Prepared, step: int) -> float:
+        """Clip, set the learning rate of ``step``, step and zero the gradients; returns the learning rate."""
+        if self.cfg.max_grad_norm is not None:
+            self.acc.clip_grad_norm_(t.params, self.cfg.max_grad_norm)
+        lr = _lr_at(step, t.total, self.cfg)
+        for g in t.optimizer.param_groups:
+            g["lr"] = lr
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=not t.keep_grads)  # the graphs keep adding into these
+        return lr
+
+    def _step_record(self, p: _Progress, tally: StepTally, mean_loss: float, lr: float, t_step: float,
+                     micro: MicroBatches, before: tuple[int, int]) -> dict:
+        """The step's line of metrics.jsonl; a step that compiled, captured or ran a new shape is untimed."""
+        cfg, dev = self.cfg, self.acc.device
+        tokens, empty = int(tally.tokens), int(tally.empty)
+        rec = {"type": "train", "step": p.step, "epoch": tally.epoch, "loss": mean_loss, "lr": lr,
+               "backward_ms": tally.backward_ms(), "step_ms": (time.perf_counter() - t_step) * 1e3,
+               "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": tally.rows}
+        untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
+                                  tally.new_shape and dev.type == "cuda")
+        if untimed:  # not in the run's times: summary.json reports these steps' seconds apart
+            rec["untimed"] = untimed
+        if empty:
+            rec["batches_without_target"] = empty
+        if cfg.cuda_graphs:
+            rec["graph_replays"] = tally.replayed  # of the step's grad_accum micro-batches
+            rec["graphs"] = len(micro.graphs)  # captured so far (one per batch shape)
+        if dev.type == "cuda":  # this step's own peak too (the run's peak is the running maximum)
+            rec["step_peak_mem_mb"] = rec["peak_mem_mb"]
+            p.run_peak = rec["peak_mem_mb"] = max(p.run_peak, rec["peak_mem_mb"])
+            torch.cuda.reset_peak_memory_stats(dev)
+        return rec
+
+    def _finish(self, t: _Prepared, p: _Progress, calib: dict | None) -> dict:
+        """The run's summary: written to summary.json and sent as the ``end`` event."""
+        cfg, dev, (head, why) = self.cfg, self.acc.device, self.head
+        summary = {"status": p.status, "method": self.method, "total_steps": t.total, "head": head,
+                   **({"head_fallback_reason": why} if why else {}),
+                   "batches_without_target": sum(r.get("batches_without_target", 0) for r in self.records),
+                   **summarize_records(self.records), "checkpoint": p.last_ckpt,
+                   "model_dir": str(self.dir / MODEL_DIR) if p.status == "completed" else None,
+                   "calibration": calib, "device": device_name(dev), "num_processes": self.acc.num_processes,
+                   "peak_mem_kind": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
+                   "process max RSS (CPU: grows over the runs of one process)"}
+        padding_rows = pad_rows_summary(t.model)
+        if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
+            padding_rows["taken"] -= t.taken_before
+            summary["padding_rows"] = padding_rows
+        if cfg.compile:  # what Dynamo made of this run's model (this process)
+            graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
+            summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,
+                                  "scope": "step" if head == "labelled" else "forward"}
+        if p.error:
+            summary["error"] = p.error
+        if self.main:
+            write_json(self.dir / SUMMARY, summary)
+        self.emit("end", {"run": self.method, "summary": summary})
+        return summary
+
+    def _vs_dense_backward(self, window: int = 20) -> float | None:
+        """For the progress bar: the dense run's median backward over this run's last ``window`` timed steps
+        (the same steps, so the same batches) over this run's median on them; None without such a dense run."""
+        if not self.dense_steps:
+            return None
+        recent = [r for r in self.records[-3 * window:] if r.get("type") == "train" and r["step"] > 10]
+        mine = [(r["step"], r["backward_ms"]) for r in recent if not r.get("untimed") and r["step"] in self.dense_steps]
+        mine = mine[-window:]
+        if len(mine) < MIN_TIMED_STEPS:
+            return None
+        own = statistics.median(ms for _, ms in mine)
+        return statistics.median(self.dense_steps[s] for s, _ in mine) / own if own else None
+
+    def _save_model(self, model, loaded: LoadedModel) -> None:
+        """The fine-tuned model as a plain Hugging Face model: LoRA merged, SEBP layers back to nn.Linear."""
+        from ..model.patch import unpatch_model
+
+        from accelerate.utils import DistributedType
+
+        self.acc.wait_for_everyone()
+        sharded = self.acc.distributed_type == DistributedType.FSDP
+        state_dict = self.acc.get_state_dict(model) if sharded else None  # gathered: every rank takes part
+        plain = self.acc.unwrap_model(model)
+        if self.cfg.lora and sharded:  # the shards cannot merge in place: merge the gathered weights
+            from .lora_merge import lora_scalings, merge_lora_state
+
+            scalings = lora_scalings(plain)
+            state_dict = merge_lora_state(state_dict, scalings) if self.main else None
+            plain = plain.get_base_model()
+        elif self.cfg.lora:
+            plain = plain.merge_and_unload()
+        unpatch_model(plain)
+        if self.main:
+            from transformers.utils import logging as hf_logging
+
+            target = self.dir / MODEL_DIR
+            hf_logging.disable_progress_bar()
+            try:
+                plain.save_pretrained(target, state_dict=state_dict, safe_serialization=True)
+            finally:
+                hf_logging.enable_progress_bar()
+            if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
+                loaded.tokenizer.save_pretrained(target)
+        self.acc.wait_for_everyone()

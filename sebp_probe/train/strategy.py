@@ -1,0 +1,283 @@
+"""``--padding auto``: time every batch layout on the run's own batches, dense and with SEBP, and pick the
+fastest.
+
+Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
+measured on top of each layout, never only against padded dense. Each applicable layout (:data:`.LAYOUTS`;
+``packed`` only where :func:`~sebp_probe.model.packing.check_packable` allows it and the batch shapes may change) is
+timed on a few batches from inside the first epoch: one untimed forward+backward per batch and method (kernel
+compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches
+of one layout differ in size (under ``bucket`` by far: its first batch holds the longest sequences), so a few
+of them would say little about an epoch; a
+layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
+of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
+candidate layers whose share of active rows on those batches is at most ``dense_fallback``, as a run's
+calibration would. Where the run's head is the labelled-rows path (:mod:`sebp_probe.model.losses`), every layout is
+also timed with the model's own (full) head: which of the two is faster depends on the layout and on the
+host's launch overhead, so measurement chooses it as well.
+
+Under ``--compile`` each layout is also timed compiled (:func:`_compiled_ms`; ``--compile MODE``: compiled
+only, the run compiles anyway; ``--compile auto``: eager and compiled): dense and SEBP each through a fresh
+``torch.compile(batch_loss)`` with Dynamo's caches reset first, so no candidate finds another's graphs. On
+each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
+median is that candidate's compile seconds. The choice minimizes the whole run's estimated seconds
+(:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
+``grad_accum``), plus the compile seconds once per compiled candidate; without compiled candidates that is
+the smallest time measured, so the choice is never slower than the fastest dense entry measured. The RNG is
+forked and the gradients are dropped: training is untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from sebp_kernels import SEBPConfig
+
+from ..data.batching import PackingError, lengths, padding_share
+from .calibration import apply_sebp, measure_density, rng_devices, sync
+from .compiling import Fallback, cannot_compile, compile_fn, inductor_problem
+from ..config import COMPILE_AUTO, FinetuneConfig
+from .graphs import replay_ms
+from ..layouts import LAYOUTS
+from ..model.losses import batch_loss, compiled_head_problem, head_of, ready_to_compile
+from ..model.packing import check_packable
+from ..data.train_data import TrainData, make_loaders, to_device
+
+SAMPLE_BATCHES = 3
+
+
+@dataclass
+class PaddingChoice:
+    """What ``auto`` measured (``table``: one row per layout and head) and chose: ``padding``, ``method``,
+    ``head`` and whether to compile (``compiled``); ``best``: the cheapest layout of each method measured,
+    ``best_head``: the head it was timed with (None: the run's own, when only one head was timed),
+    ``best_compiled``: whether it was the compiled candidate; ``micro_batches``: the run's planned
+    micro-batches the whole-run costs (``*_run_s`` in the table) count."""
+
+    padding: str
+    method: str
+    best: dict[str, str]
+    table: list[dict] = field(default_factory=list)
+    head: str | None = None
+    best_head: dict[str, str | None] = field(default_factory=dict)
+    compiled: bool = False
+    best_compiled: dict[str, bool] = field(default_factory=dict)
+    micro_batches: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PaddingChoice":
+        return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
+                   dict(d.get("best_head") or {}), bool(d.get("compiled", False)), dict(d.get("best_compiled") or {}),
+                   d.get("micro_batches"))
+
+
+def whole_run_s(steady_ms: float, micro_batches: int, compile_s: float = 0.0) -> float:
+    """A candidate's estimated seconds for the whole run: ``steady_ms`` per micro-batch times the run's
+    ``micro_batches`` (planned optimizer steps x grad_accum), plus its ``compile_s`` once."""
+    return steady_ms * micro_batches / 1e3 + compile_s
+
+
+def candidate(method: str, compiled: bool) -> str:
+    """A candidate's name in the table's keys (``{name}_ms``, ``{name}_compile_s``, ``{name}_run_s``)."""
+    return f"{method}_compiled" if compiled else method
+
+
+def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, n: int) -> list[dict]:
+    """``n`` batches of epoch 0 at evenly spaced places inside it (not the first: under ``bucket`` it holds the
+    longest sequences)."""
+    loader, _, sampler = make_loaders(cfg, data)
+    sampler.set_epoch(0)
+    total = len(loader)
+    want = {min(total - 1, (i + 1) * total // (n + 1)) for i in range(n)}
+    return [to_device(b, device) for i, b in enumerate(loader) if i in want]
+
+
+def _timed_pass(model, batch: dict, device: torch.device, autocast, loss_fn: Callable = batch_loss) -> float:
+    """Milliseconds of one forward+backward of ``model`` on ``batch`` (``loss_fn``: the step's loss); the
+    gradients are dropped."""
+    sync(device)
+    t0 = time.perf_counter()
+    with autocast():
+        loss = loss_fn(model, batch)
+    loss.backward()
+    sync(device)
+    model.zero_grad(set_to_none=True)
+    return (time.perf_counter() - t0) * 1e3
+
+
+@contextlib.contextmanager
+def _as(method: str, patch: Callable[[], None] | None, unpatch: Callable[[], None] | None):
+    """Within the block the model is ``method``'s: dense as it is, SEBP patched (and unpatched after)."""
+    if method == "dense":
+        yield
+        return
+    patch()
+    try:
+        yield
+    finally:
+        unpatch()
+
+
+def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, graphs: bool, reps: int,
+               patch: Callable[[], None] | None = None, unpatch: Callable[[], None] | None = None) -> dict[str, float]:
+    """A layout's milliseconds per batch over an epoch, dense and (with ``patch``) SEBP: measured ms per token slot
+    times the epoch's mean slots. Eager, each batch runs one untimed pass per method, then ``reps`` timed
+    passes of each, interleaved (dense, SEBP, dense, ...), so that neither method runs on a colder host or GPU;
+    as CUDA-graph replays (``graphs``), each method's graphs are captured after their own warm-up and replayed
+    ``reps`` times, dense first."""
+    methods = ("dense", "sebp") if patch else ("dense",)
+    per_slot: dict[str, list[float]] = {m: [] for m in methods}
+    for b in batches:
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        if graphs:
+            for method in methods:
+                with _as(method, patch, unpatch):
+                    times[method].append(sum(replay_ms(model, b, reps, autocast, skip=1)))
+        else:
+            for i in range(reps + 1):  # the first round is the warm-up
+                for method in methods:
+                    with _as(method, patch, unpatch):
+                        ms = _timed_pass(model, b, device, autocast)
+                    if i:
+                        times[method].append(ms)
+        for method, ts in times.items():
+            per_slot[method].append(statistics.median(ts) / b["input_ids"].numel())
+    return {m: statistics.fmean(v) * mean_slots for m, v in per_slot.items()}
+
+
+def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast, reps: int,
+                 mode: str) -> tuple[float, float] | str:
+    """A layout's compiled milliseconds per batch over an epoch (as :func:`_layout_ms`: per token slot times
+    the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched): a fresh
+    ``torch.compile(batch_loss)``, Dynamo's caches reset first; on each batch one first call (a compile or
+    recompile, and one step: its time past the batch's median counts as compile seconds), then ``reps`` timed
+    calls. Why it did not compile instead, where it did not."""
+    torch._dynamo.reset()
+    fallback = Fallback(mode)
+    step = compile_fn(batch_loss, mode, device, fallback=fallback)
+    per_slot, compile_s = [], 0.0
+    for b in batches:
+        first = _timed_pass(model, b, device, autocast, step)
+        ms = statistics.median(_timed_pass(model, b, device, autocast, step) for _ in range(reps))
+        if fallback.why is not None:
+            return f"did not compile: {fallback.why}"
+        compile_s += max(0.0, first - ms) / 1e3
+        per_slot.append(ms / b["input_ids"].numel())
+    return statistics.fmean(per_slot) * mean_slots, compile_s
+
+
+def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: float, device, autocast, reps: int,
+                   mode: str, methods: tuple[str, ...], patch, unpatch) -> None:
+    """Add the compiled candidates of ``row`` (a layout and head) to it: ``{method}_compiled_ms`` and
+    ``_compile_s``, or ``compiled_skipped``: why they were not timed."""
+    why = compiled_head_problem(task, padding) if head_of(model) == "labelled" else None
+    if why:
+        row["compiled_skipped"] = f"the labelled-rows head {why}"
+        return
+    ready_to_compile(model, padding, autocast)
+    for method in methods:
+        with _as(method, patch, unpatch):
+            got = _compiled_ms(model, batches, slots, device, autocast, reps, mode)
+        if isinstance(got, str):
+            row["compiled_skipped"] = got
+            return
+        name = candidate(method, True)
+        row[f"{name}_ms"], row[f"{name}_compile_s"] = round(got[0], 3), round(got[1], 3)
+
+
+def _why_not(model, cfg: FinetuneConfig, task: str, padding: str, graphs: bool) -> str | None:
+    """Why ``padding`` cannot run here (None: it can)."""
+    layout = LAYOUTS[padding]
+    if graphs and not layout.fixed_shapes:
+        return f"CUDA graphs need fixed batch shapes; {padding} batches change from batch to batch"
+    if not layout.packed:
+        return None
+    try:
+        check_packable(model, task)
+    except PackingError as e:
+        return str(e)
+    return None
+
+
+def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
+                   device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
+                   reps: int = 2, heads: tuple[str | None, ...] = (None,)) -> PaddingChoice:
+    """Time each layout dense and (with ``candidates``) with SEBP on ``model``, eager and/or compiled as
+    ``cfg.compile`` says; see the module docstring. ``heads``: the heads to time each layout with
+    (:func:`~sebp_probe.model.losses.use_head`; None: the one set on ``model``); the head set last stays. ``model``
+    is left unpatched, without gradients, and Dynamo's caches reset."""
+    from ..model.losses import use_head
+    from ..model.patch import unpatch_model
+
+    lens = lengths(data.train)
+    real = sum(min(n, cfg.data.max_length) for n in lens)
+    n_batches = -(-len(lens) // cfg.data.batch_size)
+    micro = cfg.optimizer_steps(n_batches) * cfg.grad_accum
+    methods = ("dense", "sebp") if candidates else ("dense",)
+    mode = cfg.compile_mode
+    if mode and (cannot_compile(cfg.compile, device) if cfg.compile == COMPILE_AUTO  # then the line comes from here
+                 else inductor_problem(device) is not None):  # the run will say so
+        mode = None
+    eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
+    table = []
+    with torch.random.fork_rng(devices=rng_devices(device)):
+        for padding in LAYOUTS:
+            share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed), 4)
+            reason = _why_not(model, cfg, data.task, padding, graphs)
+            if reason:
+                table.append({"padding": padding, "padding_share": share, "skipped": reason})
+                continue
+            # only its batches are used; a compiling run's carry the labelled rows' counts (a layout's own --compile
+            # mode: auto is --padding auto's alone)
+            pcfg = replace(cfg, data=replace(cfg.data, padding=padding), compile=cfg.compile and "default")
+            batches = _spread_batches(pcfg, data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
+            slots = real / (1.0 - share) / n_batches  # the epoch's mean padded batch size
+            for head in heads:
+                row = {"padding": padding, **({"head": head} if head else {}), "padding_share": share}
+                if head:
+                    use_head(model, data.task, head)
+                patch = None
+                if "sebp" in methods:
+                    density = measure_density(model, batches, candidates, device, autocast)
+                    layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
+                    row["sebp_layers"] = len(layers)
+                    if layers or cfg.sebp_norms or cfg.sebp_acts:
+                        patch = lambda layers=layers: apply_sebp(model, layers, cfg.sebp_norms,  # noqa: E731
+                                                                 cfg.sebp_acts)
+                unpatch = lambda: unpatch_model(model)  # noqa: E731
+                timed = methods if patch else ("dense",)
+                if eager:
+                    times = _layout_ms(model, batches, slots, device, autocast, graphs, reps, patch, unpatch)
+                    row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
+                if mode:
+                    _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
+                                   timed, patch, unpatch)
+                table.append(row)
+        model.zero_grad(set_to_none=True)
+    if mode:
+        torch._dynamo.reset()  # the runs compile their own models afresh
+    return pick(table, methods, micro)
+
+
+def pick(table: list[dict], methods: tuple[str, ...], micro_batches: int) -> PaddingChoice:
+    """Add to each row of ``table`` the whole-run estimate of each candidate timed there (``{name}_run_s``,
+    :func:`whole_run_s` of its ``{name}_ms`` and ``{name}_compile_s``) and choose the least, and each method's
+    least."""
+    for row in table:
+        for name in [k[:-3] for k in row if k.endswith("_ms")]:
+            row[f"{name}_run_s"] = whole_run_s(row[f"{name}_ms"], micro_batches, row.get(f"{name}_compile_s", 0.0))
+    measured = [(r[f"{candidate(m, c)}_run_s"], m, c, r["padding"], r.get("head")) for r in table for m in methods
+                for c in (False, True) if f"{candidate(m, c)}_run_s" in r]
+    best = {m: min((e for e in measured if e[1] == m), key=lambda e: e[0]) for m in methods
+            if any(e[1] == m for e in measured)}
+    _, method, compiled, padding, head = min(measured, key=lambda e: e[0])
+    return PaddingChoice(padding, method, {m: b[3] for m, b in best.items()}, table, head,
+                         {m: b[4] for m, b in best.items()}, compiled, {m: b[2] for m, b in best.items()},
+                         micro_batches)
