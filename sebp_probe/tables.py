@@ -142,8 +142,12 @@ def comparison_line(cmp: dict, runs: dict) -> str:
         noise = f" (measured step ratio x{t['step']['ratio']:.2f}: the timing's noise)" if "step" in t else ""
         parts.append(f"both runs computed the same thing: {cmp['same_computation']}; no speedup{noise}")
     elif verdict == "too few steps":
+        shapes = t.get("new_shape_steps", 0)
+        advice = (f"{shapes} steps met a batch shape for the first time (with lengths this varied almost every "
+                  "batch does): use --padding bucket or max_length, or --cuda-graphs (lengths rounded to "
+                  "--graph-bucket)" if shapes > n else "train more --max-steps")
         parts.append(f"only {n} steps timed in both runs (warm-up, compiles and first shapes left out): too few to "
-                     f"compare times; train more --max-steps")
+                     f"compare times; {advice}")
     else:
         st, bw = t["step"], t["backward"]
         head = "within noise" if verdict == "within noise" else f"step x{st['ratio']:.2f}"

@@ -136,7 +136,9 @@ def compare_timing(dense_records: list[dict], other_records: list[dict], paired:
         d_steps = o_steps = sorted(set(d) & set(o))
     else:
         d_steps, o_steps = sorted(d), sorted(o)
-    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired}
+    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired,
+                 "new_shape_steps": len({r["step"] for r in (*dense_records, *other_records)
+                                         if r.get("type") == "train" and r.get("untimed") == "new shape"})}
     if not out["timed_steps"]:
         return out
     for what in ("backward", "step"):

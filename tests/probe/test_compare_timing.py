@@ -99,3 +99,16 @@ def test_runs_on_different_layouts_compare_their_own_timed_steps():
     assert cmp["timing"]["paired"] is False and cmp["timing"]["timed_steps"] == 17
     assert cmp["verdict"] == "faster" and cmp["speedup_step"] == pytest.approx(2.0)
     assert "over each run's" in comparison_line(cmp, {"dense": {}, "sebp": {}})
+
+
+def test_too_few_steps_because_every_batch_is_a_new_shape_says_what_helps():
+    """``longest`` padding of varied lengths (SFT data): nearly every batch a shape the GPU has not run, all left
+    out; more steps would not help, fewer shapes would."""
+    n = 3 * MIN_TIMED_STEPS
+    shapes = {s: "new shape" for s in range(2, n + 1)}
+    d_recs, o_recs = _records([100.0] * n, untimed=shapes), _records([90.0] * n, untimed=shapes)
+    cmp = compare_runs(_summary(d_recs), _summary(o_recs, "sebp", SEBP_ON_LAYERS), d_recs, o_recs)
+    assert cmp["verdict"] == "too few steps" and cmp["timing"]["new_shape_steps"] == n - 1
+    line = comparison_line(cmp, {"dense": {}, "sebp": {}})
+    assert "met a batch shape for the first time" in line and "--padding bucket or max_length" in line
+    assert "train more --max-steps" not in line
