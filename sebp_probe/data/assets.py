@@ -148,15 +148,22 @@ def _load_config(name_or_path: str, path: str, source: str):
         raise AssetError(f"cannot load model {name_or_path!r} at {path}: {_one_line(e)}") from None
 
 
-def model_task(name_or_path: str, task: str | None = None, max_length: int | None = None) -> str:
-    """``task`` (checked against the model: see :func:`check_task`), else the one the model's config implies;
-    ``max_length`` is checked against the model's positions (:func:`check_max_length`). Loads no weights."""
+def _checked(name_or_path: str, task: str | None):
+    """(path, source, config, task): the model found, its config read, the task given (checked against the
+    config) or implied by it."""
     if task is not None and task not in TASKS:
         raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     path, source = resolve_model_path(name_or_path)
     config = _load_config(name_or_path, path, source)
     task = task or guess_task(config)
     check_task(name_or_path, config, task)
+    return path, source, config, task
+
+
+def model_task(name_or_path: str, task: str | None = None, max_length: int | None = None) -> str:
+    """``task`` (checked against the model: see :func:`check_task`), else the one the model's config implies;
+    ``max_length`` is checked against the model's positions (:func:`check_max_length`). Loads no weights."""
+    _, _, config, task = _checked(name_or_path, task)
     if max_length is not None:
         check_max_length(name_or_path, config, max_length)
     return task
@@ -217,12 +224,7 @@ def load_model(
                               AutoTokenizer)
     from transformers.utils import logging as hf_logging
 
-    if task is not None and task not in TASKS:
-        raise AssetError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    path, source = resolve_model_path(name_or_path)
-    config = _load_config(name_or_path, path, source)
-    task = task or guess_task(config)
-    check_task(name_or_path, config, task)
+    path, source, config, task = _checked(name_or_path, task)
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
