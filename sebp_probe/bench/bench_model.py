@@ -338,23 +338,28 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     backend = attention_backend(model)
     batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask)
     peers = _peers(case, dev)
-    liger = None if peers["liger"] or "liger" not in methods else liger_patch(build_model(case, dtype, dev),
-                                                                             case.arch)
     why_compile = compile_reason(dev, compile_backend) if compile is not None else None
     entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods)
     runs = {(e["layout"], e["method"], e["head"], e["timing"]): [] for e in entries if e["reason"] is None}
+    liger = liger_patch(build_model(case, dtype, dev), case.arch) if any(k[1] == "liger" for k in runs) else None
     failed: dict[tuple, str] = {}
     kernels: dict[str, dict] = {}
     counts: dict[str, dict] = {}
     extra: dict[tuple, dict] = {}  # per compiled entry: compile seconds, recompiles, graph breaks
 
+    @contextlib.contextmanager
     def entry(method: str, head: str):
-        """(model, context manager) of an entry's steps."""
+        """The model of an entry's steps, as the entry runs it (SEBP patched, Liger's globals set) within the
+        block; an SEBP entry's layer counts go to ``counts``."""
         if method == "liger":
-            return liger[0], liger[1]()
-        if method == "sebp":
-            return model, sebp_patched(model, case, head, mode, norms, acts, keep_dx, pad_rows)
-        return model, contextlib.nullcontext()
+            with liger[1]():
+                yield liger[0]
+        elif method == "sebp":
+            with sebp_patched(model, case, head, mode, norms, acts, keep_dx, pad_rows) as patched:
+                counts[head] = patched
+                yield model
+        else:
+            yield model
 
     def out_of_run(key: tuple, e: Exception, m) -> None:  # the entry is out, the others go on
         failed[key] = f"{type(e).__name__}: " + " ".join(str(e).split())[:160]
@@ -396,10 +401,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                     continue
                 if progress:
                     progress(f"{case.name}: {layout}, {method}, {head} head, batch {bi + 1}/{len(batches[layout])}")
-                m, ctx = entry(method, head)
-                with ctx as patched:
-                    if method == "sebp":
-                        counts[head] = patched
+                with entry(method, head) as m:
                     step = _step_fn(method, head)
                     loss_fn = lambda m=m, step=step: step(m, batch)  # noqa: E731
                     for key in keys:
@@ -419,10 +421,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             done = sum(k[3] == "compiled" for k in (*extra, *failed))
             if progress:
                 progress(f"{case.name}: compiling {layout}, {method}, {head} head ({done + 1}/{n_compiled})")
-            m, ctx = entry(method, head)
-            with ctx as patched:
-                if method == "sebp":
-                    counts[head] = patched
+            with entry(method, head) as m:
                 try:
                     runs[key], extra[key] = compiled_steps(m, _step_fn(method, head), on_device, timer, compile,
                                                            compile_backend)

@@ -26,6 +26,7 @@ from torch import nn
 from sebp_kernels import linear_cross_entropy
 from sebp_kernels.linear_ce import labelled_rows
 
+from ..data.batching import HOST_COUNTS
 from ..families import FAMILIES, family_of
 from .last_layer import KeptRows, LastLayerError, kept_rows_family, last_layer_on_rows
 
@@ -34,7 +35,7 @@ HEAD_TASKS = ("causal-lm", "mlm", "classification")
 # config fields that put more than a linear between the last hidden state and the logits
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                      "lm_head_multiplier")
-_NOT_BACKBONE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "use_cache", "return_dict")
+_NOT_BACKBONE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "use_cache", "return_dict", *HOST_COUNTS)
 
 
 class HeadError(ValueError):

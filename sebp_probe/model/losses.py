@@ -47,8 +47,7 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
         inputs = {k: v for k, v in batch.items() if k not in HOST_COUNTS}
         return model(**inputs, **no_cache(model)).loss
     if not packed:
-        return head_loss(model, {k: v for k, v in batch.items() if k not in HOST_COUNTS}, task,
-                         last_layer_rows_only=True, targets=targets).loss
+        return head_loss(model, batch, task, last_layer_rows_only=True, targets=targets).loss
     if task == "classification":
         raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
     with packed_call(model, batch) as inputs:
