@@ -97,12 +97,14 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
 
 @torch.library.custom_op("sebp::linear_backward", mutates_args=())
 def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
-                    need_db: bool, key: int, state_key: int, hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX, dW, db) of the SEBP linear registered under ``key`` (empty tensors where not asked for). A
-    functional call's key is its config's; then ``state_key`` / ``hint_key`` name its RowDensity / RowHint (0:
-    none). A module's key brings the module's own."""
-    config, state, hint = settings(registry.lookup(key))
-    if key < 0:
+                    need_db: bool, key: Optional[Tensor], op_key: int, state_key: int,
+                    hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX, dW, db) of the SEBP linear registered under ``key`` (a module's :func:`~.registry.key_tensor`), else
+    under ``op_key`` (a constant of the graph: a module's int key, or a functional call's config's, negative;
+    empty tensors where not asked for). A functional call's ``state_key`` / ``hint_key`` name its RowDensity /
+    RowHint (0: none); a module's key brings the module's own."""
+    config, state, hint = settings(registry.lookup(key if key is not None else op_key))
+    if key is None and op_key < 0:
         state, hint = registry.lookup(state_key), registry.lookup(hint_key)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else placeholder(dy),
@@ -110,7 +112,7 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
 
 
 @linear_backward.register_fake
-def _(dy, x, weight, need_dx, need_dw, need_db, key, state_key, hint_key):
+def _(dy, x, weight, need_dx, need_dw, need_db, key, op_key, state_key, hint_key):
     return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else placeholder(dy),
             weight.new_empty(weight.shape) if need_dw else placeholder(dy),
             dy.new_empty(weight.shape[0]) if need_db else placeholder(dy))
@@ -120,31 +122,32 @@ class _Linear(torch.autograd.Function):
     """``F.linear`` traced into the graph; its backward is the opaque :func:`linear_backward`."""
 
     @staticmethod
-    def forward(x, weight, bias, key, state_key, hint_key):
+    def forward(x, weight, bias, key, op_key, state_key, hint_key):
         return F.linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, key, state_key, hint_key = inputs
-        ctx.keys, ctx.has_bias = (key, state_key, hint_key), bias is not None
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        x, weight, bias, key, op_key, state_key, hint_key = inputs
+        ctx.keys, ctx.has_bias = (op_key, state_key, hint_key), bias is not None
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, key)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, key = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad[:3]
         nb = nb and ctx.has_bias
         if not (nx or nw or nb):
-            return None, None, None, None, None, None
-        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, *ctx.keys)
-        return if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb), None, None, None
+            return None, None, None, None, None, None, None
+        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, key, *ctx.keys)
+        return if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb), None, None, None, None
 
 
-def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, state_key: int = 0,
-                  hint_key: int = 0) -> Tensor:
-    """What a compiled SEBP linear runs: the module under ``key``, or a functional call (``key`` its config's
-    ``op_key``, with the keys of its RowDensity and RowHint, 0 for none)."""
-    return _Linear.apply(x, weight, bias, key, state_key, hint_key)
+def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: Optional[Tensor], op_key: int = 0,
+                  state_key: int = 0, hint_key: int = 0) -> Tensor:
+    """What a compiled SEBP linear runs: the module under ``key`` (a :func:`~.registry.key_tensor`) or ``op_key``
+    (its int key), or a functional call (``key`` None, ``op_key`` its config's, with the keys of its RowDensity
+    and RowHint, 0 for none)."""
+    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key)
 
 
 def sebp_linear(
@@ -154,7 +157,7 @@ def sebp_linear(
     config: SEBPConfig | None = None,
     state: RowDensity | None = None,
     hint=None,
-    _key: int = 0,
+    _key: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
@@ -164,7 +167,8 @@ def sebp_linear(
     SEBP activation) names its rows that can be non-zero; the Triton backward in exact mode then skips its
     selection pass.
 
-    ``_key``: the :func:`.registry.register` key of the SEBPLinear calling this; inside ``torch.compile`` the layer
+    ``_key``: the :func:`.registry.register` key of the SEBPLinear calling this (or its
+    :func:`~.registry.key_tensor`, see :func:`~.registry.keys_as_inputs`); inside ``torch.compile`` the layer
     then runs :func:`traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
     custom op ``sebp::linear_backward``, which reads that layer's settings, state and hint.
 
@@ -187,9 +191,9 @@ def sebp_linear(
 
 def _apply(x, weight, bias, config, state, hint, key):
     if torch.compiler.is_compiling():
-        if key:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
-            return traced_linear(x, weight, bias, key)
+        if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
+            return traced_linear(x, weight, bias, *registry.op_keys(key, 0))
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
-            return traced_linear(x, weight, bias, config.op_key, state_key, hint_key)
+            return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key)
     return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)

@@ -9,7 +9,7 @@ from torch import nn
 from .config import SEBPConfig
 from .density import RowDensity
 from .functional import sebp_linear
-from .registry import register
+from .registry import key_tensor, register
 
 
 # Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
@@ -58,16 +58,19 @@ class SEBPLinear(nn.Linear):
     _sebp_hint = None
     # set by sebp_probe.model.patch.patch_model: the model's PadRows (sebp_kernels.pad_rows)
     _sebp_pad_rows = None
+    _sebp_key_input = False  # the key as a tensor input of compiled graphs (sebp_kernels.registry.keys_as_inputs)
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
         self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
         self._sebp_key = register(self)  # names this layer inside compiled graphs (see sebp_kernels.registry)
+        self._sebp_key_t, self._sebp_key_input = key_tensor(self._sebp_key), False
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
         super().__setstate__(state)
         self._sebp_key = register(self)
+        self._sebp_key_t = key_tensor(self._sebp_key)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None) -> "SEBPLinear":
@@ -86,7 +89,7 @@ class SEBPLinear(nn.Linear):
         if pad is not None and self.sebp_config.mode == "exact" and not torch.compiler.is_compiling():
             hint = pad.bind(hint, x.shape)
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
-                           _key=self._sebp_key)
+                           _key=self._sebp_key_t if self._sebp_key_input else self._sebp_key)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

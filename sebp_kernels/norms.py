@@ -116,9 +116,12 @@ _EXACT = SEBPConfig()
 
 @torch.library.custom_op("sebp::norm_backward", mutates_args=())
 def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor,
-                  need_dx: bool, need_dw: bool, need_db: bool, n: int, key: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dX, dW, db) of the SEBP norm registered under ``key`` over rows of ``n`` elements; dW and db flat."""
-    config = settings(registry.lookup(key))[0]
+                  need_dx: bool, need_dw: bool, need_db: bool, n: int, key: Optional[Tensor],
+                  op_key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dX, dW, db) of the SEBP norm registered under ``key`` (a module's :func:`~.registry.key_tensor`), else
+    under ``op_key`` (a module's int key, or a functional call's config's) over rows of ``n`` elements; dW and
+    db flat."""
+    config = settings(registry.lookup(key if key is not None else op_key))[0]
     wdt = weight.dtype if weight is not None else dy.dtype  # of dW, and of db (the bias has the weight's)
     w = weight.reshape(-1) if weight is not None else None
     dx, dw, db = _backward(config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, wdt if need_db else None, n)
@@ -127,7 +130,7 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optiona
 
 
 @norm_backward.register_fake
-def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key):
+def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key, op_key):
     wdt = weight.dtype if weight is not None else dy.dtype
     return (x.new_empty(x.shape) if need_dx else placeholder(dy),
             dy.new_empty(n, dtype=wdt) if need_dw else placeholder(dy),
@@ -138,56 +141,59 @@ class _LayerNorm(torch.autograd.Function):
     """``torch.native_layer_norm`` traced into the graph; its backward is the opaque :func:`norm_backward`."""
 
     @staticmethod
-    def forward(x, weight, bias, normalized_shape, eps, key):
+    def forward(x, weight, bias, normalized_shape, eps, key, op_key):
         return torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, normalized_shape, eps, key = inputs
+        x, weight, bias, normalized_shape, eps, key, op_key = inputs
         _, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
-        ctx.key, ctx.n, ctx.has_bias = key, math.prod(normalized_shape), bias is not None
-        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n, ctx.has_bias, ctx.op_key = math.prod(normalized_shape), bias is not None, op_key
+        ctx.save_for_backward(x, weight, mean, rstd, key)
 
     @staticmethod
     def backward(ctx, dy, _dmean, _drstd):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, mean, rstd, key = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad[:3]
         nb = nb and ctx.has_bias
-        dx, dw, db = norm_backward(dy, x, weight, mean, rstd, nx, nw, nb, ctx.n, ctx.key)
+        dx, dw, db = norm_backward(dy, x, weight, mean, rstd, nx, nw, nb, ctx.n, key, ctx.op_key)
         return (if_wanted(dx, nx), dw.view(weight.shape) if nw else None,
-                db.view(weight.shape) if nb else None, None, None, None)
+                db.view(weight.shape) if nb else None, None, None, None, None)
 
 
 class _RMSNorm(torch.autograd.Function):
     """The RMSNorm formula traced into the graph; its backward is the opaque :func:`norm_backward`."""
 
     @staticmethod
-    def forward(x, weight, eps, key):
+    def forward(x, weight, eps, key, op_key):
         return _rms_norm(x, weight, eps)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, eps, key = inputs
+        x, weight, eps, key, op_key = inputs
         _, rstd = output
         ctx.mark_non_differentiable(rstd)
-        ctx.key = key
-        ctx.save_for_backward(x, weight, rstd)
+        ctx.op_key = op_key
+        ctx.save_for_backward(x, weight, rstd, key)
 
     @staticmethod
     def backward(ctx, dy, _drstd):
-        x, weight, rstd = ctx.saved_tensors
+        x, weight, rstd, key = ctx.saved_tensors
         nx, nw = ctx.needs_input_grad[:2]
-        dx, dw, _ = norm_backward(dy, x, weight, None, rstd, nx, nw, False, x.shape[-1], ctx.key)
-        return if_wanted(dx, nx), (dw.view(weight.shape) if nw else None), None, None
+        dx, dw, _ = norm_backward(dy, x, weight, None, rstd, nx, nw, False, x.shape[-1], key, ctx.op_key)
+        return if_wanted(dx, nx), (dw.view(weight.shape) if nw else None), None, None, None
 
 
-def traced_layer_norm(x, weight, bias, normalized_shape: list[int], eps: float, key: int) -> Tensor:
-    return _LayerNorm.apply(x, weight, bias, normalized_shape, eps, key)[0]
+def traced_layer_norm(x, weight, bias, normalized_shape: list[int], eps: float, key: Optional[Tensor],
+                      op_key: int) -> Tensor:
+    """A compiled SEBP LayerNorm: its module's ``key``, or (a functional call) None and its config's ``op_key``."""
+    return _LayerNorm.apply(x, weight, bias, normalized_shape, eps, key, op_key)[0]
 
 
-def traced_rms_norm(x, weight, eps: float, key: int) -> Tensor:
-    return _RMSNorm.apply(x, weight, eps, key)[0]
+def traced_rms_norm(x, weight, eps: float, key: Optional[Tensor], op_key: int) -> Tensor:
+    """A compiled SEBP RMSNorm (keys as :func:`traced_layer_norm`'s)."""
+    return _RMSNorm.apply(x, weight, eps, key, op_key)[0]
 
 
 def _check(config: SEBPConfig | None) -> SEBPConfig:
@@ -199,10 +205,10 @@ def _check(config: SEBPConfig | None) -> SEBPConfig:
 
 def sebp_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, eps: float = 1e-5,
-                    config: SEBPConfig | None = None, _key: int = 0) -> torch.Tensor:
+                    config: SEBPConfig | None = None, _key: int | torch.Tensor | None = None) -> torch.Tensor:
     """``F.layer_norm`` whose backward skips the zero rows of dL/dY. Under CUDA autocast it runs in fp32, as
     autocast runs ``layer_norm`` there (CPU autocast leaves it in the input's dtype, and so does this).
-    ``_key``: the calling SEBPNorm's :func:`.registry.register` key (inside ``torch.compile``: the custom op)."""
+    ``_key``: the calling SEBPNorm's key (:mod:`.registry`; inside ``torch.compile``: the custom op's)."""
     config = _check(config)
     shape = tuple(normalized_shape) if not isinstance(normalized_shape, int) else (normalized_shape,)
     dev = x.device.type
@@ -219,19 +225,19 @@ def _layer_norm(x, weight, bias, shape, eps, config, key):
     if not records_grad(x, weight, bias):  # no backward to come: the Function's own op without the Function
         return torch.native_layer_norm(x, shape, weight, bias, eps)[0]
     if torch.compiler.is_compiling():
-        return traced_layer_norm(x, weight, bias, list(shape), eps, key or config.op_key)
+        return traced_layer_norm(x, weight, bias, list(shape), eps, *registry.op_keys(key, config.op_key))
     return SEBPLayerNormFunction.apply(x, weight, bias, shape, eps, config)
 
 
 def sebp_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                  config: SEBPConfig | None = None, _key: int = 0) -> torch.Tensor:
+                  config: SEBPConfig | None = None, _key: int | torch.Tensor | None = None) -> torch.Tensor:
     """The Llama/Qwen RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in fp32),
     whose backward skips the zero rows of dL/dY."""
     config = _check(config)
     if not records_grad(x, weight):  # no backward to come: the formula alone
         return _rms_norm(x, weight, eps)[0]
     if torch.compiler.is_compiling():
-        return traced_rms_norm(x, weight, eps, _key or config.op_key)
+        return traced_rms_norm(x, weight, eps, *registry.op_keys(_key, config.op_key))
     return SEBPRMSNormFunction.apply(x, weight, eps, config)
 
 
@@ -250,6 +256,8 @@ def norm_kind(module: nn.Module, rms_classes: Collection[str] = RMS_NORM_CLASSES
 class SEBPNorm(nn.Module):
     """A LayerNorm or RMSNorm (see :func:`norm_kind`) with the SEBP backward, holding the *same* Parameters as
     the module it replaces (same state_dict keys); :meth:`original` gives that module back."""
+
+    _sebp_key_input = False  # the key as a tensor input of compiled graphs (.registry.keys_as_inputs)
 
     def __init__(self, original: nn.Module, config: SEBPConfig | None = None,
                  rms_classes: Collection[str] = RMS_NORM_CLASSES):
@@ -270,10 +278,12 @@ class SEBPNorm(nn.Module):
             self.eps = original.variance_epsilon
         _take_over(self, original)
         self._sebp_key = register(self)  # names this norm inside compiled graphs (see .registry)
+        self._sebp_key_t, self._sebp_key_input = registry.key_tensor(self._sebp_key), False
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
         super().__setstate__(state)
         self._sebp_key = register(self)
+        self._sebp_key_t = registry.key_tensor(self._sebp_key)
 
     def original(self) -> nn.Module:
         """The module this one replaced, holding this one's current Parameters (a wrapper such as FSDP may have
@@ -286,10 +296,10 @@ class SEBPNorm(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = self._sebp_key_t if self._sebp_key_input else self._sebp_key
         if self.kind == "layer":
-            return sebp_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.sebp_config,
-                                   self._sebp_key)
-        return sebp_rms_norm(x, self.weight, self.eps, self.sebp_config, self._sebp_key)
+            return sebp_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.sebp_config, key)
+        return sebp_rms_norm(x, self.weight, self.eps, self.sebp_config, key)
 
     def extra_repr(self) -> str:
         n = self.weight.shape[0] if self.weight is not None else math.prod(self.normalized_shape)

@@ -8,8 +8,12 @@ their Functions). Dynamo and AOTAutograd then put everything into one graph and 
 between them. Custom ops take tensors and plain values, not Python objects, so the ops carry integer keys:
 :func:`register` maps a key to the module (or :class:`~.activations.RowHint`,
 :class:`~.density.RowDensity`) whose settings and state the backward reads when it runs, so a compiled graph
-always uses the module's current config, density estimate and hints. The modules take this path only while
-Dynamo traces (``torch.compiler.is_compiling()``); eager runs are unchanged.
+always uses the module's current config, density estimate and hints. The key goes into the graph as a
+constant (a module's ``_sebp_key``), which Inductor's CUDA graphs (``mode="reduce-overhead"``) take as they
+are; but then every layer's graph is its own, and a stack compiled layer by layer (PyTorch's regional
+compilation) recompiles for each layer until Dynamo's limit sends the rest eager. :func:`keys_as_inputs`
+switches a model's modules to their key as a 0-d CPU tensor (``_sebp_key_t``), an input of the graph: layers
+of one class then share one compiled graph (and Inductor skips its CUDA graphs, which take no CPU input).
 
 This module imports none of the modules that use it.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
+import torch
 from torch import Tensor
 
 from .config import CONFIG_OF_KEY, SEBPConfig
@@ -33,9 +38,33 @@ def register(obj) -> int:
     return key
 
 
-def lookup(key: int):
+def key_tensor(key: int) -> Tensor:
+    """``key`` as a module holds it: a 0-d int64 tensor on the CPU (read on the host by the ops, no sync)."""
+    return torch.tensor(key, dtype=torch.int64, device="cpu")  # a default device (a meta model's build) aside
+
+
+def op_keys(key: int | Tensor | None, default: int) -> tuple[Tensor | None, int]:
+    """The two key arguments of a ``sebp::`` op: a module's key tensor and 0, or None and the int key (the
+    module's, else ``default``: a functional call's config key)."""
+    if isinstance(key, Tensor):
+        return key, 0
+    return None, key or default
+
+
+def keys_as_inputs(model, on: bool = True) -> int:
+    """Whether the SEBP modules of ``model`` carry their key into compiled graphs as a tensor input (``on``)
+    or as a constant (the default); returns how many modules it set."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "_sebp_key_t"):
+            m._sebp_key_input, n = on, n + 1
+    return n
+
+
+def lookup(key: int | Tensor):
     """The object registered under ``key`` (None for 0; a negative key is an :class:`~.config.SEBPConfig`'s
-    ``op_key``)."""
+    ``op_key``; a :func:`key_tensor` is read)."""
+    key = int(key)
     if key == 0:
         return None
     if key < 0:

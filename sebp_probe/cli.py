@@ -283,6 +283,10 @@ def bench_cmd(
                                      "seconds and recompiles per row) in this mode: default | reduce-overhead | "
                                      "max-autotune | max-autotune-no-cudagraphs. SEBP entries patch the linears "
                                      "only unless --norms/--acts (Inductor fuses those)."),
+    compile_scope: str = typer.Option("layers", "--compile-scope", help="Whole model, with --compile: what "
+                                      "compiles: each transformer layer, the embeddings, head and loss eager "
+                                      "(layers: one layer's compile, seconds) or the whole step (step: "
+                                      "minutes on a 1B model)."),
     layouts: str = typer.Option(None, "--layouts", help="Whole model: only these layouts, comma-separated "
                                 "(max_length, longest, bucket, packed; default all)."),
     methods: str = typer.Option(None, "--methods", help="Whole model: only these methods, comma-separated "
@@ -320,7 +324,7 @@ def bench_cmd(
 
     import torch
 
-    from .bench import bench, bench_cases, bench_model
+    from .bench import bench, bench_cases, bench_compile, bench_model
     from .analysis.plots import check_image_path, plot_bench_models
 
     if scope not in ("layers", "model", "all"):
@@ -354,6 +358,8 @@ def bench_cmd(
                         "--compile, --layouts and --methods are for the whole-model run (--scope model or all)")
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise UserError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+    if compile_scope not in bench_compile.SCOPES:
+        raise UserError(f"--compile-scope must be one of {', '.join(bench_compile.SCOPES)}, got {compile_scope!r}")
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
     chosen = dict(layouts=split(layouts) if layouts is not None else bench_cases.LAYOUTS,
                   methods=split(methods) if methods is not None else bench_model.METHODS)
@@ -395,7 +401,8 @@ def bench_cmd(
             result["models"].append(bench_model.bench_model(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
                 pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
-                pad_rows=pad_rows, compile=compile_mode, note=note, partial=partial, **chosen))
+                pad_rows=pad_rows, compile=compile_mode, compile_scope=compile_scope, note=note, partial=partial,
+                **chosen))
     if output:  # first: what was measured survives any trouble with the tables
         write_json(Path(output), result)
     if figure and result["models"]:

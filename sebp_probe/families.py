@@ -167,6 +167,22 @@ def family_of(model: nn.Module) -> Family | None:
     return FAMILIES.get(model_type(model) or "")
 
 
+def layer_stack(model: nn.Module) -> nn.ModuleList | None:
+    """The transformer layers of ``model`` (a backbone, or a model with a ``base_model``): where its family's
+    entry says (``layers``), else a decoder stack (``layers``) or a BERT-like encoder (``encoder.layer``); None
+    where there is none."""
+    family = family_of(model)
+    paths = (family.layers,) if family is not None else ("layers", "encoder.layer")
+    for root in (model, getattr(model, "base_model", None)):
+        for path in paths:
+            layers = root
+            for part in path.split("."):
+                layers = getattr(layers, part, None)
+            if isinstance(layers, nn.ModuleList):
+                return layers
+    return None
+
+
 def names(pick: Callable[[Family], object]) -> list[str]:
     """The model types whose entry has ``pick(entry)`` true, in the map's order (for messages)."""
     return [t for t, f in FAMILIES.items() if pick(f)]

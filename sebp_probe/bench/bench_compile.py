@@ -1,7 +1,8 @@
 """The whole-model benchmark's compiled timing (:mod:`.bench_model` runs it).
 
-Timing ``compiled``: an entry's step function (its loss, :func:`~sebp_probe.model.losses.batch_loss` or
-:func:`cce_loss`) goes through ``torch.compile(..., dynamic=True)`` once per entry, after
+Timing ``compiled``: an entry's model (each of its layers, the scope below) or its step function (its loss,
+:func:`~sebp_probe.model.losses.batch_loss` or :func:`cce_loss`) goes through ``torch.compile(...,
+dynamic=True)`` once per entry, after
 ``torch._dynamo.reset()``, so each entry compiles its own graphs and its ``compile_s`` is its own (Inductor's
 on-disk cache stays: an entry whose graph an earlier entry compiled, the same model on another padded layout,
 say, finds it there, as a second run of a user's job would). ``dynamic=True`` makes the batch and sequence
@@ -16,6 +17,13 @@ steps then run as eager ones do (:func:`~sebp_probe.bench.bench_model.time_eager
 the compiled function (its guards and compiled forward graphs, the eager pieces between breaks),
 ``backward_ms`` the compiled backward that AOTAutograd made with it.
 
+Scope: by default (``layers``) each layer of the model's stack compiles in place and the embeddings, the head
+and the loss stay eager: the layers share their code (and SEBP layers carry their registry keys as tensor
+inputs of the graph, :func:`sebp_kernels.registry.keys_as_inputs`), so Dynamo and Inductor compile one layer's graphs and every layer runs them (PyTorch's
+"regional compilation"). On an H100 that took 19-27 s for a 1B decoder where the whole step took minutes
+(results/layouts_compiled_h100). ``step`` compiles the whole step function instead, so Inductor sees the
+model, its head and the loss as one program (the model's own head's logits and cross-entropy fused too).
+
 SEBP under compile: the entry patches what ``--norms`` and ``--acts`` ask for, by default the linears only.
 Each SEBP layer is an opaque custom op (``sebp::``) in the graph, and Inductor cannot fuse across one: SEBP
 norms and activations would keep it from fusing each norm, activation and residual add with its neighbours,
@@ -29,7 +37,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..train.compiling import dynamo_counts, inductor_problem
+from sebp_kernels.registry import keys_as_inputs
+
+from ..families import layer_stack
+from ..model.last_layer import computes_kept_rows
+from ..train.compiling import distinct_sizes, dynamo_counts, inductor_problem
 
 
 def compile_reason(device: torch.device, backend: str) -> str | None:
@@ -39,25 +51,71 @@ def compile_reason(device: torch.device, backend: str) -> str | None:
     return None if why is None else f"torch.compile cannot run here ({why})"
 
 
+SCOPES = ("layers", "step")
+
+
+def compile_layers(model: torch.nn.Module, **kw) -> Callable[[], None]:
+    """Each layer of ``model``'s stack (:func:`~sebp_probe.families.layer_stack`) compiled in place with the
+    ``torch.compile`` options ``kw``; returns what undoes it. The layers share their code, so Dynamo traces
+    one and the others reuse its graphs (their parameters are the graphs' inputs): a compile of one layer, not
+    of the model. The last layer runs eagerly while it computes the labelled-rows head's kept rows (a few rows,
+    whose count and positions would pin its graph to each batch). Sizes stay apart (:func:`~sebp_probe.train.
+    compiling.distinct_sizes`). ValueError where the model has no layer stack sebp-probe knows."""
+    layers = layer_stack(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no layer stack to compile layer by layer")
+    keys_as_inputs(layers)  # SEBP layers name themselves by a tensor input, not a constant per layer
+    for layer in layers:
+        layer.compile(**kw)
+        compiled = distinct_sizes(layer._compiled_call_impl)
+
+        def call(*args, _compiled=compiled, _layer=layer, **kwargs):
+            if computes_kept_rows(_layer):
+                return _layer._call_impl(*args, **kwargs)
+            return _compiled(*args, **kwargs)
+
+        layer._compiled_call_impl = call
+
+    def undo() -> None:
+        keys_as_inputs(layers, on=False)
+        for layer in layers:
+            layer._compiled_call_impl = None
+
+    return undo
+
+
 def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], timer: Callable,
-                   mode: str | None, backend: str) -> tuple[list[dict], dict]:
+                   mode: str | None, backend: str, scope: str = "layers") -> tuple[list[dict], dict]:
     """The compiled entry of ``step(model, batch) -> loss`` on ``batches`` (see the module docstring): the
     per-batch times of ``timer(model, loss_fn)`` (as eager entries are timed) and ``{compile_s, recompiles,
-    graph_breaks, compiled_graphs}`` (``compiled_graphs``: those the first step compiled, one per piece between
-    breaks)."""
+    graph_breaks, compiled_graphs, compile_scope}`` (``compiled_graphs``: those the first step compiled, one
+    per piece between breaks). ``scope``: ``layers`` compiles each layer of the model's stack
+    (:func:`compile_layers`), the embeddings, head and loss left eager, ``step`` the whole step function; the
+    model is as it was after the call."""
+    if scope not in SCOPES:
+        raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     torch._dynamo.reset()
-    compiled = torch.compile(step, dynamic=True, backend=backend, **({"mode": mode} if backend == "inductor" else {}))
-    graphs0, breaks0 = dynamo_counts()
-    cuda = next(model.parameters()).is_cuda
-    t0 = time.perf_counter()
-    model.zero_grad(set_to_none=True)
-    compiled(model, batches[0]).backward()
-    if cuda:
-        torch.cuda.synchronize()
-    compile_s = time.perf_counter() - t0
-    graphs1 = dynamo_counts()[0]
-    runs = [timer(model, lambda b=b: compiled(model, b)) for b in batches]
-    graphs2, breaks2 = dynamo_counts()
+    kw = dict(dynamic=True, backend=backend, **({"mode": mode} if backend == "inductor" else {}))
+    undo = None
+    if scope == "layers":
+        undo, compiled = compile_layers(model, **kw), step
+    else:
+        compiled = distinct_sizes(torch.compile(step, **kw))
+    try:
+        graphs0, breaks0 = dynamo_counts()
+        cuda = next(model.parameters()).is_cuda
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        compiled(model, batches[0]).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        graphs1 = dynamo_counts()[0]
+        runs = [timer(model, lambda b=b: compiled(model, b)) for b in batches]
+        graphs2, breaks2 = dynamo_counts()
+    finally:
+        if undo is not None:
+            undo()
     stats = {"compile_s": round(compile_s, 2), "recompiles": graphs2 - graphs1, "graph_breaks": breaks2 - breaks0,
-             "compiled_graphs": graphs1 - graphs0}
+             "compiled_graphs": graphs1 - graphs0, "compile_scope": scope}
     return runs, stats

@@ -313,7 +313,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 pad_mask: bool = True, breakdown: bool = False, norms: bool = False, acts: bool = False,
                 keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0,
                 pad_rows: bool = True, compile: str | None = None, compile_backend: str = "inductor",
-                layouts=LAYOUTS, methods=METHODS, note: Callable[[str], None] | None = None,
+                compile_scope: str = "layers", layouts=LAYOUTS, methods=METHODS,
+                note: Callable[[str], None] | None = None,
                 partial: Callable[[dict], None] | None = None) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
     decoders' padded layouts without the padding mask (right padding: same loss and gradients, the causal
@@ -321,7 +322,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     kind. ``keep_dx``: the SEBP entries take dX from :mod:`sebp_kernels.zero_rows` (its buffers count in their
     peak; the pool is emptied after each). ``device``: ``cpu`` runs everything but the CUDA-only entries
     (a check of the run, not a timing). ``compile``: a ``torch.compile`` mode, for the compiled timing too
-    (``compile_backend``: ``aot_eager`` runs Dynamo and AOTAutograd without Inductor, a quick check).
+    (``compile_backend``: ``aot_eager`` runs Dynamo and AOTAutograd without Inductor, a quick check;
+    ``compile_scope``: each of the ``layers`` or the whole ``step``, :func:`~.bench_compile.compiled_steps`).
     ``layouts``, ``methods``: the entries to run (the pool and its layouts' statistics are the same).
     ``progress``: what runs now; ``note``: lines to keep (each compiled entry's compile seconds); ``partial``:
     given the result so far (``complete`` False) after each layout's eager entries and each compiled entry, so
@@ -381,7 +383,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                                      for lay, d in info["layouts"].items()}}
         return {"case": asdict(case), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
                 "pad_mask": pad_mask, "norms": norms, "acts": acts, "keep_dx": keep_dx, "pad_rows": pad_rows,
-                "graphs": graphs, "compile": compile, "layouts_run": list(layouts), "methods_run": list(methods),
+                "graphs": graphs, "compile": compile, **({"compile_scope": compile_scope} if compile else {}),
+                "layouts_run": list(layouts), "methods_run": list(methods),
                 "repeats": repeats, "warmup": warmup, **shown, "sebp_layers": counts, "rows": rows,
                 "skipped": skipped, "limits": limits, "summary": summarize(rows), "complete": complete}
 
@@ -424,7 +427,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             with entry(method, head) as m:
                 try:
                     runs[key], extra[key] = compiled_steps(m, _step_fn(method, head), on_device, timer, compile,
-                                                           compile_backend)
+                                                           compile_backend, compile_scope)
                 except Exception as e:  # noqa: BLE001 - whatever stops a compile (Dynamo, Inductor, OOM), the
                     out_of_run(key, e, m)  # entry is out and the others go on
             if note:

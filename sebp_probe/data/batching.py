@@ -178,6 +178,14 @@ def pack_rows(lens: Sequence[int], budget: int) -> list[list[int]]:
     return _best_fit_decreasing(lens, hi) if hi < budget else rows
 
 
+def seqlen_bound(longest: int) -> int:
+    """A packed batch's ``max_seqlen``: the power of two at or above ``longest`` (at least 16). The varlen
+    kernel takes it as a bound (its grid covers that many rows per sequence, and the blocks past a sequence's
+    end do nothing), so the result is the same; a compiled step, which Dynamo specializes on this int (the
+    kernel takes a plain int), then compiles once per bucket instead of once per batch."""
+    return max(16, 1 << max(int(longest) - 1, 0).bit_length())
+
+
 class PackedCollator:
     """Packs a batch's token lists into rows of at most ``budget`` tokens (default ``max_length``) by
     :func:`pack_rows`, padded to the fullest row. The batch holds, with n sequences in layout order (row by
@@ -189,7 +197,8 @@ class PackedCollator:
     - ``labels``: causal LM [rows, L], -100 on prompts, tails and each sequence's first token (its label would
       be predicted from the sequence before it); classification [n];
     - ``cu_seqlens`` (int32 [n+1]): where each sequence starts among the T tokens taken row by row;
-      ``flat_index`` [T]: those tokens' places in ``input_ids.view(-1)``; ``max_seqlen``: an int;
+      ``flat_index`` [T]: those tokens' places in ``input_ids.view(-1)``; ``max_seqlen``: an int, the
+      longest sequence's length rounded up (:func:`seqlen_bound`);
     - ``order`` [n]: the place in the collated list of each sequence;
     - causal LM: ``n_targets``, ``max_row_targets`` (ints): the positions whose next token carries a label (what
       the labelled-rows head computes), in all and the most in one row, so that no step reads them from the
@@ -232,7 +241,8 @@ class PackedCollator:
         cu = torch.zeros(len(order) + 1, dtype=torch.int32)
         cu[1:] = seq_lens.cumsum(0)
         batch = {"input_ids": ids, "position_ids": pos, "sequence_ids": seq, "labels": labels, "cu_seqlens": cu,
-                 "flat_index": torch.cat(flat), "max_seqlen": int(seq_lens.max()), "order": torch.tensor(order)}
+                 "flat_index": torch.cat(flat), "max_seqlen": seqlen_bound(int(seq_lens.max())),
+                 "order": torch.tensor(order)}
         if causal:  # a row's position t predicts label t + 1; each sequence's first label is -100, the tail's too
             batch.update(target_counts(labels))
         else:

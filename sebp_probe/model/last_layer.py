@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..families import Family, family_of, model_type
+from ..families import Family, family_of, layer_stack, model_type
 from .packing import VARLEN
 
 ATTENTION = ("sdpa", "eager", VARLEN)
@@ -127,17 +127,8 @@ class KeptRows:
 
 
 def last_layer(backbone: nn.Module) -> nn.Module:
-    """The last layer of ``backbone``'s stack: where its family's entry says (``layers``), else a decoder stack
-    (``layers``) or a BERT-like encoder (``encoder.layer``)."""
-    family = family_of(backbone)
-    paths = (family.layers,) if family is not None else ("layers", "encoder.layer")
-    layers = None
-    for path in paths:
-        layers = backbone
-        for part in path.split("."):
-            layers = getattr(layers, part, None)
-        if layers is not None:
-            break
+    """The last layer of ``backbone``'s stack (:func:`~sebp_probe.families.layer_stack`)."""
+    layers = layer_stack(backbone)
     if layers is None or not len(layers):
         raise LastLayerError(f"{type(backbone).__name__} has no layer stack the kept-rows layer knows")
     n = getattr(getattr(backbone, "config", None), "num_hidden_layers", len(layers))
@@ -185,6 +176,11 @@ def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
         yield
     finally:
         layer._sebp_kept = None  # the layer's own forward again
+
+
+def computes_kept_rows(layer: nn.Module) -> bool:
+    """Whether ``layer`` computes kept rows now (inside :func:`last_layer_on_rows`)."""
+    return vars(layer).get("_sebp_kept") is not None
 
 
 def _kept_rows_forward(layer: nn.Module, own_forward, *args, **kwargs):

@@ -24,6 +24,20 @@ def dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def distinct_sizes(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile`` result) run without duck shaping: sizes that happen to be equal in the
+    first call (a packed row as long as the hidden size, the sequence-length bound and the token count) get
+    symbols of their own, so that one specializing (a weight's size, a kernel's int) does not pin the other
+    and recompile at the next batch."""
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 def _probe_fn(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x) * 2 + 1
 
@@ -100,7 +114,7 @@ def compile_fn(fn: Callable, mode: str, device: torch.device, what: str = "the t
     candidates that must not share it."""
     if cannot_compile(mode, device):
         return None
-    return (fallback or Fallback(mode)).guard(torch.compile(fn, mode=mode), fn, what)
+    return (fallback or Fallback(mode)).guard(distinct_sizes(torch.compile(fn, mode=mode)), fn, what)
 
 
 def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
@@ -115,10 +129,10 @@ def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
         return None
     fallback = Fallback(mode)
     model.compile(mode=mode)
-    compiled = model._compiled_call_impl  # what nn.Module.__call__ runs while it is set
+    compiled = distinct_sizes(model._compiled_call_impl)  # what nn.Module.__call__ runs while it is set
     fallback._undo.append(lambda: setattr(model, "_compiled_call_impl", None))
     model._compiled_call_impl = fallback.guard(compiled, lambda *a, **k: model(*a, **k), "the model's forward")
     if step is None:
         return None
-    return fallback.guard(torch.compile(step, mode=mode), step, "the training step")
+    return fallback.guard(distinct_sizes(torch.compile(step, mode=mode)), step, "the training step")
 

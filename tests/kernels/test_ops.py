@@ -107,9 +107,9 @@ def test_ops_fake_shapes_match_the_real_outputs():
     x, w = torch.randn(2, 3, 8), torch.randn(6, 8)
     dy = torch.randn(2, 3, 6)
     torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, x.reshape(-1, 8), w, True, True, True,
-                                                           lin._sebp_key, 0, 0), test_utils=("test_faketensor",))
-    torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, None, w, True, False, False, lin._sebp_key, 0,
-                                                           0), test_utils=("test_faketensor",))
+                                                           lin._sebp_key_t, 0, 0, 0), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.sebp.linear_backward, (dy, None, w, True, False, False, None, lin._sebp_key,
+                                                           0, 0), test_utils=("test_faketensor",))
     from sebp_kernels.norms import SEBPNorm
 
     ln = SEBPNorm(nn.LayerNorm(8))
@@ -117,7 +117,8 @@ def test_ops_fake_shapes_match_the_real_outputs():
     mean, rstd = x2.mean(-1), x2.var(-1, unbiased=False).add(1e-5).rsqrt()
     for need in ((True, True, True), (True, False, False)):
         torch.library.opcheck(torch.ops.sebp.norm_backward, (dy.new_ones(6, 8), x2, ln.weight.detach(), mean, rstd,
-                                                             *need, 8, ln._sebp_key), test_utils=("test_faketensor",))
+                                                             *need, 8, ln._sebp_key_t, 0),
+                              test_utils=("test_faketensor",))
     for kind, b2 in (("gelu", None), ("swiglu", x.flip(-1))):
         torch.library.opcheck(torch.ops.sebp.act, (kind, x, b2, "auto", 0), test_utils=("test_faketensor",))
 

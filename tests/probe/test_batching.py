@@ -93,7 +93,8 @@ def test_packed_collator_lays_out_causal_batches():
     assert b["sequence_ids"].tolist() == [[0, 0, 0, 0, 0], [1, 1, 1, 2, 2]]
     assert b["labels"].tolist() == [[-100, 9, 10, 11, 12], [-100, 6, 7, -100, 14]]
     assert b["cu_seqlens"].tolist() == [0, 5, 8, 10] and b["cu_seqlens"].dtype == torch.int32
-    assert b["order"].tolist() == [1, 0, 2] and b["max_seqlen"] == 5 and type(b["max_seqlen"]) is int
+    # max_seqlen: the longest (5) rounded up to its bucket, a plain int
+    assert b["order"].tolist() == [1, 0, 2] and b["max_seqlen"] == 16 and type(b["max_seqlen"]) is int
     # labels set at positions 1-4 | 1, 2, 4: the positions before them predict them
     assert (b["n_targets"], b["max_row_targets"]) == (7, 4)
     assert type(b["n_targets"]) is int and type(b["max_row_targets"]) is int
@@ -139,3 +140,9 @@ def test_padding_share_ranks_the_layouts_on_skewed_lengths():
     assert share["max_length"] > share["longest"] > share["bucket"] > share["packed"]
     assert share["longest"] > 0.5 and share["bucket"] < 0.1 and share["packed"] < 0.05
     assert padding_share(lens, 32, 128, "packed", seed=1) == share["packed"]  # deterministic
+
+
+def test_seqlen_bound_is_the_power_of_two_at_or_above():
+    from sebp_probe.data.batching import seqlen_bound
+
+    assert [seqlen_bound(n) for n in (1, 16, 17, 1000, 1024, 1025, 2048)] == [16, 16, 32, 1024, 1024, 2048, 2048]

@@ -92,6 +92,8 @@ def test_cli_selections_and_compile_mode(tmp_path):
     run = lambda *a: CliRunner().invoke(app, ["bench", "llama-3.2-1b-sft", "--scope", "model", "--tiny", *a])  # noqa
     bad = run("--compile", "fast")
     assert bad.exit_code == 1 and "--compile must be one of default" in bad.output
+    bad = run("--compile", "default", "--compile-scope", "model")
+    assert bad.exit_code == 1 and "--compile-scope must be one of layers, step" in bad.output
     bad = run("--methods", "dense,flash")
     assert bad.exit_code == 1 and "--layouts/--methods: unknown method 'flash'" in bad.output
     bad = CliRunner().invoke(app, ["bench", "bert-base", "--compile", "default"])
@@ -144,6 +146,43 @@ def test_docs_table_renders_compiled_rows(tmp_path, monkeypatch):
     assert "| compiled ms | compile s |" in text
     assert "| packed | dense | full | 30.0 | - | 20.0 | 41.5 |" in text
     assert "| packed | cce | labelled | - | - | 16.0 | 37.0 |" in text
+
+
+@pytest.mark.parametrize("sebp", [False, True])
+def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(sebp):
+    """``--compile-scope layers``: the stack's layers share one compile (fewer graphs than layers), a sequence
+    as long as the hidden size does not pin the graphs to it (no recompile at the next length), the losses are
+    eager's, and the model is eager again afterwards (Dynamo and AOTAutograd; Inductor: the slow tests)."""
+    import dataclasses
+
+    from sebp_probe.bench import bench_compile
+    from sebp_probe.families import layer_stack
+
+    from sebp_kernels import SEBPConfig, SEBPLinear
+    from sebp_probe import patch_model
+
+    case = dataclasses.replace(LLAMA, config={**LLAMA.config, "num_hidden_layers": 4})
+    model = bench_model.build_model(case, torch.float32, torch.device("cpu"))
+    if sebp:  # each SEBP layer names itself to the graph: as an input here, or every layer compiles its own
+        patch_model(model, SEBPConfig("exact"))
+    hidden = model.config.hidden_size
+    batches = [{"input_ids": (ids := torch.randint(1, 500, (2, t))), "labels": ids.clone(),
+                "attention_mask": torch.ones_like(ids)} for t in (hidden, 18, hidden + 9)]
+    step = lambda m, b: bench_model.batch_loss(m, b, labelled_head=False)  # noqa: E731
+    want = [step(model, b).item() for b in batches]
+    timer = lambda m, fn: {"loss": fn().item()}  # noqa: E731
+    dynamo.reset()
+    try:
+        runs, stats = bench_compile.compiled_steps(model, step, batches, timer, None, "aot_eager", scope="layers")
+    finally:
+        dynamo.reset()
+    assert [r["loss"] for r in runs] == pytest.approx(want, rel=1e-5)
+    assert stats["compile_scope"] == "layers" and stats["recompiles"] == 0 and stats["graph_breaks"] == 0
+    assert 1 <= stats["compiled_graphs"] < len(layer_stack(model))
+    assert all(layer._compiled_call_impl is None for layer in layer_stack(model))
+    assert not any(m._sebp_key_input for m in model.modules() if isinstance(m, SEBPLinear))  # constants again
+    with pytest.raises(ValueError, match="compile scope must be one of layers, step"):
+        bench_compile.compiled_steps(model, step, batches, timer, None, "aot_eager", scope="model")
 
 
 # ------------------------------------------------------------------------------------ runs (slow: compiles)
