@@ -52,7 +52,10 @@ class Source:
     def env(self) -> dict:
         """GPU, versions and date, whether the file keeps them under ``environment`` or at its top level."""
         env = self.data.get("environment")
-        return env if isinstance(env, dict) else self.data
+        if isinstance(env, dict):
+            return env
+        versions = self.data.get("versions")  # a tool's JSON: the versions in a dict of their own
+        return {**self.data, **versions} if isinstance(versions, dict) else self.data
 
     def rows(self, key: str = "rows") -> list:
         return self.data[key]

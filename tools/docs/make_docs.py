@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # docgen and the block
 
 import blocks_families  # noqa: E402,F401  (registers its blocks)
 import blocks_kernels  # noqa: E402,F401
+import blocks_compiled  # noqa: E402,F401
 import blocks_results  # noqa: E402,F401
 from docgen import FROM_CODE, GENERATORS, MARKER, ROOT, DocsError, Page, pages, render  # noqa: E402,F401
 
