@@ -85,9 +85,11 @@ def compiled_targets(page: Page) -> str:
             lines.append(f"- {m['case']['name']}, {layout}: SEBP compiled against dense compiled "
                          f"{times(got['full'])} (model's head), {times(got['labelled'])} (labelled-rows head): "
                          f"target >= {times(want)} {'met' if best >= want else '**not met**'}.")
-    first = max(r["compile_s"] for r in models[COMPILED[0]]["rows"] if r["timing"] == "compiled")
-    lines.append(f"- llama-3.2-1b-sft first compile: {f1(first)} s at most per entry (each layer compiled, "
-                 f"the first entry of a fresh cache the longest): target <= 90 s {'met' if first <= 90 else '**not met**'}.")
+    first = max(r["compile_s"] for rel in (COMPILED[0], COMPILED[2]) for r in models[rel]["rows"]
+                if r["timing"] == "compiled")
+    lines.append(f"- llama-3.2-1b-sft first compile: {f1(first)} s at most per entry, over both of its runs "
+                 f"(each layer compiled; the first entry of a fresh cache takes the longest): target <= 90 s "
+                 f"{'met' if first <= 90 else '**not met**'}.")
     worst = {models[rel]["case"]["name"] + " " + ",".join(models[rel]["layouts_run"]):
              max(r["recompiles"] for r in models[rel]["rows"] if r["timing"] == "compiled") for rel in COMPILED}
     lines.append("- no recompile after a layout's first batch: " + "; ".join(
