@@ -9,7 +9,7 @@ from torch import nn
 from .config import SEBPConfig
 from .density import RowDensity
 from .functional import sebp_linear
-from .registry import key_tensor, register
+from .registry import graph_key, name_module
 
 
 # Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
@@ -64,13 +64,11 @@ class SEBPLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
         self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
-        self._sebp_key = register(self)  # names this layer inside compiled graphs (see sebp_kernels.registry)
-        self._sebp_key_t, self._sebp_key_input = key_tensor(self._sebp_key), False
+        name_module(self)  # names this layer inside compiled graphs (see sebp_kernels.registry)
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
         super().__setstate__(state)
-        self._sebp_key = register(self)
-        self._sebp_key_t = key_tensor(self._sebp_key)
+        name_module(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None) -> "SEBPLinear":
@@ -89,7 +87,7 @@ class SEBPLinear(nn.Linear):
         if pad is not None and self.sebp_config.mode == "exact" and not torch.compiler.is_compiling():
             hint = pad.bind(hint, x.shape)
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
-                           _key=self._sebp_key_t if self._sebp_key_input else self._sebp_key)
+                           _key=graph_key(self))
 
     def extra_repr(self) -> str:
         c = self.sebp_config

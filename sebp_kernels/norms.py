@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import registry, zero_rows
 from .config import SEBPConfig
 from .modules import _take_over
-from .registry import if_wanted, placeholder, register, settings
+from .registry import if_wanted, placeholder, settings
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x);
@@ -277,13 +277,11 @@ class SEBPNorm(nn.Module):
         else:
             self.eps = original.variance_epsilon
         _take_over(self, original)
-        self._sebp_key = register(self)  # names this norm inside compiled graphs (see .registry)
-        self._sebp_key_t, self._sebp_key_input = registry.key_tensor(self._sebp_key), False
+        registry.name_module(self)  # names this norm inside compiled graphs
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
         super().__setstate__(state)
-        self._sebp_key = register(self)
-        self._sebp_key_t = registry.key_tensor(self._sebp_key)
+        registry.name_module(self)
 
     def original(self) -> nn.Module:
         """The module this one replaced, holding this one's current Parameters (a wrapper such as FSDP may have
@@ -296,7 +294,7 @@ class SEBPNorm(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = self._sebp_key_t if self._sebp_key_input else self._sebp_key
+        key = registry.graph_key(self)
         if self.kind == "layer":
             return sebp_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.sebp_config, key)
         return sebp_rms_norm(x, self.weight, self.eps, self.sebp_config, key)

@@ -43,6 +43,18 @@ def key_tensor(key: int) -> Tensor:
     return torch.tensor(key, dtype=torch.int64, device="cpu")  # a default device (a meta model's build) aside
 
 
+def name_module(module) -> None:
+    """Give ``module`` (an SEBP layer, new or copied) a key of its own: ``_sebp_key``, and the same as
+    ``_sebp_key_t`` (:func:`key_tensor`)."""
+    module._sebp_key = register(module)
+    module._sebp_key_t = key_tensor(module._sebp_key)
+
+
+def graph_key(module) -> int | Tensor:
+    """The key ``module`` carries into a compiled graph: its tensor under :func:`keys_as_inputs`, else its int."""
+    return module._sebp_key_t if module._sebp_key_input else module._sebp_key
+
+
 def op_keys(key: int | Tensor | None, default: int) -> tuple[Tensor | None, int]:
     """The two key arguments of a ``sebp::`` op: a module's key tensor and 0, or None and the int key (the
     module's, else ``default``: a functional call's config key)."""
