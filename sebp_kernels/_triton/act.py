@@ -56,7 +56,7 @@ def _nonfinite(x):
     return (x != x) | (tl.abs(x) == float("inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _act_fwd_kernel(
     a_ptr, b_ptr, h_ptr, bad_ptr, M, N, stride_a, stride_b, stride_h,
     KIND: tl.constexpr, FLAGS: tl.constexpr, STORE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -89,7 +89,7 @@ def _act_fwd_kernel(
         tl.store(bad_ptr + rows, bad.to(tl.int8), mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _act_bwd_kernel(
     dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, bad_ptr, flags_ptr, block_count_ptr, dirty_a_ptr, dirty_b_ptr,
     M, N, stride_dh, stride_a, stride_b, stride_da, stride_db,

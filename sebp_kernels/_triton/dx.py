@@ -173,7 +173,7 @@ def _dx_program(
                      mask=in_m[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["FILL", "EXTRA", "M"])
 def _dx_kernel(
     dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, FILL, EXTRA,
     M, N, K,

@@ -22,7 +22,7 @@ from .tuning import cdiv
 MAX_N = 16384  # wider rows go to the torch reference (one row must fit in a program's registers)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ROWS"])
 def _norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, dirty_ptr,
     M, N, ROWS, stride_dy, stride_x, stride_dx,

@@ -44,7 +44,7 @@ def _hits(tile, eps, MODE: tl.constexpr):
     return ((a > eps) | (a != a)).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _row_flags_kernel(
     dy_ptr, flags_ptr, block_count_ptr,
     M, N,
@@ -73,7 +73,7 @@ def _row_flags_kernel(
     tl.store(block_count_ptr + pid, tl.sum(active, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _compact_kernel(
     flags_ptr, block_count_ptr, perm_ptr, count_ptr,
     M,
@@ -99,7 +99,7 @@ def _compact_kernel(
         tl.store(count_ptr, before + tl.sum(f, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _row_sumsq_kernel(
     dy_ptr, out_ptr,
     M, N,

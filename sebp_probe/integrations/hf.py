@@ -20,12 +20,18 @@ What :func:`apply_sebp` does, as a ``finetune`` run does before its first step:
   the trainer's first batches finds worth it, patched in place (same Parameters: an optimizer, peft LoRA and
   checkpoints see the same model).
 
+- attention (``keep_cudnn_attention=False``): on a GPU, the training steps' sdpa attention runs without cuDNN's
+  kernel (flash or memory-efficient attention compute the same). cuDNN builds an execution plan on the host
+  for every new batch shape, and the trainer's padded batches change shape with nearly every step: on an H100
+  that host work cost plain SFTTrainer more than its GPU time (docs/trainer.md).
+- Liger-Kernel: with ``use_liger_kernel=True`` Liger patches its norm, activation and rotary kernels into the
+  model when training starts; they compose with the SEBP layers and the labelled-rows loss.
+
 Where the labelled-rows loss would not equal the trainer's (TRL's ``loss_type="dft"``, a MoE auxiliary loss,
 peft prompt learning, several processes, ``torch_compile=True``, a head the path does not know), the trainer's
 own loss runs with the SEBP layers, and one warning line says why. A trainer whose loss is not the library's
 (a subclass with its own ``compute_loss``, a ``compute_loss_func``), one that builds its model when training
-starts (``model_init``) or patches it then (``use_liger_kernel``), or a model without a known layer to patch,
-gets one warning line and runs unchanged.
+starts (``model_init``), or a model without a known layer to patch, gets one warning line and runs unchanged.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from sebp_kernels import SEBPConfig
 from ..train import calibration as calib
 from ..config import FinetuneConfig
 from ..model.heads import HeadError, head_loss, unwrap
-from ..model.last_layer import KeptRows, last_layer_on_rows
+from ..model.last_layer import KeptRows, last_layer_on_rows, without_cudnn_attention
 from ..model.losses import HEADS, _task_of, set_head, use_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
 
@@ -63,6 +69,7 @@ class SEBPTrainer:
     reason: str | None = None
     calibration: calib.Calibration | None = None
     task: str | None = None
+    cudnn_attention: bool = True  # False: the training steps' sdpa runs without cuDNN's attention
 
     @property
     def layers(self) -> dict[str, SEBPConfig]:
@@ -76,6 +83,7 @@ class SEBPTrainer:
             return
         trainer = self.trainer
         vars(trainer).pop("compute_loss", None)
+        vars(trainer).pop("training_step", None)
         use_head(trainer.model, self.task, "full")
         unpatch_model(trainer.model)
         vars(trainer).pop(_HANDLE, None)
@@ -83,13 +91,14 @@ class SEBPTrainer:
 
     def to_dict(self) -> dict:
         return {"applied": self.applied, "head": self.head, "reason": self.reason,
+                "cudnn_attention": self.cudnn_attention,
                 "calibration": self.calibration.to_dict() if self.calibration is not None else None}
 
 
 def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, targets: list[str] | None = None,
                head: str = "labelled", calibrate: bool = True, calib_batches: int = 2, dense_fallback: float = 0.9,
                fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
-               backend: str = "auto") -> SEBPTrainer:
+               backend: str = "auto", keep_cudnn_attention: bool = False) -> SEBPTrainer:
     """Apply SEBP to ``trainer`` (a ``transformers.Trainer`` or ``trl.SFTTrainer``, before ``train()``) and return
     a handle whose :meth:`SEBPTrainer.undo` takes it back (see the module docstring).
 
@@ -99,8 +108,9 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     trainer's training data which candidates pay (``dense_fallback``: a layer with a larger share of active
     rows stays dense; ``fallback_if_slower``: SEBP measured slower than dense leaves the model dense); False
     patches every candidate. ``norms``/``acts``: the norms and MLP activations get the SEBP backward too.
-    ``backend``: the SEBP kernels (``auto``, ``triton`` or ``torch``). Calling it again on the same trainer
-    returns the first call's handle.
+    ``backend``: the SEBP kernels (``auto``, ``triton`` or ``torch``). ``keep_cudnn_attention``: leave sdpa's
+    choice of kernel alone (by default a GPU's training steps run it without cuDNN's attention; see the module
+    docstring). Calling it again on the same trainer returns the first call's handle.
     """
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
@@ -137,9 +147,13 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         use_head(model, task, "full")
         unpatch_model(model)
         raise
-    handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task)
+    cudnn = keep_cudnn_attention or not _sdpa_on_gpu(model)
+    handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task,
+                         cudnn_attention=cudnn)
     if used == "labelled":
         _take_loss(trainer, task)
+    if not cudnn:
+        _steps_without_cudnn_attention(trainer)
     setattr(trainer, _HANDLE, handle)
     return handle
 
@@ -165,8 +179,6 @@ def _unchanged_because(trainer) -> str | None:
         return "a compute_loss_func computes the loss"
     if getattr(trainer, "model_init", None) is not None:
         return "model_init builds a new model when training starts"
-    if getattr(trainer.args, "use_liger_kernel", False):
-        return "use_liger_kernel patches the model when training starts"
     return None
 
 
@@ -243,6 +255,11 @@ def _calibrate(trainer, model, cands: dict[str, SEBPConfig], measure: bool, n: i
     return c
 
 
+def _sdpa_on_gpu(model) -> bool:
+    cfg = getattr(unwrap(model), "config", None)
+    return getattr(cfg, "_attn_implementation", None) == "sdpa" and any(p.is_cuda for p in model.parameters())
+
+
 def _take_loss(trainer, task: str) -> None:
     """Make ``trainer``'s training loss the labelled-rows one (an instance attribute over the class's
     ``compute_loss``, which still computes evaluation and anything asking for the outputs)."""
@@ -265,6 +282,18 @@ def _take_loss(trainer, task: str) -> None:
         return loss
 
     trainer.compute_loss = compute_loss
+
+
+def _steps_without_cudnn_attention(trainer) -> None:
+    """``trainer``'s training steps (forward, backward, and a checkpointed layer's recomputation in it) with sdpa
+    off cuDNN's attention: an instance attribute over the class's ``training_step``."""
+    own = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        with without_cudnn_attention():
+            return own(*args, **kwargs)
+
+    trainer.training_step = training_step
 
 
 @contextlib.contextmanager

@@ -172,10 +172,17 @@ def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
         # its layer change.
         layer.forward = functools.partial(_kept_rows_forward, layer, layer.forward)
     layer._sebp_kept = (family, kept, additive)
+    # Not checkpointed while it computes the kept rows (a few rows; the keys and values of all): a recomputation
+    # in the backward, after the block, would run the layer's own forward.
+    checkpointed = getattr(layer, "gradient_checkpointing", None)
+    if checkpointed:
+        layer.gradient_checkpointing = False
     try:
         yield
     finally:
         layer._sebp_kept = None  # the layer's own forward again
+        if checkpointed:
+            layer.gradient_checkpointing = checkpointed
 
 
 def computes_kept_rows(layer: nn.Module) -> bool:
@@ -204,9 +211,36 @@ def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:
     extra = {k: v for k, v in (("sliding_window", getattr(attn, "sliding_window", None)),
                                ("softcap", getattr(attn, "attn_logit_softcapping", None))) if v is not None}
     scaling = getattr(attn, "scaling", q.shape[-1] ** -0.5)  # ModernBERT keeps none: the default
-    out, _ = fn(attn, q, k, v, mask, dropout=dropout if attn.training else 0.0, scaling=scaling,
-                is_causal=False, **extra)
+    with _no_plan_per_shape(q, attn.config._attn_implementation):
+        out, _ = fn(attn, q, k, v, mask, dropout=dropout if attn.training else 0.0, scaling=scaling,
+                    is_causal=False, **extra)
     return out.reshape(*out.shape[:2], -1)
+
+
+def _no_plan_per_shape(q: torch.Tensor, impl: str):
+    """Eager sdpa on CUDA without cuDNN's attention: the kept queries' shape is new with nearly every batch,
+    and cuDNN builds an execution plan on the host for each new shape (tens of milliseconds on an H100 host,
+    more than the layer's GPU time). Flash or memory-efficient attention (then math) compute the same."""
+    if impl != "sdpa" or not q.is_cuda or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return without_cudnn_attention()
+
+
+def without_cudnn_attention():
+    """A block in which sdpa chooses among flash, memory-efficient and math attention, not cuDNN's (whose
+    host-side plan per new shape costs more than a step's attention where shapes change from batch to
+    batch). The backward of an attention run inside keeps the kernel its forward took."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _rotate_apart(rotate, q, k, q_cos, q_sin, cos, sin):
+    """The model's rotary function on queries and keys at different positions: one call each, the unused
+    half a one-head copy of the other (a rotary kernel that works in place, as Liger-Kernel's does, must not
+    get one tensor twice)."""
+    q_out = rotate(q, q[:, :1].detach().clone(), q_cos, q_sin)[0]
+    return q_out, rotate(k[:, :1].detach().clone(), k, cos, sin)[1]
 
 
 def _projections(attn: nn.Module, family: Family, x: torch.Tensor, xq: torch.Tensor, kept: KeptRows):
@@ -239,9 +273,7 @@ def _decoder_forward(layer, family: Family, kept: KeptRows, additive: bool, hidd
     q, k, v = _projections(attn, family, x, kept.queries(x), kept)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = position_embeddings
-    # the rotation of queries and keys at different positions: one call each (the other half is unused)
-    q = rotate(q, q, kept.queries(cos), kept.queries(sin))[0]
-    k = rotate(k, k, cos, sin)[1]
+    q, k = _rotate_apart(rotate, q, k, kept.queries(cos), kept.queries(sin), cos, sin)
     cu = kwargs.get("cu_seq_lens_q")  # a flattened packed row (varlen): its sequences, not a mask, part it
     mask = kept.mask(attention_mask, True, q.dtype, additive) if cu is None else kept.sequence_mask(cu)
     out = attn.o_proj(kept.from_slots(_attend(attn, q, k, v, mask, attn.attention_dropout)))
@@ -322,8 +354,7 @@ def _modernbert_forward(layer, kept: KeptRows, additive: bool, hidden_states, at
     qkv = attn.Wqkv(x).view(b, t, 3, -1, attn.head_dim)  # one GEMM gives all three: the queries are its kept rows
     q, k, v = kept.queries(qkv[:, :, 0]).transpose(1, 2), qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
     cos, sin = position_embeddings
-    q = rotate(q, q, kept.queries(cos), kept.queries(sin))[0]
-    k = rotate(k, k, cos, sin)[1]
+    q, k = _rotate_apart(rotate, q, k, kept.queries(cos), kept.queries(sin), cos, sin)
     mask = kept.mask(attention_mask, False, q.dtype, additive)
     out = attn.out_drop(attn.Wo(kept.from_slots(_attend(attn, q, k, v, mask, attn.attention_dropout))))
     h = kept.of(hidden_states) + out

@@ -216,6 +216,29 @@ def test_sft_peft_lora(tmp_path):
     assert ours[2].head == "labelled" and any(n.endswith("q_proj.base_layer") for n in ours[2].layers)
 
 
+@pytest.mark.gpu
+def test_sft_with_liger_kernels_on_a_gpu(tmp_path, monkeypatch):
+    """use_liger_kernel=True: Liger's norm, SwiGLU and in-place rotary kernels, patched in when training starts,
+    compose with the SEBP layers and the labelled-rows loss (the losses and gradients of SFTTrainer with Liger
+    alone), and the training steps' sdpa runs without cuDNN's attention (SFTConfig checkpoints the layers, so
+    their recomputation in the backward must run without it too)."""
+    pytest.importorskip("liger_kernel")
+    import transformers.models.llama.modeling_llama as llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # Liger replaces them for the process:
+        monkeypatch.setattr(llama, name, getattr(llama, name))  # the next tests get them back
+    monkeypatch.setattr(llama.LlamaForCausalLM, "forward", llama.LlamaForCausalLM.forward)
+    make = _sft(tmp_path, lambda: tiny_model("llama"), _completions(), word_tokenizer(), use_cpu=False,
+                use_liger_kernel=True)
+    plain = _train(make, None)
+    ours = _train(make, {"fallback_if_slower": False})
+    _assert_same(plain, ours)
+    handle, model = ours[2], ours[4].model
+    assert handle.head == "labelled" and handle.layers and handle.cudnn_attention is False
+    assert "Liger" in type(model.model.norm).__name__ or "liger" in type(model.model.norm.forward).__module__ \
+        or "liger" in str(model.model.layers[0].mlp.forward)
+
+
 @pytest.mark.slow
 def test_sft_smollm2_on_tweets(tmp_path):
     """The bundled SmolLM2 on a few bundled tweets as prompt/completion (the sentiment word is the

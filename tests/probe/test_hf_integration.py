@@ -142,6 +142,42 @@ def test_an_sft_loss_it_cannot_reproduce_keeps_the_trainers_loss_with_sebp_layer
     assert torch.isfinite(torch.tensor(trainer.state.log_history[-1]["train_loss"]))
 
 
+def test_liger_kernels_compose_and_a_cpu_keeps_sdpas_choice(tmp_path, caplog):
+    """use_liger_kernel=True no longer leaves the trainer unchanged (Liger's kernels compose with SEBP: the GPU
+    test in tests/convergence/test_hf_trainer.py); off a GPU sdpa keeps its own choice of kernel."""
+    from transformers import Trainer
+
+    trainer = Trainer(model=tiny_model("llama"), args=_args(tmp_path, use_liger_kernel=True), train_dataset=_rows())
+    handle = apply_sebp(trainer, calibrate=False)
+    assert handle.applied and handle.head == "labelled" and handle.layers
+    assert handle.cudnn_attention is True and handle.to_dict()["cudnn_attention"] is True
+    handle.undo()
+    assert "compute_loss" not in vars(trainer)
+
+
+def test_training_steps_run_without_cudnn_attention_and_undo_takes_it_back(tmp_path, monkeypatch):
+    """Where the model's sdpa runs on a GPU, every training step (its backward, and so a checkpointed layer's
+    recomputation, included) runs with cuDNN's attention off; undo puts the trainer's own step back."""
+    import sebp_probe.integrations.hf as hf
+    from transformers import Trainer
+
+    monkeypatch.setattr(hf, "_sdpa_on_gpu", lambda model: True)
+    seen = []
+
+    class Watched(Trainer):
+        def training_step(self, *args, **kwargs):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return super().training_step(*args, **kwargs)
+
+    trainer = Watched(model=tiny_model("llama"), args=_args(tmp_path), train_dataset=_rows())
+    handle = apply_sebp(trainer, calibrate=False)
+    assert handle.cudnn_attention is False and "training_step" in vars(trainer)
+    trainer.train()
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+    handle.undo()
+    assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)
+
+
 def test_torch_compile_keeps_the_models_own_loss(tmp_path, caplog, monkeypatch):
     """torch.compile compiles the model's forward, which the labelled-rows head goes around: the model's own loss
     runs."""

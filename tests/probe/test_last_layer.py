@@ -88,6 +88,23 @@ def test_unpadded_packed_and_checkpointed():
     _exact(model, got_g, want_g)
 
 
+def test_a_checkpointed_last_layer_runs_unchecked_on_kept_rows():
+    """Gradient checkpointing (SFTConfig's default): the last layer is not checkpointed while it computes the
+    kept rows (its recomputation would come after the block), and is again after it; the gradients are the
+    model's."""
+    model = causal_model("llama", dtype=torch.float64)
+    batch = padded_batch("llama", side="right")
+    want, want_g = loss_and_grads(model, lambda m: reference_loss(m, batch, "causal-lm"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer = last_layer(model.model)
+    seen = []
+    layer.register_forward_pre_hook(lambda m, args: seen.append(m.gradient_checkpointing))
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert seen == [False] and layer.gradient_checkpointing
+    assert_rel(got, want, 1e-12, "loss")
+    _exact(model, got_g, want_g)
+
+
 def test_lora_in_the_last_layer():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(causal_model("qwen2"), peft.LoraConfig(
@@ -176,6 +193,37 @@ def test_kept_rows_layout(most):
     assert kept.of(x).flatten().tolist() == [1, 2, 4, 13, 20]
     with pytest.raises(ValueError, match="^the most kept rows in one sequence are 3, not the 2 given$"):
         KeptRows.from_rows(torch.tensor([1, 2, 4, 13, 20]), batch=3, length=7, most=2)
+
+
+def test_an_in_place_rotary_function_is_not_handed_one_tensor_twice(monkeypatch):
+    """Liger-Kernel's rotary kernel rotates queries and keys in place; the kept-rows layer calls the model's
+    rotary function once for its queries and once for the keys, and must not pass one tensor as both."""
+    import transformers.models.llama.modeling_llama as llama
+
+    own = llama.apply_rotary_pos_emb
+
+    def in_place(q, k, cos, sin, *args, **kwargs):  # the queries, then the keys, each stored where it was read
+        q.copy_(own(q, q, cos, sin, *args, **kwargs)[0])
+        k.copy_(own(k, k, cos, sin, *args, **kwargs)[1])
+        return q, k
+
+    model = causal_model("llama", dtype=torch.float64)
+    batch = padded_batch("llama", side="right")
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", in_place)
+    want, want_g = loss_and_grads(model, lambda m: reference_loss(m, batch, "causal-lm"))
+    got, got_g = loss_and_grads(model, lambda m: head_loss(m, batch, last_layer_rows_only=True).loss)
+    assert_rel(got, want, 1e-12, "loss")
+    _exact(model, got_g, want_g)
+
+
+def test_without_cudnn_attention_leaves_sdpa_the_other_kernels():
+    from sebp_probe.model.last_layer import without_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with without_cudnn_attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
 @pytest.mark.gpu
