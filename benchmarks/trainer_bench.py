@@ -16,6 +16,12 @@ and prompt share, labels -100 on the prompt), the same batches for every variant
                    compile; SEBP layers as sebp:: custom ops)
   liger            use_liger_kernel=True (Liger's layer kernels; TRL keeps its own fused head), if importable
   liger+compile    the same with torch_compile=True
+  liger+sebp       use_liger_kernel=True and apply_sebp
+  sebp-head        diagnostic: apply_sebp with every layer left dense (the labelled-rows loss alone)
+  sebp-layers      diagnostic: apply_sebp(head="full") (the SEBP layers under the trainer's own loss)
+  sebp-cudnn       diagnostic: apply_sebp(keep_cudnn_attention=True) (sdpa's own choice of kernel)
+  <any>-nocudnn    the same with torch.backends.cuda.enable_cudnn_sdp(False): sdpa without cuDNN's attention,
+                   which builds a host-side plan for each new batch shape
 
 Each variant runs in its own process (``torch_compile`` and Liger change process-wide state), ``--warmup``
 optimizer steps, then ``--steps`` timed ones: the median time between the ends of consecutive steps (data
@@ -43,7 +49,10 @@ from sebp_probe.bench.bench_cases import MODEL_CASES, make_items, sample_lengths
 from sebp_probe.bench.bench_model import build_model  # noqa: E402
 from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
-VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile")
+VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile", "liger+sebp", "sebp-head",
+            "sebp-layers", "sebp-cudnn")
+_APPLY = {"sebp": {}, "sebp+compile": {}, "liger+sebp": {}, "sebp-head": {"dense_fallback": 0.0},
+          "sebp-layers": {"head": "full"}, "sebp-cudnn": {"keep_cudnn_attention": True}}
 
 
 def _tokenizer(vocab_size: int):
@@ -72,6 +81,40 @@ def _step_timer():
     return StepTimer()
 
 
+def _step_profiler(first: int, steps: int, path: str):
+    """A callback that runs torch.profiler over optimizer steps ``first`` .. ``first + steps - 1`` (1-based) and
+    writes the operators' table (by device time, then by host time) to ``path``."""
+    from transformers import TrainerCallback
+
+    class StepProfiler(TrainerCallback):
+        prof = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == first:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.prof is not None and state.global_step == first + steps - 1:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                table = self.prof.key_averages()
+                dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_text(f"{steps} steps from step {first}\n\nby device time\n"
+                                      + table.table(sort_by=dev, row_limit=45, max_name_column_width=70)
+                                      + "\n\nby host time\n"
+                                      + table.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+                self.prof = None
+
+    return StepProfiler()
+
+
 def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
     """Train ``variant`` for ``opts.warmup + opts.steps`` optimizer steps; its timing and losses."""
     from datasets import Dataset
@@ -85,27 +128,36 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
     total = opts.warmup + opts.steps
     lengths = sample_lengths(case.lengths, case.batch * total, case.max_length, seed=0)
     rows = make_items(case, lengths, case.config["vocab_size"], seed=0)
-    compiled, liger = variant.endswith("+compile"), variant.startswith("liger")
+    base, nocudnn = variant.removesuffix("-nocudnn"), variant.endswith("-nocudnn")
+    if nocudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    compiled, liger = base.endswith("+compile"), base.startswith("liger")
     args = SFTConfig(output_dir=out_dir, max_steps=total, per_device_train_batch_size=case.batch,
                      learning_rate=1e-5, bf16=cuda, use_cpu=not cuda, padding_free=opts.padding_free,
                      max_length=None, gradient_checkpointing=opts.checkpointing, torch_compile=compiled,
                      use_liger_kernel=liger, report_to=[], logging_steps=1, save_strategy="no",
                      disable_tqdm=True, log_level="error", seed=0, dataloader_drop_last=True)
     timer = _step_timer()
+    callbacks = [timer]
+    if opts.profile:  # the last warm-up steps, ahead of the timer: the profiler's work is timed in no step
+        callbacks.insert(0, _step_profiler(opts.warmup - opts.profile + 1, opts.profile,
+                                           f"{opts.profile_to or opts.out}.{variant}.prof.txt"))
     trainer = SFTTrainer(model=build_model(case, torch.float32, device), args=args,
                          train_dataset=Dataset.from_list(rows), processing_class=_tokenizer(case.config["vocab_size"]),
-                         callbacks=[timer])
+                         callbacks=callbacks)
     result = {"variant": variant}
-    if variant.startswith("sebp"):
-        result["sebp"] = apply_sebp(trainer).to_dict()  # the head, and the calibration: layers kept, densities
+    if base in _APPLY:
+        result["sebp"] = apply_sebp(trainer, **_APPLY[base]).to_dict()  # the head, and the calibration: layers kept, densities
     trainer.train()
     ends = timer.ends[max(opts.warmup - 1, 0):]  # from the end of the last warm-up step
     times = [b - a for a, b in zip(ends, ends[1:])]
     median = statistics.median(times)
-    result.update(steps_per_s=1.0 / median, step_ms_median=median * 1e3, step_ms=[t * 1e3 for t in times],
+    result.update(steps_per_s=1.0 / median, step_ms_median=median * 1e3, step_ms_mean=statistics.mean(times) * 1e3,
+                  step_ms=[t * 1e3 for t in times],
                   loss=[h["loss"] for h in trainer.state.log_history if "loss" in h])
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     return result
 
 
@@ -119,11 +171,14 @@ def _isolated(variant: str, opts: argparse.Namespace) -> dict:
     """``variant`` in a fresh process: its result, or why it did not run."""
     flags = [f for f, on in (("--tiny", opts.tiny), ("--padding-free", opts.padding_free),
                              ("--checkpointing", opts.checkpointing)) if on]
-    sizes = [a for k, v in (("--max-length", opts.max_length), ("--batch", opts.batch)) if v for a in (k, str(v))]
+    sizes = [a for k, v in (("--max-length", opts.max_length), ("--batch", opts.batch), ("--profile", opts.profile))
+             if v for a in (k, str(v))]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--case", opts.case, *flags, *sizes, "--steps", str(opts.steps),
                "--warmup", str(opts.warmup), "--variants", variant, "--in-process", "--out", str(out)]
+        if opts.profile:  # the profile goes beside the caller's JSON
+            cmd += ["--profile-to", opts.out]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -134,6 +189,7 @@ def _isolated(variant: str, opts: argparse.Namespace) -> dict:
 def _unavailable(variant: str) -> str | None:
     import importlib.util
 
+    variant = variant.removesuffix("-nocudnn")
     if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not installed"
     if variant.endswith("+compile") and not torch.cuda.is_available():
@@ -155,14 +211,19 @@ def main(argv: list[str] | None = None) -> int:
                    "for every variant; off by default here")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps (at least 2)")
     p.add_argument("--warmup", type=int, default=5, help="optimizer steps before timing")
+    p.add_argument("--profile", type=int, default=0, metavar="K", help="profile the last K warm-up steps (K < "
+                   "--warmup) and write each variant's operator table beside --out")
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--in-process", action="store_true", help="run the variants in this process, one after the "
                    "other (compile and Liger change process-wide state: for one variant, or eager ones)")
     opts = p.parse_args(argv)
     variants = [v for v in opts.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v.removesuffix("-nocudnn") not in VARIANTS]
     if unknown or opts.steps < 2:
         p.error(f"unknown variants {unknown}" if unknown else "--steps must be at least 2")
+    if not 0 <= opts.profile < opts.warmup:
+        p.error("--profile K needs 0 <= K < --warmup")
     results = []
     for v in variants:
         why = _unavailable(v)
@@ -175,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(_isolated(v, opts))
     speed = {r["variant"]: r.get("steps_per_s") for r in results}
     pairs = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
-             ("sebp+compile", "plain+compile"))
+             ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
+             ("plain-nocudnn", "plain"), ("sebp", "plain-nocudnn"), ("sebp-cudnn", "plain"),
+             ("liger+sebp", "plain"), ("liger+sebp", "liger"), ("liger+sebp", "liger-nocudnn"))
     ratios = {f"{v}/{b}": speed[v] / speed[b] for v, b in pairs if speed.get(v) and speed.get(b)}
     import trl
 

@@ -10,6 +10,13 @@
 #   compile  plain+compile, sebp+compile      (torch_compile=True)
 #   liger    liger, liger+compile             (use_liger_kernel=True)
 #   pf       plain, sebp with TRL's padding-free batches
+#   diag     plain, sebp, sebp-head, sebp-layers, each profiled over its last 2 warm-up steps (operator
+#            tables beside the JSON): where the integration's step time goes
+#   liger1   liger alone (eager)
+#   cudnn    plain and Liger with and without cuDNN's attention in sdpa (the -nocudnn variants), apply_sebp
+#            (which leaves cuDNN's attention out) and apply_sebp keeping it, Liger with apply_sebp
+#   final    the table's eager rows: plain and Liger with and without cuDNN's attention, apply_sebp, both
+#   compile1 liger+compile and sebp+compile, 10 timed steps each in its own bench (LIMIT seconds each)
 # Packages: the image lacks trl, datasets, dill, multiprocess and liger-kernel; their wheels (py3.12,
 # manylinux x86_64) come in the folder $WHL (default .whl-trl/, git-ignored). A wheel whose distribution the
 # image already has in a version that fits (pyarrow >= 24, xxhash, fsspec <= 2026.9.0: datasets 5.2's needs)
@@ -19,6 +26,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform any -d .whl-trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
 #     liger-kernel==0.8.5 xxhash==4.1.0 fsspec==2026.9.0 pyarrow==26.0.1
+# LIMIT: seconds a bench may run (its JSON is lost when it is cut).
 # BENCH_ARGS: options added to every bench (e.g. "--batch 4" or "--checkpointing" where the plain trainer's
 # logits do not fit), TAG: a suffix of the output names (set it with BENCH_ARGS).
 # Every step's JSON and log, the environment and the commands go into $OUT/trainer_raw.tgz (the whole of
@@ -69,7 +77,7 @@ bench() {  # name, then trainer_bench options
   local name=$1; shift
   local cmd=(python3 benchmarks/trainer_bench.py --out "$RAW/trainer_$name$TAG.json" "$@" ${BENCH_ARGS:-})
   echo "=== $name $(date +%T): ${cmd[*]}" | tee -a "$RAW/commands.txt"
-  "${cmd[@]}" > "$RAW/trainer_$name$TAG.log" 2>&1
+  ${LIMIT:+timeout "$LIMIT"} "${cmd[@]}" > "$RAW/trainer_$name$TAG.log" 2>&1
   echo "rc=$?"; grep -E "steps/s|error|x$" "$RAW/trainer_$name$TAG.log" | tail -12
 }
 for s in ${STEPS:-smoke}; do
@@ -79,6 +87,12 @@ for s in ${STEPS:-smoke}; do
     compile) bench compile --variants plain+compile,sebp+compile ;;
     liger) bench liger --variants liger,liger+compile ;;
     pf) bench pf --padding-free --variants plain,sebp ;;
+    diag) bench diag --variants plain,sebp,sebp-head,sebp-layers --profile 2 ;;
+    liger1) bench liger1 --variants liger ;;
+    cudnn) bench cudnn --variants plain,plain-nocudnn,sebp,sebp-cudnn,liger,liger-nocudnn,liger+sebp ;;
+    final) bench final --variants plain,plain-nocudnn,sebp,liger,liger-nocudnn,liger+sebp ;;
+    compile1) bench liger_compile --variants liger+compile --steps 10 --warmup 4
+              bench sebp_compile --variants sebp+compile --steps 10 --warmup 4 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -48,5 +48,28 @@ def test_gpu_session_script_names_the_bench_variants(bench):
     script = Path(bench.__file__).with_name("trainer_session.sh")
     if shutil.which("bash"):
         subprocess.run(["bash", "-n", str(script)], check=True)
-    asked = [v for group in re.findall(r"--variants (\S+)", script.read_text()) for v in group.split(",")]
-    assert {"plain", "sebp", "plain+compile", "sebp+compile", "liger"} <= set(asked) <= set(bench.VARIANTS)
+    asked = [v.removesuffix("-nocudnn") for group in re.findall(r"--variants (\S+)", script.read_text())
+             for v in group.split(",")]
+    assert {"plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+sebp"} <= set(asked)
+    assert set(asked) <= set(bench.VARIANTS)
+
+
+def test_profile_needs_fewer_steps_than_the_warm_up(bench, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path / "t.json"), "--tiny", "--warmup", "2", "--profile", "2"])
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path / "t.json"), "--tiny", "--variants", "plain-nocuda"])
+
+
+@pytest.mark.slow
+def test_a_profiled_variant_without_cudnn_attention(bench, tmp_path):
+    """``--profile K`` writes the operator tables of the last K warm-up steps beside the JSON; a ``-nocudnn``
+    variant runs as its base variant (on a CPU, sdpa has no cuDNN to leave out)."""
+    out = tmp_path / "trainer.json"
+    args = ["--out", str(out), "--tiny", "--steps", "2", "--warmup", "2", "--profile", "1", "--in-process",
+            "--variants", "sebp-nocudnn"]
+    assert bench.main(args) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["variant"] == "sebp-nocudnn" and r["sebp"]["head"] == "labelled" and r["step_ms_mean"] > 0
+    table = (tmp_path / "trainer.json.sebp-nocudnn.prof.txt").read_text()
+    assert table.startswith("1 steps from step 2") and "by device time" in table and "by host time" in table

@@ -9,7 +9,7 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
             "layouts_compiled_h100/model_qwen2.5-0.5b-sft_packed_layers.json",
             "layouts_compiled_h100/model_llama-3.2-1b-sft_padded_layers.json",
             "layouts_compiled_h100/model_bert-base_longest_layers.json")
-TRAINER = ("trainer_h100/trainer_eager.json",)
+TRAINER = ("trainer_h100/trainer_final.json",)
 
 
 def _model(page: Page, rel: str):
@@ -100,16 +100,21 @@ def compiled_targets(page: Page) -> str:
 
 @block("trainer_h100")
 def trainer_h100(page: Page) -> str:
-    """SFTTrainer steps per second per variant, with the step's median and the peak memory."""
+    """SFTTrainer steps per second per variant: whether sdpa could take cuDNN's attention, the step's median and
+    mean (the mean counts the slow first steps of new shapes), the peak memory and the loss the step ran."""
     parts = []
     for rel in TRAINER:
         src = page.load(rel)
-        body = [[r["variant"], f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["peak_gib"]),
-                 r.get("sebp", {}).get("head") or "-"] for r in src.rows("results") if "steps_per_s" in r]
+        body = [[r["variant"], "off" if r["variant"].endswith("-nocudnn") or
+                 r.get("sebp", {}).get("cudnn_attention") is False else "on",
+                 f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]), f1(r["peak_gib"]),
+                 r.get("sebp", {}).get("head") or "TRL's"] for r in src.rows("results") if "steps_per_s" in r]
         c = src.data["case"]
         note = ", ".join(f"{k}: {times(v)}" for k, v in src.data["ratios"].items())
-        parts.append(captioned(page, [src], table(["variant", "steps/s", "step ms (median)", "peak GiB", "head"],
-                                                  body, "lrrrl"))
+        parts.append(captioned(page, [src], table(
+            ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
+            body, "llrrrrl"))
                      + f"\n\n{c['name']} lengths, {c['batch']} sequences a step, padded batches, "
-                       f"{src.data['steps']} timed steps after {src.data['warmup']}; {note}.")
+                       f"{src.data['steps']} timed steps after {src.data['warmup']} (steps/s from the median); "
+                       f"{note}.")
     return "\n\n".join(parts)

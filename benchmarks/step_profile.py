@@ -1,0 +1,91 @@
+"""Where a model bench entry's step spends its time: torch.profiler over one step of each of a layout's batches.
+
+    python benchmarks/step_profile.py --case qwen2.5-0.5b-sft --layout packed \
+        --entries dense:labelled,cce:labelled --compile --out-dir /tmp/prof
+
+The entries are the model bench's (``sebp-probe bench --scope model``: method:head, on the same pool of batches,
+bf16); ``--compile`` compiles each layer as the bench's ``layers`` scope does, after ``--warmup`` steps a batch
+(compiles included there). Per entry, ``<entry>.txt`` in ``--out-dir``: the operators by device time and by
+host time, and the wall and device milliseconds of the profiled steps. A diagnosis, not a benchmark: the
+profiler's own cost is in its wall times; time entries with ``sebp-probe bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
+
+from sebp_probe.bench.bench_cases import MODEL_CASES  # noqa: E402
+from sebp_probe.bench.bench_compile import compile_layers  # noqa: E402
+from sebp_probe.bench.bench_model import _pool, _step_fn, build_model, sebp_patched  # noqa: E402
+from sebp_probe.data.train_data import to_device  # noqa: E402
+from sebp_probe.model.packing import attention_backend  # noqa: E402
+
+
+def profile_entry(model, case, method: str, head: str, batches: list[dict], warmup: int, compile: bool) -> str:
+    step = _step_fn(method, head)
+    torch._dynamo.reset()
+    undo = compile_layers(model, dynamic=True) if compile else None
+    try:
+        with (sebp_patched(model, case, head, "exact", False, False, False) if method == "sebp"
+              else contextlib.nullcontext()):
+            for b in batches:
+                for _ in range(warmup):
+                    model.zero_grad(set_to_none=True)
+                    step(model, b).backward()
+            torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            t0 = time.perf_counter()
+            with torch.profiler.profile(activities=acts) as prof:
+                for b in batches:
+                    model.zero_grad(set_to_none=True)
+                    step(model, b).backward()
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+    finally:
+        if undo is not None:
+            undo()
+        model.zero_grad(set_to_none=True)
+    table = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in table) / 1e3
+    return (f"{method}:{head}{' compiled (layers)' if compile else ''}: {len(batches)} steps, wall {wall:.1f} ms "
+            f"(profiled), device busy {device_ms:.1f} ms\n\nby device time\n"
+            + table.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=80)
+            + "\n\nby host time\n" + table.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--case", default="qwen2.5-0.5b-sft", choices=list(MODEL_CASES))
+    p.add_argument("--layout", default="packed")
+    p.add_argument("--entries", default="dense:labelled,cce:labelled", help="method:head, comma-separated")
+    p.add_argument("--batches", type=int, default=6, help="the pool's batches (the bench's --model-batches)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="each layer compiled, as the bench's layers scope")
+    p.add_argument("--out-dir", required=True)
+    opts = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("the profile needs a CUDA GPU")
+    case, dev = MODEL_CASES[opts.case], torch.device("cuda")
+    model = build_model(case, torch.bfloat16, dev)
+    batches, _ = _pool(case, model.config, opts.batches, 0, attention_backend(model), True)
+    on_device = [to_device(b, dev) for b in batches[opts.layout]]
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in opts.entries.split(","):
+        method, head = entry.split(":")
+        text = profile_entry(model, case, method, head, on_device, opts.warmup, opts.compile)
+        name = f"{opts.case}_{opts.layout}_{method}_{head}{'_compiled' if opts.compile else ''}.txt"
+        (out / name).write_text(text + "\n")
+        print(text.splitlines()[0], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
