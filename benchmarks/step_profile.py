@@ -82,7 +82,8 @@ def main() -> int:
         method, head = entry.split(":")
         text = profile_entry(model, case, method, head, on_device, opts.warmup, opts.compile)
         name = f"{opts.case}_{opts.layout}_{method}_{head}{'_compiled' if opts.compile else ''}.txt"
-        (out / name).write_text(text + "\n")
+        command = " ".join(["python", "benchmarks/step_profile.py", *sys.argv[1:]])
+        (out / name).write_text(f"command: {command}\n{text}\n")
         print(text.splitlines()[0], flush=True)
     return 0
 

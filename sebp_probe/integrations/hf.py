@@ -49,7 +49,8 @@ from sebp_kernels import SEBPConfig
 from ..train import calibration as calib
 from ..config import FinetuneConfig
 from ..model.heads import HeadError, head_loss, unwrap
-from ..model.last_layer import KeptRows, last_layer_on_rows, without_cudnn_attention
+from ..model.last_layer import KeptRows, last_layer_on_rows
+from ..model.sdpa import without_cudnn_attention
 from ..model.losses import HEADS, _task_of, set_head, use_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..families import Family, family_of, layer_stack, model_type
 from .packing import VARLEN
+from .sdpa import without_cudnn_attention
 
 ATTENTION = ("sdpa", "eager", VARLEN)
 
@@ -218,21 +219,11 @@ def _attend(attn: nn.Module, q, k, v, mask, dropout: float) -> torch.Tensor:
 
 
 def _no_plan_per_shape(q: torch.Tensor, impl: str):
-    """Eager sdpa on CUDA without cuDNN's attention: the kept queries' shape is new with nearly every batch,
-    and cuDNN builds an execution plan on the host for each new shape (tens of milliseconds on an H100 host,
-    more than the layer's GPU time). Flash or memory-efficient attention (then math) compute the same."""
+    """Eager sdpa on CUDA without cuDNN's attention (:mod:`.sdpa`): the kept queries' shape is new with nearly
+    every batch."""
     if impl != "sdpa" or not q.is_cuda or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return without_cudnn_attention()
-
-
-def without_cudnn_attention():
-    """A block in which sdpa chooses among flash, memory-efficient and math attention, not cuDNN's (whose
-    host-side plan per new shape costs more than a step's attention where shapes change from batch to
-    batch). The backward of an attention run inside keeps the kernel its forward took."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _rotate_apart(rotate, q, k, q_cos, q_sin, cos, sin):

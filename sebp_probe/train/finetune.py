@@ -21,6 +21,7 @@ from ..config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneEr
 from ..layouts import LAYOUTS
 from .loop import Event, Run, graphed_compile, wrap_lora
 from ..model.losses import set_head
+from ..model.sdpa import without_cudnn_attention
 from .metrics import compare_runs, loss_gap, timed_steps
 from ..notes import collect_notes, note
 from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, check_resume_processes,
@@ -98,10 +99,12 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     """Train ``cfg.method`` (or dense then SEBP with ``cfg.compare``), write the output directory, and return
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
     configs and synthetic batches). Every note of the run (:mod:`.notes`: the data's, a family's fallbacks,
-    the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. Raises
-    FinetuneError for bad input, a diverged run included."""
+    the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
+    cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`). Raises FinetuneError for bad input, a
+    diverged run included."""
     emit = on_event or (lambda kind, payload: None)
-    with collect_notes(lambda text: emit("note", {"text": text})) as notes:
+    # the whole run (calibration, --padding auto's timings, training) on the same attention kernels
+    with collect_notes(lambda text: emit("note", {"text": text})) as notes, without_cudnn_attention():
         return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
 
 

@@ -217,7 +217,7 @@ def test_an_in_place_rotary_function_is_not_handed_one_tensor_twice(monkeypatch)
 
 
 def test_without_cudnn_attention_leaves_sdpa_the_other_kernels():
-    from sebp_probe.model.last_layer import without_cudnn_attention
+    from sebp_probe.model.sdpa import without_cudnn_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     with without_cudnn_attention():
@@ -245,3 +245,16 @@ def test_cuda_head_path_within_the_model_error(arch):
                 check(got, hf, want, "loss")
                 for (name, _), a, t, e in zip(model.named_parameters(), got_g, hf_g, want_g):
                     check(a, t, e, name)
+
+
+def test_finetune_runs_without_cudnn_attention(monkeypatch):
+    """``finetune`` runs its whole run (calibration, --padding auto's timings, training) with sdpa off cuDNN's
+    attention, and gives the process its flags back."""
+    import sebp_probe.train.finetune as ft
+    from sebp_probe.config import FinetuneConfig
+
+    seen = []
+    monkeypatch.setattr(ft, "_finetune", lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or {})
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert ft.finetune(FinetuneConfig()) == {}
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
