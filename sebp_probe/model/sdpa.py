@@ -7,8 +7,9 @@ SFTTrainer spent 0.99 s of host time in cuDNN's attention forward and 1.2 s in i
 GPU time, and the same trainer without cuDNN's attention stepped 1.5x faster. Flash, memory-efficient or math
 attention compute the same, without a plan per shape.
 
-Used by the training steps of ``finetune`` and of :func:`~sebp_probe.integrations.hf.apply_sebp`, and always
-by the kept-rows last layer, whose query count changes with every batch.
+Used by ``finetune``'s run (unless its batches all have one shape, ``max_length``: cuDNN then plans once), by
+the training steps of :func:`~sebp_probe.integrations.hf.apply_sebp` (unless ``keep_cudnn_attention``), and
+always by the kept-rows last layer, whose query count changes with every batch.
 """
 from __future__ import annotations
 

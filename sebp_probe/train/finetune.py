@@ -7,6 +7,7 @@ This module checks the settings, loads the model and the report, runs dense and/
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable
@@ -100,11 +101,13 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
     configs and synthetic batches). Every note of the run (:mod:`.notes`: the data's, a family's fallbacks,
     the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
-    cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`). Raises FinetuneError for bad input, a
-    diverged run included."""
+    cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
+    (``max_length``). Raises FinetuneError for bad input, a diverged run included."""
     emit = on_event or (lambda kind, payload: None)
-    # the whole run (calibration, --padding auto's timings, training) on the same attention kernels
-    with collect_notes(lambda text: emit("note", {"text": text})) as notes, without_cudnn_attention():
+    # the whole run (calibration, --padding auto's timings, training) on the same attention kernels; batches
+    # of one shape (max_length) leave sdpa its choice: cuDNN then plans once
+    attention = contextlib.nullcontext() if cfg.data.padding == "max_length" else without_cudnn_attention()
+    with collect_notes(lambda text: emit("note", {"text": text})) as notes, attention:
         return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
 
 

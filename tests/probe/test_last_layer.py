@@ -247,14 +247,20 @@ def test_cuda_head_path_within_the_model_error(arch):
                     check(a, t, e, name)
 
 
-def test_finetune_runs_without_cudnn_attention(monkeypatch):
+@pytest.mark.parametrize("padding,cudnn", [("longest", False), ("auto", False), ("max_length", True)])
+def test_finetune_runs_without_cudnn_attention(monkeypatch, padding, cudnn):
     """``finetune`` runs its whole run (calibration, --padding auto's timings, training) with sdpa off cuDNN's
-    attention, and gives the process its flags back."""
+    attention where batch shapes change, leaves sdpa its choice where they do not (``max_length``: cuDNN plans
+    once), and gives the process its flags back."""
+    import dataclasses
+
     import sebp_probe.train.finetune as ft
     from sebp_probe.config import FinetuneConfig
 
     seen = []
     monkeypatch.setattr(ft, "_finetune", lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or {})
+    cfg = FinetuneConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, padding=padding))
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    assert ft.finetune(FinetuneConfig()) == {}
-    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert ft.finetune(cfg) == {}
+    assert seen == [cudnn and before] and torch.backends.cuda.cudnn_sdp_enabled() == before
