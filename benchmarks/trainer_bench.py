@@ -25,7 +25,8 @@ and prompt share, labels -100 on the prompt), the same batches for every variant
 
 Each variant runs in its own process (``torch_compile`` and Liger change process-wide state), ``--warmup``
 optimizer steps, then ``--steps`` timed ones: the median time between the ends of consecutive steps (data
-loading included, as a user's run sees it). A variant that fails or cannot run is recorded with its reason.
+loading included, as a user's run sees it). ``--rounds N`` runs the list N times, reversing the order each round (a
+machine that drifts favours no variant), and takes each variant's median over all its rounds' steps. A variant that fails or cannot run is recorded with its reason.
 The JSON holds the device, the versions, the date, the command and, per variant, steps/s and the losses.
 """
 from __future__ import annotations
@@ -186,6 +187,21 @@ def _isolated(variant: str, opts: argparse.Namespace) -> dict:
         return json.loads(out.read_text())["results"][0]
 
 
+def _pooled(rounds: list[dict]) -> dict:
+    """One variant's result over its rounds: the first round's record, its step times and losses those of every
+    round in turn, steps/s from the median of all the steps, and each round's own steps/s; a round that failed
+    makes the variant's error."""
+    failed = next((r for r in rounds if "steps_per_s" not in r), None)
+    if failed is not None or len(rounds) == 1:
+        return failed or rounds[0]
+    times = [t for r in rounds for t in r["step_ms"]]
+    median = statistics.median(times)
+    return {**rounds[0], "steps_per_s": 1e3 / median, "step_ms_median": median,
+            "step_ms_mean": statistics.mean(times), "step_ms": times, "loss": [x for r in rounds for x in r["loss"]],
+            "round_steps_per_s": [r["steps_per_s"] for r in rounds],
+            **({"peak_gib": max(r["peak_gib"] for r in rounds)} if "peak_gib" in rounds[0] else {})}
+
+
 def _unavailable(variant: str) -> str | None:
     import importlib.util
 
@@ -215,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--warmup) and write each variant's operator table beside --out")
     p.add_argument("--profile-to", help=argparse.SUPPRESS)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--rounds", type=int, default=1, help="run the variants this many times, the order reversed "
+                   "each round (each variant's steps/s then comes from the median of all its rounds' steps)")
     p.add_argument("--in-process", action="store_true", help="run the variants in this process, one after the "
                    "other (compile and Liger change process-wide state: for one variant, or eager ones)")
     opts = p.parse_args(argv)
@@ -222,18 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v.removesuffix("-nocudnn") not in VARIANTS]
     if unknown or opts.steps < 2:
         p.error(f"unknown variants {unknown}" if unknown else "--steps must be at least 2")
+    if opts.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not 0 <= opts.profile < opts.warmup:
         p.error("--profile K needs 0 <= K < --warmup")
-    results = []
-    for v in variants:
-        why = _unavailable(v)
-        if why is not None:
-            results.append({"variant": v, "error": why})
-        elif opts.in_process:
-            with tempfile.TemporaryDirectory() as tmp:
-                results.append(run_variant(v, opts, tmp))
-        else:
-            results.append(_isolated(v, opts))
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for r in range(opts.rounds):  # the variants in their order, then reversed, and so on
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            why = _unavailable(v)
+            if why is not None:
+                runs[v].append({"variant": v, "error": why})
+            elif opts.in_process:
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[v].append(run_variant(v, opts, tmp))
+            else:
+                runs[v].append(_isolated(v, opts))
+    results = [_pooled(runs[v]) for v in variants]
     speed = {r["variant"]: r.get("steps_per_s") for r in results}
     pairs = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
              ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
@@ -258,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
            "case": {"name": case.name, "batch": case.batch, "max_length": case.max_length, "lengths": case.lengths,
                     "prompt": case.prompt, "padding_free": opts.padding_free,
                     "gradient_checkpointing": opts.checkpointing},
-           "steps": opts.steps, "warmup": opts.warmup, "results": results, "ratios": ratios}
+           "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds, "results": results,
+           "ratios": ratios}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(doc, indent=2) + "\n")
     for r in results:

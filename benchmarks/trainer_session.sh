@@ -16,6 +16,7 @@
 #   cudnn    plain and Liger with and without cuDNN's attention in sdpa (the -nocudnn variants), apply_sebp
 #            (which leaves cuDNN's attention out) and apply_sebp keeping it, Liger with apply_sebp
 #   final    the table's eager rows: plain and Liger with and without cuDNN's attention, apply_sebp, both
+#   rounds   the eager rows without cuDNN's attention, twice, the second round in reverse order
 #   compile1 liger+compile and sebp+compile, 10 timed steps each in its own bench (LIMIT seconds each)
 # Packages: the image lacks trl, datasets, dill, multiprocess and liger-kernel; their wheels (py3.12,
 # manylinux x86_64) come in the folder $WHL (default .whl-trl/, git-ignored). A wheel whose distribution the
@@ -91,6 +92,7 @@ for s in ${STEPS:-smoke}; do
     liger1) bench liger1 --variants liger ;;
     cudnn) bench cudnn --variants plain,plain-nocudnn,sebp,sebp-cudnn,liger,liger-nocudnn,liger+sebp ;;
     final) bench final --variants plain,plain-nocudnn,sebp,liger,liger-nocudnn,liger+sebp ;;
+    rounds) bench rounds --variants plain-nocudnn,sebp,liger-nocudnn,liger+sebp --rounds 2 ;;
     compile1) bench liger_compile --variants liger+compile --steps 10 --warmup 4
               bench sebp_compile --variants sebp+compile --steps 10 --warmup 4 ;;
     *) echo "unknown step $s" ;;

@@ -59,6 +59,24 @@ def test_profile_needs_fewer_steps_than_the_warm_up(bench, tmp_path):
         bench.main(["--out", str(tmp_path / "t.json"), "--tiny", "--warmup", "2", "--profile", "2"])
     with pytest.raises(SystemExit):
         bench.main(["--out", str(tmp_path / "t.json"), "--tiny", "--variants", "plain-nocuda"])
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path / "t.json"), "--tiny", "--rounds", "0"])
+
+
+@pytest.mark.slow
+def test_rounds_pool_each_variants_steps_in_both_orders(bench, tmp_path, monkeypatch):
+    order = []
+    real = bench.run_variant
+    monkeypatch.setattr(bench, "run_variant", lambda v, opts, tmp: order.append(v) or real(v, opts, tmp))
+    out = tmp_path / "trainer.json"
+    assert bench.main(["--out", str(out), "--tiny", "--steps", "2", "--warmup", "1", "--in-process",
+                       "--rounds", "2", "--variants", "plain,sebp"]) == 0
+    assert order == ["plain", "sebp", "sebp", "plain"]
+    doc = json.loads(out.read_text())
+    assert doc["rounds"] == 2
+    for r in doc["results"]:
+        assert len(r["step_ms"]) == 4 and len(r["round_steps_per_s"]) == 2 and len(r["loss"]) == 6
+        assert abs(r["step_ms_median"] - sorted(r["step_ms"])[1:3][0] / 2 - sorted(r["step_ms"])[1:3][1] / 2) < 1e-9
 
 
 @pytest.mark.slow
