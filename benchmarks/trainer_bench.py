@@ -25,13 +25,15 @@ and prompt share, labels -100 on the prompt), the same batches for every variant
 
 Each variant runs in its own process (``torch_compile`` and Liger change process-wide state), ``--warmup``
 optimizer steps, then ``--steps`` timed ones: the median time between the ends of consecutive steps (data
-loading included, as a user's run sees it). ``--rounds N`` runs the list N times, reversing the order each round (a
-machine that drifts favours no variant), and takes each variant's median over all its rounds' steps. A variant that fails or cannot run is recorded with its reason.
+loading included, as a user's run sees it). ``--rounds N`` runs the list N times, reversing the order each
+round (a machine that drifts favours no variant), and takes each variant's median over all its rounds'
+steps. A variant that fails or cannot run is recorded with its reason.
 The JSON holds the device, the versions, the date, the command and, per variant, steps/s and the losses.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -122,6 +124,7 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from sebp_probe.integrations.hf import apply_sebp
+    from sebp_probe.model.sdpa import without_cudnn_attention
 
     case = _case(opts)
     cuda = torch.cuda.is_available()
@@ -130,8 +133,6 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
     lengths = sample_lengths(case.lengths, case.batch * total, case.max_length, seed=0)
     rows = make_items(case, lengths, case.config["vocab_size"], seed=0)
     base, nocudnn = variant.removesuffix("-nocudnn"), variant.endswith("-nocudnn")
-    if nocudnn:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     compiled, liger = base.endswith("+compile"), base.startswith("liger")
     args = SFTConfig(output_dir=out_dir, max_steps=total, per_device_train_batch_size=case.batch,
                      learning_rate=1e-5, bf16=cuda, use_cpu=not cuda, padding_free=opts.padding_free,
@@ -147,9 +148,11 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
                          train_dataset=Dataset.from_list(rows), processing_class=_tokenizer(case.config["vocab_size"]),
                          callbacks=callbacks)
     result = {"variant": variant}
-    if base in _APPLY:
-        result["sebp"] = apply_sebp(trainer, **_APPLY[base]).to_dict()  # the head, and the calibration: layers kept, densities
-    trainer.train()
+    # the variant's calibration and training; the process gets sdpa's flags back (--in-process runs others after)
+    with without_cudnn_attention() if nocudnn else contextlib.nullcontext():
+        if base in _APPLY:  # the head, and the calibration: layers kept, densities
+            result["sebp"] = apply_sebp(trainer, **_APPLY[base]).to_dict()
+        trainer.train()
     ends = timer.ends[max(opts.warmup - 1, 0):]  # from the end of the last warm-up step
     times = [b - a for a, b in zip(ends, ends[1:])]
     median = statistics.median(times)

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401 (a fresh accelerate state per test)
 from tests.helpers import load_benchmark
@@ -86,7 +87,9 @@ def test_a_profiled_variant_without_cudnn_attention(bench, tmp_path):
     out = tmp_path / "trainer.json"
     args = ["--out", str(out), "--tiny", "--steps", "2", "--warmup", "2", "--profile", "1", "--in-process",
             "--variants", "sebp-nocudnn"]
+    before = torch.backends.cuda.cudnn_sdp_enabled()
     assert bench.main(args) == 0
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # the variants run after it get sdpa's own choice
     (r,) = json.loads(out.read_text())["results"]
     assert r["variant"] == "sebp-nocudnn" and r["sebp"]["head"] == "labelled" and r["step_ms_mean"] > 0
     table = (tmp_path / "trainer.json.sebp-nocudnn.prof.txt").read_text()
