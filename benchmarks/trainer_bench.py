@@ -17,11 +17,12 @@ and prompt share, labels -100 on the prompt), the same batches for every variant
   liger            use_liger_kernel=True (Liger's layer kernels; TRL keeps its own fused head), if importable
   liger+compile    the same with torch_compile=True
   liger+sebp       use_liger_kernel=True and apply_sebp
+  liger+sebp+compile  the same with torch_compile=True
   sebp-head        diagnostic: apply_sebp with every layer left dense (the labelled-rows loss alone)
   sebp-layers      diagnostic: apply_sebp(head="full") (the SEBP layers under the trainer's own loss)
   sebp-cudnn       diagnostic: apply_sebp(keep_cudnn_attention=True) (sdpa's own choice of kernel)
-  <any>-nocudnn    the same with torch.backends.cuda.enable_cudnn_sdp(False): sdpa without cuDNN's attention,
-                   which builds a host-side plan for each new batch shape
+  <any>-nocudnn    the same inside sebp_probe.model.sdpa.without_cudnn_attention(): sdpa without cuDNN's
+                   attention, which builds a host-side plan for each new batch shape
 
 Each variant runs in its own process (``torch_compile`` and Liger change process-wide state), ``--warmup``
 optimizer steps, then ``--steps`` timed ones: the median time between the ends of consecutive steps (data
@@ -52,9 +53,10 @@ from sebp_probe.bench.bench_cases import MODEL_CASES, make_items, sample_lengths
 from sebp_probe.bench.bench_model import build_model  # noqa: E402
 from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
-VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile", "liger+sebp", "sebp-head",
-            "sebp-layers", "sebp-cudnn")
-_APPLY = {"sebp": {}, "sebp+compile": {}, "liger+sebp": {}, "sebp-head": {"dense_fallback": 0.0},
+VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile", "liger+sebp",
+            "liger+sebp+compile", "sebp-head", "sebp-layers", "sebp-cudnn")
+_APPLY = {"sebp": {}, "sebp+compile": {}, "liger+sebp": {}, "liger+sebp+compile": {},
+          "sebp-head": {"dense_fallback": 0.0},
           "sebp-layers": {"head": "full"}, "sebp-cudnn": {"keep_cudnn_attention": True}}
 
 
@@ -205,6 +207,19 @@ def _pooled(rounds: list[dict]) -> dict:
             **({"peak_gib": max(r["peak_gib"] for r in rounds)} if "peak_gib" in rounds[0] else {})}
 
 
+def _ratios(results: list[dict]) -> dict[str, float]:
+    """The steps/s ratios of the pairs the docs compare, where both variants ran."""
+    speed = {r["variant"]: r.get("steps_per_s") for r in results}
+    pairs = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
+             ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
+             ("plain-nocudnn", "plain"), ("sebp", "plain-nocudnn"), ("sebp-cudnn", "plain"),
+             ("liger+sebp", "plain"), ("liger+sebp", "liger"), ("liger+sebp", "liger-nocudnn"),
+             ("sebp+compile", "liger+compile"), ("sebp+compile", "liger+compile-nocudnn"),
+             ("liger+sebp+compile", "liger+compile"), ("liger+sebp+compile", "liger+compile-nocudnn"),
+             ("sebp", "liger+compile-nocudnn"), ("liger+sebp", "liger+compile-nocudnn"))
+    return {f"{v}/{b}": speed[v] / speed[b] for v, b in pairs if speed.get(v) and speed.get(b)}
+
+
 def _unavailable(variant: str) -> str | None:
     import importlib.util
 
@@ -238,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                    "each round (each variant's steps/s then comes from the median of all its rounds' steps)")
     p.add_argument("--in-process", action="store_true", help="run the variants in this process, one after the "
                    "other (compile and Liger change process-wide state: for one variant, or eager ones)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="instead of running: merge these outputs of "
+                   "earlier runs (the same case, steps and device; each variant once) into --out")
     opts = p.parse_args(argv)
+    if opts.merge:
+        return merge(opts.merge, opts.out)
     variants = [v for v in opts.variants.split(",") if v]
     unknown = [v for v in variants if v.removesuffix("-nocudnn") not in VARIANTS]
     if unknown or opts.steps < 2:
@@ -259,12 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 runs[v].append(_isolated(v, opts))
     results = [_pooled(runs[v]) for v in variants]
-    speed = {r["variant"]: r.get("steps_per_s") for r in results}
-    pairs = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
-             ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
-             ("plain-nocudnn", "plain"), ("sebp", "plain-nocudnn"), ("sebp-cudnn", "plain"),
-             ("liger+sebp", "plain"), ("liger+sebp", "liger"), ("liger+sebp", "liger-nocudnn"))
-    ratios = {f"{v}/{b}": speed[v] / speed[b] for v, b in pairs if speed.get(v) and speed.get(b)}
+    ratios = _ratios(results)
     import trl
 
     vers = {**versions(), "trl": trl.__version__}
@@ -291,6 +305,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['variant']:>15}: " + (f"{r['steps_per_s']:.3f} steps/s" if "steps_per_s" in r else r["error"]))
     for k, v in ratios.items():
         print(f"{k:>30}: {v:.3f}x")
+    return 0
+
+
+def merge(paths: list[str], out: str) -> int:
+    """One JSON of the variants of several runs (each its own call where one would not fit a time limit): their
+    results side by side, the ratios between them, each run's command and date."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    same = ("case", "steps", "warmup", "rounds", "device")
+    for d, path in zip(docs[1:], paths[1:]):
+        differ = [k for k in same if d.get(k) != docs[0].get(k)]
+        if differ:
+            raise SystemExit(f"error: --merge: {path} differs from {paths[0]} in {', '.join(differ)}")
+    results = [r for d in docs for r in d["results"]]
+    twice = sorted({r["variant"] for r in results if sum(q["variant"] == r["variant"] for q in results) > 1})
+    if twice:
+        raise SystemExit(f"error: --merge: variants {twice} are in more than one of the files")
+    doc = {**docs[0], "command": "; ".join(d["command"] for d in docs),
+           "date": max(d["date"] for d in docs), "merged": [{"command": d["command"], "date": d["date"]} for d in docs],
+           "results": results, "ratios": _ratios(results)}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

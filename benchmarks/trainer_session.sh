@@ -18,6 +18,10 @@
 #   final    the table's eager rows: plain and Liger with and without cuDNN's attention, apply_sebp, both
 #   rounds   the eager rows without cuDNN's attention, twice, the second round in reverse order
 #   compile1 liger+compile and sebp+compile, 10 timed steps each in its own bench (LIMIT seconds each)
+#   csmoke   the tiny case, the torch_compile=True variants, 2 timed steps
+#   compiled the torch_compile=True rows, 10 timed steps after 4, each variant its own bench and JSON
+#            (VARIANTS: a comma-separated subset, to spread them over calls); merge the JSONs with
+#            trainer_bench.py --merge
 # Packages: the image lacks trl, datasets, dill, multiprocess and liger-kernel; their wheels (py3.12,
 # manylinux x86_64) come in the folder $WHL (default .whl-trl/, git-ignored). A wheel whose distribution the
 # image already has in a version that fits (pyarrow >= 24, xxhash, fsspec <= 2026.9.0: datasets 5.2's needs)
@@ -95,6 +99,13 @@ for s in ${STEPS:-smoke}; do
     rounds) bench rounds --variants plain-nocudnn,sebp,liger-nocudnn,liger+sebp --rounds 2 ;;
     compile1) bench liger_compile --variants liger+compile --steps 10 --warmup 4
               bench sebp_compile --variants sebp+compile --steps 10 --warmup 4 ;;
+    csmoke) bench csmoke --tiny --steps 2 --warmup 1 \
+              --variants plain+compile,liger+compile,sebp+compile,liger+sebp+compile ;;
+    compiled)
+      for v in $(echo "${VARIANTS:-plain+compile,liger+compile,liger+compile-nocudnn,sebp+compile,liger+sebp+compile}" \
+                 | tr , ' '); do
+        bench "compiled_${v//+/_}" --variants "$v" --steps 10 --warmup 4
+      done ;;
     *) echo "unknown step $s" ;;
   esac
 done

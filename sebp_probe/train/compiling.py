@@ -8,6 +8,7 @@ runs eagerly, as every later one does (and every other callable compiled for the
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,15 @@ def distinct_sizes(compiled: Callable) -> Callable:
             return compiled(*args, **kwargs)
 
     return call
+
+
+def evaluating_eagerly(compiled: bool):
+    """A context in which the run's compiled callables run eagerly (``torch.compiler.set_stance("force_eager")``)
+    where ``compiled``: the held-out evaluation, which runs without gradients and in eval mode. Compiled, it
+    would add graphs of its own to every compiled frame (Dynamo guards on both), and a decoder layer's frame
+    that FSDP splits off reached Dynamo's recompile limit that way, leaving the training steps after it to run
+    that layer eagerly."""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
 def _probe_fn(x: torch.Tensor) -> torch.Tensor:

@@ -283,6 +283,8 @@ def _run_plan_runs(plan: list[tuple[str, FinetuneConfig]], cfg: FinetuneConfig, 
     try:
         for method, run_cfg in plan:
             run_dir = out / method if cfg.compare else out
+            if run_cfg.compile and summaries:  # compiles afresh, as the first run did, not past its graphs
+                torch._dynamo.reset()
             run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_steps, on_run_event)
             summaries[method] = run.run(resuming)
             records[method] = run.records

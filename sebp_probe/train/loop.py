@@ -25,7 +25,7 @@ from sebp_kernels import SEBPConfig
 
 from ..data.assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
-from .compiling import compile_or_eager, dynamo_counts
+from .compiling import compile_or_eager, dynamo_counts, evaluating_eagerly
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..model.losses import batch_loss, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
@@ -384,7 +384,8 @@ class Run:
         self.emit("step", {"run": self.method, **rec, **({"vs_dense_backward": live} if live else {}),
                            "total": t.total})
         if evaluating:
-            ev = {"type": "eval", "step": p.step, **evaluate(t.model, t.eval_loader, self.acc, self.data.task)}
+            with evaluating_eagerly(bool(cfg.compile)):
+                ev = {"type": "eval", "step": p.step, **evaluate(t.model, t.eval_loader, self.acc, self.data.task)}
             self._log(ev)
             self.emit("eval", {"run": self.method, **ev})
         if stopping or (self.acc.num_processes == 1 and stop.requested):

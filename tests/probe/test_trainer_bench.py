@@ -49,10 +49,38 @@ def test_gpu_session_script_names_the_bench_variants(bench):
     script = Path(bench.__file__).with_name("trainer_session.sh")
     if shutil.which("bash"):
         subprocess.run(["bash", "-n", str(script)], check=True)
-    asked = [v.removesuffix("-nocudnn") for group in re.findall(r"--variants (\S+)", script.read_text())
-             for v in group.split(",")]
+    text = script.read_text()
+    groups = re.findall(r"--variants (\S+)", text) + re.findall(r"\$\{VARIANTS:-([^}]+)\}", text)
+    asked = [v.removesuffix("-nocudnn") for group in groups if not group.startswith('"$') for v in group.split(",")]
+    assert "liger+sebp+compile" in asked
     assert {"plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+sebp"} <= set(asked)
     assert set(asked) <= set(bench.VARIANTS)
+
+
+def test_merge_puts_runs_side_by_side_and_refuses_what_does_not_compare(bench, tmp_path):
+    """Variants timed in separate calls (each within a time limit) merge into one JSON, their ratios computed
+    anew; runs of another case, or one variant twice, are refused in one line."""
+    base = {"tool": "benchmarks/trainer_bench.py", "device": "GPU", "versions": {}, "case": {"name": "c"},
+            "steps": 10, "warmup": 4, "rounds": 1, "ratios": {}}
+    paths = []
+    for i, (variant, speed) in enumerate([("liger+compile", 4.0), ("sebp+compile", 5.0)]):
+        doc = {**base, "command": f"python benchmarks/trainer_bench.py {i}", "date": f"2026-01-0{i + 1}",
+               "results": [{"variant": variant, "steps_per_s": speed}]}
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    out = tmp_path / "merged.json"
+    assert bench.main(["--out", str(out), "--merge", *map(str, paths)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["variant"] for r in doc["results"]] == ["liger+compile", "sebp+compile"]
+    assert doc["ratios"] == {"sebp+compile/liger+compile": 1.25}
+    assert doc["date"] == "2026-01-02" and len(doc["merged"]) == 2 and doc["command"].count("trainer_bench") == 2
+    with pytest.raises(SystemExit, match="more than one"):
+        bench.main(["--out", str(out), "--merge", str(paths[0]), str(paths[0])])
+    other = json.loads(paths[1].read_text())
+    other["case"] = {"name": "d"}
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="differs .* in case"):
+        bench.main(["--out", str(out), "--merge", *map(str, paths)])
 
 
 def test_profile_needs_fewer_steps_than_the_warm_up(bench, tmp_path):
