@@ -4,14 +4,17 @@ Per pair (compiled dense-first, compiled SEBP-first, eager dense-first) and run:
 milliseconds over the steps after the third that no run of the comparison compiled in (the loop's own
 ``untimed`` flags leave out every step of a new batch shape, and under ``longest`` padding nearly every SFT
 batch has one, so its summary times none), rank 0's peak memory, the held-out loss and the projections on
-SEBP. Runs are compared by their place in the process, since the second run of a ``--compare`` under FSDP2
-stepped faster than the first whichever method it was. Also: the resume after a SIGTERM against the run
-uninterrupted, FSDP1, and a resume by another number of processes.
+SEBP; and the median over those steps of dense's time over SEBP's on the same step (the same batch). Runs are
+also compared by their place in the process: while sdpa used cuDNN's attention (``--before``), the second run
+of a ``--compare`` under FSDP2 stepped faster than the first whichever method it was. Also: the resume after a
+SIGTERM against the run uninterrupted, FSDP1, and a resume by another number of processes.
 
-Usage: python benchmarks/fsdp_sft_collect.py OUT_JSON ARCHIVE...  (later archives win for the same run)
+Usage: python benchmarks/fsdp_sft_collect.py OUT_JSON --pairs ARCHIVE... --rest ARCHIVE... [--before ARCHIVE...]
+(within each list, later archives win for the same run)
 """
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import statistics
@@ -22,16 +25,20 @@ from pathlib import Path
 PAIRS = {"pair_dense-first": "compiled, dense first", "pair_sebp-first": "compiled, SEBP first",
          "eager_dense-first": "eager, dense first"}
 SKIP_FIRST = 3
+BEFORE = ("`finetune` still left sdpa its own choice of kernel, on these GPUs cuDNN's attention, which builds a "
+          "host-side plan for each new batch shape and keeps it for the process")
 
 
 def read_archives(paths: list[Path]) -> dict[str, str]:
-    """Every file of the archives by its path inside them ("./" dropped); later archives win."""
+    """Every file of the archives by its path inside them ("./" dropped); later archives win, except the
+    commands.txt of each, which add up."""
     files: dict[str, str] = {}
     for p in paths:
         with tarfile.open(p) as tar:
             for m in tar.getmembers():
                 if m.isfile():
-                    files[m.name.removeprefix("./")] = tar.extractfile(m).read().decode()
+                    name, text = m.name.removeprefix("./"), tar.extractfile(m).read().decode()
+                    files[name] = files.get(name, "") + text if name == "commands.txt" else text
     return files
 
 
@@ -56,7 +63,10 @@ def _pair(files: dict[str, str], name: str) -> dict:
                    "dense_layers": len(calib.get("fallback_dense") or []),
                    "compile": s.get("compile"), "compile_s": s.get("compile_s")}
     gap = max(abs(recs["dense"][t]["loss"] - recs["sebp"][t]["loss"]) for t in steps)
+    per_step = {k: statistics.median(recs["dense"][t][k] / recs["sebp"][t][k] for t in timed)
+                for k in ("step_ms", "backward_ms")}
     return {"label": PAIRS[name], "steps": len(steps), "timed_steps": len(timed), "max_abs_loss_gap": gap,
+            "step_ratio_per_step": per_step["step_ms"], "backward_ratio_per_step": per_step["backward_ms"],
             "loop_verdict": top["comparison"]["verdict"], "runs": runs}
 
 
@@ -73,44 +83,69 @@ def _resume(files: dict[str, str]) -> dict:
             "losses_killed_and_resumed": [res[s]["loss"] for s in sorted(res)]}
 
 
-def collect(files: dict[str, str]) -> dict:
-    pairs = {n: _pair(files, n) for n in PAIRS if f"{n}/summary.json" in files}
-    by_place = {}
-    for kind, names in (("compiled", ("pair_dense-first", "pair_sebp-first")),):
-        if all(n in pairs for n in names):
-            for place in (1, 2):
-                d = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "dense" and r["place"] == place)
-                s = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "sebp" and r["place"] == place)
-                by_place[f"{kind}, run {place} of its process"] = {
-                    "step_ratio": d["step_ms"] / s["step_ms"], "backward_ratio": d["backward_ms"] / s["backward_ms"],
-                    "peak_mem_ratio": s["peak_mem_gib_rank0"] / d["peak_mem_gib_rank0"]}
-    fsdp1 = json.loads(files["fsdp1/summary.json"])
-    nproc = [x for x in files.get("nproc.log", "").splitlines() if x.startswith("error:")]
-    cfg = json.loads(files["resume_ref/run_config.json"])
-    gpus = [x for x in files["env.txt"].splitlines() if x.startswith("GPU ")]
-    commands = [x.split(": ", 1)[1] for x in files["commands.txt"].splitlines() if x.startswith("=== ") and ": " in x]
-    return {"experiment": "fsdp_sft",
-            "command": 'STEPS="prep pair" ORDERS=dense-first PAIR_STEPS=30, then ORDERS=sebp-first, then '
-                       'STEPS="prep eager resume fsdp1 nproc" PAIR_STEPS=30 bash benchmarks/fsdp_sft_session.sh; '
-                       'python benchmarks/fsdp_sft_collect.py results/fsdp_sft_h100/fsdp_sft.json '
-                       'results/fsdp_sft_h100/raw/pairs_compiled.tgz results/fsdp_sft_h100/raw/eager_resume_fsdp1.tgz',
-            "commands": commands,
-            "environment": {"gpu": cfg["device"], "gpus": len(gpus), **cfg["versions"], "date": cfg["created"]},
-            "model": "Llama-3.2-1B shape, random weights, the bundled MiniLM's vocabulary (benchmarks/fsdp_model.py)",
-            "data": "benchmarks/sft_long_data.py: the bundled tweets as long instruction pairs (median ~280 tokens, "
-                    "up to 2048), `longest` padding, 8 sequences a GPU a step, bf16, seed 0",
-            "pairs": pairs, "by_place": by_place, "resume": _resume(files),
-            "fsdp1": {"status": fsdp1["status"], "steps": fsdp1["steps"],
-                      "sebp_layers": len((fsdp1.get("calibration") or {}).get("layers") or {}),
-                      "eval_loss": fsdp1["final_eval"]["eval_loss"]},
-            "resume_other_process_count": nproc[0] if nproc else None}
+def _by_place(pairs: dict) -> dict:
+    """The compiled pairs' dense / SEBP ratios between runs at the same place in their processes."""
+    names = ("pair_dense-first", "pair_sebp-first")
+    if not all(n in pairs for n in names):
+        return {}
+    out = {}
+    for place in (1, 2):
+        d = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "dense" and r["place"] == place)
+        s = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "sebp" and r["place"] == place)
+        out[f"compiled, run {place} of its process"] = {
+            "step_ratio": d["step_ms"] / s["step_ms"], "backward_ratio": d["backward_ms"] / s["backward_ms"],
+            "peak_mem_ratio": s["peak_mem_gib_rank0"] / d["peak_mem_gib_rank0"]}
+    return out
+
+
+def _commands(files: dict[str, str]) -> list[str]:
+    return [x.split(": ", 1)[1] for x in files["commands.txt"].splitlines() if x.startswith("=== ") and ": " in x]
+
+
+def collect(pair_files: dict[str, str], rest_files: dict[str, str], before_files: dict[str, str] | None = None,
+            command: str = "") -> dict:
+    """The pairs of ``pair_files``, the resume, FSDP1 and process-count runs of ``rest_files`` and, where given,
+    the pairs of ``before_files`` (measured while sdpa chose cuDNN's attention)."""
+    pairs = {n: _pair(pair_files, n) for n in PAIRS if f"{n}/summary.json" in pair_files}
+    first = next(iter(pairs))
+    cfg = json.loads(pair_files[f"{first}/run_config.json"])
+    rest_cfg = json.loads(rest_files["resume_ref/run_config.json"])
+    fsdp1 = json.loads(rest_files["fsdp1/summary.json"])
+    nproc = [x for x in rest_files.get("nproc.log", "").splitlines() if x.startswith("error:")]
+    gpus = [x for x in pair_files["env.txt"].splitlines() if x.startswith("GPU ")]
+    out = {"experiment": "fsdp_sft", "command": command,
+           "commands": _commands(pair_files) + _commands(rest_files),
+           "environment": {"gpu": cfg["device"], "gpus": len(gpus), **cfg["versions"], "date": cfg["created"],
+                           "date_resume_fsdp1": rest_cfg["created"]},
+           "attention": "sdpa without cuDNN's attention (finetune leaves it out unless --padding max_length)",
+           "model": "Llama-3.2-1B shape, random weights, the bundled MiniLM's vocabulary (benchmarks/fsdp_model.py)",
+           "data": "benchmarks/sft_long_data.py: the bundled tweets as long instruction pairs (median ~280 tokens, "
+                   "up to 2048), `longest` padding, 8 sequences a GPU a step, bf16, seed 0",
+           "pairs": pairs, "by_place": _by_place(pairs), "resume": _resume(rest_files),
+           "fsdp1": {"status": fsdp1["status"], "steps": fsdp1["steps"],
+                     "sebp_layers": len((fsdp1.get("calibration") or {}).get("layers") or {}),
+                     "eval_loss": fsdp1["final_eval"]["eval_loss"]},
+           "resume_other_process_count": nproc[0] if nproc else None}
+    if before_files:
+        before = {n: _pair(before_files, n) for n in PAIRS if f"{n}/summary.json" in before_files}
+        bcfg = json.loads(before_files[f"{next(iter(before))}/run_config.json"])
+        out["before"] = {"attention": BEFORE, "date": bcfg["created"], "pairs": before, "by_place": _by_place(before)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = argv if argv is not None else sys.argv[1:]
-    out, archives = Path(args[0]), [Path(a) for a in args[1:]]
-    out.write_text(json.dumps(collect(read_archives(archives)), indent=1) + "\n")
-    print(f"wrote {out}")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--pairs", nargs="+", type=Path, required=True, help="archives of the pair steps")
+    p.add_argument("--rest", nargs="+", type=Path, required=True, help="archives of the resume, fsdp1, nproc steps")
+    p.add_argument("--before", nargs="*", type=Path, default=[], help="archives of pairs measured with cuDNN's "
+                   "attention")
+    args = p.parse_args(argv)
+    command = " ".join(["python benchmarks/fsdp_sft_collect.py", *(argv if argv is not None else sys.argv[1:])])
+    doc = collect(read_archives(args.pairs), read_archives(args.rest),
+                  read_archives(args.before) if args.before else None, command)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -455,6 +455,13 @@ def fsdp_h200(page: Page) -> str:
 FSDP_SFT = "fsdp_sft_h100/fsdp_sft.json"
 
 
+def _second_over_first(pairs: dict, method: str) -> float:
+    """``method``'s compiled median step in the first place of its process over its step in the second."""
+    runs = [p["runs"][method] for n, p in pairs.items() if n.startswith("pair_")]
+    ms = {r["place"]: r["step_ms"] for r in runs}
+    return ms[1] / ms[2]
+
+
 @block("fsdp_sft_h100")
 def fsdp_sft_h100(page: Page) -> str:
     """FSDP2 on two GPUs on SFT-length batches: compiled and eager pairs, by place in the process."""
@@ -469,13 +476,21 @@ def fsdp_sft_h100(page: Page) -> str:
                          f3(p["max_abs_loss_gap"])])
     header = ["pair", "method", "run in its process", "projections on SEBP", "steps timed", "median step ms",
               "median backward ms", "peak GiB (rank 0)", "held-out loss", "largest loss gap in the pair"]
+    paired = "; ".join(f"{p['label']}: step {times(p['step_ratio_per_step'])}, backward "
+                       f"{times(p['backward_ratio_per_step'])}" for p in d["pairs"].values())
     places = "; ".join(f"{k}: dense / SEBP step {times(v['step_ratio'])}, backward {times(v['backward_ratio'])}, "
                        f"SEBP's peak memory {v['peak_mem_ratio']:.3f} of dense's" for k, v in d["by_place"].items())
+    b = d["before"]
+    second = ", ".join(f"{m} {times(_second_over_first(b['pairs'], m))}" for m in ("dense", "sebp"))
+    second_now = ", ".join(f"{m} {times(_second_over_first(d['pairs'], m))}" for m in ("dense", "sebp"))
     r = d["resume"]
-    note = (f"{d['model']}; {d['data']}. FSDP2 through `accelerate launch --use_fsdp --fsdp_version 2`, full "
-            f"shard, each decoder layer a unit; 30 steps a run, the medians over the steps after the third that "
-            f"no run of the pair compiled in. Same place in the process: {places}.\n\n"
-            f"Resume (exact SEBP, eager, 16 steps): killed by SIGTERM, resumed from step {r['resumed_from_step']}; "
+    note = (f"{d['model']}; {d['data']}; {d['attention']}. FSDP2 through `accelerate launch --use_fsdp "
+            f"--fsdp_version 2`, full shard, each decoder layer a unit; 30 steps a run, the medians over the steps "
+            f"after the third that no run of the pair compiled in. Dense / SEBP on the same step, the median over "
+            f"those steps: {paired}. Same place in the process: {places}. A compiled run's median step, second "
+            f"place over first: {second_now}; measured {b['date'][:10]}, when {b['attention']}: {second}.\n\n"
+            f"Resume (exact SEBP, eager, 16 steps, {d['environment']['date_resume_fsdp1'][:10]}): killed by "
+            f"SIGTERM, resumed from step {r['resumed_from_step']}; "
             f"against the run uninterrupted the losses differ by at most {r['max_abs_loss_gap_after_resume']:.3f} "
             f"after the resume and by {r['max_abs_loss_gap_before_kill']:.3f} before the kill, where both ran the "
             f"same code from the same start (steps {', '.join(map(str, r['identical_steps'][:4]))} identical). "
