@@ -74,14 +74,19 @@ def _tokenizer(vocab_size: int):
 def _step_timer():
     from transformers import TrainerCallback
 
+    from torch._dynamo.utils import counters
+
     class StepTimer(TrainerCallback):
+        """Each optimizer step's end, and how many graphs Dynamo had compiled in this process by then."""
+
         def __init__(self):
-            self.ends = []
+            self.ends, self.graphs = [], []
 
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
+            self.graphs.append(counters["stats"]["unique_graphs"])
 
     return StepTimer()
 
@@ -155,11 +160,13 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
         if base in _APPLY:  # the head, and the calibration: layers kept, densities
             result["sebp"] = apply_sebp(trainer, **_APPLY[base]).to_dict()
         trainer.train()
-    ends = timer.ends[max(opts.warmup - 1, 0):]  # from the end of the last warm-up step
+    first = max(opts.warmup - 1, 0)  # from the end of the last warm-up step
+    ends, graphs = timer.ends[first:], timer.graphs[first:]
     times = [b - a for a, b in zip(ends, ends[1:])]
     median = statistics.median(times)
     result.update(steps_per_s=1.0 / median, step_ms_median=median * 1e3, step_ms_mean=statistics.mean(times) * 1e3,
                   step_ms=[t * 1e3 for t in times],
+                  step_graphs=[b - a for a, b in zip(graphs, graphs[1:])],  # Dynamo graphs compiled in each
                   loss=[h["loss"] for h in trainer.state.log_history if "loss" in h])
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -20,8 +20,8 @@
 #   compile1 liger+compile and sebp+compile, 10 timed steps each in its own bench (LIMIT seconds each)
 #   csmoke   the tiny case, the torch_compile=True variants, 2 timed steps
 #   compiled the torch_compile=True rows, 10 timed steps after 4, each variant its own bench and JSON
-#            (VARIANTS: a comma-separated subset, to spread them over calls); merge the JSONs with
-#            trainer_bench.py --merge
+#            (VARIANTS: a comma-separated subset, to spread them over calls), Dynamo's recompile reasons in
+#            its log (TORCH_LOGS, default recompiles); merge the JSONs with trainer_bench.py --merge
 # Packages: the image lacks trl, datasets, dill, multiprocess and liger-kernel; their wheels (py3.12,
 # manylinux x86_64) come in the folder $WHL (default .whl-trl/, git-ignored). A wheel whose distribution the
 # image already has in a version that fits (pyarrow >= 24, xxhash, fsspec <= 2026.9.0: datasets 5.2's needs)
@@ -104,7 +104,8 @@ for s in ${STEPS:-smoke}; do
     compiled)
       for v in $(echo "${VARIANTS:-plain+compile,liger+compile,liger+compile-nocudnn,sebp+compile,liger+sebp+compile}" \
                  | tr , ' '); do
-        bench "compiled_${v//+/_}" --variants "$v" --steps 10 --warmup 4
+        TORCH_LOGS=${TORCH_LOGS:-recompiles} bench "compiled_${v//+/_}" --variants "$v" --steps 10 --warmup 4 \
+          --in-process  # one variant a process anyway; Dynamo's recompile reasons go into its log
       done ;;
     *) echo "unknown step $s" ;;
   esac

@@ -33,6 +33,7 @@ def test_tiny_bench_writes_its_json(bench, tmp_path, isolated):
     plain, sebp, liger = doc["results"]
     assert liger["variant"] == "liger+compile" and liger["error"]  # no Liger here, and no compile on a CPU
     assert plain["steps_per_s"] > 0 and sebp["steps_per_s"] > 0 and len(plain["step_ms"]) == 2
+    assert plain["step_graphs"] == sebp["step_graphs"] == [0, 0]  # eager: Dynamo compiled nothing in a step
     assert sebp["sebp"]["head"] == "labelled" and len(sebp["sebp"]["calibration"]["density"]) == 14
     assert doc["ratios"]["sebp/plain"] > 0
     assert len(plain["loss"]) == 3
