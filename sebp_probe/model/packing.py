@@ -51,7 +51,9 @@ VARLEN_KERNEL: Callable | None = _find_kernel()  # replaceable: tests put a per-
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside peft, DDP/FSDP and ``torch.compile`` wrappers."""
-    from transformers import PreTrainedModel
+    # from the submodule: Dynamo in torch 2.11 cannot trace an import from transformers' lazy top-level
+    # module, and this runs inside compiled steps (a graph break there, or the whole frame left eager)
+    from transformers.modeling_utils import PreTrainedModel
 
     m = model
     while not isinstance(m, PreTrainedModel):
@@ -226,7 +228,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def enable_varlen(model: torch.nn.Module) -> None:
     """Switch ``model`` (sdpa attention) to :func:`varlen_attention`; calls without sequence offsets still run
     sdpa, with the usual masks."""
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     base = unwrap(model)

@@ -109,3 +109,21 @@ def test_padded_causal_lm_labelled_head_breaks_at_its_row_count_without_the_coun
     assert ex.graph_break_count >= 1
     reasons = " ".join(r.reason for r in ex.break_reasons)
     assert "aten.nonzero" in reasons, reasons
+
+
+def test_code_of_compiled_steps_imports_no_name_from_transformers_top_level():
+    """torch 2.11's Dynamo cannot trace ``from transformers import X`` (transformers' top-level module is lazy):
+    on a GPU machine with torch 2.11 it broke the compiled step's graph in ``packing.unwrap``. Code that runs in
+    a compiled step (sebp_probe.model, the families' hooks) imports from transformers' submodules instead."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "sebp_probe"
+    found = []
+    for path in [*sorted((root / "model").glob("*.py")), root / "families.py"]:
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{path.name}:{n.lineno}" for n in ast.walk(fn)
+                          if isinstance(n, ast.ImportFrom) and n.module == "transformers"]
+    assert not found, f"function-level `from transformers import` in {found}"
