@@ -87,13 +87,13 @@ def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_exact_sebp_trains_as_compiled_dense(tmp_path, monkeypatch):
+def test_compiled_exact_sebp_trains_as_compiled_dense(tmp_path):
     """Inductor on the CPU, a few steps of a tiny BERT: dense and exact SEBP (linears, norms, activations as
     ``sebp::`` ops) compiled, the same losses up to rounding, no graph break, no fallback line. The second run
     compiles afresh: with one compile allowed per frame, it still compiles (past the first run's graphs, it
     would have met Dynamo's recompile limit and run eagerly)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    out = _run(tmp_path, "run", compile="default", compare=True)
+    with torch._dynamo.config.patch(recompile_limit=1):  # (pytest's monkeypatch would delete the setting)
+        out = _run(tmp_path, "run", compile="default", compare=True)
     assert not out["notes"]
     dense, sebp = out["runs"]["dense"], out["runs"]["sebp"]
     for s in (dense, sebp):
