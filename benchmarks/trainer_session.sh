@@ -17,7 +17,6 @@
 #            (which leaves cuDNN's attention out) and apply_sebp keeping it, Liger with apply_sebp
 #   final    the table's eager rows: plain and Liger with and without cuDNN's attention, apply_sebp, both
 #   rounds   the eager rows without cuDNN's attention, twice, the second round in reverse order
-#   compile1 liger+compile and sebp+compile, 10 timed steps each in its own bench (LIMIT seconds each)
 #   csmoke   the tiny case, the torch_compile=True variants, 2 timed steps
 #   compiled the torch_compile=True rows, 10 timed steps after 4, each variant its own bench and JSON
 #            (VARIANTS: a comma-separated subset, to spread them over calls), Dynamo's recompile reasons in
@@ -97,8 +96,6 @@ for s in ${STEPS:-smoke}; do
     cudnn) bench cudnn --variants plain,plain-nocudnn,sebp,sebp-cudnn,liger,liger-nocudnn,liger+sebp ;;
     final) bench final --variants plain,plain-nocudnn,sebp,liger,liger-nocudnn,liger+sebp ;;
     rounds) bench rounds --variants plain-nocudnn,sebp,liger-nocudnn,liger+sebp --rounds 2 ;;
-    compile1) bench liger_compile --variants liger+compile --steps 10 --warmup 4
-              bench sebp_compile --variants sebp+compile --steps 10 --warmup 4 ;;
     csmoke) bench csmoke --tiny --steps 2 --warmup 1 \
               --variants plain+compile,liger+compile,sebp+compile,liger+sebp+compile ;;
     compiled)
