@@ -108,6 +108,14 @@ def _cudnn(r: dict) -> str:
     return "off" if r["variant"].endswith("-nocudnn") or r.get("sebp", {}).get("cudnn_attention") is False else "on"
 
 
+def _trainer_note(src, batches: str, runs: str = "") -> str:
+    """The sentence under a trainer_bench table: the case, the steps timed and the JSON's ratios."""
+    c = src.data["case"]
+    note = ", ".join(f"{k}: {times(v)}" for k, v in src.data["ratios"].items())
+    return (f"{c['name']} lengths, {c['batch']} sequences a step, {batches}, {src.data['steps']} timed steps after "
+            f"{src.data['warmup']}{runs} (steps/s from the median); {note}.")
+
+
 @block("trainer_compiled_h100")
 def trainer_compiled_h100(page: Page) -> str:
     """SFTTrainer with torch_compile=True per variant: steps/s from the median step, the mean and the slowest
@@ -116,14 +124,10 @@ def trainer_compiled_h100(page: Page) -> str:
     body = [[r["variant"], _cudnn(r), f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]),
              f1(max(r["step_ms"]) / 1e3), str(sum(t > 1e3 for t in r["step_ms"])), f1(r["peak_gib"]), _loss(r)]
             for r in src.rows("results") if "steps_per_s" in r]
-    c = src.data["case"]
-    note = ", ".join(f"{k}: {times(v)}" for k, v in src.data["ratios"].items())
     return (captioned(page, [src], table(
         ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "slowest step s",
          "steps over 1 s", "peak GiB", "loss"], body, "llrrrrrrl"))
-        + f"\n\n{c['name']} lengths, {c['batch']} sequences a step, padded batches, torch_compile=True, "
-          f"{src.data['steps']} timed steps after {src.data['warmup']}, each variant in its own call (steps/s from "
-          f"the median); {note}.")
+        + "\n\n" + _trainer_note(src, "padded batches, torch_compile=True", ", each variant in its own call"))
 
 
 @block("trainer_h100")
@@ -136,12 +140,7 @@ def trainer_h100(page: Page) -> str:
         body = [[r["variant"], _cudnn(r),
                  f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]), f1(r["peak_gib"]),
                  _loss(r)] for r in src.rows("results") if "steps_per_s" in r]
-        c = src.data["case"]
-        note = ", ".join(f"{k}: {times(v)}" for k, v in src.data["ratios"].items())
         parts.append(captioned(page, [src], table(
             ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
-            body, "llrrrrl"))
-                     + f"\n\n{c['name']} lengths, {c['batch']} sequences a step, padded batches, "
-                       f"{src.data['steps']} timed steps after {src.data['warmup']} (steps/s from the median); "
-                       f"{note}.")
+            body, "llrrrrl")) + "\n\n" + _trainer_note(src, "padded batches"))
     return "\n\n".join(parts)
