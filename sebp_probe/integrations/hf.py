@@ -26,10 +26,15 @@ What :func:`apply_sebp` does, as a ``finetune`` run does before its first step:
   that host work cost plain SFTTrainer more than its GPU time (docs/trainer.md).
 - Liger-Kernel: with ``use_liger_kernel=True`` Liger patches its norm, activation and rotary kernels into the
   model when training starts; they compose with the SEBP layers and the labelled-rows loss.
+- ``torch_compile=True``: the trainer compiles its model's forward, which the labelled-rows loss goes around
+  (it calls the backbone itself), so that loss compiles as a whole instead (backbone, SEBP layers as
+  ``sebp::`` custom ops, the last layer on the labelled rows, head), with the trainer's backend and mode; the
+  labelled-row counts are read on the host before the call (one sync a step; SFTTrainer's token count makes one
+  too), so the graph has no break. A classifier keeps the compiled forward and the trainer's own loss.
 
 Where the labelled-rows loss would not equal the trainer's (TRL's ``loss_type="dft"``, a MoE auxiliary loss,
-peft prompt learning, several processes, ``torch_compile=True``, a head the path does not know), the trainer's
-own loss runs with the SEBP layers, and one warning line says why. A trainer whose loss is not the library's
+peft prompt learning, several processes, a head the path does not know), the trainer's own loss runs with the
+SEBP layers, and one warning line says why. A trainer whose loss is not the library's
 (a subclass with its own ``compute_loss``, a ``compute_loss_func``), one that builds its model when training
 starts (``model_init``), or a model without a known layer to patch, gets one warning line and runs unchanged.
 """
@@ -48,7 +53,7 @@ from sebp_kernels import SEBPConfig
 
 from ..train import calibration as calib
 from ..config import FinetuneConfig
-from ..model.heads import HeadError, head_loss, unwrap
+from ..model.heads import HeadError, head_loss, host_targets, unwrap
 from ..model.last_layer import KeptRows, last_layer_on_rows
 from ..model.sdpa import without_cudnn_attention
 from ..model.losses import HEADS, _task_of, set_head, use_head
@@ -135,9 +140,9 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         task, blocker = None, str(e)
     else:
         blocker = _loss_blocker(trainer, model)
-    args = trainer.args
-    used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes,
-                            compiled=bool(args.torch_compile))
+    if blocker is None and task == "classification" and trainer.args.torch_compile:
+        blocker = "under torch_compile=True the [CLS]-rows last layer would change the compiled model's layer"
+    used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes)
     reason = blocker if head == "labelled" and blocker is not None else reason
     if reason is not None:
         log.warning(f"sebp_probe: the labelled-rows head is off ({reason}); the trainer's own loss runs")
@@ -263,9 +268,11 @@ def _sdpa_on_gpu(model) -> bool:
 
 def _take_loss(trainer, task: str) -> None:
     """Make ``trainer``'s training loss the labelled-rows one (an instance attribute over the class's
-    ``compute_loss``, which still computes evaluation and anything asking for the outputs)."""
+    ``compute_loss``, which still computes evaluation and anything asking for the outputs). Under
+    ``torch_compile=True`` the labelled-rows loss compiles as a whole (:func:`_compiled_labelled_loss`)."""
     own = trainer.compute_loss
     sft = _is_sft(_loss_owner(trainer))
+    labelled = _compiled_labelled_loss(trainer, task) if trainer.args.torch_compile else _labelled_loss
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not model.training or inputs.get("labels") is None:
@@ -274,15 +281,51 @@ def _take_loss(trainer, task: str) -> None:
             with _cls_rows(model, inputs):
                 return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         smoother = getattr(trainer, "label_smoother", None)
+        smoothing = smoother.epsilon if smoother is not None else 0.0
         with trainer.accelerator.autocast():  # the trainer's forward runs under it (accelerate wraps it)
-            loss = head_loss(model, inputs, task, num_items_in_batch=num_items_in_batch,
-                             label_smoothing=smoother.epsilon if smoother is not None else 0.0,
-                             last_layer_rows_only=True).loss
+            loss = labelled(_uncompiled(model), inputs, task, num_items_in_batch, smoothing,
+                            host_targets(inputs, task))
         if sft:
             _count_tokens(trainer, inputs)
         return loss
 
     trainer.compute_loss = compute_loss
+
+
+def _labelled_loss(model, inputs: dict, task: str, num_items_in_batch, smoothing: float,
+                   targets: tuple[int, int]) -> torch.Tensor:
+    return head_loss(model, inputs, task, num_items_in_batch=num_items_in_batch, label_smoothing=smoothing,
+                     last_layer_rows_only=True, targets=targets).loss
+
+
+def _uncompiled(model):
+    """The module inside a ``torch.compile`` wrapper (accelerate compiles the model's forward for
+    ``torch_compile=True``, which the labelled-rows path goes around: it calls the backbone itself)."""
+    return getattr(model, "_orig_mod", model)
+
+
+def _compiled_labelled_loss(trainer, task: str):
+    """The labelled-rows loss compiled as a whole (backbone, last layer on the labelled rows, head and loss)
+    with the trainer's own compile settings (its accelerator's dynamo plugin: backend, mode, options), the
+    labelled-row counts given as Python ints (:func:`~sebp_probe.model.heads.host_targets`: no graph break),
+    sizes that are equal by chance kept apart (no recompile when a batch is as long as the hidden size). A
+    call that fails to compile says so in one line, and the training goes on with the eager loss."""
+    from ..train.compiling import Fallback, distinct_sizes
+
+    kwargs = _compile_kwargs(trainer)
+    compiled = distinct_sizes(torch.compile(_labelled_loss, **kwargs))
+    return Fallback(kwargs.get("mode") or "default", flag="torch_compile=True").guard(
+        compiled, _labelled_loss, "the labelled-rows loss")
+
+
+def _compile_kwargs(trainer) -> dict:
+    """``torch.compile``'s arguments as the trainer compiles its model: its accelerator's dynamo plugin's, else
+    ``torch_compile_backend`` and ``torch_compile_mode``."""
+    plugin = getattr(trainer.accelerator.state, "dynamo_plugin", None)
+    kwargs = plugin.to_kwargs() if plugin is not None else {}
+    if kwargs.get("backend") is None:
+        kwargs.update(backend=trainer.args.torch_compile_backend or "inductor", mode=trainer.args.torch_compile_mode)
+    return kwargs
 
 
 def _steps_without_cudnn_attention(trainer) -> None:

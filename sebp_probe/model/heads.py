@@ -132,6 +132,17 @@ def target_labels(batch: Mapping, task: str) -> torch.Tensor:
     return labels
 
 
+def host_targets(batch: Mapping, task: str) -> tuple[int, int]:
+    """(labelled rows, the most of them in one row of the labels) of ``batch`` as Python ints, read from the
+    device once: the ``targets`` of :func:`head_loss` for a caller whose batches do not carry them (a Trainer's
+    collator), so that a compiled head_loss traces without a graph break."""
+    per_row = (target_labels(batch, task) != IGNORE_INDEX).sum(-1).reshape(-1)
+    if per_row.numel() == 0:
+        return 0, 0
+    n, most = torch.stack([per_row.sum(), per_row.max()]).tolist()
+    return int(n), int(most)
+
+
 def head_loss(
     model: nn.Module,
     batch: Mapping,

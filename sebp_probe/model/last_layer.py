@@ -161,17 +161,25 @@ def kept_rows_family(backbone: nn.Module | None, cls_rows: bool = False) -> Fami
     return family
 
 
+def install_kept_rows(backbone: nn.Module) -> nn.Module:
+    """Give ``backbone``'s last layer the forward :func:`last_layer_on_rows` switches (its own outside the
+    block), once, and return the layer. Installed once and left in place, not swapped per block: under
+    torch.compile a forward set and deleted inside the traced code cannot be replayed, and a compiled model
+    would see its layer change. A compiled caller installs it before its first call: installed inside it, the
+    second call would find the layer changed and compile again."""
+    layer = last_layer(backbone)
+    if "_sebp_kept" not in vars(layer):
+        layer.forward = functools.partial(_kept_rows_forward, layer, layer.forward)
+        layer._sebp_kept = None
+    return layer
+
+
 @contextlib.contextmanager
 def last_layer_on_rows(backbone: nn.Module, kept: KeptRows) -> Iterator[None]:
     """Within the block, ``backbone``'s last layer computes the ``kept`` rows only (see the module doc)."""
     family = kept_rows_family(backbone)
-    layer = last_layer(backbone)
+    layer = install_kept_rows(backbone)
     additive = backbone.config._attn_implementation == "eager"
-    if "_sebp_kept" not in vars(layer):
-        # Installed once and left in place (a no-op between blocks), not swapped per block: under torch.compile
-        # a forward set and deleted inside the traced code cannot be replayed, and a compiled model would see
-        # its layer change.
-        layer.forward = functools.partial(_kept_rows_forward, layer, layer.forward)
     layer._sebp_kept = (family, kept, additive)
     # Not checkpointed while it computes the kept rows (a few rows; the keys and values of all): a recomputation
     # in the backward, after the block, would run the layer's own forward.

@@ -21,7 +21,7 @@ import torch
 
 from ..data.batching import HOST_COUNTS
 from .heads import HeadError, head_loss, resolve_head
-from .last_layer import kept_rows_family
+from .last_layer import install_kept_rows, kept_rows_family
 from ..notes import note
 from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
@@ -84,6 +84,7 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
             resolve_head(model, task)
     except (HeadError, ValueError) as e:
         return str(e)
+    install_kept_rows(base.base_model)  # now, not in a compiled step's first call (the next would recompile)
     setattr(base, _ATTR, task)
     return None
 
@@ -104,14 +105,13 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
              compiled: bool = False, padding: str | None = None) -> tuple[str, str | None]:
     """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path runs
     in one process (it calls the backbone itself, past DDP's forward) and without CUDA graphs (it reads the
-    labelled-row count on the host). ``compiled``: the run compiles. With ``padding`` (the run's layout:
-    finetune compiles the whole step's loss, tests/probe/test_compile_graphs.py) the head compiles with it,
-    except where :func:`compiled_head_problem` says; without it only the model's forward compiles (a
-    Trainer's ``torch_compile``), which the head path goes around."""
+    labelled-row count on the host). ``compiled``: the run compiles the whole step's loss on ``padding`` batches
+    (the run's layout; tests/probe/test_compile_graphs.py), the head with it, except where
+    :func:`compiled_head_problem` says."""
+    if compiled and padding is None:
+        raise ValueError("set_head(compiled=True) needs the run's padding")
     why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
            "CUDA graphs cannot hold its host-side row count" if graphs else
-           "torch.compile compiles the model's forward, which the head path goes around (it calls the backbone "
-           "itself)" if compiled and padding is None else
            compiled_head_problem(task, padding) if compiled else None)
     if head == "labelled" and why is None:
         why = use_head(model, task, head)

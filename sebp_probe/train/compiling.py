@@ -81,8 +81,9 @@ class Fallback:
     """What the compiled callables of one run share: the first call that fails to compile logs one line, and
     from then on every one of them runs eagerly (``why``: that line's reason; None while they compile)."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, flag: str | None = None):
         self.mode, self.why = mode, None
+        self.flag = flag or f"--compile {mode}"  # what the line names as the setting that compiled
         self._undo: list[Callable[[], None]] = []
 
     def guard(self, compiled: Callable, eager: Callable, what: str) -> Callable:
@@ -101,7 +102,7 @@ class Fallback:
 
     def _fail(self, what: str, e: BaseException) -> None:
         self.why = _first_line(e)
-        note(f"--compile {self.mode}: {what} did not compile ({self.why}); training eagerly")
+        note(f"{self.flag}: {what} did not compile ({self.why}); training eagerly")
         for undo in self._undo:
             undo()
 

@@ -142,6 +142,87 @@ def test_trainer_llama_on_the_flattening_collator(tmp_path):
     assert ours[2].head == "labelled" and plain[3] and not ours[3]  # the model's lm_head module never ran
 
 
+def _compiled(monkeypatch, **kw) -> dict:
+    """TrainingArguments(torch_compile=True) on the CPU (aot_eager: no C++ build); it sets accelerate's dynamo
+    variables for the whole process: set to their defaults here, monkeypatch puts back what was there."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
+    return dict(torch_compile=True, torch_compile_backend="aot_eager", **kw)
+
+
+def _dynamo_counts(run):
+    """``run()``'s result and (graphs, graph breaks) Dynamo counted during it."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    try:
+        got = run()
+        c = dynamo.utils.counters
+        return got, (c["stats"]["unique_graphs"], sum(c["graph_break"].values()))
+    finally:
+        dynamo.reset()
+
+
+def test_trainer_torch_compile_compiles_the_labelled_rows_loss_whole(tmp_path, monkeypatch):
+    """torch_compile=True: the labelled-rows loss (backbone, last layer on the labelled rows, head) compiles as one
+    graph with the trainer's backend, no graph break (the labelled-row counts come as Python ints), and gives
+    the losses and gradients of the plain Trainer compiled as torch_compile=True compiles it."""
+    from transformers import Trainer
+
+    def make(callbacks):
+        return Trainer(model=tiny_model("llama"), args=_args(tmp_path, **_compiled(monkeypatch)),
+                       train_dataset=_Rows("llama"), callbacks=callbacks)
+
+    plain, _ = _dynamo_counts(lambda: _train(make, None))
+    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}, watch="lm_head"))
+    _assert_same(plain, ours)
+    handle = ours[2]
+    assert handle.head == "labelled" and handle.reason is None and handle.layers
+    assert not ours[3]  # the model's own lm_head never ran: the loss went through the compiled head path
+    # the first graph with the labelled-row counts as constants, the second with them symbolic (Dynamo's
+    # automatic dynamic: the second step's counts differ), none after that; no graph break
+    assert 1 <= graphs <= 2 and breaks == 0
+
+
+def test_a_compiled_loss_that_fails_says_so_and_trains_eagerly(tmp_path, monkeypatch, caplog):
+    """A labelled-rows loss that does not compile (here: a backend that raises): one line naming
+    torch_compile=True, and the steps run the eager labelled-rows loss, with the plain trainer's losses."""
+    from transformers import Trainer
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no backend here")
+
+    def make(callbacks, **kw):
+        return Trainer(model=tiny_model("llama"), args=_args(tmp_path, **kw), train_dataset=_Rows("llama"),
+                       callbacks=callbacks)
+
+    plain = _train(make, None)
+    args = _compiled(monkeypatch)
+    monkeypatch.setattr("sebp_probe.integrations.hf._compile_kwargs", lambda trainer: {"backend": broken})
+    ours, _ = _dynamo_counts(lambda: _train(lambda cb: make(cb, **args), {"calibrate": False}))
+    _assert_same(plain, ours)
+    lines = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("torch_compile=True: the labelled-rows loss did not compile")
+
+
+def test_trainer_torch_compile_keeps_a_classifiers_own_forward(tmp_path, monkeypatch, caplog):
+    """A classifier under torch_compile=True: the [CLS]-rows last layer would change the compiled model's layer,
+    so the trainer's own loss runs (one warning line) with the SEBP layers, and the plain losses."""
+    from transformers import Trainer
+
+    def make(callbacks):
+        return Trainer(model=tiny_model("bert"), args=_args(tmp_path, **_compiled(monkeypatch)),
+                       train_dataset=_Rows("bert"), callbacks=callbacks)
+
+    plain, _ = _dynamo_counts(lambda: _train(make, None))
+    ours, _ = _dynamo_counts(lambda: _train(make, {"calibrate": False}))
+    _assert_same(plain, ours)
+    assert ours[2].head == "full" and "torch_compile=True" in ours[2].reason and ours[2].layers
+    warned = [r.getMessage() for r in caplog.records if r.name == "sebp_probe.integrations.hf"]
+    assert len(warned) == 1 and "[CLS]-rows" in warned[0]
+
+
 # ---------------------------------------------------------------------------------------------- SFTTrainer
 
 
@@ -185,6 +266,17 @@ def test_sft_tiny_llama_completion_only(tmp_path, padding_free, accum, smoothing
         assert all(d < 0.9 for n, d in density.items() if ".layers.0." in n)
     logged = [[h["num_tokens"] for h in t.state.log_history if "loss" in h] for t in (plain[4], trainer)]
     assert logged[0] == logged[1]
+
+
+def test_sft_padding_free_torch_compile(tmp_path, monkeypatch):
+    """SFTTrainer with torch_compile=True on padding-free batches (one flattened row, position_ids): the compiled
+    labelled-rows loss, no graph break, the plain compiled trainer's losses and gradients."""
+    make = _sft(tmp_path, lambda: tiny_model("llama"), _completions(), word_tokenizer(), padding_free=True,
+                **_compiled(monkeypatch))
+    plain, _ = _dynamo_counts(lambda: _train(make, None))
+    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}))
+    _assert_same(plain, ours)
+    assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0  # as in the Trainer test above
 
 
 def test_sft_bf16_autocast(tmp_path):

@@ -90,6 +90,18 @@ def test_compiled_step_is_one_graph_and_equals_eager(case, sebp, monkeypatch):
         torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_a_compiled_first_step_is_not_compiled_again_at_the_second():
+    """The labelled-rows head's last-layer forward is installed when the head is chosen, not inside the first
+    compiled call (there the second call would find the layer changed and compile again)."""
+    model, items = tiny_model("llama"), _items("llama")
+    use_head(model, "causal-lm", "labelled")
+    step = torch.compile(batch_loss, backend="eager")
+    batch = _packed("llama", items)
+    for _ in range(2):
+        step(model, batch).backward()
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.slow
 def test_packed_labelled_head_traces_in_one_graph():
     """The fast check of the above (no backward, no compile): Dynamo's own account of the forward."""

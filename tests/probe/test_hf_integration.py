@@ -176,17 +176,3 @@ def test_training_steps_run_without_cudnn_attention_and_undo_takes_it_back(tmp_p
     assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
     handle.undo()
     assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)
-
-
-def test_torch_compile_keeps_the_models_own_loss(tmp_path, caplog, monkeypatch):
-    """torch.compile compiles the model's forward, which the labelled-rows head goes around: the model's own loss
-    runs."""
-    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")  # TrainingArguments(torch_compile=True) sets these for
-    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")  # the process; monkeypatch puts back what was there
-    from transformers import Trainer
-
-    trainer = Trainer(model=tiny_model("llama"), args=_args(tmp_path, torch_compile=True,
-                                                            torch_compile_backend="aot_eager"),
-                      train_dataset=_rows())
-    handle = apply_sebp(trainer, calibrate=False)
-    assert handle.head == "full" and "torch.compile" in _one_warning(caplog) and handle.layers
