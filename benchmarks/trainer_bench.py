@@ -55,6 +55,15 @@ from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
 VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile", "liger+sebp",
             "liger+sebp+compile", "sebp-head", "sebp-layers", "sebp-cudnn")
+# the pairs the docs compare: (variant, baseline)
+PAIRS = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
+         ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
+         ("plain-nocudnn", "plain"), ("sebp", "plain-nocudnn"), ("sebp-cudnn", "plain"),
+         ("liger+sebp", "plain"), ("liger+sebp", "liger"), ("liger+sebp", "liger-nocudnn"),
+         ("sebp+compile", "liger+compile"), ("sebp+compile", "liger+compile-nocudnn"),
+         ("liger+sebp+compile", "liger+compile"), ("liger+sebp+compile", "liger+compile-nocudnn"),
+         ("sebp", "liger+compile-nocudnn"), ("liger+sebp", "liger+compile-nocudnn"),
+         ("sebp+compile", "liger-nocudnn"), ("sebp+compile", "sebp"), ("liger+compile-nocudnn", "liger-nocudnn"))
 _APPLY = {"sebp": {}, "sebp+compile": {}, "liger+sebp": {}, "liger+sebp+compile": {},
           "sebp-head": {"dense_fallback": 0.0},
           "sebp-layers": {"head": "full"}, "sebp-cudnn": {"keep_cudnn_attention": True}}
@@ -210,6 +219,7 @@ def _pooled(rounds: list[dict]) -> dict:
     median = statistics.median(times)
     return {**rounds[0], "steps_per_s": 1e3 / median, "step_ms_median": median,
             "step_ms_mean": statistics.mean(times), "step_ms": times, "loss": [x for r in rounds for x in r["loss"]],
+            **({"step_graphs": [g for r in rounds for g in r["step_graphs"]]} if "step_graphs" in rounds[0] else {}),
             "round_steps_per_s": [r["steps_per_s"] for r in rounds],
             **({"peak_gib": max(r["peak_gib"] for r in rounds)} if "peak_gib" in rounds[0] else {})}
 
@@ -217,14 +227,26 @@ def _pooled(rounds: list[dict]) -> dict:
 def _ratios(results: list[dict]) -> dict[str, float]:
     """The steps/s ratios of the pairs the docs compare, where both variants ran."""
     speed = {r["variant"]: r.get("steps_per_s") for r in results}
-    pairs = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
-             ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
-             ("plain-nocudnn", "plain"), ("sebp", "plain-nocudnn"), ("sebp-cudnn", "plain"),
-             ("liger+sebp", "plain"), ("liger+sebp", "liger"), ("liger+sebp", "liger-nocudnn"),
-             ("sebp+compile", "liger+compile"), ("sebp+compile", "liger+compile-nocudnn"),
-             ("liger+sebp+compile", "liger+compile"), ("liger+sebp+compile", "liger+compile-nocudnn"),
-             ("sebp", "liger+compile-nocudnn"), ("liger+sebp", "liger+compile-nocudnn"))
-    return {f"{v}/{b}": speed[v] / speed[b] for v, b in pairs if speed.get(v) and speed.get(b)}
+    return {f"{v}/{b}": speed[v] / speed[b] for v, b in PAIRS if speed.get(v) and speed.get(b)}
+
+
+def _paired(results: list[dict]) -> dict[str, dict]:
+    """The same pairs compared step by step (every variant trains on the same batches in the same order): the
+    median over the timed steps of the baseline's step time over the variant's, leaving out the steps in which
+    either compiled a graph (a compile or recompile: its seconds are the compile's, not the step's), and how
+    many steps that left out."""
+    by = {r["variant"]: r for r in results if "step_ms" in r}
+    out = {}
+    for v, b in PAIRS:
+        if v not in by or b not in by or len(by[v]["step_ms"]) != len(by[b]["step_ms"]):
+            continue
+        n = len(by[v]["step_ms"])
+        graphs = [by[x].get("step_graphs", [0] * n) for x in (v, b)]
+        kept = [i for i in range(n) if graphs[0][i] == 0 and graphs[1][i] == 0]
+        if kept:
+            out[f"{v}/{b}"] = {"ratio": statistics.median([by[b]["step_ms"][i] / by[v]["step_ms"][i] for i in kept]),
+                               "steps": len(kept), "left_out": n - len(kept)}
+    return out
 
 
 def _unavailable(variant: str) -> str | None:
@@ -305,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     "prompt": case.prompt, "padding_free": opts.padding_free,
                     "gradient_checkpointing": opts.checkpointing},
            "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds, "results": results,
-           "ratios": ratios}
+           "ratios": ratios, "paired": _paired(results)}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(doc, indent=2) + "\n")
     for r in results:
@@ -330,7 +352,7 @@ def merge(paths: list[str], out: str) -> int:
         raise SystemExit(f"error: --merge: variants {twice} are in more than one of the files")
     doc = {**docs[0], "command": "; ".join(d["command"] for d in docs),
            "date": max(d["date"] for d in docs), "merged": [{"command": d["command"], "date": d["date"]} for d in docs],
-           "results": results, "ratios": _ratios(results)}
+           "results": results, "ratios": _ratios(results), "paired": _paired(results)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

@@ -73,7 +73,7 @@ def test_merge_puts_runs_side_by_side_and_refuses_what_does_not_compare(bench, t
     assert bench.main(["--out", str(out), "--merge", *map(str, paths)]) == 0
     doc = json.loads(out.read_text())
     assert [r["variant"] for r in doc["results"]] == ["liger+compile", "sebp+compile"]
-    assert doc["ratios"] == {"sebp+compile/liger+compile": 1.25}
+    assert doc["ratios"] == {"sebp+compile/liger+compile": 1.25} and doc["paired"] == {}  # no step times
     assert doc["date"] == "2026-01-02" and len(doc["merged"]) == 2 and doc["command"].count("trainer_bench") == 2
     with pytest.raises(SystemExit, match="more than one"):
         bench.main(["--out", str(out), "--merge", str(paths[0]), str(paths[0])])
@@ -82,6 +82,18 @@ def test_merge_puts_runs_side_by_side_and_refuses_what_does_not_compare(bench, t
     paths[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="differs .* in case"):
         bench.main(["--out", str(out), "--merge", *map(str, paths)])
+
+
+def test_paired_ratios_compare_step_by_step_and_leave_out_compiling_steps(bench):
+    """Each pair's median of per-step ratios over the steps in which neither variant compiled a graph; a pair
+    whose step counts differ is not compared step by step."""
+    results = [{"variant": "liger+compile-nocudnn", "step_ms": [100.0, 200.0, 300.0, 400.0, 50.0],
+                "step_graphs": [0, 0, 1, 0, 0]},
+               {"variant": "sebp+compile", "step_ms": [80.0, 250.0, 100.0, 50000.0, 40.0],
+                "step_graphs": [0, 0, 0, 1, 0]},
+               {"variant": "plain+compile", "step_ms": [1.0, 2.0]}]
+    got = bench._paired(results)
+    assert got == {"sebp+compile/liger+compile-nocudnn": {"ratio": 1.25, "steps": 3, "left_out": 2}}
 
 
 def test_profile_needs_fewer_steps_than_the_warm_up(bench, tmp_path):

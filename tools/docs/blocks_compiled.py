@@ -1,6 +1,6 @@
 """Blocks of docs/benchmarks.md, docs/trainer.md and README.md: the compiled whole-model bench
 (results/layouts_compiled_h100/) against its eager entries and peers, the issue's compiled targets read from
-it, and TRL's SFTTrainer with and without the integration (results/trainer_h100/)."""
+it, and TRL's SFTTrainer with and without the integration (results/trainer_h100/, results/trainer_h200/)."""
 from __future__ import annotations
 
 from docgen import Page, block, captioned, f1, f2, table, times
@@ -10,7 +10,7 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
             "layouts_compiled_h100/model_llama-3.2-1b-sft_padded_layers.json",
             "layouts_compiled_h100/model_bert-base_longest_layers.json")
 TRAINER = ("trainer_h100/trainer_final.json",)
-TRAINER_COMPILED = "trainer_h100/trainer_compiled.json"
+TRAINER_COMPILED = ("trainer_h200/trainer_compiled.json", "trainer_h200/trainer_compiled_pair.json")
 
 
 def _model(page: Page, rel: str):
@@ -109,25 +109,34 @@ def _cudnn(r: dict) -> str:
 
 
 def _trainer_note(src, batches: str, runs: str = "") -> str:
-    """The sentence under a trainer_bench table: the case, the steps timed and the JSON's ratios."""
+    """The sentence under a trainer_bench table: the case, the steps timed, the JSON's ratios and, where it has
+    them, the same pairs compared step by step."""
     c = src.data["case"]
     note = ", ".join(f"{k}: {times(v)}" for k, v in src.data["ratios"].items())
+    paired = src.data.get("paired") or {}
+    steps = ("; step by step (the median of the per-step ratios, leaving out the steps in which either compiled): "
+             + ", ".join(f"{k}: {times(v['ratio'])} ({v['steps']} steps, {v['left_out']} left out)"
+                         for k, v in paired.items())) if paired else ""
     return (f"{c['name']} lengths, {c['batch']} sequences a step, {batches}, {src.data['steps']} timed steps after "
-            f"{src.data['warmup']}{runs} (steps/s from the median); {note}.")
+            f"{src.data['warmup']}{runs} (steps/s from the median); {note}{steps}.")
 
 
-@block("trainer_compiled_h100")
-def trainer_compiled_h100(page: Page) -> str:
-    """SFTTrainer with torch_compile=True per variant: steps/s from the median step, the mean and the slowest
-    step (compiles and recompiles fall inside the timed steps), the peak memory and the loss."""
-    src = page.load(TRAINER_COMPILED)
-    body = [[r["variant"], _cudnn(r), f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]),
-             f1(max(r["step_ms"]) / 1e3), str(sum(t > 1e3 for t in r["step_ms"])), f1(r["peak_gib"]), _loss(r)]
-            for r in src.rows("results") if "steps_per_s" in r]
-    return (captioned(page, [src], table(
-        ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "slowest step s",
-         "steps over 1 s", "peak GiB", "loss"], body, "llrrrrrrl"))
-        + "\n\n" + _trainer_note(src, "padded batches, torch_compile=True", ", each variant in its own call"))
+@block("trainer_compiled")
+def trainer_compiled(page: Page) -> str:
+    """SFTTrainer with torch_compile=True (and eager rows of the same machine) per variant: steps/s from the
+    median step, the mean and the slowest step (recompiles fall inside the timed steps), the timed steps that
+    compiled a graph, the peak memory and the loss."""
+    parts = []
+    for rel in TRAINER_COMPILED:
+        src = page.load(rel)
+        body = [[r["variant"], _cudnn(r), f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]),
+                 f1(max(r["step_ms"]) / 1e3), str(sum(g > 0 for g in r.get("step_graphs", []))),
+                 f1(r["peak_gib"]), _loss(r)] for r in src.rows("results") if "steps_per_s" in r]
+        parts.append(captioned(page, [src], table(
+            ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "slowest step s",
+             "steps that compiled", "peak GiB", "loss"], body, "llrrrrrrl"))
+            + "\n\n" + _trainer_note(src, "padded batches", ", each variant in its own call"))
+    return "\n\n".join(parts)
 
 
 @block("trainer_h100")
