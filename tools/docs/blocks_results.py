@@ -2,7 +2,7 @@
 head against its peers, fine-tuning on the CPU, gradient reuse."""
 from __future__ import annotations
 
-from docgen import Page, Source, block, captioned, f1, f2, f3, table, times
+from docgen import Page, Source, block, captioned, f1, f2, f3, span, table, times
 
 # The main tables: each model with the SEBP that pays on it (BERT-base: the linears alone, finetune's default;
 # the decoders: with the norms and activations as well, --sebp-norms --sebp-acts).
@@ -552,3 +552,29 @@ def example_analyze(page: Page) -> str:
 @block("example_finetune")
 def example_finetune(page: Page) -> str:
     return _example(page, "finetune", (("--padding auto", None),))
+
+
+# the same commands re-run after the SEBP kernels took row counts unspecialised (the llama run cut by its limit)
+RECHECK = (("recheck_h100/model_bert-base_linears.json", "layouts_h100/model_bert-base.json"),
+           ("recheck_h100/model_llama-3.2-1b-sft_cut.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json"))
+
+
+@block("layouts_recheck")
+def layouts_recheck(page: Page) -> str:
+    """Per model and timing (eager, CUDA graphs): the re-run's step time over the committed one's, entry by entry
+    (same layout, method and head), for the layouts the re-run measured."""
+    body, sources = [], []
+    for new_rel, old_rel in RECHECK:
+        new, old = page.load(new_rel), page.load(old_rel)
+        sources.append(new)
+        (m,), (o,) = new.rows("models"), old.rows("models")
+        key = lambda r: (r["layout"], r["method"], r["head"], r["timing"])  # noqa: E731
+        before = {key(r): r["ms"] for r in o["rows"]}
+        layouts = sorted({r["layout"] for r in m["rows"]}, key=m["layouts_run"].index)
+        for timing in ("eager", "graphs"):
+            ratios = [r["ms"] / before[key(r)] for r in m["rows"] if r["timing"] == timing and key(r) in before]
+            if ratios:
+                body.append([_case(m), ", ".join(layouts) + ("" if m["complete"] else " (cut by its time limit)"),
+                             timing, str(len(ratios)), span(ratios)])
+    return captioned(page, sources, table(["model", "layouts re-run", "timing", "entries", "re-run / committed"],
+                                          body, "lllrr"))
