@@ -142,12 +142,14 @@ def test_trainer_llama_on_the_flattening_collator(tmp_path):
     assert ours[2].head == "labelled" and plain[3] and not ours[3]  # the model's lm_head module never ran
 
 
-def _compiled(monkeypatch, **kw) -> dict:
-    """TrainingArguments(torch_compile=True) on the CPU (aot_eager: no C++ build); it sets accelerate's dynamo
-    variables for the whole process: set to their defaults here, monkeypatch puts back what was there."""
+def _compiled(monkeypatch, device: str = "cpu", **kw) -> dict:
+    """TrainingArguments(torch_compile=True): on the CPU with aot_eager (no C++ build), on a GPU with Inductor. It
+    sets accelerate's dynamo variables for the whole process: set to their defaults here, monkeypatch puts back
+    what was there."""
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
-    return dict(torch_compile=True, torch_compile_backend="aot_eager", **kw)
+    return dict(torch_compile=True, torch_compile_backend="aot_eager" if device == "cpu" else "inductor",
+                use_cpu=device == "cpu", **kw)
 
 
 def _dynamo_counts(run):
@@ -164,18 +166,23 @@ def _dynamo_counts(run):
         dynamo.reset()
 
 
-def test_trainer_torch_compile_compiles_the_labelled_rows_loss_whole(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_trainer_torch_compile_compiles_the_labelled_rows_loss_whole(tmp_path, monkeypatch, device):
     """torch_compile=True: the labelled-rows loss (backbone, last layer on the labelled rows, head) compiles as one
     graph with the trainer's backend, no graph break (the labelled-row counts come as Python ints), and gives
-    the losses and gradients of the plain Trainer compiled as torch_compile=True compiles it."""
+    the losses and gradients of the plain Trainer compiled as torch_compile=True compiles it (on a GPU, where
+    torch_compile=True turns TF32 on and Inductor compiles each run on its own: the losses, within 1e-3)."""
     from transformers import Trainer
 
     def make(callbacks):
-        return Trainer(model=tiny_model("llama"), args=_args(tmp_path, **_compiled(monkeypatch)),
+        return Trainer(model=tiny_model("llama"), args=_args(tmp_path, **_compiled(monkeypatch, device)),
                        train_dataset=_Rows("llama"), callbacks=callbacks)
 
     plain, _ = _dynamo_counts(lambda: _train(make, None))
     ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}, watch="lm_head"))
+    if device == "cuda":
+        assert ours[0] == pytest.approx(plain[0], rel=1e-3) and breaks == 0 and ours[2].head == "labelled"
+        return
     _assert_same(plain, ours)
     handle = ours[2]
     assert handle.head == "labelled" and handle.reason is None and handle.layers
