@@ -192,6 +192,36 @@ def test_trainer_torch_compile_compiles_the_labelled_rows_loss_whole(tmp_path, m
     assert 1 <= graphs <= 2 and breaks == 0
 
 
+def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch):
+    """A masked LM (a tiny BERT, 15% of the tokens labelled) under torch_compile=True: its labelled rows counted on
+    the host too, so the compiled labelled-rows loss has no graph break, with the plain compiled trainer's
+    losses and gradients."""
+    from transformers import AutoModelForMaskedLM, Trainer
+
+    from tests.tiny_models import tiny_config
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(12):
+        ids = torch.randint(3, 120, (10,), generator=g)
+        labels = torch.where(torch.rand(10, generator=g) < 0.15, ids, torch.full_like(ids, -100))
+        labels[int(torch.randint(0, 10, (1,), generator=g))] = ids[0]  # at least one labelled token a row
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+
+    def model():
+        torch.manual_seed(0)
+        return AutoModelForMaskedLM.from_config(tiny_config("bert"))
+
+    def make(callbacks):
+        return Trainer(model=model(), args=_args(tmp_path, **_compiled(monkeypatch)), train_dataset=rows,
+                       callbacks=callbacks)
+
+    plain, _ = _dynamo_counts(lambda: _train(make, None))
+    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}))
+    _assert_same(plain, ours)
+    assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0
+
+
 def test_a_compiled_loss_that_fails_says_so_and_trains_eagerly(tmp_path, monkeypatch, caplog):
     """A labelled-rows loss that does not compile (here: a backend that raises): one line naming
     torch_compile=True, and the steps run the eager labelled-rows loss, with the plain trainer's losses."""
