@@ -272,7 +272,8 @@ def _take_loss(trainer, task: str) -> None:
     ``torch_compile=True`` the labelled-rows loss compiles as a whole (:func:`_compiled_labelled_loss`)."""
     own = trainer.compute_loss
     sft = _is_sft(_loss_owner(trainer))
-    labelled = _compiled_labelled_loss(trainer, task) if trainer.args.torch_compile else _labelled_loss
+    compiled = bool(trainer.args.torch_compile)
+    labelled = _compiled_labelled_loss(trainer, task) if compiled else _labelled_loss
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not model.training or inputs.get("labels") is None:
@@ -284,7 +285,7 @@ def _take_loss(trainer, task: str) -> None:
         smoothing = smoother.epsilon if smoother is not None else 0.0
         with trainer.accelerator.autocast():  # the trainer's forward runs under it (accelerate wraps it)
             loss = labelled(_uncompiled(model), inputs, task, num_items_in_batch, smoothing,
-                            host_targets(inputs, task))
+                            host_targets(inputs, task) if compiled else None)  # eagerly: counted in the loss
         if sft:
             _count_tokens(trainer, inputs)
         return loss
@@ -293,7 +294,7 @@ def _take_loss(trainer, task: str) -> None:
 
 
 def _labelled_loss(model, inputs: dict, task: str, num_items_in_batch, smoothing: float,
-                   targets: tuple[int, int]) -> torch.Tensor:
+                   targets: tuple[int, int] | None) -> torch.Tensor:
     return head_loss(model, inputs, task, num_items_in_batch=num_items_in_batch, label_smoothing=smoothing,
                      last_layer_rows_only=True, targets=targets).loss
 
