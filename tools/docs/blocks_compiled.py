@@ -3,7 +3,7 @@
 it, and TRL's SFTTrainer with and without the integration (results/trainer_h100/, results/trainer_h200/)."""
 from __future__ import annotations
 
-from docgen import Page, block, captioned, f1, f2, table, times
+from docgen import Page, block, captioned, entry_key, f1, f2, table, times
 
 COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
             "layouts_compiled_h100/model_qwen2.5-0.5b-sft_packed_layers.json",
@@ -20,7 +20,7 @@ def _model(page: Page, rel: str):
 
 
 def _rows(m: dict) -> dict[tuple, dict]:
-    return {(r["layout"], r["method"], r["head"], r["timing"]): r for r in m["rows"]}
+    return {entry_key(r): r for r in m["rows"]}
 
 
 def _entry(r: dict) -> str:

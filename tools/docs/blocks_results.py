@@ -2,7 +2,7 @@
 head against its peers, fine-tuning on the CPU, gradient reuse."""
 from __future__ import annotations
 
-from docgen import Page, Source, block, captioned, f1, f2, f3, span, table, times
+from docgen import Page, Source, block, captioned, entry_key, f1, f2, f3, span, table, times
 
 # The main tables: each model with the SEBP that pays on it (BERT-base: the linears alone, finetune's default;
 # the decoders: with the norms and activations as well, --sebp-norms --sebp-acts).
@@ -154,14 +154,13 @@ def layouts_fused_gain(page: Page) -> str:
     for name, plain_rel in LINEARS_ONLY.items():
         plain_src, fused_src = page.load(plain_rel), page.load(FUSED[name])
         sources += [plain_src, fused_src]
-        plain = {(r["layout"], r["method"], r["head"], r["timing"]): r for mm in plain_src.rows("models")
-                 for r in mm["rows"]}
+        plain = {entry_key(r): r for mm in plain_src.rows("models") for r in mm["rows"]}
         for m in fused_src.rows("models"):
             for r in m["rows"]:
                 key = (r["layout"], "sebp", r["head"], r["timing"])
                 if r["method"] != "dense" or key not in plain:
                     continue
-                fused = next(x for x in m["rows"] if (x["layout"], x["method"], x["head"], x["timing"]) == key)
+                fused = next(x for x in m["rows"] if entry_key(x) == key)
                 old_dense = plain[(r["layout"], "dense", r["head"], r["timing"])]
                 body.append([name, r["layout"], _variant(r), times(plain[key]["vs_dense_same_layout"]),
                              times(fused["vs_dense_same_layout"]), f"{f1(old_dense['ms'])} / {f1(r['ms'])}"])
@@ -179,8 +178,8 @@ def bert_variants(page: Page) -> str:
         src = page.load(rel)
         sources.append(src)
         for m in src.rows("models"):
-            pick = lambda method: next(r for r in m["rows"] if (r["layout"], r["method"], r["head"], r["timing"])  # noqa: E731
-                                       == ("longest", method, "full", "graphs"))
+            pick = lambda method: next(r for r in m["rows"]  # noqa: E731
+                                       if entry_key(r) == ("longest", method, "full", "graphs"))
             dense, sebp = pick("dense"), pick("sebp")
             limit = next(r for r in m["limits"] if (r["layout"], r["head"], r["timing"]) == ("longest", "full",
                                                                                               "graphs"))
@@ -568,11 +567,11 @@ def layouts_recheck(page: Page) -> str:
         new, old = page.load(new_rel), page.load(old_rel)
         sources.append(new)
         (m,), (o,) = new.rows("models"), old.rows("models")
-        key = lambda r: (r["layout"], r["method"], r["head"], r["timing"])  # noqa: E731
-        before = {key(r): r["ms"] for r in o["rows"]}
+        before = {entry_key(r): r["ms"] for r in o["rows"]}
         layouts = sorted({r["layout"] for r in m["rows"]}, key=m["layouts_run"].index)
         for timing in ("eager", "graphs"):
-            ratios = [r["ms"] / before[key(r)] for r in m["rows"] if r["timing"] == timing and key(r) in before]
+            ratios = [r["ms"] / before[entry_key(r)] for r in m["rows"]
+                      if r["timing"] == timing and entry_key(r) in before]
             if ratios:
                 body.append([_case(m), ", ".join(layouts) + ("" if m["complete"] else " (cut by its time limit)"),
                              timing, str(len(ratios)), span(ratios)])

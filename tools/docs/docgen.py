@@ -88,6 +88,11 @@ class Page:
         return f"[`results/{rel}`]({Path(target).as_posix()})"
 
 
+def entry_key(r: dict) -> tuple:
+    """A whole-model bench entry's identity across runs: (layout, method, head, timing)."""
+    return r["layout"], r["method"], r["head"], r["timing"]
+
+
 # ------------------------------------------------------------------------------------- shared formatting
 
 def command(text: str) -> str:
