@@ -311,12 +311,11 @@ def _compiled_labelled_loss(trainer, task: str):
     labelled-row counts given as Python ints (:func:`~sebp_probe.model.heads.host_targets`: no graph break),
     sizes that are equal by chance kept apart (no recompile when a batch is as long as the hidden size). A
     call that fails to compile says so in one line, and the training goes on with the eager loss."""
-    from ..train.compiling import Fallback, distinct_sizes
+    from ..train.compiling import Fallback
 
     kwargs = _compile_kwargs(trainer)
-    compiled = distinct_sizes(torch.compile(_labelled_loss, **kwargs))
-    return Fallback(kwargs.get("mode") or "default", flag="torch_compile=True").guard(
-        compiled, _labelled_loss, "the labelled-rows loss")
+    return Fallback(kwargs.get("mode") or "default", flag="torch_compile=True").compile(
+        _labelled_loss, "the labelled-rows loss", **kwargs)
 
 
 def _compile_kwargs(trainer) -> dict:

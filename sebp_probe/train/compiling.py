@@ -100,6 +100,11 @@ class Fallback:
 
         return call
 
+    def compile(self, fn: Callable, what: str, **compile_kwargs) -> Callable:
+        """``torch.compile(fn, **compile_kwargs)`` without duck shaping (:func:`distinct_sizes`), guarded:
+        ``fn`` itself, eagerly, once a call fails to compile."""
+        return self.guard(distinct_sizes(torch.compile(fn, **compile_kwargs)), fn, what)
+
     def _fail(self, what: str, e: BaseException) -> None:
         self.why = _first_line(e)
         note(f"{self.flag}: {what} did not compile ({self.why}); training eagerly")
@@ -125,7 +130,7 @@ def compile_fn(fn: Callable, mode: str, device: torch.device, what: str = "the t
     candidates that must not share it."""
     if cannot_compile(mode, device):
         return None
-    return (fallback or Fallback(mode)).guard(distinct_sizes(torch.compile(fn, mode=mode)), fn, what)
+    return (fallback or Fallback(mode)).compile(fn, what, mode=mode)
 
 
 def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
@@ -145,5 +150,5 @@ def compile_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
     model._compiled_call_impl = fallback.guard(compiled, lambda *a, **k: model(*a, **k), "the model's forward")
     if step is None:
         return None
-    return fallback.guard(distinct_sizes(torch.compile(step, mode=mode)), step, "the training step")
+    return fallback.compile(step, "the training step", mode=mode)
 
