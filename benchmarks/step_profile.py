@@ -28,13 +28,15 @@ from sebp_probe.data.train_data import to_device  # noqa: E402
 from sebp_probe.model.packing import attention_backend  # noqa: E402
 
 
-def profile_entry(model, case, method: str, head: str, batches: list[dict], warmup: int, compile: bool) -> str:
+def profile_entry(model, case, method: str, head: str, batches: list[dict], warmup: int, compile: bool,
+                  norms: bool = False, acts: bool = False) -> str:
     step = _step_fn(method, head)
     torch._dynamo.reset()
-    undo = compile_layers(model, dynamic=True) if compile else None
-    try:
-        with (sebp_patched(model, case, head, "exact", False, False, False) if method == "sebp"
-              else contextlib.nullcontext()):
+    with (sebp_patched(model, case, head, "exact", norms, acts, False) if method == "sebp"
+          else contextlib.nullcontext()):
+        # compiled after the patch, as the bench compiles: SEBP layers carry their keys as graph inputs
+        undo = compile_layers(model, dynamic=True) if compile else None
+        try:
             for b in batches:
                 for _ in range(warmup):
                     model.zero_grad(set_to_none=True)
@@ -48,12 +50,14 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
                     step(model, b).backward()
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
-    finally:
-        if undo is not None:
-            undo()
-        model.zero_grad(set_to_none=True)
+        finally:
+            if undo is not None:
+                undo()
+            model.zero_grad(set_to_none=True)
     table = prof.key_averages()
-    device_ms = sum(e.self_device_time_total for e in table) / 1e3
+    # the kernels' own rows (as the table's "Self CUDA time total"): an operator's row repeats its kernels' time
+    device_ms = sum(e.self_device_time_total for e in table
+                    if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / 1e3
     return (f"{method}:{head}{' compiled (layers)' if compile else ''}: {len(batches)} steps, wall {wall:.1f} ms "
             f"(profiled), device busy {device_ms:.1f} ms\n\nby device time\n"
             + table.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=80)
@@ -68,6 +72,8 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=6, help="the pool's batches (the bench's --model-batches)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="each layer compiled, as the bench's layers scope")
+    p.add_argument("--norms", action="store_true", help="SEBP entries: the norms too (the bench's --norms)")
+    p.add_argument("--acts", action="store_true", help="SEBP entries: the MLP activations too (the bench's --acts)")
     p.add_argument("--out-dir", required=True)
     opts = p.parse_args()
     if not torch.cuda.is_available():
@@ -80,8 +86,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     for entry in opts.entries.split(","):
         method, head = entry.split(":")
-        text = profile_entry(model, case, method, head, on_device, opts.warmup, opts.compile)
-        name = f"{opts.case}_{opts.layout}_{method}_{head}{'_compiled' if opts.compile else ''}.txt"
+        text = profile_entry(model, case, method, head, on_device, opts.warmup, opts.compile, opts.norms, opts.acts)
+        fused = "_norms" * opts.norms + "_acts" * opts.acts if method == "sebp" else ""
+        name = f"{opts.case}_{opts.layout}_{method}_{head}{fused}{'_compiled' if opts.compile else ''}.txt"
         command = " ".join(["python", "benchmarks/step_profile.py", *sys.argv[1:]])
         (out / name).write_text(f"command: {command}\n{text}\n")
         print(text.splitlines()[0], flush=True)
