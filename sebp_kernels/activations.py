@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import registry, zero_rows
-from .registry import if_wanted, placeholder, register
+from .library import backward_op
+from .registry import as_dtype, graph_key, if_wanted, name_module, op_keys, placeholder
 from .reference import records_grad, refuse_missing_triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,11 +43,17 @@ class RowHint:
     reference) and not modified since (its version counter), so a hint never applies to other data.
     ``offered`` and ``taken`` count the hand-overs (tests and diagnostics)."""
 
+    _sebp_key_input = False  # the key as a tensor input of compiled graphs (.registry.keys_as_inputs)
+
     def __init__(self):
         self._items: dict = {}
         self.offered = 0
         self.taken = 0
-        self.key = register(self)  # names it inside compiled graphs (see .registry)
+        name_module(self)  # names it inside compiled graphs (see .registry)
+
+    @property
+    def key(self) -> int:
+        return self._sebp_key
 
     def __getstate__(self):  # a copy starts with no hints and a key of its own
         return {"offered": self.offered, "taken": self.taken}
@@ -199,58 +206,64 @@ class SEBPActFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------- the compiled path (see .registry)
 
 @torch.library.custom_op("sebp::act", mutates_args=())
-def act(kind: str, a: Tensor, b: Optional[Tensor], backend: str, hint_key: int) -> tuple[Tensor, Tensor]:
-    """(output, per-row NaN/Inf flags or an empty tensor) of the SEBP activation ``kind``."""
+def act(kind: str, a: Tensor, b: Optional[Tensor], backend: str, hint_t: Optional[Tensor],
+        hint_key: int) -> tuple[Tensor, Tensor]:
+    """(output, per-row NaN/Inf flags or an empty tensor) of the SEBP activation ``kind``; its row hint is named
+    by ``hint_t`` (its key tensor, :func:`~.registry.keys_as_inputs`), else by ``hint_key`` (0: none)."""
     h, bad = act_forward(kind, a, b, backend)
     return h, (bad if bad is not None else placeholder(a))
 
 
 @act.register_fake
-def _(kind, a, b, backend, hint_key):
+def _(kind, a, b, backend, hint_t, hint_key):
     flags = placeholder(a)
     if _use_triton(backend, *(t for t in (a, b) if t is not None)) is not None:
         flags = a.new_empty(math.prod(a.shape[:-1]), dtype=torch.int8)
     return a.new_empty(a.shape), flags
 
 
-@torch.library.custom_op("sebp::act_backward", mutates_args=())
-def act_backward(kind: str, dh: Tensor, a: Tensor, b: Optional[Tensor], bad: Tensor, need_a: bool,
-                 need_b: bool, backend: str, hint_key: int) -> tuple[Tensor, Tensor]:
-    """(dA, dB) of the SEBP activation (empty where not asked for); rows handed to the hint under ``hint_key``."""
+def _act_backward(kind: str, dh: Tensor, a: Tensor, b: Optional[Tensor], bad: Tensor, need_a: bool,
+                  need_b: bool, backend: str, hint_t: Optional[Tensor], hint_key: int) -> tuple[Tensor, Tensor]:
+    """(dA, dB) of the SEBP activation (empty where not asked for); rows handed to the hint named by ``hint_t``
+    or ``hint_key``."""
     da, db = act_grads(kind, dh, a, b, bad if bad.numel() else None, need_a, need_b, backend,
-                       registry.lookup(hint_key))
-    return (da.to(a.dtype) if need_a else placeholder(dh)), (db.to(a.dtype) if need_b else placeholder(dh))
+                       registry.lookup(hint_t if hint_t is not None else hint_key))
+    return (as_dtype(da, a.dtype) if need_a else placeholder(dh)), (as_dtype(db, a.dtype) if need_b else placeholder(dh))
 
 
-@act_backward.register_fake
-def _(kind, dh, a, b, bad, need_a, need_b, backend, hint_key):
+def _act_backward_fake(kind, dh, a, b, bad, need_a, need_b, backend, hint_t, hint_key):
     return (a.new_empty(a.shape) if need_a else placeholder(dh),
             a.new_empty(a.shape) if need_b else placeholder(dh))
 
 
+act_backward = backward_op(_act_backward, _act_backward_fake)
+
+
 def _act_setup(ctx, inputs, output):
-    kind, a, b, backend, hint_key = inputs
+    kind, a, b, backend, hint_t, hint_key = inputs
     _, bad = output
     ctx.mark_non_differentiable(bad)
     ctx.kind, ctx.backend, ctx.has_b, ctx.hint_key = kind, backend, b is not None, hint_key
-    ctx.save_for_backward(a, b, bad)
+    ctx.save_for_backward(a, b, bad, hint_t)
 
 
 def _act_grad(ctx, dh, _dbad):
-    a, b, bad = ctx.saved_tensors
+    a, b, bad, hint_t = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.has_b
     if not (need_a or need_b):
-        return None, None, None, None
-    da, db = act_backward(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, ctx.hint_key)
-    return None, if_wanted(da, need_a), if_wanted(db, need_b), None, None
+        return None, None, None, None, None, None
+    da, db = act_backward(ctx.kind, dh, a, b, bad, need_a, need_b, ctx.backend, hint_t, ctx.hint_key)
+    return None, if_wanted(da, need_a), if_wanted(db, need_b), None, None, None
 
 
 act.register_autograd(_act_grad, setup_context=_act_setup)
 
 
 def _compiled_act(kind, a, b, hint, backend):
-    """Inside ``torch.compile``: the custom op :func:`act`, which Dynamo keeps in one graph."""
-    return torch.ops.sebp.act(kind, a, b, backend, hint.key if hint is not None else 0)[0]
+    """Inside ``torch.compile``: the custom op :func:`act`, which Dynamo keeps in one graph. The hint goes in by
+    its key: a tensor input under :func:`~.registry.keys_as_inputs` (layers compiled one by one share a
+    graph), else a constant."""
+    return torch.ops.sebp.act(kind, a, b, backend, *op_keys(graph_key(hint) if hint is not None else None, 0))[0]
 
 
 def sebp_swiglu(gate: torch.Tensor, up: torch.Tensor, hint: RowHint | None = None,

@@ -24,7 +24,8 @@ from torch import Tensor
 from . import registry, zero_rows
 from .config import SEBPConfig
 from .density import RowDensity
-from .registry import if_wanted, placeholder, settings
+from .library import backward_op
+from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
 _DEFAULT = SEBPConfig()
@@ -95,10 +96,9 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
 
 # ------------------------------------------------------------------------- the compiled path (see .registry)
 
-@torch.library.custom_op("sebp::linear_backward", mutates_args=())
-def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
-                    need_db: bool, key: Optional[Tensor], op_key: int, state_key: int,
-                    hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
+                     need_db: bool, key: Optional[Tensor], op_key: int, state_key: int,
+                     hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW, db) of the SEBP linear registered under ``key`` (a module's :func:`~.registry.key_tensor`), else
     under ``op_key`` (a constant of the graph: a module's int key, or a functional call's config's, negative;
     empty tensors where not asked for). A functional call's ``state_key`` / ``hint_key`` name its RowDensity /
@@ -107,15 +107,18 @@ def linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bo
     if key is None and op_key < 0:
         state, hint = registry.lookup(state_key), registry.lookup(hint_key)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
-    return (dx.view(*dy.shape[:-1], weight.shape[1]).to(dy.dtype) if need_dx else placeholder(dy),
-            dw.to(weight.dtype) if need_dw else placeholder(dy), db.to(dy.dtype) if need_db else placeholder(dy))
+    return (as_dtype(dx.view(*dy.shape[:-1], weight.shape[1]), dy.dtype) if need_dx else placeholder(dy),
+            as_dtype(dw, weight.dtype) if need_dw else placeholder(dy),
+            as_dtype(db, dy.dtype) if need_db else placeholder(dy))
 
 
-@linear_backward.register_fake
-def _(dy, x, weight, need_dx, need_dw, need_db, key, op_key, state_key, hint_key):
+def _linear_backward_fake(dy, x, weight, need_dx, need_dw, need_db, key, op_key, state_key, hint_key):
     return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else placeholder(dy),
             weight.new_empty(weight.shape) if need_dw else placeholder(dy),
             dy.new_empty(weight.shape[0]) if need_db else placeholder(dy))
+
+
+linear_backward = backward_op(_linear_backward, _linear_backward_fake)
 
 
 class _Linear(torch.autograd.Function):

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from . import registry, zero_rows
 from .config import SEBPConfig
 from .modules import _take_over
-from .registry import if_wanted, placeholder, settings
+from .library import backward_op
+from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
 # Hugging Face RMSNorm classes whose forward is exactly sebp_rms_norm's formula (checked against transformers 5.x);
@@ -114,10 +115,9 @@ _EXACT = SEBPConfig()
 
 # ------------------------------------------------------------------------- the compiled path (see .registry)
 
-@torch.library.custom_op("sebp::norm_backward", mutates_args=())
-def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor,
-                  need_dx: bool, need_dw: bool, need_db: bool, n: int, key: Optional[Tensor],
-                  op_key: int) -> tuple[Tensor, Tensor, Tensor]:
+def _norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optional[Tensor], rstd: Tensor,
+                   need_dx: bool, need_dw: bool, need_db: bool, n: int, key: Optional[Tensor],
+                   op_key: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW, db) of the SEBP norm registered under ``key`` (a module's :func:`~.registry.key_tensor`), else
     under ``op_key`` (a module's int key, or a functional call's config's) over rows of ``n`` elements; dW and
     db flat."""
@@ -125,16 +125,18 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Optiona
     wdt = weight.dtype if weight is not None else dy.dtype  # of dW, and of db (the bias has the weight's)
     w = weight.reshape(-1) if weight is not None else None
     dx, dw, db = _backward(config, dy, x, w, mean, rstd, need_dx, need_dw, need_db, wdt if need_db else None, n)
-    return (dx.to(x.dtype) if need_dx else placeholder(dy), dw.to(wdt) if need_dw else placeholder(dy),
-            db.to(wdt) if need_db else placeholder(dy))
+    return (as_dtype(dx, x.dtype) if need_dx else placeholder(dy), as_dtype(dw, wdt) if need_dw else placeholder(dy),
+            as_dtype(db, wdt) if need_db else placeholder(dy))
 
 
-@norm_backward.register_fake
-def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key, op_key):
+def _norm_backward_fake(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n, key, op_key):
     wdt = weight.dtype if weight is not None else dy.dtype
     return (x.new_empty(x.shape) if need_dx else placeholder(dy),
             dy.new_empty(n, dtype=wdt) if need_dw else placeholder(dy),
             dy.new_empty(n, dtype=wdt) if need_db else placeholder(dy))
+
+
+norm_backward = backward_op(_norm_backward, _norm_backward_fake)
 
 
 class _LayerNorm(torch.autograd.Function):

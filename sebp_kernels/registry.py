@@ -44,8 +44,8 @@ def key_tensor(key: int) -> Tensor:
 
 
 def name_module(module) -> None:
-    """Give ``module`` (an SEBP layer, new or copied) a key of its own: ``_sebp_key``, and the same as
-    ``_sebp_key_t`` (:func:`key_tensor`)."""
+    """Give ``module`` (an SEBP layer, new or copied, or another object a compiled op names: a row hint) a key
+    of its own: ``_sebp_key``, and the same as ``_sebp_key_t`` (:func:`key_tensor`)."""
     module._sebp_key = register(module)
     module._sebp_key_t = key_tensor(module._sebp_key)
 
@@ -64,13 +64,16 @@ def op_keys(key: int | Tensor | None, default: int) -> tuple[Tensor | None, int]
 
 
 def keys_as_inputs(model, on: bool = True) -> int:
-    """Whether the SEBP modules of ``model`` carry their key into compiled graphs as a tensor input (``on``)
-    or as a constant (the default); returns how many modules it set."""
-    n = 0
+    """Whether the SEBP objects of ``model`` carry their key into compiled graphs as a tensor input (``on``)
+    or as a constant (the default); returns how many it set. The objects: its SEBP modules, and what its
+    modules hold that has a key of its own (the row hints of SEBP activations), each once."""
+    seen: set[int] = set()
     for m in model.modules():
-        if hasattr(m, "_sebp_key_t"):
-            m._sebp_key_input, n = on, n + 1
-    return n
+        for obj in (m, *vars(m).values()):
+            if hasattr(obj, "_sebp_key_t") and id(obj) not in seen:
+                seen.add(id(obj))
+                obj._sebp_key_input = on
+    return len(seen)
 
 
 def lookup(key: int | Tensor):
@@ -97,6 +100,11 @@ def settings(obj):
 
 def if_wanted(t: Tensor, wanted: bool):
     return t if wanted else None
+
+
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` (itself where it is already: no call into torch)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def placeholder(like: Tensor) -> Tensor:

@@ -120,7 +120,7 @@ def test_ops_fake_shapes_match_the_real_outputs():
                                                              *need, 8, ln._sebp_key_t, 0),
                               test_utils=("test_faketensor",))
     for kind, b2 in (("gelu", None), ("swiglu", x.flip(-1))):
-        torch.library.opcheck(torch.ops.sebp.act, (kind, x, b2, "auto", 0), test_utils=("test_faketensor",))
+        torch.library.opcheck(torch.ops.sebp.act, (kind, x, b2, "auto", None, 0), test_utils=("test_faketensor",))
 
 
 def test_a_hint_is_taken_once_and_copies_start_empty():

@@ -148,11 +148,13 @@ def test_docs_table_renders_compiled_rows(tmp_path, monkeypatch):
     assert "| packed | cce | labelled | - | - | 16.0 | 37.0 |" in text
 
 
-@pytest.mark.parametrize("sebp", [False, True])
+@pytest.mark.parametrize("sebp", ["dense", "linears", "fused"])
 def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(sebp):
     """``--compile-scope layers``: the stack's layers share one compile (fewer graphs than layers), a sequence
     as long as the hidden size does not pin the graphs to it (no recompile at the next length), the losses are
-    eager's, and the model is eager again afterwards (Dynamo and AOTAutograd; Inductor: the slow tests)."""
+    eager's, and the model is eager again afterwards (Dynamo and AOTAutograd; Inductor: the slow tests).
+    ``fused``: SEBP norms and activations too, whose row hints name themselves to the graph by an input as well
+    (as a constant each layer compiled its own graph)."""
     import dataclasses
 
     from sebp_probe.bench import bench_compile
@@ -163,8 +165,13 @@ def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(se
 
     case = dataclasses.replace(LLAMA, config={**LLAMA.config, "num_hidden_layers": 4})
     model = bench_model.build_model(case, torch.float32, torch.device("cpu"))
-    if sebp:  # each SEBP layer names itself to the graph: as an input here, or every layer compiles its own
-        patch_model(model, SEBPConfig("exact"))
+    if sebp == "linears":  # each SEBP layer names itself to the graph: as an input here, or every layer
+        patch_model(model, SEBPConfig("exact"))  # compiles its own
+    elif sebp == "fused":
+        from sebp_probe.model.patch import patch_sebp
+
+        names = patch_sebp(model, SEBPConfig("exact"), norms=True, acts=True)
+        assert names["acts"] and names["norms"]
     hidden = model.config.hidden_size
     batches = [{"input_ids": (ids := torch.randint(1, 500, (2, t))), "labels": ids.clone(),
                 "attention_mask": torch.ones_like(ids)} for t in (hidden, 18, hidden + 9)]
@@ -181,6 +188,7 @@ def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(se
     assert 1 <= stats["compiled_graphs"] < len(layer_stack(model))
     assert all(layer._compiled_call_impl is None for layer in layer_stack(model))
     assert not any(m._sebp_key_input for m in model.modules() if isinstance(m, SEBPLinear))  # constants again
+    assert not any(m._sebp_act_rows._sebp_key_input for m in model.modules() if getattr(m, "_sebp_act_rows", None))
     with pytest.raises(ValueError, match="compile scope must be one of layers, step"):
         bench_compile.compiled_steps(model, step, batches, timer, None, "aot_eager", scope="model")
 

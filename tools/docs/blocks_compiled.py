@@ -153,3 +153,29 @@ def trainer_h100(page: Page) -> str:
             ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
             body, "llrrrrl")) + "\n\n" + _trainer_note(src, "padded batches"))
     return "\n\n".join(parts)
+
+
+@block("op_overhead")
+def op_overhead(page: Page) -> str:
+    """Host time of the SEBP linear's backward operator (results/op_overhead_h100/): one call each way, and a
+    compiled stack of linears dense and with the operator defined each way."""
+    src = page.load("op_overhead_h100/op_overhead.json")
+    d = src.data
+    call, stack = d["per_call_us"], d["stack_step_us"]
+    names = {"dense_matmuls": "dense: the two matmuls (dX, dW)", "triton_backward": "SEBP: the Triton backward alone",
+             "python_function": "SEBP: the operator's Python function",
+             "library": "SEBP: `sebp::linear_backward` as defined now (`sebp_kernels.library`)",
+             "custom_op": "SEBP: the same function as a `torch.library.custom_op`"}
+    rows = [[names[k], f1(call[k])] for k in names]
+    n = d["layers"]
+    stack_rows = [[f"{n} linears compiled, dense", f1(stack["dense"]), "-"]]
+    for k, what in (("sebp_library", "SEBP, the operator as defined now"),
+                    ("sebp_custom_op", "SEBP, the operator as a `custom_op`")):
+        stack_rows.append([f"{n} linears compiled, {what}", f1(stack[k]), f1((stack[k] - stack["dense"]) / n)])
+    shape = f"{d['rows']} x {d['width']}"
+    return captioned(page, [src], "\n\n".join([
+        table([f"one backward call ({shape} rows, half active, bf16)", "host us"], rows, "lr"),
+        table([f"forward + backward ({shape} rows per layer)", "host us per step", "more per layer than dense"],
+              stack_rows, "lrr"),
+        f"Host microseconds per call, the median of {d['rounds']} interleaved rounds of {d['calls']} calls "
+        "(the stacks: a tenth as many steps); rows few enough that the GPU never sets the pace."]))

@@ -1,0 +1,156 @@
+"""Host time of the SEBP linear's backward operator, as the compiled path calls it, against its alternatives.
+
+    python3 benchmarks/op_overhead.py OUT.json
+
+Inside ``torch.compile`` each SEBP linear's backward is one operator call (``sebp::linear_backward``), about 105
+a step for a Llama-3.2-1B. This times the host side of that call, on rows few enough (256 x 2048, bf16) that the
+GPU never sets the pace:
+
+- ``per_call_us``: one backward (dX and dW, half the rows active) called directly: the two dense matmuls; the
+  Triton backward alone; the operator's Python function; the operator as :mod:`sebp_kernels.library` defines it
+  (``library``); the same function as a ``torch.library.custom_op`` (``custom_op``, defined here under another
+  namespace).
+- ``stack_step_us``: forward and backward of 16 linears (2048 x 2048) compiled (``torch.compile(dynamic=True)``),
+  dense, and SEBP with the backward operator defined each way (the custom_op twin swapped in for the run).
+
+Each figure: the host seconds of ``--calls`` calls (no synchronisation between them) divided by their number,
+the median of ``--rounds`` rounds, the variants interleaved and every other round in reverse order.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
+
+from sebp_kernels import SEBPConfig, registry  # noqa: E402
+from sebp_kernels import functional  # noqa: E402
+from sebp_kernels._triton import sebp_backward_triton  # noqa: E402
+from sebp_kernels.modules import SEBPLinear  # noqa: E402
+from sebp_probe.bench.bench import environment  # noqa: E402
+
+M, D, LAYERS = 256, 2048, 16
+
+# The same Python function as a custom_op, for the comparison (its own namespace: sebp:: has the real one).
+_TWIN_CALLS = [0]  # how often the twin ran: the check that the compiled stack meant to call it did
+
+
+@functools.wraps(functional._linear_backward)
+def _twin(*args):
+    _TWIN_CALLS[0] += 1
+    return functional._linear_backward(*args)
+
+
+custom_op_twin = torch.library.custom_op(
+    "sebp_bench::linear_backward", mutates_args=(),
+    schema=torch.library.infer_schema(functional._linear_backward, mutates_args=()))(_twin)
+custom_op_twin.register_fake(functional._linear_backward_fake)
+
+
+def host_us(fn, calls: int) -> float:
+    """Host microseconds per call of ``calls`` calls, after the GPU caught up with the ones before."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    return us
+
+
+def interleaved(fns: dict, calls: int, rounds: int) -> dict[str, float]:
+    """Median host us per call of each of ``fns``, the variants interleaved, every other round reversed."""
+    for fn in fns.values():  # warm-up: compiles, Triton's first launches, the allocator
+        for _ in range(20):
+            fn()
+    seen: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            seen[k].append(host_us(fns[k], calls))
+    return {k: round(statistics.median(v), 1) for k, v in seen.items()}
+
+
+def per_call(calls: int, rounds: int) -> dict[str, float]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    dy[M // 2:] = 0  # half the rows inactive: the SEBP path, not the dense one
+    x = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(D, D, device="cuda", generator=g).to(torch.bfloat16)
+    cfg = SEBPConfig("exact")
+    args = (dy, x, w, True, True, False, None, cfg.op_key, 0, 0)  # a functional call's keys: no density state
+    with torch.no_grad():
+        return interleaved({
+            "dense_matmuls": lambda: (dy @ w, dy.t() @ x),
+            "triton_backward": lambda: sebp_backward_triton(dy, x, w, cfg, True, True, False),
+            "python_function": lambda: functional._linear_backward(*args),
+            "library": lambda: functional.linear_backward(*args),
+            "custom_op": lambda: custom_op_twin(*args),
+        }, calls, rounds)
+
+
+class TwinStack(torch.nn.Sequential):
+    """A stack whose forward is code of its own, so Dynamo compiles it apart from the other SEBP stack's."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def stack(sebp: bool, cls=torch.nn.Sequential) -> torch.nn.Module:
+    layers = cls(*[torch.nn.Linear(D, D, bias=False) for _ in range(LAYERS)])
+    layers = layers.to("cuda", torch.bfloat16)
+    if sebp:
+        for i in range(LAYERS):
+            layers[i] = SEBPLinear.from_linear(layers[i], SEBPConfig("exact"))
+        registry.keys_as_inputs(layers)  # one graph for all layers, as the bench's regional compile
+    return layers
+
+
+def stacks(calls: int, rounds: int) -> dict[str, float]:
+    torch._dynamo.reset()
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    own = functional.linear_backward
+    fns = {}
+    for name, sebp in (("dense", False), ("sebp_library", True), ("sebp_custom_op", True)):
+        twin = name == "sebp_custom_op"
+        net = torch.compile(stack(sebp, TwinStack if twin else torch.nn.Sequential), dynamic=True)
+        op = custom_op_twin if twin else own
+
+        def step(net=net, op=op):
+            functional.linear_backward = op  # what the compiled backward calls (read when it is traced)
+            try:
+                net(x).sum().backward()
+            finally:
+                functional.linear_backward = own
+        fns[name] = step
+    before = _TWIN_CALLS[0]
+    out = interleaved(fns, calls, rounds)
+    out["custom_op_twin_calls"] = _TWIN_CALLS[0] - before  # > 0: its stack ran the custom_op
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=5)
+    opts = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("the probe needs a CUDA GPU")
+    result = {"environment": environment(), "command": " ".join(["python3", "benchmarks/op_overhead.py", *sys.argv[1:]]),
+              "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds,
+              "per_call_us": per_call(opts.calls, opts.rounds),
+              "stack_step_us": stacks(max(opts.calls // 10, 50), opts.rounds)}
+    print(json.dumps(result, indent=1), flush=True)
+    Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

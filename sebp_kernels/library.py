@@ -1,0 +1,36 @@
+"""The ``sebp::`` backward operators of the compiled path, defined with torch.library's low-level API.
+
+Inside ``torch.compile`` each SEBP layer's backward is one operator (see :mod:`.registry`), which the compiled
+backward calls once per layer and step: about 105 times a step for a Llama-3.2-1B. ``torch.library.custom_op``
+wraps every call in Python layers of its own (an autograd kernel that redispatches, a ``torch._dynamo.disable``
+frame, a check that no output aliases an input). On the H100 host of the device machine (torch 2.11) a call of
+``sebp::linear_backward`` through them took 131 us against 103 us as defined here, and a compiled stack of 16
+SEBP linears spent 108 us more host time per layer and step than the same stack dense, against 79 us as defined
+here (``benchmarks/op_overhead.py``, results/op_overhead_h100/).
+
+The backward operators need none of those layers: they run inside a backward, where autograd records nothing,
+return new tensors, and have no derivative of their own. :func:`backward_op` defines one as the dispatcher's
+kernel for every backend (``CompositeExplicitAutograd``: the dispatcher calls the Python function directly) with
+its fake (shape-only) implementation, which Dynamo, AOTAutograd and Inductor trace with. The forward operators
+with a derivative (``sebp::act``, ``sebp::linear_ce``) stay ``custom_op``s with ``register_autograd``.
+
+This module imports none of the modules that use it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_LIB = torch.library.Library("sebp", "FRAGMENT")  # noqa: TOR901 - the low-level API, on purpose (see above)
+
+
+def backward_op(fn: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Define ``sebp::<name>`` (``fn``'s name without leading underscores) from ``fn``'s annotated signature
+    (as ``custom_op`` infers it; no argument is mutated), with ``fn`` as its kernel for every device and
+    ``fake`` as its shape-only implementation; returns the operator (``torch.ops.sebp.<name>.default``)."""
+    name = fn.__name__.lstrip("_")
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"sebp::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.sebp, name).default
