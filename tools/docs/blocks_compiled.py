@@ -8,7 +8,12 @@ from docgen import Page, block, captioned, entry_key, f1, f2, table, times
 COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
             "layouts_compiled_h100/model_qwen2.5-0.5b-sft_packed_layers.json",
             "layouts_compiled_h100/model_llama-3.2-1b-sft_padded_layers.json",
-            "layouts_compiled_h100/model_bert-base_longest_layers.json")
+            "layouts_compiled_h100/model_bert-base_longest_layers.json",
+            "layouts_compiled_h100/model_llama-3.2-1b-sft_longest_libop.json",
+            "layouts_compiled_h100/model_llama-3.2-1b-sft_longest_fused_libop.json")
+# What the later runs of a layout changed, for the targets' lines (the first run of each has none)
+RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
+             COMPILED[5]: "the same, SEBP on the norms and activations too"}
 TRAINER = ("trainer_h100/trainer_final.json",)
 TRAINER_COMPILED = ("trainer_h200/trainer_compiled.json", "trainer_h200/trainer_compiled_pair.json")
 
@@ -78,20 +83,23 @@ def compiled_targets(page: Page) -> str:
         lines.append(f"- {m['case']['name']}, packed: `--padding auto`'s pick ({_entry(s['auto_pick'])}) is "
                      f"{times(x)} compiled dense + CCE ({f1(cce['ms'])} ms): target >= 1.00x "
                      f"{'met' if x >= 1.0 else '**not met**'}.")
-    for rel, want in ((COMPILED[2], 1.25), (COMPILED[3], 1.15)):  # every padded layout each file ran
-        m = models[rel]
+    for rel, want in ((COMPILED[2], 1.25), (COMPILED[4], 1.25), (COMPILED[5], 1.25), (COMPILED[3], 1.15)):
+        m = models[rel]  # every padded layout each file ran, each ratio within one run
+        note = f" ({RUN_NOTES[rel]})" if rel in RUN_NOTES else ""
         for layout in m["layouts_run"]:
             got = {h: _ratio(m, layout, h, "sebp", "dense") for h in ("full", "labelled")}
             best = max(v for v in got.values() if v is not None)
-            lines.append(f"- {m['case']['name']}, {layout}: SEBP compiled against dense compiled "
+            lines.append(f"- {m['case']['name']}, {layout}{note}: SEBP compiled against dense compiled "
                          f"{times(got['full'])} (model's head), {times(got['labelled'])} (labelled-rows head): "
                          f"target >= {times(want)} {'met' if best >= want else '**not met**'}.")
-    first = max(r["compile_s"] for rel in (COMPILED[0], COMPILED[2]) for r in models[rel]["rows"]
+    first = max(r["compile_s"] for rel in (COMPILED[0], COMPILED[2], COMPILED[4], COMPILED[5])
+                for r in models[rel]["rows"]
                 if r["timing"] == "compiled")
-    lines.append(f"- llama-3.2-1b-sft first compile: {f1(first)} s at most per entry, over both of its runs "
+    lines.append(f"- llama-3.2-1b-sft first compile: {f1(first)} s at most per entry, over all of its runs "
                  f"(each layer compiled; the first entry of a fresh cache takes the longest): target <= 90 s "
                  f"{'met' if first <= 90 else '**not met**'}.")
-    worst = {models[rel]["case"]["name"] + " " + ",".join(models[rel]["layouts_run"]):
+    worst = {models[rel]["case"]["name"] + " " + ",".join(models[rel]["layouts_run"])
+             + (f" ({RUN_NOTES[rel]})" if rel in RUN_NOTES else ""):
              max(r["recompiles"] for r in models[rel]["rows"] if r["timing"] == "compiled") for rel in COMPILED}
     lines.append("- no recompile after a layout's first batch: " + "; ".join(
         f"{k}: {v} at most" for k, v in worst.items()) + (" (met)" if not any(worst.values()) else
