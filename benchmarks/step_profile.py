@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
 
 from sebp_probe.bench.bench_cases import MODEL_CASES  # noqa: E402
-from sebp_probe.bench.bench_compile import compile_layers  # noqa: E402
+from sebp_probe.train.compiling import compile_layers  # noqa: E402
 from sebp_probe.bench.bench_model import _pool, _step_fn, build_model, sebp_patched  # noqa: E402
 from sebp_probe.data.train_data import to_device  # noqa: E402
 from sebp_probe.model.packing import attention_backend  # noqa: E402

@@ -12,8 +12,10 @@ and prompt share, labels -100 on the prompt), the same batches for every variant
   plain            SFTTrainer as it comes (TRL's fused LM head)
   sebp             the same after apply_sebp(trainer): calibrated SEBP layers, the labelled-rows loss
   plain+compile    torch_compile=True
-  sebp+compile     torch_compile=True after apply_sebp (the model's own loss: the labelled-rows head does not
-                   compile; SEBP layers as sebp:: custom ops)
+  sebp+compile     torch_compile=True after apply_sebp: each layer of the model compiled in place (the
+                   default compile_scope="layers"; SEBP layers as sebp:: operators), the rest of the
+                   labelled-rows loss eager
+  sebp+compile-whole  the same with apply_sebp(compile_scope="loss"): the labelled-rows loss compiled whole
   liger            use_liger_kernel=True (Liger's layer kernels; TRL keeps its own fused head), if importable
   liger+compile    the same with torch_compile=True
   liger+sebp       use_liger_kernel=True and apply_sebp
@@ -53,8 +55,8 @@ from sebp_probe.bench.bench_cases import MODEL_CASES, make_items, sample_lengths
 from sebp_probe.bench.bench_model import build_model  # noqa: E402
 from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
-VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+compile", "liger+sebp",
-            "liger+sebp+compile", "sebp-head", "sebp-layers", "sebp-cudnn")
+VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "sebp+compile-whole", "liger", "liger+compile",
+            "liger+sebp", "liger+sebp+compile", "sebp-head", "sebp-layers", "sebp-cudnn")
 # the pairs the docs compare: (variant, baseline)
 PAIRS = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
          ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
@@ -63,8 +65,11 @@ PAIRS = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile")
          ("sebp+compile", "liger+compile"), ("sebp+compile", "liger+compile-nocudnn"),
          ("liger+sebp+compile", "liger+compile"), ("liger+sebp+compile", "liger+compile-nocudnn"),
          ("sebp", "liger+compile-nocudnn"), ("liger+sebp", "liger+compile-nocudnn"),
-         ("sebp+compile", "liger-nocudnn"), ("sebp+compile", "sebp"), ("liger+compile-nocudnn", "liger-nocudnn"))
-_APPLY = {"sebp": {}, "sebp+compile": {}, "liger+sebp": {}, "liger+sebp+compile": {},
+         ("sebp+compile", "liger-nocudnn"), ("sebp+compile", "sebp"), ("liger+compile-nocudnn", "liger-nocudnn"),
+         ("sebp+compile", "sebp+compile-whole"), ("sebp+compile-whole", "liger+compile-nocudnn"),
+         ("sebp+compile", "plain+compile-nocudnn"), ("sebp+compile-whole", "plain+compile-nocudnn"))
+_APPLY = {"sebp": {}, "sebp+compile": {}, "sebp+compile-whole": {"compile_scope": "loss"}, "liger+sebp": {},
+          "liger+sebp+compile": {},
           "sebp-head": {"dense_fallback": 0.0},
           "sebp-layers": {"head": "full"}, "sebp-cudnn": {"keep_cudnn_attention": True}}
 
@@ -149,7 +154,7 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
     lengths = sample_lengths(case.lengths, case.batch * total, case.max_length, seed=0)
     rows = make_items(case, lengths, case.config["vocab_size"], seed=0)
     base, nocudnn = variant.removesuffix("-nocudnn"), variant.endswith("-nocudnn")
-    compiled, liger = base.endswith("+compile"), base.startswith("liger")
+    compiled, liger = "+compile" in base, base.startswith("liger")
     args = SFTConfig(output_dir=out_dir, max_steps=total, per_device_train_batch_size=case.batch,
                      learning_rate=1e-5, bf16=cuda, use_cpu=not cuda, padding_free=opts.padding_free,
                      max_length=None, gradient_checkpointing=opts.checkpointing, torch_compile=compiled,
@@ -255,7 +260,7 @@ def _unavailable(variant: str) -> str | None:
     variant = variant.removesuffix("-nocudnn")
     if variant.startswith("liger") and importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not installed"
-    if variant.endswith("+compile") and not torch.cuda.is_available():
+    if "+compile" in variant and not torch.cuda.is_available():
         return "torch_compile runs Inductor, which on a CPU needs a C++ toolchain; benchmarked on GPUs only"
     return None
 

@@ -37,11 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from sebp_kernels.registry import keys_as_inputs
-
-from ..families import layer_stack
-from ..model.last_layer import computes_kept_rows
-from ..train.compiling import distinct_sizes, dynamo_counts, inductor_problem
+from ..train.compiling import compile_layers, distinct_sizes, dynamo_counts, inductor_problem
 
 
 def compile_reason(device: torch.device, backend: str) -> str | None:
@@ -52,36 +48,6 @@ def compile_reason(device: torch.device, backend: str) -> str | None:
 
 
 SCOPES = ("layers", "step")
-
-
-def compile_layers(model: torch.nn.Module, **kw) -> Callable[[], None]:
-    """Each layer of ``model``'s stack (:func:`~sebp_probe.families.layer_stack`) compiled in place with the
-    ``torch.compile`` options ``kw``; returns what undoes it. The layers share their code, so Dynamo traces
-    one and the others reuse its graphs (their parameters are the graphs' inputs): a compile of one layer, not
-    of the model. The last layer runs eagerly while it computes the labelled-rows head's kept rows (a few rows,
-    whose count and positions would pin its graph to each batch). Sizes stay apart (:func:`~sebp_probe.train.
-    compiling.distinct_sizes`). ValueError where the model has no layer stack sebp-probe knows."""
-    layers = layer_stack(model)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no layer stack to compile layer by layer")
-    keys_as_inputs(layers)  # SEBP layers name themselves by a tensor input, not a constant per layer
-    for layer in layers:
-        layer.compile(**kw)
-        compiled = distinct_sizes(layer._compiled_call_impl)
-
-        def call(*args, _compiled=compiled, _layer=layer, **kwargs):
-            if computes_kept_rows(_layer):
-                return _layer._call_impl(*args, **kwargs)
-            return _compiled(*args, **kwargs)
-
-        layer._compiled_call_impl = call
-
-    def undo() -> None:
-        keys_as_inputs(layers, on=False)
-        for layer in layers:
-            layer._compiled_call_impl = None
-
-    return undo
 
 
 def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], timer: Callable,

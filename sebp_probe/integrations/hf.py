@@ -27,10 +27,12 @@ What :func:`apply_sebp` does, as a ``finetune`` run does before its first step:
 - Liger-Kernel: with ``use_liger_kernel=True`` Liger patches its norm, activation and rotary kernels into the
   model when training starts; they compose with the SEBP layers and the labelled-rows loss.
 - ``torch_compile=True``: the trainer compiles its model's forward, which the labelled-rows loss goes around
-  (it calls the backbone itself), so that loss compiles as a whole instead (backbone, SEBP layers as
-  ``sebp::`` custom ops, the last layer on the labelled rows, head), with the trainer's backend and mode; the
-  labelled-row counts are read on the host before the call (one sync a step; SFTTrainer's token count makes one
-  too), so the graph has no break. A classifier keeps the compiled forward and the trainer's own loss.
+  (it calls the backbone itself). So, with the trainer's backend and mode, each layer of the model's stack
+  compiles in place instead (``compile_scope="layers"``, the default: the layers share one compile, SEBP layers
+  as ``sebp::`` operators in it; the embeddings, the last layer on the labelled rows and the head run eagerly),
+  or the labelled-rows loss compiles as a whole (``compile_scope="loss"``: the labelled-row counts are read on
+  the host before the call, one sync a step, so the graph has no break). A classifier keeps the compiled
+  forward and the trainer's own loss.
 
 Where the labelled-rows loss would not equal the trainer's (TRL's ``loss_type="dft"``, a MoE auxiliary loss,
 peft prompt learning, several processes, a head the path does not know), the trainer's own loss runs with the
@@ -43,8 +45,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from itertools import islice
 
 import torch
@@ -61,6 +63,7 @@ from ..model.patch import PatchError, patched_activations, unpatch_model
 
 log = logging.getLogger(__name__)
 _HANDLE = "_sebp_handle"  # on the trainer: the handle of the call that changed it
+COMPILE_SCOPES = ("layers", "loss")
 
 
 @dataclass
@@ -76,6 +79,8 @@ class SEBPTrainer:
     calibration: calib.Calibration | None = None
     task: str | None = None
     cudnn_attention: bool = True  # False: the training steps' sdpa runs without cuDNN's attention
+    compile_scope: str | None = None  # under torch_compile=True: how the labelled-rows loss compiles
+    _uncompile: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def layers(self) -> dict[str, SEBPConfig]:
@@ -90,6 +95,9 @@ class SEBPTrainer:
         trainer = self.trainer
         vars(trainer).pop("compute_loss", None)
         vars(trainer).pop("training_step", None)
+        if self._uncompile is not None:
+            self._uncompile()
+            self._uncompile = None
         use_head(trainer.model, self.task, "full")
         unpatch_model(trainer.model)
         vars(trainer).pop(_HANDLE, None)
@@ -97,14 +105,15 @@ class SEBPTrainer:
 
     def to_dict(self) -> dict:
         return {"applied": self.applied, "head": self.head, "reason": self.reason,
-                "cudnn_attention": self.cudnn_attention,
+                "cudnn_attention": self.cudnn_attention, "compile_scope": self.compile_scope,
                 "calibration": self.calibration.to_dict() if self.calibration is not None else None}
 
 
 def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, targets: list[str] | None = None,
                head: str = "labelled", calibrate: bool = True, calib_batches: int = 2, dense_fallback: float = 0.9,
                fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
-               backend: str = "auto", keep_cudnn_attention: bool = False) -> SEBPTrainer:
+               backend: str = "auto", keep_cudnn_attention: bool = False,
+               compile_scope: str = "layers") -> SEBPTrainer:
     """Apply SEBP to ``trainer`` (a ``transformers.Trainer`` or ``trl.SFTTrainer``, before ``train()``) and return
     a handle whose :meth:`SEBPTrainer.undo` takes it back (see the module docstring).
 
@@ -116,10 +125,15 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     patches every candidate. ``norms``/``acts``: the norms and MLP activations get the SEBP backward too.
     ``backend``: the SEBP kernels (``auto``, ``triton`` or ``torch``). ``keep_cudnn_attention``: leave sdpa's
     choice of kernel alone (by default a GPU's training steps run it without cuDNN's attention; see the module
-    docstring). Calling it again on the same trainer returns the first call's handle.
+    docstring). ``compile_scope`` (under ``torch_compile=True``, with the labelled-rows head): ``layers``
+    compiles each layer of the model's stack in place and runs the rest of the labelled-rows loss eagerly
+    (one layer's compile, not the model's), ``loss`` compiles that loss as a whole. Calling it again on the same
+    trainer returns the first call's handle.
     """
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
     if not isinstance(calib_batches, int) or calib_batches < 1:
         raise ValueError(f"calib_batches must be an integer >= 1, got {calib_batches!r}")
     done = vars(trainer).get(_HANDLE)
@@ -157,7 +171,7 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task,
                          cudnn_attention=cudnn)
     if used == "labelled":
-        _take_loss(trainer, task)
+        handle.compile_scope, handle._uncompile = _take_loss(trainer, task, compile_scope)
     if not cudnn:
         _steps_without_cudnn_attention(trainer)
     setattr(trainer, _HANDLE, handle)
@@ -266,14 +280,19 @@ def _sdpa_on_gpu(model) -> bool:
     return getattr(cfg, "_attn_implementation", None) == "sdpa" and any(p.is_cuda for p in model.parameters())
 
 
-def _take_loss(trainer, task: str) -> None:
+def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Callable[[], None] | None]:
     """Make ``trainer``'s training loss the labelled-rows one (an instance attribute over the class's
     ``compute_loss``, which still computes evaluation and anything asking for the outputs). Under
-    ``torch_compile=True`` the labelled-rows loss compiles as a whole (:func:`_compiled_labelled_loss`)."""
+    ``torch_compile=True`` each layer of the model compiles in place (``compile_scope="layers"``,
+    :func:`_compiled_layers`) or the labelled-rows loss compiles as a whole (``loss``, and where the model has
+    no layer stack: :func:`_compiled_labelled_loss`). Returns the scope that compiles (None: eager) and what
+    undoes the layers' compile."""
     own = trainer.compute_loss
     sft = _is_sft(_loss_owner(trainer))
-    compiled = bool(trainer.args.torch_compile)
+    uncompile = _compiled_layers(trainer) if trainer.args.torch_compile and compile_scope == "layers" else None
+    compiled = bool(trainer.args.torch_compile) and uncompile is None  # the whole loss compiled
     labelled = _compiled_labelled_loss(trainer, task) if compiled else _labelled_loss
+    scope = "loss" if compiled else "layers" if uncompile is not None else None
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not model.training or inputs.get("labels") is None:
@@ -291,6 +310,7 @@ def _take_loss(trainer, task: str) -> None:
         return loss
 
     trainer.compute_loss = compute_loss
+    return scope, uncompile
 
 
 def _labelled_loss(model, inputs: dict, task: str, num_items_in_batch, smoothing: float,
@@ -316,6 +336,20 @@ def _compiled_labelled_loss(trainer, task: str):
     kwargs = _compile_kwargs(trainer)
     return Fallback(kwargs.get("mode") or "default", flag="torch_compile=True").compile(
         _labelled_loss, "the labelled-rows loss", **kwargs)
+
+
+def _compiled_layers(trainer) -> Callable[[], None] | None:
+    """Each layer of the trainer's model compiled in place with the trainer's compile settings
+    (:func:`~sebp_probe.train.compiling.compile_layers`; a layer call that fails to compile says so in one line
+    and runs eagerly); what undoes it, or None where the model has no layer stack sebp-probe knows."""
+    from ..train.compiling import Fallback, compile_layers
+
+    kwargs = _compile_kwargs(trainer)
+    fallback = Fallback(kwargs.get("mode") or "default", flag="torch_compile=True")
+    try:
+        return compile_layers(unwrap(trainer.model), fallback=fallback, **kwargs)
+    except ValueError:
+        return None
 
 
 def _compile_kwargs(trainer) -> dict:

@@ -13,6 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from sebp_kernels.registry import keys_as_inputs
+
+from ..families import layer_stack
+from ..model.last_layer import computes_kept_rows
 from ..notes import note
 
 _PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
@@ -110,6 +114,40 @@ class Fallback:
         note(f"{self.flag}: {what} did not compile ({self.why}); training eagerly")
         for undo in self._undo:
             undo()
+
+
+def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **kw) -> Callable[[], None]:
+    """Each layer of ``model``'s stack (:func:`~sebp_probe.families.layer_stack`) compiled in place with the
+    ``torch.compile`` options ``kw`` (PyTorch's regional compilation); returns what undoes it. The layers share
+    their code, so Dynamo traces one and the others reuse its graphs (their parameters are the graphs' inputs,
+    and SEBP layers name themselves by a tensor input, :func:`sebp_kernels.registry.keys_as_inputs`): a compile
+    of one layer, not of the model. The last layer runs eagerly while it computes the labelled-rows head's kept
+    rows (a few rows, whose count and positions would pin its graph to each batch). Sizes stay apart
+    (:func:`distinct_sizes`). ``fallback``: a layer call that fails to compile runs eagerly, with its one line
+    (:meth:`Fallback.guard`). ValueError where the model has no layer stack sebp-probe knows."""
+    layers = layer_stack(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no layer stack to compile layer by layer")
+    keys_as_inputs(layers)  # SEBP layers name themselves by a tensor input, not a constant per layer
+    for layer in layers:
+        layer.compile(**kw)
+        compiled = distinct_sizes(layer._compiled_call_impl)
+        if fallback is not None:
+            compiled = fallback.guard(compiled, layer._call_impl, "a layer of the model")
+
+        def call(*args, _compiled=compiled, _layer=layer, **kwargs):
+            if computes_kept_rows(_layer):
+                return _layer._call_impl(*args, **kwargs)
+            return _compiled(*args, **kwargs)
+
+        layer._compiled_call_impl = call
+
+    def undo() -> None:
+        keys_as_inputs(layers, on=False)
+        for layer in layers:
+            layer._compiled_call_impl = None
+
+    return undo
 
 
 def cannot_compile(mode: str, device: torch.device) -> bool:

@@ -167,32 +167,44 @@ def _dynamo_counts(run):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_trainer_torch_compile_compiles_the_labelled_rows_loss_whole(tmp_path, monkeypatch, device):
-    """torch_compile=True: the labelled-rows loss (backbone, last layer on the labelled rows, head) compiles as one
-    graph with the trainer's backend, no graph break (the labelled-row counts come as Python ints), and gives
-    the losses and gradients of the plain Trainer compiled as torch_compile=True compiles it (on a GPU, where
-    torch_compile=True turns TF32 on and Inductor compiles each run on its own: the losses, within 1e-3)."""
+@pytest.mark.parametrize("scope", ["layers", "loss"])
+def test_trainer_torch_compile_compiles_the_labelled_rows_loss(tmp_path, monkeypatch, device, scope):
+    """torch_compile=True: each layer of the model compiled in place (``layers``: the layers share one graph, the
+    last one runs eagerly on the labelled rows), or the labelled-rows loss (backbone, last layer on the labelled
+    rows, head) compiled as one graph (``loss``: the labelled-row counts come as Python ints), with the trainer's
+    backend, no graph break, and the losses and gradients of the plain Trainer compiled as torch_compile=True
+    compiles it (on a GPU, where torch_compile=True turns TF32 on and Inductor compiles each run on its own: the
+    losses, within 1e-3). Undo leaves no layer compiled."""
     from transformers import Trainer
+
+    from sebp_probe.families import layer_stack
 
     def make(callbacks):
         return Trainer(model=tiny_model("llama"), args=_args(tmp_path, **_compiled(monkeypatch, device)),
                        train_dataset=_Rows("llama"), callbacks=callbacks)
 
     plain, _ = _dynamo_counts(lambda: _train(make, None))
-    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}, watch="lm_head"))
+    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope},
+                                                           watch="lm_head"))
+    handle, trainer = ours[2], ours[4]
+    assert handle.compile_scope == scope
     if device == "cuda":
-        assert ours[0] == pytest.approx(plain[0], rel=1e-3) and breaks == 0 and ours[2].head == "labelled"
+        assert ours[0] == pytest.approx(plain[0], rel=1e-3) and breaks == 0 and handle.head == "labelled"
         return
     _assert_same(plain, ours)
-    handle = ours[2]
     assert handle.head == "labelled" and handle.reason is None and handle.layers
     assert not ours[3]  # the model's own lm_head never ran: the loss went through the compiled head path
-    # the first graph with the labelled-row counts as constants, the second with them symbolic (Dynamo's
-    # automatic dynamic: the second step's counts differ), none after that; no graph break
+    # the first graph with the sizes (and, compiled whole, the labelled-row counts) as constants, the second
+    # with them symbolic (Dynamo's automatic dynamic: the second step's differ), none after that; no break
     assert 1 <= graphs <= 2 and breaks == 0
+    layers = layer_stack(trainer.model)
+    assert all(layer._compiled_call_impl is not None for layer in layers) == (scope == "layers")
+    handle.undo()
+    assert all(layer._compiled_call_impl is None for layer in layers)
 
 
-def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scope", ["layers", "loss"])
+def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch, scope):
     """A masked LM (a tiny BERT, 15% of the tokens labelled) under torch_compile=True: its labelled rows counted on
     the host too, so the compiled labelled-rows loss has no graph break, with the plain compiled trainer's
     losses and gradients."""
@@ -217,14 +229,15 @@ def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch):
                        callbacks=callbacks)
 
     plain, _ = _dynamo_counts(lambda: _train(make, None))
-    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}))
+    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope}))
     _assert_same(plain, ours)
     assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0
 
 
-def test_a_compiled_loss_that_fails_says_so_and_trains_eagerly(tmp_path, monkeypatch, caplog):
-    """A labelled-rows loss that does not compile (here: a backend that raises): one line naming
-    torch_compile=True, and the steps run the eager labelled-rows loss, with the plain trainer's losses."""
+@pytest.mark.parametrize("scope,what", [("loss", "the labelled-rows loss"), ("layers", "a layer of the model")])
+def test_a_compiled_loss_that_fails_says_so_and_trains_eagerly(tmp_path, monkeypatch, caplog, scope, what):
+    """A labelled-rows loss or a layer that does not compile (here: a backend that raises): one line naming
+    torch_compile=True, and the steps run eagerly, with the plain trainer's losses."""
     from transformers import Trainer
 
     def broken(gm, example_inputs):
@@ -237,10 +250,11 @@ def test_a_compiled_loss_that_fails_says_so_and_trains_eagerly(tmp_path, monkeyp
     plain = _train(make, None)
     args = _compiled(monkeypatch)
     monkeypatch.setattr("sebp_probe.integrations.hf._compile_kwargs", lambda trainer: {"backend": broken})
-    ours, _ = _dynamo_counts(lambda: _train(lambda cb: make(cb, **args), {"calibrate": False}))
+    ours, _ = _dynamo_counts(lambda: _train(lambda cb: make(cb, **args), {"calibrate": False,
+                                                                          "compile_scope": scope}))
     _assert_same(plain, ours)
     lines = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("torch_compile=True: the labelled-rows loss did not compile")
+    assert len(lines) == 1 and lines[0].startswith(f"torch_compile=True: {what} did not compile")
 
 
 def test_trainer_torch_compile_keeps_a_classifiers_own_forward(tmp_path, monkeypatch, caplog):
@@ -305,13 +319,14 @@ def test_sft_tiny_llama_completion_only(tmp_path, padding_free, accum, smoothing
     assert logged[0] == logged[1]
 
 
-def test_sft_padding_free_torch_compile(tmp_path, monkeypatch):
-    """SFTTrainer with torch_compile=True on padding-free batches (one flattened row, position_ids): the compiled
-    labelled-rows loss, no graph break, the plain compiled trainer's losses and gradients."""
+@pytest.mark.parametrize("scope", ["layers", "loss"])
+def test_sft_padding_free_torch_compile(tmp_path, monkeypatch, scope):
+    """SFTTrainer with torch_compile=True on padding-free batches (one flattened row, position_ids): the layers or
+    the labelled-rows loss compiled, no graph break, the plain compiled trainer's losses and gradients."""
     make = _sft(tmp_path, lambda: tiny_model("llama"), _completions(), word_tokenizer(), padding_free=True,
                 **_compiled(monkeypatch))
     plain, _ = _dynamo_counts(lambda: _train(make, None))
-    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False}))
+    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope}))
     _assert_same(plain, ours)
     assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0  # as in the Trainer test above
 
