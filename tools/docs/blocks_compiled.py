@@ -15,7 +15,8 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
 RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[5]: "the same, SEBP on the norms and activations too"}
 TRAINER = ("trainer_h100/trainer_final.json",)
-TRAINER_COMPILED = ("trainer_h200/trainer_compiled.json", "trainer_h200/trainer_compiled_pair.json")
+TRAINER_COMPILED = ("trainer_h100/trainer_compiled_layers.json", "trainer_h200/trainer_compiled.json",
+                    "trainer_h200/trainer_compiled_pair.json")
 
 
 def _model(page: Page, rel: str):
