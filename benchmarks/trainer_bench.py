@@ -68,7 +68,7 @@ PAIRS = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile")
          ("sebp+compile", "liger-nocudnn"), ("sebp+compile", "sebp"), ("liger+compile-nocudnn", "liger-nocudnn"),
          ("sebp+compile", "sebp+compile-whole"), ("sebp+compile-whole", "liger+compile-nocudnn"),
          ("sebp+compile", "plain+compile-nocudnn"), ("sebp+compile-whole", "plain+compile-nocudnn"),
-         ("plain+compile-nocudnn", "liger+compile-nocudnn"))
+         ("plain+compile-nocudnn", "liger+compile-nocudnn"), ("sebp", "liger-nocudnn"))
 _APPLY = {"sebp": {}, "sebp+compile": {}, "sebp+compile-whole": {"compile_scope": "loss"}, "liger+sebp": {},
           "liger+sebp+compile": {},
           "sebp-head": {"dense_fallback": 0.0},

@@ -15,6 +15,7 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
 RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[5]: "the same, SEBP on the norms and activations too"}
 TRAINER = ("trainer_h100/trainer_final.json",)
+TRAINER_PF = "trainer_h200/trainer_pf.json"
 TRAINER_COMPILED = ("trainer_h100/trainer_compiled_layers.json", "trainer_h200/trainer_compiled.json",
                     "trainer_h200/trainer_compiled_pair.json")
 
@@ -162,6 +163,18 @@ def trainer_h100(page: Page) -> str:
             ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
             body, "llrrrrl")) + "\n\n" + _trainer_note(src, "padded batches"))
     return "\n\n".join(parts)
+
+
+@block("trainer_pf")
+def trainer_pf(page: Page) -> str:
+    """SFTTrainer on TRL's padding-free batches, eager: steps/s per variant (as trainer_h100's table)."""
+    src = page.load(TRAINER_PF)
+    body = [[r["variant"], _cudnn(r), f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]),
+             f1(r["peak_gib"]), _loss(r)] for r in src.rows("results") if "steps_per_s" in r]
+    return captioned(page, [src], table(
+        ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
+        body, "llrrrrl")) + "\n\n" + _trainer_note(src, "padding-free batches (one flattened row a step)",
+                                                   ", in two calls on one machine")
 
 
 @block("op_overhead")
