@@ -2,9 +2,9 @@
 
 Eager code runs the autograd Functions of :mod:`.functional`, :mod:`.norms` and :mod:`.activations`. Dynamo
 cannot trace those Functions' backwards (Triton launches, per-layer Python state), so inside ``torch.compile``
-each SEBP layer's backward is one ``torch.library`` custom op with a fake (shape-only) implementation
+each SEBP layer's backward is one ``torch.library`` operator with a fake (shape-only) implementation
 (``sebp::linear_backward``, ``sebp::norm_backward``, ``sebp::act``/``sebp::act_backward``, defined beside
-their Functions). Dynamo and AOTAutograd then put everything into one graph and Inductor compiles the code
+their Functions; the backward ones through :mod:`.library`). Dynamo and AOTAutograd then put everything into one graph and Inductor compiles the code
 between them. Custom ops take tensors and plain values, not Python objects, so the ops carry integer keys:
 :func:`register` maps a key to the module (or :class:`~.activations.RowHint`,
 :class:`~.density.RowDensity`) whose settings and state the backward reads when it runs, so a compiled graph
@@ -12,8 +12,9 @@ always uses the module's current config, density estimate and hints. The key goe
 constant (a module's ``_sebp_key``), which Inductor's CUDA graphs (``mode="reduce-overhead"``) take as they
 are; but then every layer's graph is its own, and a stack compiled layer by layer (PyTorch's regional
 compilation) recompiles for each layer until Dynamo's limit sends the rest eager. :func:`keys_as_inputs`
-switches a model's modules to their key as a 0-d CPU tensor (``_sebp_key_t``), an input of the graph: layers
-of one class then share one compiled graph (and Inductor skips its CUDA graphs, which take no CPU input).
+switches a model's modules (and the row hints they hold) to their key as a 0-d CPU tensor (``_sebp_key_t``),
+an input of the graph: layers of one class then share one compiled graph (and Inductor skips its CUDA graphs,
+which take no CPU input).
 
 This module imports none of the modules that use it.
 """
