@@ -58,7 +58,8 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
     # the kernels' own rows (as the table's "Self CUDA time total"): an operator's row repeats its kernels' time
     device_ms = sum(e.self_device_time_total for e in table
                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / 1e3
-    return (f"{method}:{head}{' compiled (layers)' if compile else ''}: {len(batches)} steps, wall {wall:.1f} ms "
+    fused = "+norms" * norms + "+acts" * acts if method == "sebp" else ""
+    return (f"{method}{fused}:{head}{' compiled (layers)' if compile else ''}: {len(batches)} steps, wall {wall:.1f} ms "
             f"(profiled), device busy {device_ms:.1f} ms\n\nby device time\n"
             + table.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=80)
             + "\n\nby host time\n" + table.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80))

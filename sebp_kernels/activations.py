@@ -55,12 +55,14 @@ class RowHint:
     def key(self) -> int:
         return self._sebp_key
 
-    def __getstate__(self):  # a copy starts with no hints and a key of its own
-        return {"offered": self.offered, "taken": self.taken}
+    def __getstate__(self):  # a copy starts with no hints and a key of its own, passed as its original's is
+        return {"offered": self.offered, "taken": self.taken, "key_input": self._sebp_key_input}
 
     def __setstate__(self, state):
         self.__init__()
         self.offered, self.taken = state["offered"], state["taken"]
+        if state.get("key_input"):
+            self._sebp_key_input = True
 
     def offer(self, t: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> None:
         self._items = {k: v for k, v in self._items.items() if v[0]() is not None}

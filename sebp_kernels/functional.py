@@ -173,7 +173,7 @@ def sebp_linear(
     ``_key``: the :func:`.registry.register` key of the SEBPLinear calling this (or its
     :func:`~.registry.key_tensor`, see :func:`~.registry.keys_as_inputs`); inside ``torch.compile`` the layer
     then runs :func:`traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
-    custom op ``sebp::linear_backward``, which reads that layer's settings, state and hint.
+    operator ``sebp::linear_backward`` (:mod:`.library`), which reads that layer's settings, state and hint.
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where

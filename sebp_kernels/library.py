@@ -11,7 +11,9 @@ here (``benchmarks/op_overhead.py``, results/op_overhead_h100/).
 The backward operators need none of those layers: they run inside a backward, where autograd records nothing,
 return new tensors, and have no derivative of their own. :func:`backward_op` defines one as the dispatcher's
 kernel for every backend (``CompositeExplicitAutograd``: the dispatcher calls the Python function directly) with
-its fake (shape-only) implementation, which Dynamo, AOTAutograd and Inductor trace with. The forward operators
+its fake (shape-only) implementation, which Dynamo, AOTAutograd and Inductor trace with. Without an autograd
+kernel, a call that autograd would record (a backward with ``create_graph=True``) would only warn, so the
+kernel refuses it, as the eager Functions (``once_differentiable``) do. The forward operators
 with a derivative (``sebp::act``, ``sebp::linear_ce``) stay ``custom_op``s with ``register_autograd``.
 
 This module imports none of the modules that use it.
@@ -31,6 +33,13 @@ def backward_op(fn: Callable, fake: Callable) -> torch._ops.OpOverload:
     ``fake`` as its shape-only implementation; returns the operator (``torch.ops.sebp.<name>.default``)."""
     name = fn.__name__.lstrip("_")
     _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
-    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+
+    def kernel(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise RuntimeError(f"sebp::{name} has no derivative of its own: SEBP gives no second-order "
+                               "gradients (backward with create_graph=True)")
+        return fn(*args)
+
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"sebp::{name}", fake, lib=_LIB)
     return getattr(torch.ops.sebp, name).default

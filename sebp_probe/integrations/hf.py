@@ -81,6 +81,12 @@ class SEBPTrainer:
     cudnn_attention: bool = True  # False: the training steps' sdpa runs without cuDNN's attention
     compile_scope: str | None = None  # under torch_compile=True: how the labelled-rows loss compiles
     _uncompile: Callable[[], None] | None = field(default=None, repr=False)
+    _compiling: object | None = field(default=None, repr=False)  # its Fallback: why it went eager, if it did
+
+    @property
+    def compile_failed(self) -> str | None:
+        """Why the compiled layers or loss run eagerly since a call failed to compile (None: they compile)."""
+        return getattr(self._compiling, "why", None)
 
     @property
     def layers(self) -> dict[str, SEBPConfig]:
@@ -106,6 +112,7 @@ class SEBPTrainer:
     def to_dict(self) -> dict:
         return {"applied": self.applied, "head": self.head, "reason": self.reason,
                 "cudnn_attention": self.cudnn_attention, "compile_scope": self.compile_scope,
+                "compile_failed": self.compile_failed,
                 "calibration": self.calibration.to_dict() if self.calibration is not None else None}
 
 
@@ -171,7 +178,7 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task,
                          cudnn_attention=cudnn)
     if used == "labelled":
-        handle.compile_scope, handle._uncompile = _take_loss(trainer, task, compile_scope)
+        handle.compile_scope, handle._uncompile, handle._compiling = _take_loss(trainer, task, compile_scope)
     if not cudnn:
         _steps_without_cudnn_attention(trainer)
     setattr(trainer, _HANDLE, handle)
@@ -280,18 +287,25 @@ def _sdpa_on_gpu(model) -> bool:
     return getattr(cfg, "_attn_implementation", None) == "sdpa" and any(p.is_cuda for p in model.parameters())
 
 
-def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Callable[[], None] | None]:
+def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Callable[[], None] | None, object]:
     """Make ``trainer``'s training loss the labelled-rows one (an instance attribute over the class's
     ``compute_loss``, which still computes evaluation and anything asking for the outputs). Under
     ``torch_compile=True`` each layer of the model compiles in place (``compile_scope="layers"``,
     :func:`_compiled_layers`) or the labelled-rows loss compiles as a whole (``loss``, and where the model has
-    no layer stack: :func:`_compiled_labelled_loss`). Returns the scope that compiles (None: eager) and what
-    undoes the layers' compile."""
+    no layer stack: :func:`_compiled_labelled_loss`). Returns the scope that compiles (None: eager), what
+    undoes the layers' compile, and the :class:`~sebp_probe.train.compiling.Fallback` of the compiled calls
+    (None: eager)."""
+    from ..train.compiling import Fallback
+
     own = trainer.compute_loss
     sft = _is_sft(_loss_owner(trainer))
-    uncompile = _compiled_layers(trainer) if trainer.args.torch_compile and compile_scope == "layers" else None
-    compiled = bool(trainer.args.torch_compile) and uncompile is None  # the whole loss compiled
-    labelled = _compiled_labelled_loss(trainer, task) if compiled else _labelled_loss
+    fallback = uncompile = None
+    if trainer.args.torch_compile:
+        fallback = Fallback(_compile_kwargs(trainer).get("mode") or "default", flag="torch_compile=True")
+        if compile_scope == "layers":
+            uncompile = _compiled_layers(trainer, fallback)
+    compiled = fallback is not None and uncompile is None  # the whole loss compiled
+    labelled = _compiled_labelled_loss(trainer, fallback) if compiled else _labelled_loss
     scope = "loss" if compiled else "layers" if uncompile is not None else None
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -310,7 +324,7 @@ def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Call
         return loss
 
     trainer.compute_loss = compute_loss
-    return scope, uncompile
+    return scope, uncompile, fallback
 
 
 def _labelled_loss(model, inputs: dict, task: str, num_items_in_batch, smoothing: float,
@@ -325,31 +339,28 @@ def _uncompiled(model):
     return getattr(model, "_orig_mod", model)
 
 
-def _compiled_labelled_loss(trainer, task: str):
+def _compiled_labelled_loss(trainer, fallback):
     """The labelled-rows loss compiled as a whole (backbone, last layer on the labelled rows, head and loss)
     with the trainer's own compile settings (its accelerator's dynamo plugin: backend, mode, options), the
     labelled-row counts given as Python ints (:func:`~sebp_probe.model.heads.host_targets`: no graph break),
     sizes that are equal by chance kept apart (no recompile when a batch is as long as the hidden size). A
-    call that fails to compile says so in one line, and the training goes on with the eager loss."""
-    from ..train.compiling import Fallback
-
-    kwargs = _compile_kwargs(trainer)
-    return Fallback(kwargs.get("mode") or "default", flag="torch_compile=True").compile(
-        _labelled_loss, "the labelled-rows loss", **kwargs)
+    call that fails to compile says so in one line (``fallback``), and the training goes on with the eager
+    loss."""
+    return fallback.compile(_labelled_loss, "the labelled-rows loss", **_compile_kwargs(trainer))
 
 
-def _compiled_layers(trainer) -> Callable[[], None] | None:
+def _compiled_layers(trainer, fallback) -> Callable[[], None] | None:
     """Each layer of the trainer's model compiled in place with the trainer's compile settings
-    (:func:`~sebp_probe.train.compiling.compile_layers`; a layer call that fails to compile says so in one line
-    and runs eagerly); what undoes it, or None where the model has no layer stack sebp-probe knows."""
-    from ..train.compiling import Fallback, compile_layers
+    (:func:`~sebp_probe.train.compiling.compile_layers`; a layer call that fails to compile says so in one line,
+    ``fallback``, and runs eagerly); what undoes it, or None where the model has no layer stack sebp-probe
+    knows."""
+    from ..families import layer_stack
+    from ..train.compiling import compile_layers
 
-    kwargs = _compile_kwargs(trainer)
-    fallback = Fallback(kwargs.get("mode") or "default", flag="torch_compile=True")
-    try:
-        return compile_layers(unwrap(trainer.model), fallback=fallback, **kwargs)
-    except ValueError:
+    model = unwrap(trainer.model)
+    if layer_stack(model) is None:
         return None
+    return compile_layers(model, fallback=fallback, **_compile_kwargs(trainer))
 
 
 def _compile_kwargs(trainer) -> dict:

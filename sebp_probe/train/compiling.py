@@ -122,7 +122,9 @@ def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **k
     their code, so Dynamo traces one and the others reuse its graphs (their parameters are the graphs' inputs,
     and SEBP layers name themselves by a tensor input, :func:`sebp_kernels.registry.keys_as_inputs`): a compile
     of one layer, not of the model. The last layer runs eagerly while it computes the labelled-rows head's kept
-    rows (a few rows, whose count and positions would pin its graph to each batch). Sizes stay apart
+    rows (a few rows, whose count and positions would pin its graph to each batch), and every layer runs
+    eagerly in eval mode or without gradients (an evaluation, a ``generate``: compiled, they would add graphs of
+    their own, as :func:`evaluating_eagerly` says, toward the recompile limit the training shares). Sizes stay apart
     (:func:`distinct_sizes`). ``fallback``: a layer call that fails to compile runs eagerly, with its one line
     (:meth:`Fallback.guard`). ValueError where the model has no layer stack sebp-probe knows."""
     layers = layer_stack(model)
@@ -136,7 +138,7 @@ def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **k
             compiled = fallback.guard(compiled, layer._call_impl, "a layer of the model")
 
         def call(*args, _compiled=compiled, _layer=layer, **kwargs):
-            if computes_kept_rows(_layer):
+            if computes_kept_rows(_layer) or not (_layer.training and torch.is_grad_enabled()):
                 return _layer._call_impl(*args, **kwargs)
             return _compiled(*args, **kwargs)
 

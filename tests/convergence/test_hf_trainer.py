@@ -255,6 +255,8 @@ def test_a_compiled_loss_that_fails_says_so_and_trains_eagerly(tmp_path, monkeyp
     _assert_same(plain, ours)
     lines = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"torch_compile=True: {what} did not compile")
+    failed = ours[2].to_dict()["compile_failed"]  # the handle says it ran eagerly, and why
+    assert failed and failed.startswith("BackendCompilerFailed")
 
 
 def test_trainer_torch_compile_keeps_a_classifiers_own_forward(tmp_path, monkeypatch, caplog):

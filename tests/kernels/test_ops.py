@@ -90,6 +90,30 @@ def test_compiled_layers_read_their_current_settings_and_copies_their_own():
         dynamo.reset()
 
 
+def test_backward_ops_refuse_a_call_autograd_would_record():
+    """The backward operators have no derivative: a call autograd would record (create_graph=True) fails in one
+    line instead of a warning and wrong second-order gradients."""
+    lin = SEBPLinear(8, 6)
+    dy, x, w = torch.randn(4, 6, requires_grad=True), torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(RuntimeError, match="no derivative of its own"):
+        torch.ops.sebp.linear_backward(dy, x, w, True, True, False, lin._sebp_key_t, 0, 0, 0)
+    with torch.no_grad():  # as a backward calls it
+        dx, dw, _ = torch.ops.sebp.linear_backward(dy, x, w, True, True, False, lin._sebp_key_t, 0, 0, 0)
+    torch.testing.assert_close(dx, dy.detach() @ w)
+
+
+def test_copies_of_row_hints_keep_their_keys_apart_and_as_inputs():
+    """A copy of a model whose keys go in as graph inputs (keys_as_inputs) keeps them so, row hints included,
+    each with a key of its own."""
+    from sebp_kernels.activations import RowHint
+
+    hint = RowHint()
+    hint._sebp_key_input = True
+    twin = copy.deepcopy(hint)
+    assert twin.key != hint.key and twin._sebp_key_input and int(twin._sebp_key_t) == twin.key
+    assert not copy.deepcopy(RowHint())._sebp_key_input
+
+
 def test_a_key_whose_layer_is_gone_fails_with_one_line():
     lin = nn.Linear(4, 4)
     key = registry.register(lin)

@@ -100,3 +100,32 @@ def test_compiled_exact_sebp_trains_as_compiled_dense(tmp_path):
         assert s["status"] == "completed" and s["compile"]["graphs"] >= 1 and s["compile"]["graph_breaks"] == 0
     assert len(sebp["calibration"]["layers"]) == 12
     assert out["comparison"]["max_abs_loss_gap"] <= 1e-4
+
+
+def test_compiled_layers_run_eagerly_in_eval_mode_and_without_gradients():
+    """compile_layers: a training step runs the compiled layers; an evaluation (eval mode, no gradients) runs
+    them eagerly and compiles no graph of its own, with the same loss as the uncompiled model."""
+    from sebp_probe.model.patch import patch_sebp
+    from sebp_kernels import SEBPConfig
+
+    model = tiny_model("llama")
+    patch_sebp(model, SEBPConfig("exact"), norms=True, acts=True)
+    ids = torch.randint(3, 100, (2, 12))
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    dynamo.reset()
+    model.train()
+    undo = compiling.compile_layers(model, backend="aot_eager", dynamic=True)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        trained = compiling.dynamo_counts()[0]
+        assert trained >= 1
+        model.eval()
+        with torch.no_grad():
+            got = model(input_ids=ids, labels=ids).loss
+        assert compiling.dynamo_counts()[0] == trained
+    finally:
+        undo()
+        dynamo.reset()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
