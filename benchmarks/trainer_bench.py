@@ -173,11 +173,9 @@ def run_variant(variant: str, opts: argparse.Namespace, out_dir: str) -> dict:
     # the variant's calibration and training; the process gets sdpa's flags back (--in-process runs others after)
     with without_cudnn_attention() if nocudnn else contextlib.nullcontext():
         handle = apply_sebp(trainer, **_APPLY[base]) if base in _APPLY else None
-        if handle is not None:  # the head, and the calibration: layers kept, densities
-            result["sebp"] = handle.to_dict()
         trainer.train()
-    if handle is not None:  # a compiled layer or loss that failed to compile ran eagerly: the row says why
-        result["sebp"]["compile_failed"] = handle.compile_failed
+    if handle is not None:  # the head, the calibration (layers kept, densities), and, read after the training,
+        result["sebp"] = handle.to_dict()  # whether a compiled layer or loss failed to compile and ran eagerly
     first = max(opts.warmup - 1, 0)  # from the end of the last warm-up step
     ends, graphs = timer.ends[first:], timer.graphs[first:]
     times = [b - a for a, b in zip(ends, ends[1:])]

@@ -300,12 +300,14 @@ def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Call
     own = trainer.compute_loss
     sft = _is_sft(_loss_owner(trainer))
     fallback = uncompile = None
+    kwargs: dict = {}
     if trainer.args.torch_compile:
-        fallback = Fallback(_compile_kwargs(trainer).get("mode") or "default", flag="torch_compile=True")
+        kwargs = _compile_kwargs(trainer)
+        fallback = Fallback(kwargs.get("mode") or "default", flag="torch_compile=True")
         if compile_scope == "layers":
-            uncompile = _compiled_layers(trainer, fallback)
+            uncompile = _compiled_layers(trainer, fallback, kwargs)
     compiled = fallback is not None and uncompile is None  # the whole loss compiled
-    labelled = _compiled_labelled_loss(trainer, fallback) if compiled else _labelled_loss
+    labelled = _compiled_labelled_loss(fallback, kwargs) if compiled else _labelled_loss
     scope = "loss" if compiled else "layers" if uncompile is not None else None
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -339,18 +341,18 @@ def _uncompiled(model):
     return getattr(model, "_orig_mod", model)
 
 
-def _compiled_labelled_loss(trainer, fallback):
+def _compiled_labelled_loss(fallback, kwargs: dict):
     """The labelled-rows loss compiled as a whole (backbone, last layer on the labelled rows, head and loss)
-    with the trainer's own compile settings (its accelerator's dynamo plugin: backend, mode, options), the
+    with the trainer's own compile settings (``kwargs``, :func:`_compile_kwargs`), the
     labelled-row counts given as Python ints (:func:`~sebp_probe.model.heads.host_targets`: no graph break),
     sizes that are equal by chance kept apart (no recompile when a batch is as long as the hidden size). A
     call that fails to compile says so in one line (``fallback``), and the training goes on with the eager
     loss."""
-    return fallback.compile(_labelled_loss, "the labelled-rows loss", **_compile_kwargs(trainer))
+    return fallback.compile(_labelled_loss, "the labelled-rows loss", **kwargs)
 
 
-def _compiled_layers(trainer, fallback) -> Callable[[], None] | None:
-    """Each layer of the trainer's model compiled in place with the trainer's compile settings
+def _compiled_layers(trainer, fallback, kwargs: dict) -> Callable[[], None] | None:
+    """Each layer of the trainer's model compiled in place with the trainer's compile settings (``kwargs``)
     (:func:`~sebp_probe.train.compiling.compile_layers`; a layer call that fails to compile says so in one line,
     ``fallback``, and runs eagerly); what undoes it, or None where the model has no layer stack sebp-probe
     knows."""
@@ -360,7 +362,7 @@ def _compiled_layers(trainer, fallback) -> Callable[[], None] | None:
     model = unwrap(trainer.model)
     if layer_stack(model) is None:
         return None
-    return compile_layers(model, fallback=fallback, **_compile_kwargs(trainer))
+    return compile_layers(model, fallback=fallback, **kwargs)
 
 
 def _compile_kwargs(trainer) -> dict:

@@ -14,10 +14,16 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
 # What the later runs of a layout changed, for the targets' lines (the first run of each has none)
 RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[5]: "the same, SEBP on the norms and activations too"}
+
 TRAINER = ("trainer_h100/trainer_final.json",)
 TRAINER_PF = "trainer_h200/trainer_pf.json"
 TRAINER_COMPILED = ("trainer_h100/trainer_compiled_layers.json", "trainer_h200/trainer_compiled.json",
                     "trainer_h200/trainer_compiled_pair.json")
+
+
+def _run_note(rel: str) -> str:
+    """`` (what that run changed)`` for a later run of a layout, else nothing."""
+    return f" ({RUN_NOTES[rel]})" if rel in RUN_NOTES else ""
 
 
 def _model(page: Page, rel: str):
@@ -87,11 +93,10 @@ def compiled_targets(page: Page) -> str:
                      f"{'met' if x >= 1.0 else '**not met**'}.")
     for rel, want in ((COMPILED[2], 1.25), (COMPILED[4], 1.25), (COMPILED[5], 1.25), (COMPILED[3], 1.15)):
         m = models[rel]  # every padded layout each file ran, each ratio within one run
-        note = f" ({RUN_NOTES[rel]})" if rel in RUN_NOTES else ""
         for layout in m["layouts_run"]:
             got = {h: _ratio(m, layout, h, "sebp", "dense") for h in ("full", "labelled")}
             best = max(v for v in got.values() if v is not None)
-            lines.append(f"- {m['case']['name']}, {layout}{note}: SEBP compiled against dense compiled "
+            lines.append(f"- {m['case']['name']}, {layout}{_run_note(rel)}: SEBP compiled against dense compiled "
                          f"{times(got['full'])} (model's head), {times(got['labelled'])} (labelled-rows head): "
                          f"target >= {times(want)} {'met' if best >= want else '**not met**'}.")
     first = max(r["compile_s"] for rel in (COMPILED[0], COMPILED[2], COMPILED[4], COMPILED[5])
@@ -101,7 +106,7 @@ def compiled_targets(page: Page) -> str:
                  f"(each layer compiled; the first entry of a fresh cache takes the longest): target <= 90 s "
                  f"{'met' if first <= 90 else '**not met**'}.")
     worst = {models[rel]["case"]["name"] + " " + ",".join(models[rel]["layouts_run"])
-             + (f" ({RUN_NOTES[rel]})" if rel in RUN_NOTES else ""):
+             + _run_note(rel):
              max(r["recompiles"] for r in models[rel]["rows"] if r["timing"] == "compiled") for rel in COMPILED}
     lines.append("- no recompile after a layout's first batch: " + "; ".join(
         f"{k}: {v} at most" for k, v in worst.items()) + (" (met)" if not any(worst.values()) else
@@ -149,32 +154,29 @@ def trainer_compiled(page: Page) -> str:
     return "\n\n".join(parts)
 
 
-@block("trainer_h100")
-def trainer_h100(page: Page) -> str:
-    """SFTTrainer steps per second per variant: whether sdpa could take cuDNN's attention, the step's median and
-    mean (the mean counts the slow first steps of new shapes), the peak memory and the loss the step ran."""
-    parts = []
-    for rel in TRAINER:
-        src = page.load(rel)
-        body = [[r["variant"], _cudnn(r),
-                 f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]), f1(r["peak_gib"]),
-                 _loss(r)] for r in src.rows("results") if "steps_per_s" in r]
-        parts.append(captioned(page, [src], table(
-            ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
-            body, "llrrrrl")) + "\n\n" + _trainer_note(src, "padded batches"))
-    return "\n\n".join(parts)
-
-
-@block("trainer_pf")
-def trainer_pf(page: Page) -> str:
-    """SFTTrainer on TRL's padding-free batches, eager: steps/s per variant (as trainer_h100's table)."""
-    src = page.load(TRAINER_PF)
+def _trainer_table(page: Page, rel: str, batches: str, runs: str = "") -> str:
+    """One SFTTrainer bench's table: per variant whether sdpa could take cuDNN's attention, steps/s, the step's
+    median and mean (the mean counts the slow first steps of new shapes), the peak memory and the loss the step
+    ran; then its note."""
+    src = page.load(rel)
     body = [[r["variant"], _cudnn(r), f2(r["steps_per_s"]), f1(r["step_ms_median"]), f1(r["step_ms_mean"]),
              f1(r["peak_gib"]), _loss(r)] for r in src.rows("results") if "steps_per_s" in r]
     return captioned(page, [src], table(
         ["variant", "cuDNN attention", "steps/s", "step ms (median)", "step ms (mean)", "peak GiB", "loss"],
-        body, "llrrrrl")) + "\n\n" + _trainer_note(src, "padding-free batches (one flattened row a step)",
-                                                   ", in two calls on one machine")
+        body, "llrrrrl")) + "\n\n" + _trainer_note(src, batches, runs)
+
+
+@block("trainer_h100")
+def trainer_h100(page: Page) -> str:
+    """SFTTrainer steps per second per variant, padded batches (:func:`_trainer_table`)."""
+    return "\n\n".join(_trainer_table(page, rel, "padded batches") for rel in TRAINER)
+
+
+@block("trainer_pf")
+def trainer_pf(page: Page) -> str:
+    """SFTTrainer on TRL's padding-free batches, eager (:func:`_trainer_table`)."""
+    return _trainer_table(page, TRAINER_PF, "padding-free batches (one flattened row a step)",
+                          ", in two calls on one machine")
 
 
 @block("op_overhead")
