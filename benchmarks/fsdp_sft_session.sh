@@ -15,6 +15,9 @@
 #   auto    the same with --padding auto, SEBP only (what auto picks under FSDP2 and compile)
 #   resume  exact SEBP eager, 16 steps: the run uninterrupted, then one killed by SIGTERM after 6 logged steps
 #           and resumed with --resume
+#   resume_det  the same with --deterministic, the uninterrupted run twice (TWICE=0: once)
+#   scopes  one process on GPU 0: --compile default with --compile-scope layers, then model (SCOPES), SEBP,
+#           SCOPE_STEPS steps (16): the compile seconds of each
 #   fsdp1   --fsdp_version 1 with SEBP, 8 steps
 #   nproc   --resume of the 2-process run with one process
 # Every run's summary.json, metrics.jsonl, run_config.json and log go into $OUT/fsdp_sft_raw.tgz (rewritten
@@ -52,6 +55,17 @@ run() {  # name, command...
   grep -E "^(SEBP vs dense|error|note)|Traceback|Error" "$RAW/$name.log" | head -6
   save "$RUNS/$name" "$name"
 }
+killed_then_resumed() {  # name, command...: the command killed by SIGTERM after 6 logged steps, then --resume
+  local name=$1; shift
+  echo "=== $name (killed) $(date +%T): $* -o $RUNS/$name --overwrite" | tee -a "$RAW/commands.txt"
+  COLUMNS=200 "$@" -o "$RUNS/$name" --overwrite > "$RAW/${name}_a.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1200); do
+    n=$(grep -c '"train"' "$RUNS/$name/metrics.jsonl" 2>/dev/null); [ "${n:-0}" -ge 6 ] && break; sleep 0.5
+  done
+  kill -TERM $pid; wait $pid; echo "killed rc=$?" | tee -a "$RAW/commands.txt"
+  run "$name" "$@" -o "$RUNS/$name" --resume
+}
 for s in ${STEPS:-prep}; do
   case $s in
     prep)
@@ -73,14 +87,18 @@ for s in ${STEPS:-prep}; do
       R=("${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --max-steps 16 --method sebp
          --eval-steps 8)
       run resume_ref "${R[@]}" -o "$RUNS/resume_ref" --overwrite
-      echo "=== resume (killed) $(date +%T): ${R[*]} -o $RUNS/resume --overwrite" | tee -a "$RAW/commands.txt"
-      COLUMNS=200 "${R[@]}" -o "$RUNS/resume" --overwrite > "$RAW/resume_a.log" 2>&1 &
-      pid=$!
-      for _ in $(seq 1200); do
-        n=$(grep -c '"train"' "$RUNS/resume/metrics.jsonl" 2>/dev/null); [ "${n:-0}" -ge 6 ] && break; sleep 0.5
-      done
-      kill -TERM $pid; wait $pid; echo "killed rc=$?" | tee -a "$RAW/commands.txt"
-      run resume "${R[@]}" -o "$RUNS/resume" --resume ;;
+      killed_then_resumed resume "${R[@]}" ;;
+    resume_det)  # the same with --deterministic, and the uninterrupted run twice (are two runs bit-equal?)
+      R=("${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --max-steps 16 --method sebp
+         --eval-steps 8 --deterministic)
+      run resume_det_ref "${R[@]}" -o "$RUNS/resume_det_ref" --overwrite
+      [ "${TWICE:-1}" = 1 ] && run resume_det_ref2 "${R[@]}" -o "$RUNS/resume_det_ref2" --overwrite
+      killed_then_resumed resume_det "${R[@]}" ;;
+    scopes)  # one process on one GPU: --compile default with each --compile-scope, compile seconds and steps
+      for sc in ${SCOPES:-layers model}; do
+        CUDA_VISIBLE_DEVICES=0 run "scope_$sc" python3 "${FT[@]}" "${COMMON[@]}" --padding longest --compile default \
+          --compile-scope "$sc" --max-steps ${SCOPE_STEPS:-16} --method sebp -o "$RUNS/scope_$sc" --overwrite
+      done ;;
     fsdp1)
       run fsdp1 "${FSDP[@]}" --fsdp_version 1 "${FT[@]}" "${COMMON[@]}" --padding longest --max-steps 8 \
         --method sebp -o "$RUNS/fsdp1" --overwrite ;;

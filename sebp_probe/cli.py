@@ -144,12 +144,19 @@ def finetune_cmd(
                                      "in calibration too."),
     graph_bucket: int = typer.Option(32, "--graph-bucket", help="With --cuda-graphs and --padding longest: pad "
                                      "each batch to a multiple of this many tokens (fewer shapes to capture)."),
-    compile_mode: str = typer.Option(None, "--compile", metavar="MODE", help="torch.compile the training step "
+    compile_mode: str = typer.Option(None, "--compile", metavar="MODE", help="torch.compile the training model "
                                      "in this mode: default | reduce-overhead (CUDA graphs; the fast one on a "
                                      "GPU) | max-autotune | max-autotune-no-cudagraphs | auto (with --padding "
                                      "auto: time eager and compiled, compile where the whole run's estimate, "
                                      "compile time included, says it pays; the default on a GPU with --padding "
                                      "auto) | off (eager; the default otherwise)."),
+    compile_scope: str = typer.Option("layers", "--compile-scope", help="With --compile: what compiles: "
+                                      "layers (each transformer layer in place; the embeddings, head and loss "
+                                      "run eagerly; one layer's compile, seconds) | model (the whole model, and "
+                                      "with the labelled-rows head the whole step; minutes for a 1B model)."),
+    deterministic: bool = typer.Option(False, "--deterministic", help="torch's deterministic algorithms "
+                                       "(slower): two runs of one command, and a resumed run against the "
+                                       "uninterrupted one, compute the same bits."),
     task: str = _TASK,
     split: str = typer.Option(None, "--split", help="Training split (default train)."),
     eval_split: str = typer.Option(None, "--eval-split", help="Held-out split (default: test for tweets, "
@@ -211,7 +218,8 @@ def finetune_cmd(
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
-        compile=_compile_setting(compile_mode, padding, cuda_graphs),
+        compile=_compile_setting(compile_mode, padding, cuda_graphs), compile_scope=compile_scope,
+        deterministic=deterministic,
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
         eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)

@@ -82,6 +82,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # Inductor records CUDA graphs in these
 # --compile auto: --padding auto times eager and compiled (this mode) candidates and compiles where that pays
 COMPILE_AUTO, AUTO_COMPILE_MODE = "auto", "default"
+# --compile-scope: each transformer layer compiled in place (one layer's compile) or the whole model
+COMPILE_SCOPES = ("layers", "model")
 DEFAULT_MAX_STEPS = 200
 
 
@@ -108,7 +110,13 @@ class FinetuneConfig:
     :mod:`sebp_probe.model.losses`), ``full`` the model's own loss. ``compile``: a ``torch.compile`` mode for the
     training model (one of ``COMPILE_MODES``); the SEBP layers' backward compiles as ``sebp::`` custom ops
     (:mod:`sebp_kernels.registry`); on a GPU, the modes that record CUDA graphs (``reduce-overhead``,
-    ``max-autotune``) also time calibration as graph replays.
+    ``max-autotune``) also time calibration as graph replays. ``compile_scope``: ``layers`` compiles each
+    transformer layer in place (the layers share one compile; the embeddings, the head and the loss run eagerly:
+    :func:`~sebp_probe.train.compiling.compile_layers`), ``model`` the whole model (and, with the labelled-rows
+    head, the whole step's loss); ``layers`` falls back to ``model`` for a model without a layer stack that
+    sebp-probe knows. ``deterministic``: torch's deterministic algorithms (and cuBLAS's fixed workspace), so
+    that two runs of the same command, and a resumed run against the uninterrupted one, compute the same bits
+    (slower; an op without a deterministic implementation stops the run at its first call, in one line).
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
     """
@@ -136,6 +144,8 @@ class FinetuneConfig:
     cuda_graphs: bool = False
     graph_bucket: int = 32
     compile: str | None = None
+    compile_scope: str = "layers"
+    deterministic: bool = False
     max_steps: int | None = None
     epochs: float | None = None
     lr: float = 5e-5
@@ -215,6 +225,8 @@ class FinetuneConfig:
             if self.cuda_graphs:
                 raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
                                  "CUDA graphs itself)")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"unknown compile scope {self.compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
         graphed = self.cuda_graphs or self.compile in GRAPHED_COMPILE_MODES
         if graphed and self.data.padding in LAYOUTS and not LAYOUTS[self.data.padding].fixed_shapes:
             fixed = [name for name, lay in LAYOUTS.items() if lay.fixed_shapes]

@@ -140,20 +140,26 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def config_of(model: nn.Module):
-    """The transformers config of ``model`` (also inside peft, DDP/FSDP and ``torch.compile`` wrappers), or
-    None."""
+def unwrapped(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside ``model``'s peft, DDP/FSDP and ``torch.compile`` wrappers (the first module
+    whose config names a model type; ``model`` itself when it is one), or None."""
     m = model
     for _ in range(8):
-        cfg = getattr(m, "config", None)
-        if getattr(cfg, "model_type", None):
-            return cfg
+        if getattr(getattr(m, "config", None), "model_type", None):
+            return m
         get_base = getattr(m, "get_base_model", None)
         nxt = get_base() if callable(get_base) else getattr(m, "module", None) or getattr(m, "_orig_mod", None)
         if not isinstance(nxt, nn.Module) or nxt is m:
             return None
         m = nxt
     return None
+
+
+def config_of(model: nn.Module):
+    """The transformers config of ``model`` (also inside peft, DDP/FSDP and ``torch.compile`` wrappers), or
+    None."""
+    m = unwrapped(model)
+    return None if m is None else m.config
 
 
 def model_type(model: nn.Module) -> str | None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
-from sebp_kernels.pad_rows import CHECKING, PadRows
+from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type
 from ..notes import note
@@ -275,6 +275,23 @@ def pad_rows_summary(model: nn.Module) -> dict | None:
     if pad is None or (pad.state == CHECKING and pad.violations is None):
         return None
     return {"state": pad.state, "taken": pad.taken}
+
+
+def pad_rows_verdict(model: nn.Module) -> str | None:
+    """The verdict of ``model``'s padding-row check (``on`` / ``off``), None while it checks or without them: what
+    a checkpoint keeps for :func:`restore_pad_rows`."""
+    pad = pad_rows_of(model)
+    return pad.state if pad is not None and pad.state in (ON, OFF) else None
+
+
+def restore_pad_rows(model: nn.Module, verdict: str | None) -> None:
+    """A resumed run's padding rows take the verdict its process had reached (:func:`pad_rows_verdict`).
+    Checked again instead, the first backwards after the resume would have the linears select their rows
+    themselves, and their sums run over the rows in another order than the uninterrupted run's: values an ulp
+    apart, not the same bits."""
+    pad = pad_rows_of(model)
+    if pad is not None and verdict in (ON, OFF):
+        pad.state = verdict
 
 
 def remove_pad_rows(model: nn.Module) -> None:

@@ -1,5 +1,6 @@
-"""``--compile``: ``torch.compile`` of the training model in place and of a run's whole step loss, or, where
-it cannot run, one line saying why and the run goes on eagerly.
+"""``--compile``: ``torch.compile`` of the training model in place, layer by layer (``--compile-scope layers``,
+:func:`compile_layers_or_eager`) or whole with the run's step loss (``model``, :func:`compile_or_eager`), or,
+where it cannot run, one line saying why and the run goes on eagerly.
 
 Two things can stop it: Inductor cannot compile anything here (no C compiler for CPU code, a Python or torch
 that Dynamo does not support, no Triton for a GPU), found by compiling and running a tiny function first; or
@@ -15,7 +16,7 @@ import torch
 
 from sebp_kernels.registry import keys_as_inputs
 
-from ..families import layer_stack
+from ..families import layer_stack, unwrapped
 from ..model.last_layer import computes_kept_rows
 from ..notes import note
 
@@ -150,6 +151,36 @@ def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **k
             layer._compiled_call_impl = None
 
     return undo
+
+
+def training_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose layer stack a run compiles: the transformers model inside DDP's and peft's wrappers
+    (:func:`~sebp_probe.families.unwrapped`; FSDP2 leaves the model's own classes in place), else ``model``."""
+    return unwrapped(model) or model
+
+
+def layer_compile_options(mode: str, one_shape: bool) -> dict:
+    """The ``torch.compile`` options of a run's layers: ``mode``, and dynamic shapes from the first batch unless
+    every batch has ``one_shape`` (``max_length``): else Dynamo compiles the first shape, then again with
+    symbols at the second, a whole second compile (23 s of a 1B model's first 10 steps on an H200)."""
+    return {"mode": mode} if one_shape else {"mode": mode, "dynamic": True}
+
+
+def compile_layers_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
+                            one_shape: bool = False) -> str | None:
+    """``--compile-scope layers``: each layer of the training model's stack compiled in place with ``mode``
+    (:func:`compile_layers`; a layer call that fails to compile logs one line, and every layer runs eagerly
+    from then on), with dynamic shapes unless every batch has ``one_shape``. Returns ``"layers"``;
+    ``"model"`` where the model has no layer stack sebp-probe knows (the caller compiles the whole model
+    instead); None, with one logged line, where Inductor cannot run."""
+    target = training_layers(model)
+    if layer_stack(target) is None:
+        return "model"
+    if cannot_compile(mode, device):
+        return None
+    fallback = Fallback(mode)
+    fallback._undo.append(compile_layers(target, fallback, **layer_compile_options(mode, one_shape)))
+    return "layers"
 
 
 def cannot_compile(mode: str, device: torch.device) -> bool:

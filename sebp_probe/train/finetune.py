@@ -20,6 +20,7 @@ from ..data.assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
 from ..config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
+from .determinism import NotDeterministic, deterministic
 from .loop import Event, Run, graphed_compile, wrap_lora
 from ..model.losses import set_head
 from ..model.sdpa import without_cudnn_attention
@@ -102,13 +103,19 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     configs and synthetic batches). Every note of the run (:mod:`.notes`: the data's, a family's fallbacks,
     the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
     cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
-    (``max_length``). Raises FinetuneError for bad input, a diverged run included."""
+    (``max_length``); ``cfg.deterministic`` runs it under :func:`~.determinism.deterministic`. Raises
+    FinetuneError for bad input, a diverged run included (and an op that has no deterministic implementation
+    under ``--deterministic``)."""
     emit = on_event or (lambda kind, payload: None)
     # the whole run (calibration, --padding auto's timings, training) on the same attention kernels; batches
     # of one shape (max_length) leave sdpa its choice: cuDNN then plans once
     attention = contextlib.nullcontext() if cfg.data.padding == "max_length" else without_cudnn_attention()
-    with collect_notes(lambda text: emit("note", {"text": text})) as notes, attention:
-        return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
+    try:
+        with collect_notes(lambda text: emit("note", {"text": text})) as notes, attention, \
+                deterministic(cfg.deterministic):
+            return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
+    except NotDeterministic as e:
+        raise FinetuneError(str(e)) from None
 
 
 def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,

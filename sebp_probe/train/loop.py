@@ -25,11 +25,13 @@ from sebp_kernels import SEBPConfig
 
 from ..data.assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
-from .compiling import compile_or_eager, dynamo_counts, evaluating_eagerly
+from .compiling import compile_layers_or_eager, compile_or_eager, dynamo_counts, evaluating_eagerly
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
+from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
-from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations
+from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, pad_rows_verdict, patched_activations, \
+    restore_pad_rows
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from ..data.train_data import TrainData, first_batches, make_loaders
 from .train_step import MicroBatches, StepTally, StopRequest, untimed_reason
@@ -132,6 +134,7 @@ class Run:
         self.cfg, self.method, self.dir, self.acc, self.data = cfg, method, run_dir, accelerator, data
         self.load_fn, self.report_layers, self.dense_steps, self.emit = load_fn, report_layers, dense_steps, on_event
         self.main = accelerator.is_main_process
+        self.compile_scope: str | None = None  # under --compile, what compiled (set with the step's loss)
         self.records: list[dict] = []
 
     # -- setup
@@ -147,7 +150,8 @@ class Run:
         model.to(self.acc.device)
         model.train()
         self.head = set_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
-                             self.cfg.compile is not None, self.cfg.data.padding)
+                             self.cfg.compile is not None and self.cfg.compile_scope == "model",
+                             self.cfg.data.padding)
         calib = None
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
@@ -156,6 +160,9 @@ class Run:
                 kept = calib or {"norms": layers, "activations": layers}  # what the start patched
                 apply_sebp(model, layers, self.cfg.sebp_norms and bool(kept.get("norms")),
                            self.cfg.sebp_acts and bool(kept.get("activations")))
+                verdicts = state.get("pad_rows") or []  # one per process (a resume keeps the process count)
+                if self.acc.process_index < len(verdicts):
+                    restore_pad_rows(model, verdicts[self.acc.process_index])
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
@@ -193,6 +200,13 @@ class Run:
             return batch_loss
         if labelled:
             ready_to_compile(model, cfg.data.padding, self.acc.autocast)
+        scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
+                                        LAYOUTS[cfg.data.padding].pad_to == "max_length") \
+            if cfg.compile_scope == "layers" else "model"
+        if scope != "model":
+            self.compile_scope = scope or "eager"
+            return batch_loss
+        self.compile_scope = "step" if labelled else "forward"
         return compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None) \
             or batch_loss
 
@@ -204,10 +218,16 @@ class Run:
             with open(self.dir / METRICS, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
 
-    def _save_checkpoint(self, step: int, calib: dict | None) -> Path:
+    def _save_checkpoint(self, step: int, calib: dict | None, model) -> Path:
         """Write the checkpoint of ``step`` atomically: into ``.partial-step-N``, its state file last, then
-        renamed to ``step-N``; a write cut short never looks like a checkpoint."""
+        renamed to ``step-N``; a write cut short never looks like a checkpoint. The state file keeps, besides
+        the SEBP layers, each process's padding-row verdict (:func:`restore_pad_rows`)."""
+        from accelerate.utils import gather_object
+
         from .rundir import PARTIAL
+
+        verdict = pad_rows_verdict(model)
+        verdicts = gather_object([verdict]) if self.acc.num_processes > 1 else [verdict]
 
         path = self.dir / CHECKPOINTS / f"step-{step:06d}"
         tmp = path.with_name(PARTIAL + path.name)
@@ -220,7 +240,7 @@ class Run:
         self.acc.wait_for_everyone()  # every process's shards are written before the state file marks it complete
         if self.main:
             layers = (calib or {}).get("layers", {})
-            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib})
+            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib, "pad_rows": verdicts})
             if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
                 shutil.rmtree(path)
             tmp.rename(path)
@@ -314,7 +334,7 @@ class Run:
                     break
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":
-            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
             self._save_model(t.model, loaded)
         return self._finish(t, p, calib)
 
@@ -390,10 +410,10 @@ class Run:
             self.emit("eval", {"run": self.method, **ev})
         if stopping or (self.acc.num_processes == 1 and stop.requested):
             p.status = "interrupted"
-            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
             return False
         if saving:
-            p.last_ckpt = str(self._save_checkpoint(p.step, calib))
+            p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
         return True
 
     def _stop_agreed(self, stop: StopRequest) -> bool:
@@ -458,7 +478,7 @@ class Run:
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,
-                                  "scope": "step" if head == "labelled" else "forward"}
+                                  "scope": self.compile_scope}
         if p.error:
             summary["error"] = p.error
         if self.main:

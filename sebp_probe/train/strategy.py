@@ -16,8 +16,9 @@ also timed with the model's own (full) head: which of the two is faster depends 
 host's launch overhead, so measurement chooses it as well.
 
 Under ``--compile`` each layout is also timed compiled (:func:`_compiled_ms`; ``--compile MODE``: compiled
-only, the run compiles anyway; ``--compile auto``: eager and compiled): dense and SEBP each through a fresh
-``torch.compile(batch_loss)`` with Dynamo's caches reset first, so no candidate finds another's graphs. On
+only, the run compiles anyway; ``--compile auto``: eager and compiled): dense and SEBP each compiled as the run
+would (``--compile-scope``: each layer in place, or a fresh ``torch.compile(batch_loss)``) with Dynamo's caches
+reset first, so no candidate finds another's graphs. On
 each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
 median is that candidate's compile seconds. The choice minimizes the whole run's estimated seconds
 (:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
@@ -38,8 +39,10 @@ import torch
 from sebp_kernels import SEBPConfig
 
 from ..data.batching import PackingError, lengths, padding_share
+from ..families import layer_stack
 from .calibration import apply_sebp, measure_density, rng_devices, sync
-from .compiling import Fallback, cannot_compile, compile_fn, inductor_problem
+from .compiling import (Fallback, cannot_compile, compile_fn, compile_layers, inductor_problem, layer_compile_options,
+                        training_layers)
 from ..config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
 from ..layouts import LAYOUTS
@@ -153,38 +156,51 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
 
 
 def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast, reps: int,
-                 mode: str) -> tuple[float, float] | str:
+                 mode: str, scope: str = "layers", one_shape: bool = False) -> tuple[float, float] | str:
     """A layout's compiled milliseconds per batch over an epoch (as :func:`_layout_ms`: per token slot times
-    the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched): a fresh
-    ``torch.compile(batch_loss)``, Dynamo's caches reset first; on each batch one first call (a compile or
-    recompile, and one step: its time past the batch's median counts as compile seconds), then ``reps`` timed
-    calls. Why it did not compile instead, where it did not."""
+    the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched), compiled as
+    the run would (``scope``: ``layers``, each layer of its stack in place, :func:`compile_layers`, with
+    dynamic shapes unless the layout has ``one_shape``, undone after; ``model``, a fresh
+    ``torch.compile(batch_loss)``), Dynamo's caches reset first; on each batch one
+    first call (a compile or recompile, and one step: its time past the batch's median counts as compile
+    seconds), then ``reps`` timed calls. Why it did not compile instead, where it did not."""
     torch._dynamo.reset()
     fallback = Fallback(mode)
-    step = compile_fn(batch_loss, mode, device, fallback=fallback)
+    undo = None
+    if scope == "layers" and layer_stack(training_layers(model)) is not None:
+        undo = compile_layers(training_layers(model), fallback, **layer_compile_options(mode, one_shape))
+        step = batch_loss
+    else:
+        step = compile_fn(batch_loss, mode, device, fallback=fallback)
     per_slot, compile_s = [], 0.0
-    for b in batches:
-        first = _timed_pass(model, b, device, autocast, step)
-        ms = statistics.median(_timed_pass(model, b, device, autocast, step) for _ in range(reps))
-        if fallback.why is not None:
-            return f"did not compile: {fallback.why}"
-        compile_s += max(0.0, first - ms) / 1e3
-        per_slot.append(ms / b["input_ids"].numel())
+    try:
+        for b in batches:
+            first = _timed_pass(model, b, device, autocast, step)
+            ms = statistics.median(_timed_pass(model, b, device, autocast, step) for _ in range(reps))
+            if fallback.why is not None:
+                return f"did not compile: {fallback.why}"
+            compile_s += max(0.0, first - ms) / 1e3
+            per_slot.append(ms / b["input_ids"].numel())
+    finally:
+        if undo is not None:
+            undo()
     return statistics.fmean(per_slot) * mean_slots, compile_s
 
 
 def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: float, device, autocast, reps: int,
-                   mode: str, methods: tuple[str, ...], patch, unpatch) -> None:
+                   mode: str, methods: tuple[str, ...], patch, unpatch, scope: str = "layers") -> None:
     """Add the compiled candidates of ``row`` (a layout and head) to it: ``{method}_compiled_ms`` and
-    ``_compile_s``, or ``compiled_skipped``: why they were not timed."""
-    why = compiled_head_problem(task, padding) if head_of(model) == "labelled" else None
+    ``_compile_s``, or ``compiled_skipped``: why they were not timed. ``scope``: the run's --compile-scope
+    (under ``layers`` the head runs eagerly, so nothing about it keeps a compiled step from running)."""
+    why = compiled_head_problem(task, padding) if head_of(model) == "labelled" and scope == "model" else None
     if why:
         row["compiled_skipped"] = f"the labelled-rows head {why}"
         return
     ready_to_compile(model, padding, autocast)
     for method in methods:
         with _as(method, patch, unpatch):
-            got = _compiled_ms(model, batches, slots, device, autocast, reps, mode)
+            got = _compiled_ms(model, batches, slots, device, autocast, reps, mode, scope,
+                               LAYOUTS[padding].pad_to == "max_length")
         if isinstance(got, str):
             row["compiled_skipped"] = got
             return
@@ -258,7 +274,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                     row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
                 if mode:
                     _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
-                                   timed, patch, unpatch)
+                                   timed, patch, unpatch, cfg.compile_scope)
                 table.append(row)
         model.zero_grad(set_to_none=True)
     if mode:

@@ -200,3 +200,27 @@ else:
 
     def test_interp_labels_on_padding_turn_the_rows_off():
         _check_labels_on_padding("cpu", "triton")
+
+
+def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():
+    """pad_rows_verdict / restore_pad_rows: on or off is kept (a resumed run does not check again, which would
+    have its first backwards select rows themselves and sum in another order); checking is not a verdict."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_model
+    from sebp_probe.model.patch import pad_rows_verdict, restore_pad_rows
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("bert")
+    assert pad_rows_verdict(model) is None  # no SEBP linears: no padding rows
+    patch_model(model, SEBPConfig("exact"))
+    pad = model.base_model._sebp_pad_rows
+    assert pad.state == CHECKING and pad_rows_verdict(model) is None
+    for verdict in (ON, OFF):
+        pad.state = verdict
+        assert pad_rows_verdict(model) == verdict
+        twin = tiny_model("bert")
+        patch_model(twin, SEBPConfig("exact"))
+        restore_pad_rows(twin, pad_rows_verdict(model))
+        assert twin.base_model._sebp_pad_rows.state == verdict
+    restore_pad_rows(twin, None)  # a checkpoint written before verdicts were kept, or while checking
+    assert twin.base_model._sebp_pad_rows.state == OFF

@@ -31,7 +31,7 @@ def _losses(path):
     return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "train"]
 
 
-def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
+def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, scope="model", **kw):
     eager = _run(tmp_path, "eager", **kw)
     calls = []  # the compiled sebp:: ops look their layer up (eager calibration does not)
     real = registry.lookup
@@ -48,23 +48,28 @@ def _compiled_run_matches_eager(tmp_path, monkeypatch, mode, tol, **kw):
     dynamo.reset()
     dynamo.utils.counters.clear()
     try:
-        compiled = _run(tmp_path, "compiled", compile=mode, **kw)
+        compiled = _run(tmp_path, "compiled", compile=mode, compile_scope=scope, **kw)
         breaks = sum(dynamo.utils.counters["graph_break"].values())
         graphs = dynamo.utils.counters["stats"]["unique_graphs"]
     finally:
         dynamo.reset()
     assert eager["status"] == compiled["status"] == "completed"
     assert compiled["compile"]["mode"] == mode and compiled["compile"]["graph_breaks"] == 0
-    # the labelled-rows head (here the [CLS]-rows last layer) runs compiled, inside the compiled step
-    assert compiled["head"] == eager["head"] == "labelled" and compiled["compile"]["scope"] == "step"
+    # model scope: the labelled-rows head (here the [CLS]-rows last layer) runs compiled, inside the compiled
+    # step; layers scope: each layer compiles, the last one eagerly while it computes the [CLS] rows
+    assert compiled["head"] == eager["head"] == "labelled"
+    assert compiled["compile"]["scope"] == {"model": "step", "layers": "layers"}[scope]
     assert compiled["compile"]["graphs"] >= 1 and "compile" not in eager
     # the held-out evaluation runs eagerly (no gradients, eval mode): it compiles nothing
     assert evals and all(after == before for before, after in evals)
     assert len(compiled["calibration"]["layers"]) == 12
     assert breaks == 0 and graphs >= 1
     # compiled ops ran for every SEBP linear, norm and activation that gets a gradient: with LoRA not the
-    # embeddings' LayerNorm nor layer 0's query/key/value base layers (everything before them is frozen)
-    assert len(set(calls)) == 12 + 5 + 2 - (4 if kw.get("lora") else 0)
+    # embeddings' LayerNorm nor layer 0's query/key/value base layers (everything before them is frozen); in
+    # layers scope for layer 0's only (6 linears, 2 norms, 1 activation: the embeddings' norm and the last layer
+    # run eagerly)
+    want_ops = 12 + 5 + 2 - (4 if kw.get("lora") else 0) if scope == "model" else 9 - (3 if kw.get("lora") else 0)
+    assert len(set(calls)) == want_ops
     got, want = _losses(tmp_path / "compiled" / "metrics.jsonl"), _losses(tmp_path / "eager" / "metrics.jsonl")
     assert len(got) == 3 and got == pytest.approx(want, rel=tol, abs=tol)
     saved = (tmp_path / "compiled" / rundir.MODEL_DIR)
@@ -78,8 +83,61 @@ def test_compiled_finetune_trains_as_the_eager_one_on_the_cpu(tmp_path, monkeypa
     _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4, lora=lora)
 
 
+def test_finetune_compiles_layer_by_layer_by_default(tmp_path, monkeypatch):
+    """The default --compile-scope: each layer of the stack compiled in place (aot_eager standing in for
+    Inductor: the same graphs), the run's losses those of the eager run, no graph break, the held-out
+    evaluation eager."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
+    monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4, scope="layers")
+
+
+@pytest.mark.parametrize("padding,dynamic,graphs", [("longest", True, 1), ("max_length", None, 1)])
+def test_layers_compile_once_for_batches_of_every_shape(tmp_path, monkeypatch, padding, dynamic, graphs):
+    """Under a layout whose batch shapes change, the layers compile with dynamic shapes from the first batch:
+    one graph for every batch, where Dynamo would otherwise compile the first shape and again at the second;
+    under max_length (one shape) without."""
+    real, seen = torch.compile, []
+
+    def compile_(fn, mode=None, **kw):
+        seen.append(kw.get("dynamic"))
+        return real(fn, backend="aot_eager", **kw)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    data = synthetic_data("causal-lm", n=64, n_eval=8, prompt=0.5)
+    dynamo.reset()
+    try:
+        run = _run(tmp_path, "run", lambda: tiny_model("llama"), task_data=data, method="dense", compile="default",
+                   max_steps=6, data=DataConfig(max_length=48, batch_size=8, padding=padding))
+    finally:
+        dynamo.reset()
+    assert run["compile"] == {"mode": "default", "graphs": graphs, "graph_breaks": 0, "scope": "layers"}
+    assert seen and set(seen) == {dynamic}
+    slots = [r["rows"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["type"] == "train"]
+    assert len(slots) == 6 and (len(set(slots)) > 1) == (padding == "longest")  # token slots a batch
+
+
+def test_a_model_without_a_layer_stack_compiles_whole_under_layers_scope(monkeypatch):
+    """compile_layers_or_eager: "model" for a model with no stack sebp-probe knows (the run compiles the whole
+    model), None with one line where Inductor cannot run, "layers" otherwise (DDP's wrapper looked through)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert compiling.compile_layers_or_eager(torch.nn.Linear(2, 2), "default", torch.device("cpu")) == "model"
+    model = tiny_model("llama")
+    monkeypatch.setattr(compiling, "inductor_problem", lambda device: "no compiler")
+    assert compiling.compile_layers_or_eager(model, "default", torch.device("cpu")) is None
+    wrapped = object.__new__(DistributedDataParallel)  # no process group needed: only .module is read
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model
+    assert compiling.training_layers(wrapped) is model
+
+
 @pytest.mark.slow
-def test_compiled_packed_causal_lm_trains_with_the_labelled_head_as_the_eager_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_compiled_packed_causal_lm_trains_with_the_labelled_head_as_the_eager_one(tmp_path, monkeypatch, scope):
     """A tiny Llama on packed batches: the labelled-rows head (gathered rows, fused head, last layer on the
     labelled rows) compiled inside the step, without a graph break, to the eager run's losses. aot_eager
     stands in for Inductor (the same graphs; Inductor's C++ build of this model's recompiles took over four
@@ -92,11 +150,13 @@ def test_compiled_packed_causal_lm_trains_with_the_labelled_head_as_the_eager_on
     for name, mode in (("eager", None), ("compiled", "default")):
         dynamo.reset()
         runs[name] = _run(tmp_path, name, lambda: tiny_model("llama"), method="dense", compile=mode,
-                          data=DataConfig(max_length=24, batch_size=8, padding="packed"), task_data=data)
+                          data=DataConfig(max_length=24, batch_size=8, padding="packed"), task_data=data,
+                          compile_scope=scope)
     dynamo.reset()
     eager, compiled = runs["eager"], runs["compiled"]
     assert compiled["head"] == eager["head"] == "labelled" and "head_fallback_reason" not in compiled
-    assert compiled["compile"]["scope"] == "step" and compiled["compile"]["graph_breaks"] == 0
+    assert compiled["compile"]["scope"] == {"model": "step", "layers": "layers"}[scope]
+    assert compiled["compile"]["graph_breaks"] == 0 and compiled["compile"]["graphs"] >= 1
     got, want = _losses(tmp_path / "compiled" / "metrics.jsonl"), _losses(tmp_path / "eager" / "metrics.jsonl")
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
@@ -112,6 +172,7 @@ def test_compiled_finetune_with_cuda_graphs_trains_as_the_eager_one(tmp_path, mo
 
 @pytest.mark.parametrize("kw,needle", [
     (dict(compile="fast"), "unknown compile mode 'fast'"),
+    (dict(compile="default", compile_scope="step"), "unknown compile scope 'step'; choose one of layers, model"),
     (dict(compile="reduce-overhead", cuda_graphs=True), "--cuda-graphs and --compile exclude each other"),
 ])
 def test_bad_compile_settings_are_refused(kw, needle):
@@ -122,6 +183,7 @@ def test_bad_compile_settings_are_refused(kw, needle):
 def test_compile_may_change_on_resume():
     old = FinetuneConfig().to_dict()
     assert rundir.config_changes(old, {**old, "compile": "reduce-overhead"}) == []
+    assert rundir.config_changes(old, {**old, "compile_scope": "model", "deterministic": True}) == []
     del old["compile"]  # a run written before the setting existed
     assert rundir.config_changes(old, FinetuneConfig().to_dict()) == []
 

@@ -108,10 +108,12 @@ def test_a_compiled_run_keeps_the_labelled_head_where_its_step_compiles(arch, ta
 
 
 @pytest.mark.slow
-def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(monkeypatch):
-    """``--compile auto``: every layout eager and compiled (a fresh compile each: Dynamo's caches reset), the
-    first calls timed apart as compile seconds, and the least whole-run cost chosen. aot_eager stands in for
-    Inductor (its C++ compile takes minutes on two CPU cores); the compiled callables are the same."""
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(monkeypatch, scope):
+    """``--compile auto``: every layout eager and compiled as the run compiles (``scope``: each layer in place,
+    undone after; or the whole step; a fresh compile each: Dynamo's caches reset), the first calls timed apart
+    as compile seconds, and the least whole-run cost chosen. aot_eager stands in for Inductor (its C++ compile
+    takes minutes on two CPU cores); the compiled callables are the same."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
@@ -122,7 +124,7 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     dynamo.utils.counters.clear()
     model = tiny_model("llama")
     data = synthetic_data("causal-lm", n=48, prompt=0.5)
-    cfg = _cfg(method="dense", compile="auto", max_steps=7, grad_accum=2, calib_batches=0)
+    cfg = _cfg(method="dense", compile="auto", max_steps=7, grad_accum=2, calib_batches=0, compile_scope=scope)
     set_head(model, "causal-lm", "labelled", compiled=True, padding="auto")
     choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"))
     rows = {(r["padding"], r["head"]): r for r in choice.table}
@@ -140,3 +142,5 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     # at least one graph each, and no break
     assert dynamo.utils.counters["stats"]["unique_graphs"] >= 4
     assert not dynamo.utils.counters["graph_break"]
+    # layers scope: the model is as it was after the timing (no layer left compiled)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
