@@ -498,6 +498,34 @@ def fsdp_sft_h100(page: Page) -> str:
     return captioned(page, [src], table(header, body, "llllrrrrrr") + "\n\n" + note)
 
 
+FSDP_DET = "fsdp_det_h200/determinism.json"
+
+
+@block("fsdp_det_h200")
+def fsdp_det_h200(page: Page) -> str:
+    """--deterministic under FSDP2: the same command twice, a SIGTERM + --resume, and one compile by layers."""
+    src = page.load(FSDP_DET)
+    d = src.data
+    rows = [("the same command twice", d["twice"])]
+    if "resume_before" in d:
+        rows.append(("killed and resumed, before checkpoints kept the padding-row verdict",
+                     d["resume_before"]))
+    rows.append(("killed and resumed", d["resume"]))
+    body = [[what, f"{r['bit_equal_steps']} of {r['steps']}", str(r["first_differing_step"] or "-"),
+             f"{r['max_abs_loss_gap']:.4g}", "yes" if r["evals_equal"] else "no"] for what, r in rows]
+    header = ["against the uninterrupted run", "steps with bit-equal loss", "first step that differs",
+              "largest loss gap", "held-out losses equal"]
+    c = d.get("compile_layers_one_gpu")
+    compiled = "" if c is None else (
+        f"\n\nCompile by layers ({c['run']}, the same model and data): {c['compile']['graphs']} graphs, "
+        f"{c['compile']['graph_breaks']} graph breaks; Dynamo compiled in steps " + ", ".join(f"{k} ({v} s)" for k, v in c["compiled_at_steps"].items())
+        + f", {f1(c['compile_s'])} s of compiling in all; the other steps took "
+        f"{f1(min(c['other_step_ms']))}-{f1(max(c['other_step_ms']))} ms (new batch shapes, not timed).")
+    note = (f"{d['model']}; {d['data']}; {d['run']}; both resumes from step {d['resume']['resumed_from_step']}."
+            + compiled)
+    return captioned(page, [src], table(header, body, "lrrrl") + "\n\n" + note)
+
+
 COMPARE = "compare_h100/compare.json"
 
 
