@@ -54,18 +54,23 @@ def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
         "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
 
 
-def test_two_process_compiled_exact_sebp_equals_dense(tiny, tmp_path):
-    """--compile default under DDP: exact SEBP still gives dense's losses. Dynamo does not trace DDP's own
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_two_process_compiled_exact_sebp_equals_dense(tiny, tmp_path, scope):
+    """--compile default under DDP: exact SEBP still gives dense's losses. ``layers`` (the default) compiles
+    each layer inside DDP's wrapper, without a break; under ``model`` Dynamo does not trace DDP's own
     ``_inside_ddp_forward`` context, so DDP's forward splits there (2 breaks on this torch) and the model's
-    forward compiles as its own graph; both runs count the same breaks, the second compiling afresh (before,
+    forward compiles as its own graph. Both runs count the same breaks, the second compiling afresh (before,
     it reused the first run's frames and counted none)."""
-    _finetune(tiny, *ARGS, "--max-steps", "4", "--compare", "--compile", "default", "--json",
-              "-o", str(tmp_path / "run"))
+    _finetune(tiny, *ARGS, "--max-steps", "4", "--compare", "--compile", "default", "--compile-scope", scope,
+              "--json", "-o", str(tmp_path / "run"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     sebp = summary["runs"]["sebp"]
     assert sebp["num_processes"] == 2 and len(sebp["calibration"]["layers"]) == 12
     dense = summary["runs"]["dense"]
+    assert sebp["compile"]["scope"] == dense["compile"]["scope"] == {"layers": "layers", "model": "forward"}[scope]
     assert sebp["compile"]["graphs"] >= 1 and sebp["compile"]["graph_breaks"] == dense["compile"]["graph_breaks"] <= 2
+    if scope == "layers":
+        assert sebp["compile"]["graph_breaks"] == 0
     assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
 
 

@@ -5,7 +5,8 @@ process: lines two processes print to one stdout can interleave). ``argv[2] == "
 peft LoRA adapters, SEBP on its frozen base projections, every decoder layer sharded; the adapters' gradients
 are compared. ``argv[2] == "merge"``: that LoRA model sharded, its full state dict gathered and merged as
 ``finetune`` saves a sharded LoRA run (sebp_probe.train.lora_merge); rank 0 compares it with peft's
-``merge_and_unload`` of the same model unsharded."""
+``merge_and_unload`` of the same model unsharded. ``argv[2] == "compiled"``: a tiny Llama with SEBP, every
+decoder layer sharded, then compiled layer by layer as ``finetune --compile`` does."""
 import json
 import sys
 from pathlib import Path
@@ -89,10 +90,42 @@ def merged_diffs(rank: int) -> dict:
     return {k: float((merged[k].float() - want[k].float()).abs().max()) for k in want}
 
 
+def compiled_grads(rank: int) -> dict:
+    """A tiny Llama with SEBP on every projection, each decoder layer sharded and then compiled in place as
+    ``finetune --compile`` does (sebp_probe.train.compiling.compile_layers; aot_eager standing in for Inductor),
+    against the same model eager and dense: its gradients, and the graphs Dynamo compiled."""
+    from sebp_probe import patch_model
+    from sebp_probe.train.compiling import compile_layers, dynamo_counts
+    from tests.tiny_models import padded_batch, tiny_model
+
+    def model(sebp: bool) -> torch.nn.Module:
+        m = tiny_model("llama")
+        if sebp:
+            patch_model(m, SEBPConfig("exact"))
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+        return m
+
+    dense, sebp = model(False), model(True)
+    compile_layers(sebp, backend="aot_eager", dynamic=True)
+    for step in range(2):  # each process its own data, two batch shapes
+        batch = padded_batch("llama", lengths=(11, 4, 7) if step else (5, 9), side="right", seed=10 * rank + step)
+        for m in (dense, sebp):
+            m(**batch, use_cache=False).loss.backward()
+    diffs = {}
+    for (name, a), (_, b) in zip(dense.named_parameters(), sebp.named_parameters()):
+        ga, gb = a.grad.full_tensor(), b.grad.full_tensor()
+        diffs[name] = float((ga - gb).abs().max()) / max(float(ga.abs().max()), 1e-30)
+    diffs["graphs"], diffs["graph_breaks"] = dynamo_counts()
+    return diffs
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mode = {"merge": merged_diffs, "lora": lora_grads}.get(sys.argv[2] if len(sys.argv) > 2 else "")
+    mode = {"merge": merged_diffs, "lora": lora_grads, "compiled": compiled_grads}.get(
+        sys.argv[2] if len(sys.argv) > 2 else "")
     if mode is not None:
         result = {"rank": rank, "diffs": mode(rank)}
         (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))

@@ -52,3 +52,14 @@ def test_fsdp2_lora_gathered_and_merged_equals_merge_and_unload(tmp_path):
     lines = _two_processes(tmp_path, "merge")
     diffs = next(r["diffs"] for r in lines if r["rank"] == 0)
     assert len(diffs) > 20 and max(diffs.values()) <= 1e-6, diffs
+
+
+@pytest.mark.slow
+def test_fsdp2_layers_compiled_in_place_get_dense_gradients_with_sebp(tmp_path):
+    """``finetune --compile``'s default scope under FSDP2: each sharded decoder layer of a tiny Llama with SEBP
+    compiled in place (aot_eager), over two batch shapes: the eager dense model's gradients, and Dynamo
+    compiled one graph for all of them, without a break."""
+    for r in _two_processes(tmp_path, "compiled"):
+        d = r["diffs"]
+        assert (d.pop("graphs"), d.pop("graph_breaks")) == (1, 0)  # one layer graph for every layer and shape
+        assert len(d) > 10 and max(d.values()) <= 1e-5, d
