@@ -7,7 +7,7 @@
 # small), made once under .cache/gpu/; the data: the bundled tweets as text. Steps, each a --compare pair with
 # dense first and one with --sebp-first (40 steps of 32 tweets, max length 128, bf16):
 #   eager    --padding longest (calibration leaves every layer dense: both runs compute the same thing)
-#   compile  the same with --compile default
+#   compile  the same with --compile default (SCOPE: --compile-scope, model as the committed runs; layers)
 #   padded   --padding max_length --cuda-graphs (SEBP on the padding rows, calibrated as graph replays: a real
 #            difference; eager, this small model's host-bound backward leaves every layer dense)
 #   forced   --padding longest with SEBP forced on every projection (--always-sebp --dense-fallback 1): a real
@@ -45,7 +45,7 @@ pair() {  # name, extra options: the pair with dense first, then with --sebp-fir
 for s in ${STEPS:-eager}; do
   case $s in
     eager) pair eager --padding longest ;;
-    compile) pair compile --padding longest --compile default ;;
+    compile) pair compile --padding longest --compile default --compile-scope "${SCOPE:-model}" ;;
     padded) pair padded --padding max_length --cuda-graphs ;;
     forced) pair forced --padding longest --always-sebp --dense-fallback 1 ;;
     *) echo "unknown step $s" ;;

@@ -66,8 +66,10 @@ def collect(twice: dict[str, str], resume: dict[str, str], before: dict[str, str
            "model": "Llama-3.2-1B shape, random weights, the bundled MiniLM's vocabulary (benchmarks/fsdp_model.py)",
            "data": "benchmarks/sft_long_data.py: the bundled tweets as long instruction pairs, `longest` padding, "
                    "8 sequences a GPU a step, bf16, seed 0",
-           "run": "exact SEBP, eager, 16 steps, evaluation at steps 8 and 16, --deterministic; FSDP2 through "
-                  "`accelerate launch --use_fsdp --fsdp_version 2` on 2 GPUs, full shard, each decoder layer a unit",
+           "run": f"exact SEBP, eager, {len(_losses(resume, 'resume_det_ref'))} steps, evaluation at steps "
+                  f"{' and '.join(str(e['step']) for e in _evals(resume, 'resume_det_ref'))}, --deterministic; "
+                  "FSDP2 through `accelerate launch --use_fsdp --fsdp_version 2` on 2 GPUs, full shard, each "
+                  "decoder layer a unit",
            "twice": compare(twice, "resume_det_ref", "resume_det_ref2"),
            "resume": {"resumed_from_step": _resumed_from(resume, "resume_det"),
                       **compare(resume, "resume_det_ref", "resume_det")}}
@@ -78,9 +80,10 @@ def collect(twice: dict[str, str], resume: dict[str, str], before: dict[str, str
                                 "resumed_from_step": _resumed_from(before, "resume_det"),
                                 **compare(before, "resume_det_ref", "resume_det")}
     if "scope_layers/summary.json" in resume:
+        scope = _scope(resume, "scope_layers")
         out["compile_layers_one_gpu"] = {"run": "one process on one GPU: --padding longest --compile default "
-                                                "--compile-scope layers --method sebp, 10 steps",
-                                         **_scope(resume, "scope_layers")}
+                                                f"--compile-scope layers --method sebp, {scope['steps']} steps",
+                                         **scope}
     return out
 
 

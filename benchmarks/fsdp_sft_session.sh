@@ -10,7 +10,8 @@
 # whole-model bench's `sft` distribution, median ~300 tokens, up to 2048), both made once under .cache/gpu/.
 # Steps:
 #   prep    the model and the data
-#   pair    --compare with --compile default, --padding longest, 8 sequences a GPU (ORDERS: dense-first, sebp-first)
+#   pair    --compare with --compile default, --padding longest, 8 sequences a GPU (ORDERS: dense-first, sebp-first;
+#           SCOPE: --compile-scope, model as the committed pairs, or layers)
 #   eager   the pair without --compile, dense first
 #   auto    the same with --padding auto, SEBP only (what auto picks under FSDP2 and compile)
 #   resume  exact SEBP eager, 16 steps: the run uninterrupted, then one killed by SIGTERM after 6 logged steps
@@ -57,14 +58,21 @@ run() {  # name, command...
 }
 killed_then_resumed() {  # name, command...: the command killed by SIGTERM after 6 logged steps, then --resume
   local name=$1; shift
+  rm -rf "${RUNS:?}/$name"  # a run of that name from an earlier call would be counted as logged steps
   echo "=== $name (killed) $(date +%T): $* -o $RUNS/$name --overwrite" | tee -a "$RAW/commands.txt"
   COLUMNS=200 "$@" -o "$RUNS/$name" --overwrite > "$RAW/${name}_a.log" 2>&1 &
-  local pid=$!
+  local pid=$! n=0
   for _ in $(seq 1200); do
-    n=$(grep -c '"train"' "$RUNS/$name/metrics.jsonl" 2>/dev/null); [ "${n:-0}" -ge 6 ] && break; sleep 0.5
+    n=$(grep -c '"train"' "$RUNS/$name/metrics.jsonl" 2>/dev/null); [ "${n:-0}" -ge 6 ] && break
+    kill -0 $pid 2>/dev/null || break  # it ended (an error) before its sixth step
+    sleep 0.5
   done
-  kill -TERM $pid; wait $pid; echo "killed rc=$?" | tee -a "$RAW/commands.txt"
-  run "$name" "$@" -o "$RUNS/$name" --resume
+  kill -TERM $pid 2>/dev/null; wait $pid; echo "killed rc=$? after ${n:-0} steps" | tee -a "$RAW/commands.txt"
+  if [ "${n:-0}" -ge 6 ]; then
+    run "$name" "$@" -o "$RUNS/$name" --resume
+  else
+    echo "not resumed: the run logged ${n:-0} steps" | tee -a "$RAW/commands.txt"; tail -3 "$RAW/${name}_a.log"
+  fi
 }
 for s in ${STEPS:-prep}; do
   case $s in
@@ -75,14 +83,15 @@ for s in ${STEPS:-prep}; do
       for order in ${ORDERS:-dense-first sebp-first}; do
         flag=(); [ "$order" = sebp-first ] && flag=(--sebp-first)
         run "pair_$order" "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --compile default \
-          --max-steps ${PAIR_STEPS:-40} --compare "${flag[@]}" -o "$RUNS/pair_$order" --overwrite
+          --compile-scope "${SCOPE:-model}" --max-steps ${PAIR_STEPS:-40} --compare "${flag[@]}" -o "$RUNS/pair_$order" \
+          --overwrite
       done ;;
     eager)  # the pair without --compile (dense first)
       run eager_dense-first "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest \
         --max-steps ${PAIR_STEPS:-40} --compare -o "$RUNS/eager_dense-first" --overwrite ;;
     auto)
       run auto "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding auto --compile default \
-        --max-steps 40 --method sebp -o "$RUNS/auto" --overwrite ;;
+        --compile-scope "${SCOPE:-model}" --max-steps 40 --method sebp -o "$RUNS/auto" --overwrite ;;
     resume)
       R=("${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --max-steps 16 --method sebp
          --eval-steps 8)

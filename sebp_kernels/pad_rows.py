@@ -72,6 +72,13 @@ class PadRows:
             return hint
         return _Bound(self, hint, self.rows)
 
+    def verdict(self) -> str | None:
+        """``on`` or ``off`` once the check is decided, deciding it now where backwards were checked since (one
+        host sync; not while a CUDA graph is captured); None while nothing was checked."""
+        if self.state == CHECKING and self.checked and not _capturing(self.violations.device):
+            self._decide()
+        return None if self.state == CHECKING else self.state
+
     def _decide(self) -> None:
         bad = int(self.violations.item())
         self.checked = 0

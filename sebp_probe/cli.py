@@ -155,8 +155,9 @@ def finetune_cmd(
                                       "run eagerly; one layer's compile, seconds) | model (the whole model, and "
                                       "with the labelled-rows head the whole step; minutes for a 1B model)."),
     deterministic: bool = typer.Option(False, "--deterministic", help="torch's deterministic algorithms "
-                                       "(slower): two runs of one command, and a resumed run against the "
-                                       "uninterrupted one, compute the same bits."),
+                                       "(slower): a resumed run computes the uninterrupted run's bits, and so "
+                                       "does a second run of the same command where nothing is chosen by timing "
+                                       "(--padding and --compile other than auto, --always-sebp)."),
     task: str = _TASK,
     split: str = typer.Option(None, "--split", help="Training split (default train)."),
     eval_split: str = typer.Option(None, "--eval-split", help="Held-out split (default: test for tweets, "

@@ -115,8 +115,9 @@ class FinetuneConfig:
     :func:`~sebp_probe.train.compiling.compile_layers`), ``model`` the whole model (and, with the labelled-rows
     head, the whole step's loss); ``layers`` falls back to ``model`` for a model without a layer stack that
     sebp-probe knows. ``deterministic``: torch's deterministic algorithms (and cuBLAS's fixed workspace), so
-    that two runs of the same command, and a resumed run against the uninterrupted one, compute the same bits
-    (slower; an op without a deterministic implementation stops the run at its first call, in one line).
+    that a resumed run computes the uninterrupted run's bits, and so does a second run of the same command
+    where nothing is chosen by timing (:mod:`~sebp_probe.train.determinism`; slower; an op without a
+    deterministic implementation stops the run at its first call, in one line).
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
     """

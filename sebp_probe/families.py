@@ -145,9 +145,9 @@ def unwrapped(model: nn.Module) -> nn.Module | None:
     whose config names a model type; ``model`` itself when it is one), or None."""
     m = model
     for _ in range(8):
-        if getattr(getattr(m, "config", None), "model_type", None):
+        get_base = getattr(m, "get_base_model", None)  # peft's wrapper passes its model's config through
+        if not callable(get_base) and getattr(getattr(m, "config", None), "model_type", None):
             return m
-        get_base = getattr(m, "get_base_model", None)
         nxt = get_base() if callable(get_base) else getattr(m, "module", None) or getattr(m, "_orig_mod", None)
         if not isinstance(nxt, nn.Module) or nxt is m:
             return None

@@ -278,10 +278,10 @@ def pad_rows_summary(model: nn.Module) -> dict | None:
 
 
 def pad_rows_verdict(model: nn.Module) -> str | None:
-    """The verdict of ``model``'s padding-row check (``on`` / ``off``), None while it checks or without them: what
-    a checkpoint keeps for :func:`restore_pad_rows`."""
+    """The verdict of ``model``'s padding-row check (``on`` / ``off``; one checked but not yet decided is decided
+    now), None while nothing was checked or without them: what a checkpoint keeps for :func:`restore_pad_rows`."""
     pad = pad_rows_of(model)
-    return pad.state if pad is not None and pad.state in (ON, OFF) else None
+    return None if pad is None else pad.verdict()
 
 
 def restore_pad_rows(model: nn.Module, verdict: str | None) -> None:

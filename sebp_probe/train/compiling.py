@@ -159,6 +159,12 @@ def training_layers(model: torch.nn.Module) -> torch.nn.Module:
     return unwrapped(model) or model
 
 
+def compiles_whole(model: torch.nn.Module, scope: str) -> bool:
+    """Whether a run compiles ``model`` whole (and, with the labelled-rows head, its whole step): ``--compile-scope
+    model``, or ``layers`` on a model without a layer stack sebp-probe knows."""
+    return scope == "model" or layer_stack(training_layers(model)) is None
+
+
 def layer_compile_options(mode: str, one_shape: bool) -> dict:
     """The ``torch.compile`` options of a run's layers: ``mode``, and dynamic shapes from the first batch unless
     every batch has ``one_shape`` (``max_length``): else Dynamo compiles the first shape, then again with

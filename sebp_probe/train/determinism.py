@@ -7,7 +7,12 @@ raises at its first call, which ends the run in one line naming it), cuBLAS's fi
 cuDNN's deterministic, unbenchmarked kernels. sdpa's flash and memory-efficient attention then take their
 deterministic backward (no atomic adds into dQ), which is slower. The SEBP kernels are deterministic as they
 are: their reductions run in a fixed order and their atomics count integers only. The settings are the
-process's; they are put back when the run ends.
+process's; they are put back when the run ends (the environment variable too).
+
+Same bits: a resumed run and the uninterrupted one, always (the resume reloads every choice the run made);
+two separate runs of one command where nothing is chosen by timing: ``--padding auto`` and ``--compile auto``
+pick by measured speed, and calibration's dense fallback (``--always-sebp`` turns it off) by measured backward
+time, so two runs may choose differently.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ def deterministic(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     torch.use_deterministic_algorithms(True)
@@ -47,3 +54,5 @@ def deterministic(on: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

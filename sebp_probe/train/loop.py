@@ -25,7 +25,8 @@ from sebp_kernels import SEBPConfig
 
 from ..data.assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
-from .compiling import compile_layers_or_eager, compile_or_eager, dynamo_counts, evaluating_eagerly
+from .compiling import (compile_layers_or_eager, compile_or_eager, compiles_whole, dynamo_counts,
+                        evaluating_eagerly, inductor_problem)
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, ready_to_compile, set_head
@@ -150,7 +151,7 @@ class Run:
         model.to(self.acc.device)
         model.train()
         self.head = set_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
-                             self.cfg.compile is not None and self.cfg.compile_scope == "model",
+                             self.cfg.compile is not None and compiles_whole(model, self.cfg.compile_scope),
                              self.cfg.data.padding)
         calib = None
         if self.method == "sebp":
@@ -191,24 +192,26 @@ class Run:
         return info
 
     def _step_loss(self, model) -> Callable:
-        """What a training step calls for its loss: :func:`batch_loss`. Under ``--compile`` the model compiles in
-        place (its forward: evaluation, and the model's own loss) and, where the labelled-rows head runs (it
-        goes around the model's forward), the whole step's loss compiles too, the forward inlined in its graph
-        (:func:`~sebp_probe.train.compiling.compile_or_eager`: one line and eager where it cannot)."""
+        """What a training step calls for its loss: :func:`batch_loss`. Under ``--compile``, by default
+        (``--compile-scope layers``) each layer of the model's stack compiles in place and the rest of the
+        step runs eagerly (:func:`~sebp_probe.train.compiling.compile_layers_or_eager`); under ``model`` (or for
+        a model without a layer stack sebp-probe knows) the model compiles in place and, where the
+        labelled-rows head runs (it goes around the model's forward), the whole step's loss compiles too, the
+        forward inlined in its graph (:func:`~sebp_probe.train.compiling.compile_or_eager`). Either way: one
+        line and eager where it cannot; the held-out evaluation runs eagerly."""
         cfg, labelled = self.cfg, self.head[0] == "labelled"
         if not cfg.compile:
             return batch_loss
         if labelled:
             ready_to_compile(model, cfg.data.padding, self.acc.autocast)
-        scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
-                                        LAYOUTS[cfg.data.padding].pad_to == "max_length") \
-            if cfg.compile_scope == "layers" else "model"
-        if scope != "model":
+        if not compiles_whole(model, cfg.compile_scope):
+            scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
+                                            LAYOUTS[cfg.data.padding].pad_to == "max_length")
             self.compile_scope = scope or "eager"
             return batch_loss
-        self.compile_scope = "step" if labelled else "forward"
-        return compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None) \
-            or batch_loss
+        step = compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None)
+        self.compile_scope = "eager" if inductor_problem(self.acc.device) else "step" if labelled else "forward"
+        return step or batch_loss
 
     # -- bookkeeping
 

@@ -39,10 +39,9 @@ import torch
 from sebp_kernels import SEBPConfig
 
 from ..data.batching import PackingError, lengths, padding_share
-from ..families import layer_stack
 from .calibration import apply_sebp, measure_density, rng_devices, sync
-from .compiling import (Fallback, cannot_compile, compile_fn, compile_layers, inductor_problem, layer_compile_options,
-                        training_layers)
+from .compiling import (Fallback, cannot_compile, compile_fn, compile_layers, compiles_whole, inductor_problem,
+                        layer_compile_options, training_layers)
 from ..config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
 from ..layouts import LAYOUTS
@@ -167,7 +166,7 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
     torch._dynamo.reset()
     fallback = Fallback(mode)
     undo = None
-    if scope == "layers" and layer_stack(training_layers(model)) is not None:
+    if not compiles_whole(model, scope):
         undo = compile_layers(training_layers(model), fallback, **layer_compile_options(mode, one_shape))
         step = batch_loss
     else:
@@ -192,7 +191,8 @@ def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: fl
     """Add the compiled candidates of ``row`` (a layout and head) to it: ``{method}_compiled_ms`` and
     ``_compile_s``, or ``compiled_skipped``: why they were not timed. ``scope``: the run's --compile-scope
     (under ``layers`` the head runs eagerly, so nothing about it keeps a compiled step from running)."""
-    why = compiled_head_problem(task, padding) if head_of(model) == "labelled" and scope == "model" else None
+    why = compiled_head_problem(task, padding) if head_of(model) == "labelled" and compiles_whole(model, scope) \
+        else None
     if why:
         row["compiled_skipped"] = f"the labelled-rows head {why}"
         return

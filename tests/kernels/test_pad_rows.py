@@ -56,6 +56,22 @@ def test_checks_first_then_turns_on():
     assert count.tolist() == [9] and pad.taken == 1
 
 
+def test_a_checked_but_undecided_verdict_is_decided_when_asked():
+    """verdict(): None before any check; after a checked backward (the decision would come at the next forward)
+    it decides at once, as a checkpoint written right after that step needs."""
+    pad = PadRows()
+    assert pad.verdict() is None
+    pad.set(_mask())
+    assert pad.verdict() is None
+    pad.bind(None, (3, 4, 8)).take(torch.randn(3, 4, 5) * _mask()[..., None])
+    assert pad.state == CHECKING and pad.verdict() == ON and pad.state == ON and pad.checked == 0
+    bad = PadRows()
+    bad.set(_mask())
+    bad.bind(None, (3, 4, 8)).take(torch.randn(3, 4, 5))  # gradient on the padding rows
+    with pytest.warns(UserWarning, match="padding row"):
+        assert bad.verdict() == OFF
+
+
 def test_gradient_on_padding_turns_it_off_with_a_warning():
     pad = PadRows()
     pad.set(_mask())

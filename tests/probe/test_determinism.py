@@ -114,9 +114,16 @@ def test_a_checkpoint_keeps_the_padding_row_verdict_and_a_resume_restores_it(tmp
     import os
     import signal
 
+    from sebp_probe.model.patch import pad_rows_of
+
     monkeypatch.setattr(loop, "pad_rows_verdict", lambda model: "on")
-    restored = []
-    monkeypatch.setattr(loop, "restore_pad_rows", lambda model, verdict: restored.append(verdict))
+    restored, real_restore = [], loop.restore_pad_rows
+
+    def restore(model, verdict):  # the resumed model's own PadRows takes it (it exists by then)
+        real_restore(model, verdict)
+        restored.append((verdict, pad_rows_of(model).state))
+
+    monkeypatch.setattr(loop, "restore_pad_rows", restore)
 
     def kill_at_1(kind, p):
         if kind == "step" and p["step"] == 1:
@@ -131,4 +138,4 @@ def test_a_checkpoint_keeps_the_padding_row_verdict_and_a_resume_restores_it(tmp
     state = json.loads((rundir.list_checkpoints(tmp_path / "run")[-1] / rundir.STATE).read_text())
     assert state["pad_rows"] == ["on"] and restored == []
     assert ft.finetune(cfg, resume=True, load_fn=load, data=data)["status"] == "completed"
-    assert restored == ["on"]
+    assert restored == [("on", "on")]

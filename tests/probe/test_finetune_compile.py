@@ -83,14 +83,16 @@ def test_compiled_finetune_trains_as_the_eager_one_on_the_cpu(tmp_path, monkeypa
     _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4, lora=lora)
 
 
-def test_finetune_compiles_layer_by_layer_by_default(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True])
+def test_finetune_compiles_layer_by_layer_by_default(tmp_path, monkeypatch, lora):
     """The default --compile-scope: each layer of the stack compiled in place (aot_eager standing in for
-    Inductor: the same graphs), the run's losses those of the eager run, no graph break, the held-out
-    evaluation eager."""
+    Inductor: the same graphs), inside peft's wrapper too, the run's losses those of the eager run, no graph
+    break, the held-out evaluation eager."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
-    _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4, scope="layers")
+    monkeypatch.setattr(loop, "compile_or_eager", lambda *a, **k: pytest.fail("compiled the whole model"))
+    _compiled_run_matches_eager(tmp_path, monkeypatch, "default", 1e-4, scope="layers", lora=lora)
 
 
 @pytest.mark.parametrize("padding,dynamic,graphs", [("longest", True, 1), ("max_length", None, 1)])
@@ -126,6 +128,8 @@ def test_a_model_without_a_layer_stack_compiles_whole_under_layers_scope(monkeyp
     from torch.nn.parallel import DistributedDataParallel
 
     assert compiling.compile_layers_or_eager(torch.nn.Linear(2, 2), "default", torch.device("cpu")) == "model"
+    assert compiling.compiles_whole(torch.nn.Linear(2, 2), "layers") and compiling.compiles_whole(
+        tiny_model("llama"), "model") and not compiling.compiles_whole(tiny_model("llama"), "layers")
     model = tiny_model("llama")
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: "no compiler")
     assert compiling.compile_layers_or_eager(model, "default", torch.device("cpu")) is None
@@ -133,6 +137,10 @@ def test_a_model_without_a_layer_stack_compiles_whole_under_layers_scope(monkeyp
     torch.nn.Module.__init__(wrapped)
     wrapped.module = model
     assert compiling.training_layers(wrapped) is model
+    import peft
+
+    lora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert compiling.training_layers(lora) is lora.get_base_model()  # peft passes the config through
 
 
 @pytest.mark.slow
