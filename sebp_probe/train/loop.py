@@ -25,8 +25,7 @@ from sebp_kernels import SEBPConfig
 
 from ..data.assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
-from .compiling import (compile_layers_or_eager, compile_or_eager, compiles_whole, dynamo_counts,
-                        evaluating_eagerly, inductor_problem)
+from .compiling import compile_layers_or_eager, compile_or_eager, compiles_whole, dynamo_counts, evaluating_eagerly
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, ready_to_compile, set_head
@@ -210,7 +209,8 @@ class Run:
             self.compile_scope = scope or "eager"
             return batch_loss
         step = compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None)
-        self.compile_scope = "eager" if inductor_problem(self.acc.device) else "step" if labelled else "forward"
+        compiled = getattr(model, "_compiled_call_impl", None) is not None  # not where Inductor cannot run
+        self.compile_scope = "eager" if not compiled else "step" if labelled else "forward"
         return step or batch_loss
 
     # -- bookkeeping

@@ -21,8 +21,12 @@ def _fresh(monkeypatch):
     dynamo.reset()
 
 
-def _goes_on_eagerly(tmp_path, needle: str, make_model=lambda: tiny_model("bert")) -> None:
-    compiled = _run(tmp_path, "compiled", make_model, compile="default")
+def _goes_on_eagerly(tmp_path, needle: str, make_model=lambda: tiny_model("bert"), scope: str = "layers",
+                     reported: str = "eager") -> None:
+    """``reported``: the summary's compile scope (``eager`` where Inductor cannot run at all; a scope that set
+    up its compile and fell back at the first step keeps its name)."""
+    compiled = _run(tmp_path, "compiled", make_model, compile="default", compile_scope=scope)
+    assert compiled["compile"]["scope"] == reported
     (line,) = compiled["notes"]
     assert line.startswith("--compile default: ") and needle in line and line.endswith("; training eagerly")
     assert "\n" not in line
@@ -76,14 +80,19 @@ _no_fake.register_autograd(lambda ctx, grad: grad)
 
 
 @pytest.mark.slow
-def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scope,where,needle", [
+    ("layers", "bert.encoder.layer.0.output", "a layer of the model did not compile (TorchRuntimeError"),
+    ("model", "classifier", "the training step did not compile (TorchRuntimeError"),
+])
+def test_a_forward_that_does_not_trace_trains_eagerly(tmp_path, monkeypatch, scope, where, needle):
+    """An op without a shape-only implementation in what the scope compiles (a layer; the whole step)."""
     def untraceable():
         model = tiny_model("bert")
-        model.classifier.register_forward_hook(lambda module, args, out: _no_fake(out))
+        model.get_submodule(where).register_forward_hook(lambda module, args, out: _no_fake(out))
         return model
 
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)  # Inductor's C++ build: not needed
-    _goes_on_eagerly(tmp_path, "the training step did not compile (TorchRuntimeError", untraceable)
+    _goes_on_eagerly(tmp_path, needle, untraceable, scope, {"layers": "layers", "model": "step"}[scope])
 
 
 @pytest.mark.slow
