@@ -36,6 +36,11 @@ class Layout:
     fixed_shapes: bool = True
 
     @property
+    def one_shape(self) -> bool:
+        """Every batch has the same shape (padded to ``--max-length``): compiled code needs no dynamic sizes."""
+        return self.pad_to == "max_length"
+
+    @property
     def packed(self) -> bool:
         """Rows of several sequences (no padding between them) rather than one padded sequence a row."""
         return self.pad_to is None

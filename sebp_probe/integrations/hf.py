@@ -353,16 +353,12 @@ def _compiled_labelled_loss(fallback, kwargs: dict):
 
 def _compiled_layers(trainer, fallback, kwargs: dict) -> Callable[[], None] | None:
     """Each layer of the trainer's model compiled in place with the trainer's compile settings (``kwargs``)
-    (:func:`~sebp_probe.train.compiling.compile_layers`; a layer call that fails to compile says so in one line,
+    (:func:`~sebp_probe.train.compiling.compile_stack`; a layer call that fails to compile says so in one line,
     ``fallback``, and runs eagerly); what undoes it, or None where the model has no layer stack sebp-probe
     knows."""
-    from ..families import layer_stack
-    from ..train.compiling import compile_layers
+    from ..train.compiling import compile_stack
 
-    model = unwrap(trainer.model)
-    if layer_stack(model) is None:
-        return None
-    return compile_layers(model, fallback=fallback, **kwargs)
+    return compile_stack(trainer.model, fallback, **kwargs)
 
 
 def _compile_kwargs(trainer) -> dict:

@@ -159,6 +159,13 @@ def training_layers(model: torch.nn.Module) -> torch.nn.Module:
     return unwrapped(model) or model
 
 
+def compile_stack(model: torch.nn.Module, fallback: Fallback | None = None, **kw) -> Callable[[], None] | None:
+    """:func:`compile_layers` on the layer stack of a training model (:func:`training_layers`: inside DDP's
+    and peft's wrappers); what undoes it, or None where the model has no layer stack sebp-probe knows."""
+    target = training_layers(model)
+    return None if layer_stack(target) is None else compile_layers(target, fallback, **kw)
+
+
 def compiles_whole(model: torch.nn.Module, scope: str) -> bool:
     """Whether a run compiles ``model`` whole (and, with the labelled-rows head, its whole step): ``--compile-scope
     model``, or ``layers`` on a model without a layer stack sebp-probe knows."""
@@ -179,13 +186,12 @@ def compile_layers_or_eager(model: torch.nn.Module, mode: str, device: torch.dev
     from then on), with dynamic shapes unless every batch has ``one_shape``. Returns ``"layers"``;
     ``"model"`` where the model has no layer stack sebp-probe knows (the caller compiles the whole model
     instead); None, with one logged line, where Inductor cannot run."""
-    target = training_layers(model)
-    if layer_stack(target) is None:
+    if layer_stack(training_layers(model)) is None:
         return "model"
     if cannot_compile(mode, device):
         return None
     fallback = Fallback(mode)
-    fallback._undo.append(compile_layers(target, fallback, **layer_compile_options(mode, one_shape)))
+    fallback._undo.append(compile_stack(model, fallback, **layer_compile_options(mode, one_shape)))
     return "layers"
 
 

@@ -205,7 +205,7 @@ class Run:
             ready_to_compile(model, cfg.data.padding, self.acc.autocast)
         if not compiles_whole(model, cfg.compile_scope):
             scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
-                                            LAYOUTS[cfg.data.padding].pad_to == "max_length")
+                                            LAYOUTS[cfg.data.padding].one_shape)
             self.compile_scope = scope or "eager"
             return batch_loss
         step = compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None)

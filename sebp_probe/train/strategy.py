@@ -40,8 +40,8 @@ from sebp_kernels import SEBPConfig
 
 from ..data.batching import PackingError, lengths, padding_share
 from .calibration import apply_sebp, measure_density, rng_devices, sync
-from .compiling import (Fallback, cannot_compile, compile_fn, compile_layers, compiles_whole, inductor_problem,
-                        layer_compile_options, training_layers)
+from .compiling import (Fallback, cannot_compile, compile_fn, compile_stack, compiles_whole, inductor_problem,
+                        layer_compile_options)
 from ..config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
 from ..layouts import LAYOUTS
@@ -158,19 +158,15 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
                  mode: str, scope: str = "layers", one_shape: bool = False) -> tuple[float, float] | str:
     """A layout's compiled milliseconds per batch over an epoch (as :func:`_layout_ms`: per token slot times
     the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched), compiled as
-    the run would (``scope``: ``layers``, each layer of its stack in place, :func:`compile_layers`, with
+    the run would (``scope``: ``layers``, each layer of its stack in place, :func:`compile_stack`, with
     dynamic shapes unless the layout has ``one_shape``, undone after; ``model``, a fresh
     ``torch.compile(batch_loss)``), Dynamo's caches reset first; on each batch one
     first call (a compile or recompile, and one step: its time past the batch's median counts as compile
     seconds), then ``reps`` timed calls. Why it did not compile instead, where it did not."""
     torch._dynamo.reset()
     fallback = Fallback(mode)
-    undo = None
-    if not compiles_whole(model, scope):
-        undo = compile_layers(training_layers(model), fallback, **layer_compile_options(mode, one_shape))
-        step = batch_loss
-    else:
-        step = compile_fn(batch_loss, mode, device, fallback=fallback)
+    undo = compile_stack(model, fallback, **layer_compile_options(mode, one_shape)) if scope == "layers" else None
+    step = batch_loss if undo is not None else compile_fn(batch_loss, mode, device, fallback=fallback)
     per_slot, compile_s = [], 0.0
     try:
         for b in batches:
@@ -200,7 +196,7 @@ def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: fl
     for method in methods:
         with _as(method, patch, unpatch):
             got = _compiled_ms(model, batches, slots, device, autocast, reps, mode, scope,
-                               LAYOUTS[padding].pad_to == "max_length")
+                               LAYOUTS[padding].one_shape)
         if isinstance(got, str):
             row["compiled_skipped"] = got
             return
