@@ -25,6 +25,7 @@ from . import registry, zero_rows
 from .config import SEBPConfig
 from .density import RowDensity
 from .library import backward_op
+from .pad_rows import bind_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
@@ -97,22 +98,29 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
 # ------------------------------------------------------------------------- the compiled path (see .registry)
 
 def _linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: bool, need_dw: bool,
-                     need_db: bool, key: Optional[Tensor], op_key: int, state_key: int,
-                     hint_key: int) -> tuple[Tensor, Tensor, Tensor]:
+                     need_db: bool, key: Optional[Tensor], op_key: int, state_key: int, hint_key: int,
+                     pad_perm: Optional[Tensor] = None, pad_count: Optional[Tensor] = None,
+                     pad_real: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dX, dW, db) of the SEBP linear registered under ``key`` (a module's :func:`~.registry.key_tensor`), else
     under ``op_key`` (a constant of the graph: a module's int key, or a functional call's config's, negative;
     empty tensors where not asked for). A functional call's ``state_key`` / ``hint_key`` name its RowDensity /
-    RowHint (0: none); a module's key brings the module's own."""
-    config, state, hint = settings(registry.lookup(key if key is not None else op_key))
+    RowHint (0: none); a module's key brings the module's own. ``pad_perm``, ``pad_count``, ``pad_real``: the
+    padding rows of the forward that saved them (:meth:`~.pad_rows.PadRows.traced`), taken as the module's
+    :class:`~.pad_rows.PadRows` decides when this runs (checked first, as eagerly)."""
+    obj = registry.lookup(key if key is not None else op_key)
+    config, state, hint = settings(obj)
     if key is None and op_key < 0:
         state, hint = registry.lookup(state_key), registry.lookup(hint_key)
+    elif pad_perm is not None:
+        hint = bind_traced(getattr(obj, "_sebp_pad_rows", None), hint, dy.shape, pad_perm, pad_count, pad_real)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (as_dtype(dx.view(*dy.shape[:-1], weight.shape[1]), dy.dtype) if need_dx else placeholder(dy),
             as_dtype(dw, weight.dtype) if need_dw else placeholder(dy),
             as_dtype(db, dy.dtype) if need_db else placeholder(dy))
 
 
-def _linear_backward_fake(dy, x, weight, need_dx, need_dw, need_db, key, op_key, state_key, hint_key):
+def _linear_backward_fake(dy, x, weight, need_dx, need_dw, need_db, key, op_key, state_key, hint_key,
+                          pad_perm=None, pad_count=None, pad_real=None):
     return (dy.new_empty((*dy.shape[:-1], weight.shape[1])) if need_dx else placeholder(dy),
             weight.new_empty(weight.shape) if need_dw else placeholder(dy),
             dy.new_empty(weight.shape[0]) if need_db else placeholder(dy))
@@ -125,32 +133,33 @@ class _Linear(torch.autograd.Function):
     """``F.linear`` traced into the graph; its backward is the opaque :func:`linear_backward`."""
 
     @staticmethod
-    def forward(x, weight, bias, key, op_key, state_key, hint_key):
+    def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real):
         return F.linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, key, op_key, state_key, hint_key = inputs
+        x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real = inputs
         ctx.keys, ctx.has_bias = (op_key, state_key, hint_key), bias is not None
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, key)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, key, pad_perm, pad_count, pad_real)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, key = ctx.saved_tensors
+        x, weight, key, *pad = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad[:3]
         nb = nb and ctx.has_bias
         if not (nx or nw or nb):
-            return None, None, None, None, None, None, None
-        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, key, *ctx.keys)
-        return if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb), None, None, None, None
+            return (None,) * 10
+        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, key, *ctx.keys, *pad)
+        return (if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb)) + (None,) * 7
 
 
 def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: Optional[Tensor], op_key: int = 0,
-                  state_key: int = 0, hint_key: int = 0) -> Tensor:
+                  state_key: int = 0, hint_key: int = 0, pad: tuple | None = None) -> Tensor:
     """What a compiled SEBP linear runs: the module under ``key`` (a :func:`~.registry.key_tensor`) or ``op_key``
     (its int key), or a functional call (``key`` None, ``op_key`` its config's, with the keys of its RowDensity
-    and RowHint, 0 for none)."""
-    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key)
+    and RowHint, 0 for none). ``pad``: the (perm, count, real-token flags) of the forward's padding rows
+    (:meth:`~.pad_rows.PadRows.traced`), inputs of the graph that its backward takes (a module's only)."""
+    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key, *(pad or (None, None, None)))
 
 
 def sebp_linear(
@@ -161,6 +170,7 @@ def sebp_linear(
     state: RowDensity | None = None,
     hint=None,
     _key: int | torch.Tensor | None = None,
+    _pad: tuple | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
@@ -174,6 +184,8 @@ def sebp_linear(
     :func:`~.registry.key_tensor`, see :func:`~.registry.keys_as_inputs`); inside ``torch.compile`` the layer
     then runs :func:`traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
     operator ``sebp::linear_backward`` (:mod:`.library`), which reads that layer's settings, state and hint.
+    ``_pad``: that layer's padding rows of this forward inside ``torch.compile`` (graph inputs; eagerly they
+    come as the hint, :meth:`~.pad_rows.PadRows.bind`).
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
@@ -188,14 +200,14 @@ def sebp_linear(
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return _apply(x, weight, bias, config, state, hint, _key)
-    return _apply(x, weight, bias, config, state, hint, _key)
+            return _apply(x, weight, bias, config, state, hint, _key, _pad)
+    return _apply(x, weight, bias, config, state, hint, _key, _pad)
 
 
-def _apply(x, weight, bias, config, state, hint, key):
+def _apply(x, weight, bias, config, state, hint, key, pad=None):
     if torch.compiler.is_compiling():
         if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
-            return traced_linear(x, weight, bias, *registry.op_keys(key, 0))
+            return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad)
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
             return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key)

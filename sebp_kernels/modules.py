@@ -83,11 +83,14 @@ class SEBPLinear(nn.Linear):
         return plain_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hint, pad = self._sebp_hint, self._sebp_pad_rows
-        if pad is not None and self.sebp_config.mode == "exact" and not torch.compiler.is_compiling():
-            hint = pad.bind(hint, x.shape)
+        hint, pad, traced = self._sebp_hint, self._sebp_pad_rows, None
+        if pad is not None and self.sebp_config.mode == "exact":
+            if torch.compiler.is_compiling():
+                traced = pad.traced()  # inputs of the graph, taken by its backward operator
+            else:
+                hint = pad.bind(hint, x.shape)
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
-                           _key=graph_key(self))
+                           _key=graph_key(self), _pad=traced)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

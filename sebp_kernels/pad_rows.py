@@ -15,8 +15,12 @@ and nothing is taken on trust: the first backward after the rows are set
 only checks, on the device, that every non-zero row of each linear's dY is a real-token row, while the
 linears still select their rows. The next forward reads that count once (one host sync): zero turns the
 rows on, anything else turns them off for good with a warning. Only exact mode uses them (elsewhere rows are
-chosen by their values), only eagerly (a compiled model's linears select), and never while a CUDA graph is
-captured before the check was read.
+chosen by their values), and never while a CUDA graph is captured before the check was read.
+
+Inside ``torch.compile`` (each layer compiled, the model's pre-hook eager) an SEBP linear passes the rows of its
+forward as inputs of the graph (:meth:`PadRows.traced`), which its backward operator takes as eager code does
+(:func:`bind_traced`): what the check found is read when the backward runs, so the verdict changes no graph.
+Where the pre-hook itself is traced (the whole model compiled) it names no rows.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class PadRows:
     def __init__(self):
         self.state = CHECKING
         self.rows = None  # (perm, count, real-token flags) of the batch set last
+        self.real = None  # the flags as (batch, seq)
         self.shape = None  # its (batch, seq)
         self.violations = None  # device counter of non-zero padding rows seen while checking
         self.checked = 0  # backwards checked since the counter was last read
@@ -57,11 +62,17 @@ class PadRows:
         flat = real.reshape(-1)
         perm = torch.sort((~flat).to(torch.uint8), stable=True).indices.to(torch.int32)
         self.rows = (perm, flat.sum(dtype=torch.int32).reshape(1), flat)
-        self.shape = tuple(mask.shape)
+        self.real, self.shape = real, tuple(mask.shape)
 
     def clear(self) -> None:
         """No rows for the next forward (a batch without a padding mask)."""
-        self.rows = None
+        self.rows = self.real = None
+
+    def traced(self) -> tuple | None:
+        """What a compiled SEBP linear passes on as inputs of its graph: (perm, count, real-token flags as
+        (batch, seq)) of the batch set last, or None. Read as the layer is traced and each call: the state, which
+        the check changes, is not (:func:`bind_traced` reads it when the backward runs)."""
+        return None if self.rows is None else (self.rows[0], self.rows[1], self.real)
 
     def bind(self, hint, x_shape: tuple):
         """The row hint an SEBP linear's backward reads in this forward: ``hint`` (an activation's rows, or
@@ -117,6 +128,15 @@ class _Bound:
             return None
         self.pad.taken += 1
         return perm, count
+
+
+def bind_traced(pad: PadRows | None, hint, dy_shape: tuple, perm, count, real):
+    """The row hint of a compiled SEBP linear's backward: ``hint``, backed by the padding rows its forward passed
+    on (:meth:`PadRows.traced`) where ``pad`` has not turned them off and dY is the batch's tokens (batch, seq,
+    features), as :meth:`PadRows.bind` decides eagerly."""
+    if pad is None or pad.state == OFF or tuple(dy_shape[:-1]) != tuple(real.shape):
+        return hint
+    return _Bound(pad, hint, (perm, count, real.reshape(-1)))
 
 
 def _capturing(device: torch.device) -> bool:

@@ -15,6 +15,9 @@ TASKS = ("classification", "causal-lm", "mlm")
 # Not a layout but a choice among them: finetune measures every layout and takes the fastest.
 AUTO = "auto"
 AUTO_HELP = "measure every layout on your batches, dense and SEBP, and train with the fastest"
+# The whole-model bench's timings (sebp_probe.bench.bench_model), in the order tables and figures show them:
+# eager, CUDA graphs, compiled, and each layer compiled with the step replayed as CUDA graphs.
+TIMINGS = ("eager", "graphs", "compiled", "compiled_graphs")
 
 
 def padding_help(auto: bool = False) -> str:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from .config import TIMINGS
+
 console = Console()
 # Tables with long cells (reasons, 13 benchmark columns) change layout below this width: piped output is 80.
 WIDE_CONSOLE = 150
@@ -249,14 +251,17 @@ def _model_tables(m: dict) -> None:
                      ", rows selected (no padding rows from the mask)" if m.get("pad_rows") is False else ""))
     pool = m["pool"]
     compiled = any(r["timing"] == "compiled" for r in m["rows"])
+    replayed = any(r["timing"] == "compiled_graphs" for r in m["rows"])
     extra += "; compiled: torch.compile, comp s: its first step's seconds" if compiled else ""
+    extra += "; +graphs: compiled layers, the step replayed as CUDA graphs" if replayed else ""
     table = Table(title=f"{c['name']}: step ms (forward+backward; median per batch, mean over {pool['batches']} "
                         f"batches of {c['batch']} from one pool; max length {c['max_length']}; packed: "
                         f"{m['packed_backend']}{extra}); x: speedup vs dense on the layout / vs the fastest "
                         "non-SEBP entry", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # with compiled rows: their ms and compile seconds in place of the padding share (80 columns)
     cols = ("layout", "method", "head", "eager", "graphs") + (("com-\npiled", "comp\ns") if compiled else ()) + (
-        "peak\nGiB",) + (() if compiled else ("pad\n%",)) + ("x\nlayout", "x\nbest")
+        ("+graphs",) if replayed else ()) + ("peak\nGiB",) + (() if compiled else ("pad\n%",)) + (
+        "x\nlayout", "x\nbest")
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "method", "head") else "right", no_wrap=True)
     timed: dict[tuple, dict] = {}
@@ -267,6 +272,7 @@ def _model_tables(m: dict) -> None:
         e, g, comp = t.get("eager"), t.get("graphs"), t.get("compiled")
         first = e or g or comp
         comp = (_ms(comp and comp["ms"]), fmt(comp and comp["compile_s"], "{:.0f}")) if compiled else ()
+        comp += (_ms(t["compiled_graphs"]["ms"] if "compiled_graphs" in t else None),) if replayed else ()
         pad = () if compiled else (fmt(100 * first["padding_share"], "{:.0f}"),)
         table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]), *comp,
                       fmt(first["peak_gib"] if e else None), *pad,
@@ -282,7 +288,7 @@ def _model_tables(m: dict) -> None:
         console.print(f"loss check: every entry's loss within {worst['loss_gap']:.2g} (relative, largest: "
                       f"{_entry(worst)}) of dense's with the full head on the same batches{noise}",
                       highlight=False, soft_wrap=True)
-    for timing in ("eager", "graphs", "compiled"):
+    for timing in TIMINGS:
         limits = [li for li in m["limits"] if li["timing"] == timing]
         if not limits:
             continue

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import TIMINGS
+
 FORMATS = (".png", ".pdf", ".svg")
 ZERO_COLOR = "#d0d0d0"
 
@@ -197,7 +199,7 @@ def plot_bench_models(models: list[dict], path: str | Path | None = None):
     from matplotlib.figure import Figure
 
     path = check_image_path(path) if path is not None else None
-    timings = [t for t in ("eager", "graphs", "compiled")
+    timings = [t for t in TIMINGS
                if any(r["timing"] == t for m in models for r in m["rows"])]
     fig = Figure(figsize=(6.5 * max(len(timings), 1), 3.8 * len(models)), layout="constrained")
     axes = fig.subplots(len(models), max(len(timings), 1), squeeze=False)

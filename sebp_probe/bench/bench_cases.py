@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..data.batching import batch_order, collator, padding_share
+from ..config import TIMINGS
 from ..layouts import LAYOUTS
 
 PAD_ID = 0
@@ -274,13 +275,13 @@ def layout_limits(runs: dict, failed: dict, info: dict) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per timing (eager, graphs, compiled) and over ``all`` of them: the fastest dense entry, the fastest
+    """Per timing (:data:`TIMINGS`) and over ``all`` of them: the fastest dense entry, the fastest
     non-SEBP one (dense, Cut-Cross-Entropy or Liger: the bar SEBP must clear), the fastest of all, and what
     ``--padding auto`` would pick (dense or SEBP, with the head that measured faster; the picks over ``all``
     name their timing). Each row also gets its speedup over dense on its layout, head and timing, and over the
     fastest non-SEBP entry of every timing."""
     out = {}
-    for timing in ("eager", "graphs", "compiled", "all"):
+    for timing in (*TIMINGS, "all"):
         rs = [r for r in rows if timing in ("all", r["timing"])]
         if not rs:
             continue

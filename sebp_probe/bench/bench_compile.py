@@ -51,13 +51,17 @@ SCOPES = ("layers", "step")
 
 
 def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], timer: Callable,
-                   mode: str | None, backend: str, scope: str = "layers") -> tuple[list[dict], dict]:
+                   mode: str | None, backend: str, scope: str = "layers",
+                   graphs: Callable | None = None) -> tuple[list[dict], dict]:
     """The compiled entry of ``step(model, batch) -> loss`` on ``batches`` (see the module docstring): the
     per-batch times of ``timer(model, loss_fn)`` (as eager entries are timed) and ``{compile_s, recompiles,
     graph_breaks, compiled_graphs, compile_scope}`` (``compiled_graphs``: those the first step compiled, one
     per piece between breaks). ``scope``: ``layers`` compiles each layer of the model's stack
     (:func:`compile_layers`), the embeddings, head and loss left eager, ``step`` the whole step function; the
-    model is as it was after the call."""
+    model is as it was after the call. ``graphs``: ``graphs(model, batch) -> timing``, called on each batch after
+    the compiled steps while the layers are still compiled (timing ``compiled_graphs``: the compiled layers
+    replayed as CUDA graphs, ``layers`` scope only); its timings and the graphs Dynamo compiled meanwhile
+    come in the stats as ``graph_runs`` and ``graph_recompiles``."""
     if scope not in SCOPES:
         raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     torch._dynamo.reset()
@@ -79,9 +83,13 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
         graphs1 = dynamo_counts()[0]
         runs = [timer(model, lambda b=b: compiled(model, b)) for b in batches]
         graphs2, breaks2 = dynamo_counts()
+        graph_runs = [graphs(model, b) for b in batches] if graphs is not None and scope == "layers" else None
+        graphs3 = dynamo_counts()[0]
     finally:
         if undo is not None:
             undo()
     stats = {"compile_s": round(compile_s, 2), "recompiles": graphs2 - graphs1, "graph_breaks": breaks2 - breaks0,
              "compiled_graphs": graphs1 - graphs0, "compile_scope": scope}
+    if graph_runs is not None:
+        stats.update(graph_runs=graph_runs, graph_recompiles=graphs3 - graphs2)
     return runs, stats

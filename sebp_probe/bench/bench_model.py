@@ -20,7 +20,8 @@ Entries, one result row each, layout x method x head x timing:
 - timing ``eager``; with ``graphs`` also ``graphs``: forward and backward replayed as CUDA graphs, where a
   batch has a fixed shape and the step no host sync; with ``compile`` (a ``torch.compile`` mode) also
   ``compiled``: the step's loss function compiled once per entry with dynamic shapes, its compile seconds,
-  recompiles and graph breaks on the row (:mod:`.bench_compile`).
+  recompiles and graph breaks on the row (:mod:`.bench_compile`); with both, ``compiled_graphs`` where graphs
+  apply: each layer compiled (``layers`` scope) and the step replayed as CUDA graphs, after the compiled timing.
 
 Entries that cannot run are listed in ``skipped`` with the reason; each row's ``loss_gap`` compares its loss with
 dense's under the full head on the same batches (all entries compute the same loss: a check of the run). Derived
@@ -93,10 +94,12 @@ def packed_backend(cfg, device: torch.device, dtype: torch.dtype) -> str:
 
 def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dict[str, str | None],
                  compiled: bool = False, compile_why: str | None = None, layouts=LAYOUTS,
-                 methods=METHODS) -> list[dict]:
+                 methods=METHODS, scope: str = "layers") -> list[dict]:
     """Every entry of the case in ``layouts`` and ``methods``, with ``reason`` where it cannot run. ``peers``:
     method -> why it cannot run (liger, cce); ``compiled``: the compiled timing too (``compile_why``: why it
-    cannot run here). Liger compiles with its graph breaks (its loss reads a count on the host)."""
+    cannot run here), and with ``graphs`` the compiled layers replayed as CUDA graphs where graphs apply
+    (``compiled_graphs``, ``scope`` layers only). Liger compiles with its graph breaks (its loss reads a count on
+    the host)."""
     out = []
     for layout in (lay for lay in LAYOUTS if lay in layouts):
         for method, head in (v for v in VARIANTS if v[0] in methods or f"{v[0]}:{v[1]}" in methods):
@@ -114,6 +117,10 @@ def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dic
             if compiled:
                 out.append(dict(layout=layout, method=method, head=head, timing="compiled",
                                 reason=why or compile_why))
+                if graphs:
+                    out.append(dict(layout=layout, method=method, head=head, timing="compiled_graphs",
+                                    reason=gwhy or compile_why or ("each layer compiled only (--compile-scope "
+                                                                   "layers)" if scope != "layers" else None)))
     return out
 
 
@@ -158,13 +165,21 @@ def time_eager(model, loss_fn: Callable[[], torch.Tensor], repeats: int, warmup:
     return out
 
 
-def time_graphs(model, batch: dict, repeats: int, warmup: int) -> dict:
-    """The same as CUDA-graph replays of ``model(**batch).loss`` and its backward (no peak)."""
+def time_graphs(model, batch: dict, repeats: int, warmup: int, no_cache: bool = False) -> dict:
+    """The same as CUDA-graph replays of ``model(**batch).loss`` and its backward (no peak). ``no_cache``: a
+    causal LM's config says ``use_cache=False`` meanwhile (compiled layers: a KV cache's guards would compile
+    each layer apart)."""
     from ..train.graphs import replay_ms
 
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
     try:
+        if no_cache and cached:
+            config.use_cache = False
         f, b = replay_ms(model, batch, repeats, skip=warmup)
     finally:
+        if no_cache and cached:
+            config.use_cache = cached
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     return {"step_ms": f + b, "forward_ms": f, "backward_ms": b, "peak_gib": None, "loss": None}
@@ -302,6 +317,26 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
     return {"case": asdict(case), "device": dev.type, "compile": compile, **info, "entries": entries}
 
 
+def _replay_or_fail(key: tuple, repeats: int, warmup: int, fail: Callable) -> Callable:
+    """The ``compiled_graphs`` timer of an entry: :func:`time_graphs` of a batch, or, once a capture or its
+    memory fails, ``fail(key, error, model)`` and None from then on (the compiled timing stays)."""
+    from ..train.graphs import CaptureError
+
+    failed = []
+
+    def replay(model, batch):
+        if failed:
+            return None
+        try:
+            return time_graphs(model, batch, repeats, warmup, no_cache=True)
+        except (torch.OutOfMemoryError, CaptureError) as e:
+            failed.append(e)
+            fail(key, e, model)
+            return None
+
+    return replay
+
+
 def _step_fn(method: str, head: str) -> Callable:
     """The entry's loss as a function of (model, batch): what eager steps call and the compiled timing compiles."""
     labelled = head == "labelled"
@@ -341,7 +376,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask)
     peers = _peers(case, dev)
     why_compile = compile_reason(dev, compile_backend) if compile is not None else None
-    entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods)
+    entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods,
+                           compile_scope)
     runs = {(e["layout"], e["method"], e["head"], e["timing"]): [] for e in entries if e["reason"] is None}
     liger = liger_patch(build_model(case, dtype, dev), case.arch) if any(k[1] == "liger" for k in runs) else None
     failed: dict[tuple, str] = {}
@@ -424,12 +460,22 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             done = sum(k[3] == "compiled" for k in (*extra, *failed))
             if progress:
                 progress(f"{case.name}: compiling {layout}, {method}, {head} head ({done + 1}/{n_compiled})")
+            gkey = (layout, method, head, "compiled_graphs")
+            replay = _replay_or_fail(gkey, repeats, warmup, out_of_run) if gkey in runs else None
             with entry(method, head) as m:
                 try:
                     runs[key], extra[key] = compiled_steps(m, _step_fn(method, head), on_device, timer, compile,
-                                                           compile_backend, compile_scope)
+                                                           compile_backend, compile_scope, graphs=replay)
                 except Exception as e:  # noqa: BLE001 - whatever stops a compile (Dynamo, Inductor, OOM), the
                     out_of_run(key, e, m)  # entry is out and the others go on
+                    if replay is not None:
+                        out_of_run(gkey, e, m)
+                if key in extra and replay is not None:
+                    got = extra[key].pop("graph_runs")
+                    if gkey not in failed:
+                        runs[gkey] = got
+                        extra[gkey] = {"recompiles": extra[key].pop("graph_recompiles"),
+                                       "compile_scope": compile_scope}
             if note:
                 x = extra.get(key)
                 note(f"{case.name}: {layout}, {method}, {head} head, compiled ({done + 1}/{n_compiled}): " +

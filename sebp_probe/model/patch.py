@@ -236,7 +236,10 @@ def _triton_backward_on(device: torch.device) -> bool:
 
 def _pad_rows_hook(module, args, kwargs):
     pad = vars(module).get("_sebp_pad_rows")
-    if pad is None or torch.compiler.is_compiling():
+    if pad is None:
+        return
+    if torch.compiler.is_compiling():  # traced with the model: the rows of an earlier batch must not be read
+        pad.clear()
         return
     mask = kwargs.get("attention_mask")
     if torch.is_tensor(mask) and not _triton_backward_on(mask.device):

@@ -168,6 +168,61 @@ def _check_model(arch, device, dtype, backend, atol, rtol):
     return pad
 
 
+def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
+    """Each layer compiled (the pre-hook eager): the linears' backward operators take the padding rows their
+    forward passed on as graph inputs, checked first; the verdict compiles nothing again, and batches of other
+    lengths (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
+    batch's rows are read), and the linears select theirs."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_activations, patch_model, patch_norms
+    from sebp_probe.train.compiling import compile_layers, dynamo_counts
+    from tests.helpers import assert_close_report
+    from tests.tiny_models import padded_batch, tiny_model
+
+    torch.manual_seed(0)
+    dense = tiny_model(arch).eval().to(device, dtype)
+    model = copy.deepcopy(dense)
+    patch_model(model, SEBPConfig("exact", backend=backend))
+    patch_norms(model, SEBPConfig("exact", backend=backend))
+    patch_activations(model)
+    pad = model.base_model._sebp_pad_rows
+    batches = [{k: v.to(device) for k, v in padded_batch(arch, lengths, seed=i).items()}
+               for i, lengths in enumerate(((11, 4, 7), (9, 3, 5), (6, 2, 8), (12, 5, 9)))]
+
+    def check(batch):
+        loss, got = _grads(model, batch)
+        want_loss, want = _grads(dense, batch)
+        assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
+        for n in want:
+            assert_close_report(got[n], want[n], atol=atol, rtol=rtol, name=n)
+
+    torch._dynamo.reset()
+    undo = compile_layers(model, backend="aot_eager", dynamic=True)
+    try:
+        check(batches[0])
+        assert pad.state == CHECKING and pad.checked > 0 and pad.taken == 0
+        graphs = dynamo_counts()[0]
+        for batch in batches[1:3]:
+            check(batch)
+        assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers
+        assert dynamo_counts()[0] == graphs  # neither the verdict nor the lengths compiled again
+    finally:
+        undo()
+        torch._dynamo.reset()
+    taken = pad.taken
+    whole = torch.compile(model, backend="aot_eager", dynamic=True)
+    try:
+        for batch in batches[2:]:  # the eager pre-hook set the rows of batches[2] before: never read here
+            loss, got = _grads(whole, batch)
+            want_loss, want = _grads(dense, batch)
+            assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
+            for n in want:
+                assert_close_report(got["_orig_mod." + n], want[n], atol=atol, rtol=rtol, name=n)
+        assert pad.taken == taken and pad.rows is None
+    finally:
+        torch._dynamo.reset()
+
+
 def _check_labels_on_padding(device, backend):
     """A causal LM whose labels were left on the padding: the check turns the rows off, gradients stay
     right."""
@@ -203,6 +258,13 @@ if not INTERPRET:
         _check_model(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
 
     @pytest.mark.gpu
+    @pytest.mark.parametrize("arch", ["bert", "llama"])
+    def test_gpu_compiled_layers_take_the_padding_rows(arch):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        _check_compiled_layers(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
+
+    @pytest.mark.gpu
     def test_gpu_labels_on_padding_turn_the_rows_off():
         if not torch.cuda.is_available():
             pytest.skip("needs a GPU")
@@ -216,6 +278,10 @@ else:
 
     def test_interp_labels_on_padding_turn_the_rows_off():
         _check_labels_on_padding("cpu", "triton")
+
+    @pytest.mark.parametrize("arch", ["bert", "llama"])
+    def test_interp_compiled_layers_take_the_padding_rows(arch):
+        _check_compiled_layers(arch, "cpu", torch.float32, "triton", 1e-5, 1e-4)
 
 
 def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():

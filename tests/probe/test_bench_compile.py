@@ -43,6 +43,44 @@ def test_plan_lists_compiled_entries_and_skip_reasons():
         bench_model.plan(LLAMA, device="cpu", layouts=("padded",))
 
 
+def test_compiled_graphs_entries_where_graphs_and_layers_scope_apply():
+    """``--graphs --compile``: a ``compiled_graphs`` entry beside each compiled one, run where the eager graphs
+    run (a padded batch, the model's own head, a GPU) and under the layers scope only."""
+    def reasons(device, scope="layers"):
+        entries = bench_model.plan_entries(LLAMA, True, torch.device(device), {"liger": None, "cce": None}, True,
+                                           None, ("longest", "packed"), ("dense", "sebp"), scope)
+        return {(e["layout"], e["method"], e["head"]): e["reason"] for e in entries
+                if e["timing"] == "compiled_graphs"}
+
+    gpu = reasons("cuda")
+    assert gpu[("longest", "dense", "full")] is None and gpu[("longest", "sebp", "full")] is None
+    assert "found on the host" in gpu[("longest", "sebp", "labelled")]
+    assert "change shape" in gpu[("packed", "dense", "full")]
+    assert set(reasons("cpu").values()) == {"CUDA graphs need a GPU"}
+    assert "--compile-scope layers" in reasons("cuda", "step")[("longest", "dense", "full")]
+    no_graphs = bench_model.plan_entries(LLAMA, False, torch.device("cuda"), {}, True, None, ("longest",))
+    assert "compiled_graphs" not in {e["timing"] for e in no_graphs}
+
+
+def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypatch):
+    from sebp_probe.train.graphs import CaptureError
+
+    calls, failed = [], []
+
+    def time_graphs(model, batch, repeats, warmup, no_cache=False):
+        calls.append(no_cache)
+        if len(calls) == 2:
+            raise CaptureError("the training step could not be captured as a CUDA graph: no")
+        return {"step_ms": 1.0}
+
+    monkeypatch.setattr(bench_model, "time_graphs", time_graphs)
+    replay = bench_model._replay_or_fail(("longest", "sebp", "full", "compiled_graphs"), 3, 1,
+                                         lambda key, e, m: failed.append((key[3], str(e))))
+    assert [replay(None, {}) for _ in range(4)] == [{"step_ms": 1.0}, None, None, None]
+    assert calls == [True, True] and [key for key, _ in failed] == ["compiled_graphs"]
+    assert "could not be captured" in failed[0][1]
+
+
 def test_cce_reason_when_it_does_not_import(monkeypatch):
     monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # import raises ImportError
     assert bench_peers.cce_reason("causal-lm").startswith("cut_cross_entropy does not import (ModuleNotFoundError")
@@ -178,12 +216,21 @@ def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(se
     step = lambda m, b: bench_model.batch_loss(m, b, labelled_head=False)  # noqa: E731
     want = [step(model, b).item() for b in batches]
     timer = lambda m, fn: {"loss": fn().item()}  # noqa: E731
+    compiled_then = []  # the compiled_graphs timer runs while every layer is still compiled
+
+    def graphs(m, b):
+        compiled_then.append(all(layer._compiled_call_impl is not None for layer in layer_stack(m)))
+        return {"loss": step(m, b).item()}
+
     dynamo.reset()
     try:
-        runs, stats = bench_compile.compiled_steps(model, step, batches, timer, None, "aot_eager", scope="layers")
+        runs, stats = bench_compile.compiled_steps(model, step, batches, timer, None, "aot_eager", scope="layers",
+                                                   graphs=graphs)
     finally:
         dynamo.reset()
     assert [r["loss"] for r in runs] == pytest.approx(want, rel=1e-5)
+    assert [r["loss"] for r in stats.pop("graph_runs")] == pytest.approx(want, rel=1e-5)
+    assert compiled_then == [True] * len(batches) and stats.pop("graph_recompiles") == 0
     assert stats["compile_scope"] == "layers" and stats["recompiles"] == 0 and stats["graph_breaks"] == 0
     assert 1 <= stats["compiled_graphs"] < len(layer_stack(model))
     assert all(layer._compiled_call_impl is None for layer in layer_stack(model))
