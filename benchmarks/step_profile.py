@@ -42,9 +42,9 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
                     model.zero_grad(set_to_none=True)
                     step(model, b).backward()
             torch.cuda.synchronize()
-            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             t0 = time.perf_counter()
-            with torch.profiler.profile(activities=acts) as prof:
+            with torch.profiler.profile(activities=kinds) as prof:
                 for b in batches:
                     model.zero_grad(set_to_none=True)
                     step(model, b).backward()
