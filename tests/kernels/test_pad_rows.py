@@ -140,13 +140,11 @@ def _grads(model, batch):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_model(arch, device, dtype, backend, atol, rtol):
-    """SEBP with the padding rows against dense, over three steps (check, then the rows used twice), right and
-    left padding; returns the PadRows."""
+def _dense_and_patched(arch, device, dtype, backend):
+    """A tiny model and a copy with SEBP linears, norms and activations, and the copy's PadRows."""
     from sebp_kernels import SEBPConfig
     from sebp_probe import patch_activations, patch_model, patch_norms
-    from tests.helpers import assert_close_report
-    from tests.tiny_models import padded_batch, tiny_model
+    from tests.tiny_models import tiny_model
 
     torch.manual_seed(0)
     dense = tiny_model(arch).eval().to(device, dtype)
@@ -154,14 +152,31 @@ def _check_model(arch, device, dtype, backend, atol, rtol):
     patch_model(model, SEBPConfig("exact", backend=backend))
     patch_norms(model, SEBPConfig("exact", backend=backend))
     patch_activations(model)
-    pad = model.base_model._sebp_pad_rows
+    return dense, model, model.base_model._sebp_pad_rows
+
+
+def _same_step(run, dense, batch, atol, rtol) -> None:
+    """One step of ``run`` (a model, or its compiled wrapper, whose parameter names ``_orig_mod.`` leads) on
+    ``batch``: the loss and gradients of ``dense``."""
+    from tests.helpers import assert_close_report
+
+    loss, got = _grads(run, batch)
+    want_loss, want = _grads(dense, batch)
+    assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
+    prefix = "_orig_mod." if any(n.startswith("_orig_mod.") for n in got) else ""
+    for n in want:
+        assert_close_report(got[prefix + n], want[n], atol=atol, rtol=rtol, name=n)
+
+
+def _check_model(arch, device, dtype, backend, atol, rtol):
+    """SEBP with the padding rows against dense, over three steps (check, then the rows used twice), right and
+    left padding; returns the PadRows."""
+    from tests.tiny_models import padded_batch
+
+    dense, model, pad = _dense_and_patched(arch, device, dtype, backend)
     for step, (lengths, side) in enumerate((((11, 4, 7), "right"), ((9, 3, 5), "right"), ((6, 2, 8), "left"))):
-        batch = {k: v.to(device) for k, v in padded_batch(arch, lengths, side, seed=step).items()}
-        loss, got = _grads(model, batch)
-        want_loss, want = _grads(dense, batch)
-        assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
-        for n in want:
-            assert_close_report(got[n], want[n], atol=atol, rtol=rtol, name=n)
+        _same_step(model, dense, {k: v.to(device) for k, v in padded_batch(arch, lengths, side, seed=step).items()},
+                   atol, rtol)
     # from the second step on every token-wise linear takes the rows (q, k, v, o and the MLP's output; the
     # MLP's input linears take the activation's rows first)
     assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers
@@ -173,37 +188,20 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
     forward passed on as graph inputs, checked first; the verdict compiles nothing again, and batches of other
     lengths (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
     batch's rows are read), and the linears select theirs."""
-    from sebp_kernels import SEBPConfig
-    from sebp_probe import patch_activations, patch_model, patch_norms
     from sebp_probe.train.compiling import compile_layers, dynamo_counts
-    from tests.helpers import assert_close_report
-    from tests.tiny_models import padded_batch, tiny_model
+    from tests.tiny_models import padded_batch
 
-    torch.manual_seed(0)
-    dense = tiny_model(arch).eval().to(device, dtype)
-    model = copy.deepcopy(dense)
-    patch_model(model, SEBPConfig("exact", backend=backend))
-    patch_norms(model, SEBPConfig("exact", backend=backend))
-    patch_activations(model)
-    pad = model.base_model._sebp_pad_rows
+    dense, model, pad = _dense_and_patched(arch, device, dtype, backend)
     batches = [{k: v.to(device) for k, v in padded_batch(arch, lengths, seed=i).items()}
                for i, lengths in enumerate(((11, 4, 7), (9, 3, 5), (6, 2, 8), (12, 5, 9)))]
-
-    def check(batch):
-        loss, got = _grads(model, batch)
-        want_loss, want = _grads(dense, batch)
-        assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
-        for n in want:
-            assert_close_report(got[n], want[n], atol=atol, rtol=rtol, name=n)
-
     torch._dynamo.reset()
     undo = compile_layers(model, backend="aot_eager", dynamic=True)
     try:
-        check(batches[0])
+        _same_step(model, dense, batches[0], atol, rtol)
         assert pad.state == CHECKING and pad.checked > 0 and pad.taken == 0
         graphs = dynamo_counts()[0]
         for batch in batches[1:3]:
-            check(batch)
+            _same_step(model, dense, batch, atol, rtol)
         assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers
         assert dynamo_counts()[0] == graphs  # neither the verdict nor the lengths compiled again
     finally:
@@ -213,11 +211,7 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
     whole = torch.compile(model, backend="aot_eager", dynamic=True)
     try:
         for batch in batches[2:]:  # the eager pre-hook set the rows of batches[2] before: never read here
-            loss, got = _grads(whole, batch)
-            want_loss, want = _grads(dense, batch)
-            assert_close_report(loss, want_loss, atol=atol, rtol=rtol, name="loss")
-            for n in want:
-                assert_close_report(got["_orig_mod." + n], want[n], atol=atol, rtol=rtol, name=n)
+            _same_step(whole, dense, batch, atol, rtol)
         assert pad.taken == taken and pad.rows is None
     finally:
         torch._dynamo.reset()
@@ -252,17 +246,11 @@ if not INTERPRET:
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("arch", ["bert", "llama"])
-    def test_gpu_models_with_padding_rows_match_dense(arch):
+    @pytest.mark.parametrize("check", [_check_model, _check_compiled_layers], ids=["eager", "compiled_layers"])
+    def test_gpu_models_with_padding_rows_match_dense(arch, check):
         if not torch.cuda.is_available():
             pytest.skip("needs a GPU")
-        _check_model(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
-
-    @pytest.mark.gpu
-    @pytest.mark.parametrize("arch", ["bert", "llama"])
-    def test_gpu_compiled_layers_take_the_padding_rows(arch):
-        if not torch.cuda.is_available():
-            pytest.skip("needs a GPU")
-        _check_compiled_layers(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
+        check(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
 
     @pytest.mark.gpu
     def test_gpu_labels_on_padding_turn_the_rows_off():
