@@ -19,8 +19,9 @@ chosen by their values), and never while a CUDA graph is captured before the che
 
 Inside ``torch.compile`` (each layer compiled, the model's pre-hook eager) an SEBP linear passes the rows of its
 forward as inputs of the graph (:meth:`PadRows.traced`), which its backward operator takes as eager code does
-(:func:`bind_traced`): what the check found is read when the backward runs, so the verdict changes no graph.
-Where the pre-hook itself is traced (the whole model compiled) it names no rows.
+(:func:`bind_traced`): what the check found is read when the backward runs, so the verdict "on" changes no
+graph ("off" names no rows from then on: the layer compiles once more without them). Where the pre-hook itself
+is traced (the whole model compiled) it names no rows.
 """
 from __future__ import annotations
 

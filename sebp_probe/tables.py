@@ -256,12 +256,14 @@ def _model_tables(m: dict) -> None:
     extra += "; +graphs: compiled layers, the step replayed as CUDA graphs" if replayed else ""
     table = Table(title=f"{c['name']}: step ms (forward+backward; median per batch, mean over {pool['batches']} "
                         f"batches of {c['batch']} from one pool; max length {c['max_length']}; packed: "
-                        f"{m['packed_backend']}{extra}); x: speedup vs dense on the layout / vs the fastest "
-                        "non-SEBP entry", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    # with compiled rows: their ms and compile seconds in place of the padding share (80 columns)
+                        f"{m['packed_backend']}{extra}); x: speedup vs dense on the layout"
+                        + ("" if replayed else " / vs the fastest non-SEBP entry"), box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
+    # with compiled rows: their ms and compile seconds in place of the padding share, and with compiled + graphs
+    # rows their ms in place of the speedup over the fastest non-SEBP entry (the lines below name it): 80 columns
     cols = ("layout", "method", "head", "eager", "graphs") + (("com-\npiled", "comp\ns") if compiled else ()) + (
         ("+graphs",) if replayed else ()) + ("peak\nGiB",) + (() if compiled else ("pad\n%",)) + (
-        "x\nlayout", "x\nbest")
+        "x\nlayout",) + (() if replayed else ("x\nbest",))
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "method", "head") else "right", no_wrap=True)
     timed: dict[tuple, dict] = {}
@@ -276,7 +278,8 @@ def _model_tables(m: dict) -> None:
         pad = () if compiled else (fmt(100 * first["padding_share"], "{:.0f}"),)
         table.add_row(layout, method, head, _ms(e and e["ms"]), _ms(g and g["ms"]), *comp,
                       fmt(first["peak_gib"] if e else None), *pad,
-                      fmt(first.get("vs_dense_same_layout")), fmt(first.get("vs_fastest_baseline")))
+                      fmt(first.get("vs_dense_same_layout")),
+                      *(() if replayed else (fmt(first.get("vs_fastest_baseline")),)))
     console.print(table)
     gaps = [r for r in m["rows"] if r.get("loss_gap") is not None]
     if gaps:
@@ -303,7 +306,8 @@ def _model_tables(m: dict) -> None:
                           f"{li['sebp_speedup']:.2f}", f"{li['limit_speedup']:.2f}", f"{li['sebp_of_limit']:.2f}",
                           f"{100 * li['inactive_share']:.1f}")
         console.print(table)
-    recompiled = ", ".join(f"{_entry(r)} ({r['recompiles']})" for r in m["rows"] if r.get("recompiles"))
+    recompiled = ", ".join(f"{_entry(r)}{' (+graphs)' if r['timing'] == 'compiled_graphs' else ''} "
+                           f"({r['recompiles']})" for r in m["rows"] if r.get("recompiles"))
     if recompiled:  # the compiled entries whose later batches did not reuse the first one's graphs
         console.print(f"recompiled after the first step: {recompiled}", highlight=False, soft_wrap=True)
     for timing, s in m["summary"].items():

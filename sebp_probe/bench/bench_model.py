@@ -45,6 +45,7 @@ from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, la
     layout_padding, make_items, sample_lengths, summarize
 from .bench_compile import compile_reason, compiled_steps
 from .bench_peers import cce_loss, cce_reason, liger_patch, liger_reason
+from ..config import GRAPHED_COMPILE_MODES
 from ..families import FAMILIES
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss
@@ -94,12 +95,12 @@ def packed_backend(cfg, device: torch.device, dtype: torch.dtype) -> str:
 
 def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dict[str, str | None],
                  compiled: bool = False, compile_why: str | None = None, layouts=LAYOUTS,
-                 methods=METHODS, scope: str = "layers") -> list[dict]:
+                 methods=METHODS, scope: str = "layers", mode: str | None = None) -> list[dict]:
     """Every entry of the case in ``layouts`` and ``methods``, with ``reason`` where it cannot run. ``peers``:
     method -> why it cannot run (liger, cce); ``compiled``: the compiled timing too (``compile_why``: why it
     cannot run here), and with ``graphs`` the compiled layers replayed as CUDA graphs where graphs apply
-    (``compiled_graphs``, ``scope`` layers only). Liger compiles with its graph breaks (its loss reads a count on
-    the host)."""
+    (``compiled_graphs``, ``scope`` layers only, not for a compile ``mode`` that records CUDA graphs itself).
+    Liger compiles with its graph breaks (its loss reads a count on the host)."""
     out = []
     for layout in (lay for lay in LAYOUTS if lay in layouts):
         for method, head in (v for v in VARIANTS if v[0] in methods or f"{v[0]}:{v[1]}" in methods):
@@ -119,8 +120,10 @@ def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dic
                                 reason=why or compile_why))
                 if graphs:
                     out.append(dict(layout=layout, method=method, head=head, timing="compiled_graphs",
-                                    reason=gwhy or compile_why or ("each layer compiled only (--compile-scope "
-                                                                   "layers)" if scope != "layers" else None)))
+                                    reason=gwhy or compile_why or (
+                                        "each layer compiled only (--compile-scope layers)" if scope != "layers"
+                                        else f"--compile {mode} records CUDA graphs itself"
+                                        if mode in GRAPHED_COMPILE_MODES else None)))
     return out
 
 
@@ -318,10 +321,9 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
 
 
 def _replay_or_fail(key: tuple, repeats: int, warmup: int, fail: Callable) -> Callable:
-    """The ``compiled_graphs`` timer of an entry: :func:`time_graphs` of a batch, or, once a capture or its
-    memory fails, ``fail(key, error, model)`` and None from then on (the compiled timing stays)."""
-    from ..train.graphs import CaptureError
-
+    """The ``compiled_graphs`` timer of an entry: :func:`time_graphs` of a batch, or, once anything in it fails
+    (the capture, its memory, its eager warm-up steps: the compiled timing is measured by then and stays),
+    ``fail(key, error, model)`` and None from then on."""
     failed = []
 
     def replay(model, batch):
@@ -329,7 +331,7 @@ def _replay_or_fail(key: tuple, repeats: int, warmup: int, fail: Callable) -> Ca
             return None
         try:
             return time_graphs(model, batch, repeats, warmup, no_cache=True)
-        except (torch.OutOfMemoryError, CaptureError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever stops it, this timing is out and the compiled one stays
             failed.append(e)
             fail(key, e, model)
             return None
@@ -377,7 +379,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     peers = _peers(case, dev)
     why_compile = compile_reason(dev, compile_backend) if compile is not None else None
     entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods,
-                           compile_scope)
+                           compile_scope, compile)
     runs = {(e["layout"], e["method"], e["head"], e["timing"]): [] for e in entries if e["reason"] is None}
     liger = liger_patch(build_model(case, dtype, dev), case.arch) if any(k[1] == "liger" for k in runs) else None
     failed: dict[tuple, str] = {}
@@ -471,11 +473,10 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                     if replay is not None:
                         out_of_run(gkey, e, m)
                 if key in extra and replay is not None:
-                    got = extra[key].pop("graph_runs")
+                    got, recompiles = extra[key].pop("graph_runs"), extra[key].pop("graph_recompiles")
                     if gkey not in failed:
                         runs[gkey] = got
-                        extra[gkey] = {"recompiles": extra[key].pop("graph_recompiles"),
-                                       "compile_scope": compile_scope}
+                        extra[gkey] = {"recompiles": recompiles, "compile_scope": compile_scope}
             if note:
                 x = extra.get(key)
                 note(f"{case.name}: {layout}, {method}, {head} head, compiled ({done + 1}/{n_compiled}): " +

@@ -185,13 +185,14 @@ def _check_model(arch, device, dtype, backend, atol, rtol):
 
 def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
     """Each layer compiled (the pre-hook eager): the linears' backward operators take the padding rows their
-    forward passed on as graph inputs, checked first; the verdict compiles nothing again, and batches of other
-    lengths (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
+    forward passed on as graph inputs, checked first; the verdict "on" compiles nothing again, and batches of
+    other lengths (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
     batch's rows are read), and the linears select theirs."""
     from sebp_probe.train.compiling import compile_layers, dynamo_counts
     from tests.tiny_models import padded_batch
 
     dense, model, pad = _dense_and_patched(arch, device, dtype, backend)
+    dense.train(), model.train()  # compile_layers runs a layer eagerly in eval mode (no dropout here)
     batches = [{k: v.to(device) for k, v in padded_batch(arch, lengths, seed=i).items()}
                for i, lengths in enumerate(((11, 4, 7), (9, 3, 5), (6, 2, 8), (12, 5, 9)))]
     torch._dynamo.reset()
@@ -200,6 +201,7 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
         _same_step(model, dense, batches[0], atol, rtol)
         assert pad.state == CHECKING and pad.checked > 0 and pad.taken == 0
         graphs = dynamo_counts()[0]
+        assert graphs > 0  # the layers ran compiled
         for batch in batches[1:3]:
             _same_step(model, dense, batch, atol, rtol)
         assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers

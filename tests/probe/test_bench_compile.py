@@ -58,11 +58,18 @@ def test_compiled_graphs_entries_where_graphs_and_layers_scope_apply():
     assert "change shape" in gpu[("packed", "dense", "full")]
     assert set(reasons("cpu").values()) == {"CUDA graphs need a GPU"}
     assert "--compile-scope layers" in reasons("cuda", "step")[("longest", "dense", "full")]
+    own = bench_model.plan_entries(LLAMA, True, torch.device("cuda"), {}, True, None, ("longest",), ("dense",),
+                                   "layers", "reduce-overhead")
+    assert {e["reason"] for e in own if e["timing"] == "compiled_graphs" and e["head"] == "full"} == {
+        "--compile reduce-overhead records CUDA graphs itself"}
     no_graphs = bench_model.plan_entries(LLAMA, False, torch.device("cuda"), {}, True, None, ("longest",))
     assert "compiled_graphs" not in {e["timing"] for e in no_graphs}
 
 
-def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypatch):
+@pytest.mark.parametrize("error", ["capture", "warm-up"])
+def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypatch, error):
+    """A capture that fails, or anything else in the replayed timing (its eager warm-up steps): that timing is
+    out, once, and the rest of its batches are not tried."""
     from sebp_probe.train.graphs import CaptureError
 
     calls, failed = [], []
@@ -70,7 +77,8 @@ def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypa
     def time_graphs(model, batch, repeats, warmup, no_cache=False):
         calls.append(no_cache)
         if len(calls) == 2:
-            raise CaptureError("the training step could not be captured as a CUDA graph: no")
+            raise (CaptureError("the training step could not be captured as a CUDA graph: no") if error == "capture"
+                   else RuntimeError("a warm-up step failed"))
         return {"step_ms": 1.0}
 
     monkeypatch.setattr(bench_model, "time_graphs", time_graphs)
@@ -78,7 +86,7 @@ def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypa
                                          lambda key, e, m: failed.append((key[3], str(e))))
     assert [replay(None, {}) for _ in range(4)] == [{"step_ms": 1.0}, None, None, None]
     assert calls == [True, True] and [key for key, _ in failed] == ["compiled_graphs"]
-    assert "could not be captured" in failed[0][1]
+    assert ("could not be captured" if error == "capture" else "warm-up step failed") in failed[0][1]
 
 
 def test_cce_reason_when_it_does_not_import(monkeypatch):
