@@ -378,7 +378,7 @@ def bench_cmd(
         raise UserError(f"--layouts/--methods: {e}") from None
     if dry_run:
         plans = [bench_model.plan(c, model_batches, graphs, pad_mask, bench.DTYPES[dtype], compile=compile_mode,
-                                  **chosen) for c in cases]
+                                  compile_scope=compile_scope, **chosen) for c in cases]
         console.print_json(json.dumps(bench.run_plan(shapes, dens, plans)))
         return
     device = "cpu" if tiny and not torch.cuda.is_available() else "cuda"

@@ -305,7 +305,7 @@ def check_selection(layouts, methods) -> None:
 
 def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bool = True,
          dtype: torch.dtype = torch.bfloat16, device: str | None = None, seed: int = 0, compile: str | None = None,
-         layouts=LAYOUTS, methods=METHODS) -> dict:
+         layouts=LAYOUTS, methods=METHODS, compile_scope: str = "layers") -> dict:
     """What :func:`bench_model` would run, without a GPU or a model: the pool, each layout's batches, padding
     and inactive share of the backward FLOPs per head, and every entry (with why it would be skipped; whether
     Inductor runs here is found by the run, not the plan)."""
@@ -316,7 +316,8 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
     _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask)
     for lay in info["layouts"].values():
         del lay["flops"]
-    entries = plan_entries(case, graphs, dev, _peers(case, dev), compile is not None, None, layouts, methods)
+    entries = plan_entries(case, graphs, dev, _peers(case, dev), compile is not None, None, layouts, methods,
+                           compile_scope, compile)
     return {"case": asdict(case), "device": dev.type, "compile": compile, **info, "entries": entries}
 
 

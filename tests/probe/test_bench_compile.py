@@ -30,6 +30,11 @@ def test_plan_lists_compiled_entries_and_skip_reasons():
     assert timings[("longest", "sebp", "labelled", "compiled")] is None
     assert "need a CUDA GPU" in timings[("longest", "liger", "full", "compiled")]
     assert timings[("longest", "cce", "labelled", "graphs")] == "CUDA graphs need a GPU"
+    assert timings[("longest", "dense", "full", "compiled_graphs")] == "CUDA graphs need a GPU"
+    cuda_plan = bench_model.plan(LLAMA, n_batches=2, graphs=True, device="cuda", compile="reduce-overhead",
+                                 layouts=("longest",), methods=("dense",), compile_scope="step")
+    assert {e["reason"] for e in cuda_plan["entries"] if e["timing"] == "compiled_graphs" and e["head"] == "full"} \
+        == {"each layer compiled only (--compile-scope layers)"}
     if bench_peers.cce_reason("causal-lm") is None:  # installed with the bench extra
         assert timings[("packed", "cce", "labelled", "compiled")] is None
     bert = bench_model.plan(BERT, n_batches=2, device="cpu", compile="default", layouts=("longest",),
