@@ -112,7 +112,8 @@ def _linear_backward(dy: Tensor, x: Optional[Tensor], weight: Tensor, need_dx: b
     if key is None and op_key < 0:
         state, hint = registry.lookup(state_key), registry.lookup(hint_key)
     elif pad_perm is not None:
-        hint = bind_traced(getattr(obj, "_sebp_pad_rows", None), hint, dy.shape, pad_perm, pad_count, pad_real)
+        hint = bind_traced(getattr(obj, "_sebp_pad_rows", None), hint, dy.shape, pad_perm, pad_count, pad_real,
+                           obj)
     dx, dw, db = linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state, hint)
     return (as_dtype(dx.view(*dy.shape[:-1], weight.shape[1]), dy.dtype) if need_dx else placeholder(dy),
             as_dtype(dw, weight.dtype) if need_dw else placeholder(dy),

@@ -58,6 +58,7 @@ class SEBPLinear(nn.Linear):
     _sebp_hint = None
     # set by sebp_probe.model.patch.patch_model: the model's PadRows (sebp_kernels.pad_rows)
     _sebp_pad_rows = None
+    sebp_own_rows = False  # set by that PadRows' check: this layer's dY is far sparser, it selects its own rows
     _sebp_key_input = False  # the key as a tensor input of compiled graphs (sebp_kernels.registry.keys_as_inputs)
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
@@ -88,7 +89,7 @@ class SEBPLinear(nn.Linear):
             if torch.compiler.is_compiling():
                 traced = pad.traced()  # inputs of the graph, taken by its backward operator
             else:
-                hint = pad.bind(hint, x.shape)
+                hint = pad.bind(hint, x.shape, self)
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
                            _key=graph_key(self), _pad=traced)
 

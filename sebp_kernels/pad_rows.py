@@ -17,6 +17,13 @@ linears still select their rows. The next forward reads that count once (one hos
 rows on, anything else turns them off for good with a warning. Only exact mode uses them (elsewhere rows are
 chosen by their values), and never while a CUDA graph is captured before the check was read.
 
+Some linears' dY is far sparser than the padding says: where the loss reads a few positions, the last layer's
+rows past its attention (in a [CLS] classifier the CLS rows; in an SFT decoder with the prompt's labels masked,
+the answer rows, and the model's own LM head with them) carry gradient on those positions only. The check
+therefore also counts each linear's non-zero rows, and a linear whose count was at most :data:`OWN_BELOW` of the
+real-token rows keeps selecting its own rows after the verdict (its select pass costs less than the GEMMs over
+the real rows it would skip): the check sets its ``sebp_own_rows``.
+
 Inside ``torch.compile`` (each layer compiled, the model's pre-hook eager) an SEBP linear passes the rows of its
 forward as inputs of the graph (:meth:`PadRows.traced`), which its backward operator takes as eager code does
 (:func:`bind_traced`): what the check found is read when the backward runs, so the verdict "on" changes no
@@ -30,6 +37,8 @@ import warnings
 import torch
 
 CHECKING, ON, OFF = "checking", "on", "off"
+# A linear whose dY had at most this share of the real-token rows non-zero while checked selects its own rows.
+OWN_BELOW = 0.5
 
 
 class PadRows:
@@ -47,6 +56,7 @@ class PadRows:
         self.violations = None  # device counter of non-zero padding rows seen while checking
         self.checked = 0  # backwards checked since the counter was last read
         self.taken = 0
+        self._layers = {}  # id(linear) -> [linear, non-zero rows, real rows] (device counters) while checking
 
     def set(self, mask: torch.Tensor) -> None:
         """The rows of a batch whose (batch, seq) attention mask is ``mask`` (non-zero = a real token). Only a
@@ -75,14 +85,16 @@ class PadRows:
         the check changes, is not (:func:`bind_traced` reads it when the backward runs)."""
         return None if self.rows is None else (self.rows[0], self.rows[1], self.real)
 
-    def bind(self, hint, x_shape: tuple):
+    def bind(self, hint, x_shape: tuple, owner=None):
         """The row hint an SEBP linear's backward reads in this forward: ``hint`` (an activation's rows, or
         None), backed by the padding rows set now where the linear's input ``x_shape`` is the batch's tokens
         (batch, seq, features): not, say, the tokens routed to one expert of a mixture, whose count may match
-        by chance."""
-        if self.rows is None or self.state == OFF or tuple(x_shape[:-1]) != self.shape:
+        by chance. ``owner``: the linear (its check counts its own rows; one that selects its own rows gets
+        ``hint`` alone)."""
+        if (self.rows is None or self.state == OFF or tuple(x_shape[:-1]) != self.shape
+                or getattr(owner, "sebp_own_rows", False)):
             return hint
-        return _Bound(self, hint, self.rows)
+        return _Bound(self, hint, self.rows, owner)
 
     def verdict(self) -> str | None:
         """``on`` or ``off`` once the check is decided, deciding it now where backwards were checked since (one
@@ -92,8 +104,16 @@ class PadRows:
         return None if self.state == CHECKING else self.state
 
     def _decide(self) -> None:
-        bad = int(self.violations.item())
-        self.checked = 0
+        layers = list(self._layers.values())
+        # one host sync for the verdict and every linear's counts
+        counts = torch.stack([self.violations, *(c for _, act, real in layers for c in (act, real))]).tolist()
+        bad = counts[0]
+        self.checked, self._layers = 0, {}
+        if not bad:
+            for i, (linear, _, _) in enumerate(layers):
+                act, real = counts[1 + 2 * i], counts[2 + 2 * i]
+                if real and act <= OWN_BELOW * real:
+                    linear.sebp_own_rows = True
         if bad:
             self.state = OFF
             warnings.warn(f"sebp: {bad} padding row(s) of the linears' dL/dY were non-zero (the loss reaches the "
@@ -102,22 +122,31 @@ class PadRows:
         else:
             self.state = ON
 
-    def _check(self, t: torch.Tensor, flat: torch.Tensor) -> None:
-        bad = ((t.reshape(flat.numel(), -1) != 0).any(1) & ~flat).sum(dtype=torch.int32)
+    def _check(self, t: torch.Tensor, flat: torch.Tensor, owner=None) -> None:
+        nonzero = (t.reshape(flat.numel(), -1) != 0).any(1)
+        bad = (nonzero & ~flat).sum(dtype=torch.int32)
         if self.violations is None:
             self.violations = torch.zeros((), dtype=torch.int32, device=bad.device)
-        self.violations += bad.to(self.violations.device)  # one counter, whichever device a layer is on
+        dev = self.violations.device  # the counters live on one device, whichever device a layer is on
+        self.violations += bad.to(dev)
         self.checked += 1
+        if owner is not None:
+            entry = self._layers.get(id(owner))
+            if entry is None:
+                entry = self._layers[id(owner)] = [owner, torch.zeros((), dtype=torch.int32, device=dev),
+                                                   torch.zeros((), dtype=torch.int32, device=dev)]
+            entry[1] += nonzero.sum(dtype=torch.int32).to(dev)
+            entry[2] += flat.sum(dtype=torch.int32).to(dev)
 
 
 class _Bound:
     """A row hint of one forward: the activation's own first, then the padding rows (or, while checking,
-    none: the check only)."""
+    none: the check only) of the linear ``owner``."""
 
-    __slots__ = ("pad", "hint", "rows")
+    __slots__ = ("pad", "hint", "rows", "owner")
 
-    def __init__(self, pad: PadRows, hint, rows):
-        self.pad, self.hint, self.rows = pad, hint, rows
+    def __init__(self, pad: PadRows, hint, rows, owner=None):
+        self.pad, self.hint, self.rows, self.owner = pad, hint, rows, owner
 
     def take(self, t: torch.Tensor):
         got = self.hint.take(t) if self.hint is not None else None
@@ -125,19 +154,20 @@ class _Bound:
         if got is not None or t.dim() == 0 or t.numel() != flat.numel() * t.shape[-1] or t.device != flat.device:
             return got
         if self.pad.state == CHECKING:
-            self.pad._check(t, flat)
+            self.pad._check(t, flat, self.owner)
             return None
         self.pad.taken += 1
         return perm, count
 
 
-def bind_traced(pad: PadRows | None, hint, dy_shape: tuple, perm, count, real):
-    """The row hint of a compiled SEBP linear's backward: ``hint``, backed by the padding rows its forward passed
-    on (:meth:`PadRows.traced`) where ``pad`` has not turned them off and dY is the batch's tokens (batch, seq,
-    features), as :meth:`PadRows.bind` decides eagerly."""
-    if pad is None or pad.state == OFF or tuple(dy_shape[:-1]) != tuple(real.shape):
+def bind_traced(pad: PadRows | None, hint, dy_shape: tuple, perm, count, real, owner=None):
+    """The row hint of a compiled SEBP linear ``owner``'s backward: ``hint``, backed by the padding rows its
+    forward passed on (:meth:`PadRows.traced`) where ``pad`` has not turned them off and dY is the batch's tokens
+    (batch, seq, features), as :meth:`PadRows.bind` decides eagerly."""
+    if (pad is None or pad.state == OFF or tuple(dy_shape[:-1]) != tuple(real.shape)
+            or getattr(owner, "sebp_own_rows", False)):
         return hint
-    return _Bound(pad, hint, (perm, count, real.reshape(-1)))
+    return _Bound(pad, hint, (perm, count, real.reshape(-1)), owner)
 
 
 def _capturing(device: torch.device) -> bool:

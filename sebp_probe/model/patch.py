@@ -265,19 +265,26 @@ def install_pad_rows(model: nn.Module) -> PadRows:
     return pad
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """``model`` inside a DDP wrapper (``.module``) and a whole-model ``torch.compile`` (``._orig_mod``)."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
 def pad_rows_of(model: nn.Module) -> PadRows | None:
     """The :class:`~sebp_kernels.pad_rows.PadRows` of ``model`` (also inside a DDP wrapper), or None."""
-    return vars(_backbone(getattr(model, "module", model))).get("_sebp_pad_rows")
+    return vars(_backbone(_unwrapped(model))).get("_sebp_pad_rows")
 
 
 def pad_rows_summary(model: nn.Module) -> dict | None:
-    """Whether ``model``'s padding rows passed their check (``state``: on / off / checking), and how many linear
-    backwards took them (``taken``); None where it has none or never checked them (the CPU's torch backward,
-    batches without a padding mask)."""
+    """Whether ``model``'s padding rows passed their check (``state``: on / off / checking), how many linear
+    backwards took them (``taken``) and how many linears select their own rows instead (``own``: their dY was
+    far sparser than the padding, :data:`~sebp_kernels.pad_rows.OWN_BELOW`); None where it has none or never
+    checked them (the CPU's torch backward, batches without a padding mask)."""
     pad = pad_rows_of(model)
     if pad is None or (pad.state == CHECKING and pad.violations is None):
         return None
-    return {"state": pad.state, "taken": pad.taken}
+    return {"state": pad.state, "taken": pad.taken, "own": len(pad_rows_own(model))}
 
 
 def pad_rows_verdict(model: nn.Module) -> str | None:
@@ -287,14 +294,25 @@ def pad_rows_verdict(model: nn.Module) -> str | None:
     return None if pad is None else pad.verdict()
 
 
-def restore_pad_rows(model: nn.Module, verdict: str | None) -> None:
-    """A resumed run's padding rows take the verdict its process had reached (:func:`pad_rows_verdict`).
-    Checked again instead, the first backwards after the resume would have the linears select their rows
-    themselves, and their sums run over the rows in another order than the uninterrupted run's: values an ulp
-    apart, not the same bits."""
+def pad_rows_own(model: nn.Module) -> list[str]:
+    """The SEBP linears of ``model`` that select their own rows, by name (the check found their dY far sparser
+    than the padding): what a checkpoint keeps beside the verdict, for :func:`restore_pad_rows`."""
+    return sorted(n for n, m in _unwrapped(model).named_modules()
+                  if isinstance(m, SEBPLinear) and vars(m).get("sebp_own_rows"))
+
+
+def restore_pad_rows(model: nn.Module, verdict: str | None, own: Iterable[str] = ()) -> None:
+    """A resumed run's padding rows take the verdict its process had reached (:func:`pad_rows_verdict`), and the
+    linears named in ``own`` (:func:`pad_rows_own`) select their own rows again. Checked again instead, the
+    first backwards after the resume would have the linears select their rows themselves, and their sums run
+    over the rows in another order than the uninterrupted run's: values an ulp apart, not the same bits."""
     pad = pad_rows_of(model)
     if pad is not None and verdict in (ON, OFF):
         pad.state = verdict
+        names = set(own)
+        for name, module in _unwrapped(model).named_modules():
+            if name in names and isinstance(module, SEBPLinear):
+                module.sebp_own_rows = True
 
 
 def remove_pad_rows(model: nn.Module) -> None:

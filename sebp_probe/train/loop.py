@@ -30,8 +30,8 @@ from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
-from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, pad_rows_verdict, patched_activations, \
-    restore_pad_rows
+from ..model.patch import find_targets, pad_rows_of, pad_rows_own, pad_rows_summary, pad_rows_verdict, \
+    patched_activations, restore_pad_rows
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from ..data.train_data import TrainData, first_batches, make_loaders
 from .train_step import MicroBatches, StepTally, StopRequest, untimed_reason
@@ -161,8 +161,10 @@ class Run:
                 apply_sebp(model, layers, self.cfg.sebp_norms and bool(kept.get("norms")),
                            self.cfg.sebp_acts and bool(kept.get("activations")))
                 verdicts = state.get("pad_rows") or []  # one per process (a resume keeps the process count)
-                if self.acc.process_index < len(verdicts):
-                    restore_pad_rows(model, verdicts[self.acc.process_index])
+                owns = state.get("pad_rows_own") or []
+                i = self.acc.process_index
+                if i < len(verdicts):
+                    restore_pad_rows(model, verdicts[i], owns[i] if i < len(owns) else ())
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
@@ -224,13 +226,15 @@ class Run:
     def _save_checkpoint(self, step: int, calib: dict | None, model) -> Path:
         """Write the checkpoint of ``step`` atomically: into ``.partial-step-N``, its state file last, then
         renamed to ``step-N``; a write cut short never looks like a checkpoint. The state file keeps, besides
-        the SEBP layers, each process's padding-row verdict (:func:`restore_pad_rows`)."""
+        the SEBP layers, each process's padding-row verdict and the linears that select their own rows
+        (:func:`restore_pad_rows`)."""
         from accelerate.utils import gather_object
 
         from .rundir import PARTIAL
 
-        verdict = pad_rows_verdict(model)
-        verdicts = gather_object([verdict]) if self.acc.num_processes > 1 else [verdict]
+        mine = [pad_rows_verdict(model), pad_rows_own(model)]  # the verdict first: it may decide the own rows
+        pairs = gather_object([mine]) if self.acc.num_processes > 1 else [mine]
+        verdicts, owns = [p[0] for p in pairs], [p[1] for p in pairs]
 
         path = self.dir / CHECKPOINTS / f"step-{step:06d}"
         tmp = path.with_name(PARTIAL + path.name)
@@ -243,7 +247,8 @@ class Run:
         self.acc.wait_for_everyone()  # every process's shards are written before the state file marks it complete
         if self.main:
             layers = (calib or {}).get("layers", {})
-            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib, "pad_rows": verdicts})
+            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib, "pad_rows": verdicts,
+                                      "pad_rows_own": owns})
             if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
                 shutil.rmtree(path)
             tmp.rename(path)

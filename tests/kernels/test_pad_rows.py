@@ -81,6 +81,32 @@ def test_gradient_on_padding_turns_it_off_with_a_warning():
     assert pad.state == OFF and pad.rows is None and pad.bind("hint", (3, 4, 8)) == "hint"
 
 
+def test_a_linear_far_sparser_than_the_padding_selects_its_own_rows():
+    """The check also counts each linear's non-zero rows: one with at most OWN_BELOW of the real-token rows
+    (here 2 of 9) selects its own rows from the verdict on, eagerly and compiled; the others take the padding
+    rows."""
+    from sebp_kernels.pad_rows import bind_traced
+
+    class Linear:
+        pass
+
+    pad = PadRows()
+    pad.set(_mask())
+    sparse, full = Linear(), Linear()
+    dy = torch.randn(3, 4, 5) * _mask()[..., None]
+    few = torch.zeros(3, 4, 5)
+    few[0, 0], few[2, 1] = 1.0, -2.0
+    assert pad.bind(None, (3, 4, 8), sparse).take(few) is None and pad.bind(None, (3, 4, 8), full).take(dy) is None
+    pad.set(_mask())
+    assert pad.state == ON and sparse.sebp_own_rows and not hasattr(full, "sebp_own_rows")
+    assert pad.bind("hint", (3, 4, 8), sparse) == "hint"
+    assert pad.bind(None, (3, 4, 8), full).take(dy)[1].tolist() == [9]
+    perm, count, real = pad.traced()
+    assert bind_traced(pad, "hint", (3, 4, 5), perm, count, real, sparse) == "hint"
+    assert bind_traced(pad, None, (3, 4, 5), perm, count, real, full).take(dy)[1].tolist() == [9]
+    assert pad.taken == 2
+
+
 def test_other_row_counts_and_an_activation_hint_come_first():
     class Hint:
         def take(self, t):
@@ -124,7 +150,7 @@ def test_patch_model_hooks_the_backbone_and_unpatch_removes_it(monkeypatch):
 
     assert pad_rows_summary(model) is None  # never checked (no backward here)
     pad.state, pad.taken = ON, 7
-    assert pad_rows_summary(model) == {"state": "on", "taken": 7}
+    assert pad_rows_summary(model) == {"state": "on", "taken": 7, "own": 0}
     unpatch_model(model)
     assert not model.base_model._forward_pre_hooks
     model(**batch)
@@ -177,10 +203,50 @@ def _check_model(arch, device, dtype, backend, atol, rtol):
     for step, (lengths, side) in enumerate((((11, 4, 7), "right"), ((9, 3, 5), "right"), ((6, 2, 8), "left"))):
         _same_step(model, dense, {k: v.to(device) for k, v in padded_batch(arch, lengths, side, seed=step).items()},
                    atol, rtol)
-    # from the second step on every token-wise linear takes the rows (q, k, v, o and the MLP's output; the
-    # MLP's input linears take the activation's rows first)
-    assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers
+    assert pad.state == ON and pad.taken == 2 * _taking(model, arch)
     return pad
+
+
+def _taking(model, arch) -> int:
+    """How many linears take the padding rows in a step after the check: every token-wise one (q, k, v, o and the
+    MLP's output; the MLP's input linears take the activation's rows first), but for those whose dY is far
+    sparser, which select their own (a [CLS] classifier's last layer past its attention: q, o and the MLP's
+    output carry the CLS rows only)."""
+    from sebp_probe.model.patch import pad_rows_own
+
+    last = model.config.num_hidden_layers - 1
+    own = [f"bert.encoder.layer.{last}.{n}" for n in ("attention.output.dense", "attention.self.query",
+                                                       "output.dense")] if arch == "bert" else []
+    assert pad_rows_own(model) == own
+    return 5 * model.config.num_hidden_layers - len(own)
+
+
+def _check_prompt_masked_lm(device, dtype, backend, atol, rtol):
+    """A causal LM whose labels leave the prompt out (SFT), the LM head an SEBP linear too: the LM head and the
+    last layer's q, o and MLP output get gradient on the answer rows only, far fewer than the real tokens; they
+    select their own rows after the check, the others take the padding rows, and the gradients stay dense's."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_activations, patch_model
+    from sebp_probe.families import FAMILIES
+    from sebp_probe.model.patch import pad_rows_own, pad_rows_summary
+    from tests.tiny_models import padded_batch, tiny_model
+
+    torch.manual_seed(0)
+    dense = tiny_model("llama").eval().to(device, dtype)
+    model = copy.deepcopy(dense)
+    patch_model(model, SEBPConfig("exact", backend=backend), FAMILIES["llama"].targets + ("lm_head",))
+    patch_activations(model)
+    pad = model.base_model._sebp_pad_rows
+    for step, lengths in enumerate(((11, 4, 7), (9, 6, 5), (12, 8, 10))):
+        batch = padded_batch("llama", lengths, seed=step)
+        for i, n in enumerate(lengths):  # the first three quarters of each sequence are its prompt
+            batch["labels"][i, : n - max(1, n // 4)] = -100
+        _same_step(model, dense, {k: v.to(device) for k, v in batch.items()}, atol, rtol)
+    last = model.config.num_hidden_layers - 1
+    own = ["lm_head"] + [f"model.layers.{last}.{n}" for n in ("mlp.down_proj", "self_attn.o_proj",
+                                                              "self_attn.q_proj")]
+    assert pad_rows_own(model) == own
+    assert pad_rows_summary(model) == {"state": ON, "taken": 2 * (5 * (last + 1) - 3), "own": 4}
 
 
 def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
@@ -204,7 +270,7 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
         assert graphs > 0  # the layers ran compiled
         for batch in batches[1:3]:
             _same_step(model, dense, batch, atol, rtol)
-        assert pad.state == ON and pad.taken == 2 * 5 * model.config.num_hidden_layers
+        assert pad.state == ON and pad.taken == 2 * _taking(model, arch)
         assert dynamo_counts()[0] == graphs  # neither the verdict nor the lengths compiled again
     finally:
         undo()
@@ -255,6 +321,12 @@ if not INTERPRET:
         check(arch, "cuda", torch.float32, "triton", 2e-5, 1e-4)
 
     @pytest.mark.gpu
+    def test_gpu_linears_far_sparser_than_the_padding_select_their_own_rows():
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        _check_prompt_masked_lm("cuda", torch.float32, "triton", 2e-5, 1e-4)
+
+    @pytest.mark.gpu
     def test_gpu_labels_on_padding_turn_the_rows_off():
         if not torch.cuda.is_available():
             pytest.skip("needs a GPU")
@@ -269,6 +341,9 @@ else:
     def test_interp_labels_on_padding_turn_the_rows_off():
         _check_labels_on_padding("cpu", "triton")
 
+    def test_interp_linears_far_sparser_than_the_padding_select_their_own_rows():
+        _check_prompt_masked_lm("cpu", torch.float32, "triton", 1e-5, 1e-4)
+
     @pytest.mark.parametrize("arch", ["bert", "llama"])
     def test_interp_compiled_layers_take_the_padding_rows(arch):
         _check_compiled_layers(arch, "cpu", torch.float32, "triton", 1e-5, 1e-4)
@@ -276,10 +351,11 @@ else:
 
 def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():
     """pad_rows_verdict / restore_pad_rows: on or off is kept (a resumed run does not check again, which would
-    have its first backwards select rows themselves and sum in another order); checking is not a verdict."""
+    have its first backwards select rows themselves and sum in another order); checking is not a verdict. The
+    linears that select their own rows (pad_rows_own) are kept by name."""
     from sebp_kernels import SEBPConfig
     from sebp_probe import patch_model
-    from sebp_probe.model.patch import pad_rows_verdict, restore_pad_rows
+    from sebp_probe.model.patch import pad_rows_own, pad_rows_verdict, restore_pad_rows
     from tests.tiny_models import tiny_model
 
     model = tiny_model("bert")
@@ -296,3 +372,11 @@ def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():
         assert twin.base_model._sebp_pad_rows.state == verdict
     restore_pad_rows(twin, None)  # a checkpoint written before verdicts were kept, or while checking
     assert twin.base_model._sebp_pad_rows.state == OFF
+    name = "bert.encoder.layer.1.output.dense"
+    assert pad_rows_own(model) == []
+    model.get_submodule(name).sebp_own_rows = True  # as the check sets it
+    assert pad_rows_own(model) == [name]
+    twin = tiny_model("bert")
+    patch_model(twin, SEBPConfig("exact"))
+    restore_pad_rows(twin, ON, pad_rows_own(model))
+    assert pad_rows_own(twin) == [name] and twin.base_model._sebp_pad_rows.state == ON

@@ -109,19 +109,22 @@ def test_two_deterministic_runs_on_a_gpu_compute_the_same_bits(tmp_path):
 
 
 def test_a_checkpoint_keeps_the_padding_row_verdict_and_a_resume_restores_it(tmp_path, monkeypatch):
-    """The state file of every checkpoint holds each process's verdict; the resumed run hands its own to
-    restore_pad_rows after patching (on a CPU the torch backward never checks, so the verdict is given here)."""
+    """The state file of every checkpoint holds each process's verdict and the linears that select their own
+    rows; the resumed run hands its own to restore_pad_rows after patching (on a CPU the torch backward never
+    checks, so the verdict and the linears are given here)."""
     import os
     import signal
 
-    from sebp_probe.model.patch import pad_rows_of
+    from sebp_probe.model.patch import pad_rows_of, pad_rows_own
 
+    own = "model.layers.1.mlp.down_proj"
     monkeypatch.setattr(loop, "pad_rows_verdict", lambda model: "on")
+    monkeypatch.setattr(loop, "pad_rows_own", lambda model: [own])
     restored, real_restore = [], loop.restore_pad_rows
 
-    def restore(model, verdict):  # the resumed model's own PadRows takes it (it exists by then)
-        real_restore(model, verdict)
-        restored.append((verdict, pad_rows_of(model).state))
+    def restore(model, verdict, names):  # the resumed model's own PadRows takes it (it exists by then)
+        real_restore(model, verdict, names)
+        restored.append((verdict, pad_rows_of(model).state, pad_rows_own(model)))
 
     monkeypatch.setattr(loop, "restore_pad_rows", restore)
 
@@ -136,6 +139,6 @@ def test_a_checkpoint_keeps_the_padding_row_verdict_and_a_resume_restores_it(tmp
                          warmup_ratio=0.0, fallback_if_slower=False, dense_fallback=1.0)
     assert ft.finetune(cfg, load_fn=load, data=data, on_event=kill_at_1)["status"] == "interrupted"
     state = json.loads((rundir.list_checkpoints(tmp_path / "run")[-1] / rundir.STATE).read_text())
-    assert state["pad_rows"] == ["on"] and restored == []
+    assert state["pad_rows"] == ["on"] and state["pad_rows_own"] == [[own]] and restored == []
     assert ft.finetune(cfg, resume=True, load_fn=load, data=data)["status"] == "completed"
-    assert restored == [("on", "on")]
+    assert restored == [("on", "on", [own])]
