@@ -5,10 +5,11 @@ BERT-base on `--padding longest` (batch 32 of SST-2-like lengths, padded to the 
 dense (cuBLAS dX, dW and the bias sum on all rows), the SEBP backward (select + fused kernel), the fused kernel
 alone over a given permutation, the select pass alone, cuBLAS on the active rows gathered (index_select, two
 GEMMs, bias sum, dX scattered into zeros; the active rows known on the host), and the fused kernel with other
-tile settings (``--configs``), each forced on every shape (over the few-rows rule of ``tuning.few_rows``);
+tile settings (``--configs``), each forced on every shape (over the few-rows rule of ``tuning.few_rows``),
+and the few-rows tiles with the dW rows split ``--splits`` ways at least ``--chunks`` rows a split;
 ``sebp`` runs with the 128 x 256 tiles. Totals weight the shapes as a BERT layer has them (4, 1, 1).
 
-    python benchmarks/small_m_probe.py OUT.json [--batches 2]
+    python benchmarks/small_m_probe.py OUT.json [--batches 2] [--splits 1,2,4 --chunks 128,2048]
 """
 import argparse
 
@@ -17,6 +18,7 @@ import torch
 from sebp_kernels._triton import grads as _grads_mod
 from sebp_kernels._triton import tuning
 from sebp_kernels._triton.backward import _ieee, sebp_backward_triton
+from sebp_kernels._triton.dw import MIN_CHUNK
 from sebp_kernels._triton.grads import grads_rows
 from sebp_kernels._triton.select import _sm_count, select_rows_device
 from sebp_kernels import SEBPConfig
@@ -60,7 +62,7 @@ def longest_masks(n_batches, dev):
     return out
 
 
-def main(out, n_batches, configs):
+def main(out, n_batches, configs, splits=(), chunks=()):
     dev = torch.device("cuda")
     n_sm = _sm_count(dev)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -95,6 +97,13 @@ def main(out, n_batches, configs):
                     r[f"grads_{c}"] = bench(lambda: grads_rows(dy, x, w, perm, count, True, True, True, ie, n_sm))
                 except Exception as e:  # a setting that does not launch here
                     r[f"grads_{c}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            for split in splits:  # the few-rows tiles with the dW rows split `split` ways
+                for chunk in chunks:
+                    set_config(*CONFIGS["128x128w4"])
+                    _grads_mod.MIN_CHUNK = chunk
+                    r[f"split{split}_chunk{chunk}"] = bench(lambda: grads_rows(
+                        dy, x, w, perm, count, True, True, True, ie, n_sm, dw_split=split))
+            _grads_mod.MIN_CHUNK = MIN_CHUNK
             set_config(*CONFIGS["128x256w8"])
             print(r, flush=True)
             rows.append(r)
@@ -113,5 +122,8 @@ if __name__ == "__main__":
     p.add_argument("out")
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--splits", default="", help="dW row splits to force with the 128x128w4 tiles, e.g. 1,2,3,4")
+    p.add_argument("--chunks", default=str(MIN_CHUNK), help="smallest rows per split (the kernel's MIN_CHUNK)")
     a = p.parse_args()
-    main(a.out, a.batches, a.configs.split(","))
+    main(a.out, a.batches, [c for c in a.configs.split(",") if c],
+         [int(s) for s in a.splits.split(",") if s], [int(c) for c in a.chunks.split(",") if c])
