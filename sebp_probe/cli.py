@@ -141,7 +141,8 @@ def finetune_cmd(
                              "full: the model's own loss."),
     cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="Replay each micro-step's forward and backward "
                                      "as CUDA graphs, one pair per batch shape (one GPU): no host launch overhead, "
-                                     "in calibration too."),
+                                     "in calibration too; with --compile default, each layer compiled and then "
+                                     "replayed."),
     graph_bucket: int = typer.Option(32, "--graph-bucket", help="With --cuda-graphs and --padding longest: pad "
                                      "each batch to a multiple of this many tokens (fewer shapes to capture)."),
     compile_mode: str = typer.Option(None, "--compile", metavar="MODE", help="torch.compile the training model "

@@ -226,9 +226,13 @@ class FinetuneConfig:
             if self.compile == COMPILE_AUTO and self.data.padding != "auto":
                 raise ValueError("--compile auto chooses by timing, which --padding auto does: add --padding auto, "
                                  "or give a compile mode")
-            if self.cuda_graphs:
-                raise ValueError("--cuda-graphs and --compile exclude each other (--compile reduce-overhead records "
-                                 "CUDA graphs itself)")
+            if self.cuda_graphs and (self.compile in GRAPHED_COMPILE_MODES or self.compile == COMPILE_AUTO
+                                     or self.compile_scope != "layers"):
+                raise ValueError(f"--cuda-graphs replays the step with each layer compiled (--compile default or "
+                                 f"max-autotune-no-cudagraphs, --compile-scope layers); --compile {self.compile} "
+                                 f"with --compile-scope {self.compile_scope} does not go with it"
+                                 + (" (it records CUDA graphs itself)" if self.compile in GRAPHED_COMPILE_MODES
+                                    else ""))
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"unknown compile scope {self.compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
         graphed = self.cuda_graphs or self.compile in GRAPHED_COMPILE_MODES

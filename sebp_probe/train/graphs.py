@@ -42,8 +42,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def shape_key(batch: dict) -> tuple:
-    """What a batch must share with the one a :class:`StepGraphs` was captured on to replay it."""
-    return tuple((k, tuple(v.shape), v.dtype) if torch.is_tensor(v) else (k, v) for k, v in sorted(batch.items()))
+    """What a batch must share with the one a :class:`StepGraphs` was captured on to replay it: its tensors'
+    names, shapes and dtypes (the ints a causal LM's batch carries for the labelled-rows head, such as
+    ``n_targets``, are no input of the model's own forward, which the graphs replay)."""
+    return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(_tensors(batch).items()))
+
+
+def _tensors(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if torch.is_tensor(v)}
 
 
 class CaptureError(RuntimeError):
@@ -51,7 +57,8 @@ class CaptureError(RuntimeError):
 
 
 class StepGraphs:
-    """Captured ``loss = model(**batch).loss`` (under ``autocast``) and ``(loss * scale).backward()``.
+    """Captured ``loss = model(**batch, **call_kwargs).loss`` (under ``autocast``) and
+    ``(loss * scale).backward()``.
 
     :meth:`forward` copies a batch into the static inputs and replays the forward graph, returning the static
     loss tensor (overwritten by the next replay); :meth:`backward` replays the backward graph. The RNG the
@@ -59,11 +66,13 @@ class StepGraphs:
     each replay then draws from the generator like an eager step."""
 
     def __init__(self, model: torch.nn.Module, batch: dict, autocast: Callable = contextlib.nullcontext,
-                 scale: float = 1.0, accumulate: bool = True, warmup: int = WARMUP, pool=None):
+                 scale: float = 1.0, accumulate: bool = True, warmup: int = WARMUP, pool=None,
+                 call_kwargs: dict | None = None):
         if not torch.cuda.is_available():
             raise CaptureError("CUDA graphs need a CUDA GPU")
         self.model, self.autocast, self.scale = model, autocast, scale
-        self.static = {k: v.detach().clone() for k, v in batch.items()}
+        self.kwargs = call_kwargs or {}  # the model call's other arguments (``use_cache=False``)
+        self.static = {k: v.detach().clone() for k, v in _tensors(batch).items()}
         dev = next(iter(self.static.values())).device
         params = [p for p in model.parameters() if p.requires_grad]
         kept = [p.grad for p in params]  # what an accumulation holds so far: set aside during the warm-up
@@ -85,7 +94,7 @@ class StepGraphs:
             self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(self.fwd, pool=pool), self.autocast():
-                    self.loss = model(**self.static).loss
+                    self.loss = model(**self.static, **self.kwargs).loss
                 with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
                     (self.loss * scale).backward()
             except RuntimeError as err:
@@ -100,7 +109,7 @@ class StepGraphs:
 
     def _eager_step(self) -> None:
         with self.autocast():
-            loss = self.model(**self.static).loss
+            loss = self.model(**self.static, **self.kwargs).loss
         (loss * self.scale).backward()
 
     def fits(self, batch: dict) -> bool:
@@ -109,7 +118,7 @@ class StepGraphs:
 
     def forward(self, batch: dict | None = None) -> torch.Tensor:
         if batch is not None:
-            for k, v in batch.items():
+            for k, v in _tensors(batch).items():
                 self.static[k].copy_(v, non_blocking=True)
         self.fwd.replay()
         return self.loss

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .graphs import StepGraphs, shape_key
-from ..model.losses import has_no_target, token_counts
+from ..model.losses import has_no_target, no_cache, token_counts
 
 
 class StopRequest:
@@ -104,9 +104,9 @@ class MicroBatches:
         self.graphs.clear()
 
     def _count(self, tally: StepTally, batch, key) -> None:
-        shapes = tuple(k for k in key if len(k) == 3)  # the tensors' (name, shape, dtype): a count a batch carries
-        tally.new_shape |= shapes not in self.seen_shapes  # (n_targets, max_seqlen) is no new shape to the GPU
-        self.seen_shapes.add(shapes)
+        # the tensors' (name, shape, dtype): a count a batch carries (n_targets, max_seqlen) is no new shape
+        tally.new_shape |= key not in self.seen_shapes
+        self.seen_shapes.add(key)
         real, slots = token_counts(batch)
         tally.tokens += real
         tally.empty += has_no_target(batch)
@@ -115,7 +115,8 @@ class MicroBatches:
     def _replay(self, tally: StepTally, model, batch, key) -> None:
         step_graphs = self.graphs.get(key)
         if step_graphs is None:  # adds into the .grad tensors, keeping what they hold
-            step_graphs = self.graphs[key] = StepGraphs(model, batch, scale=1.0 / self.accum, pool=self.pool)
+            step_graphs = self.graphs[key] = StepGraphs(model, batch, scale=1.0 / self.accum, pool=self.pool,
+                                                        call_kwargs=no_cache(model))
         tally.loss_sum += step_graphs.forward(batch).detach().float()
         self._timed(tally, step_graphs.backward)
         tally.replayed += 1

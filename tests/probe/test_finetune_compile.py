@@ -181,11 +181,25 @@ def test_compiled_finetune_with_cuda_graphs_trains_as_the_eager_one(tmp_path, mo
 @pytest.mark.parametrize("kw,needle", [
     (dict(compile="fast"), "unknown compile mode 'fast'"),
     (dict(compile="default", compile_scope="step"), "unknown compile scope 'step'; choose one of layers, model"),
-    (dict(compile="reduce-overhead", cuda_graphs=True), "--cuda-graphs and --compile exclude each other"),
+    (dict(compile="reduce-overhead", cuda_graphs=True, data=DataConfig(padding="bucket")),
+     "--cuda-graphs replays the step with each layer compiled .* --compile reduce-overhead with --compile-scope "
+     "layers does not go with it \\(it records CUDA graphs itself\\)"),
+    (dict(compile="default", compile_scope="model", cuda_graphs=True, data=DataConfig(padding="bucket")),
+     "--compile default with --compile-scope model does not go with it$"),
+    (dict(compile="auto", cuda_graphs=True, data=DataConfig(padding="auto")),
+     "--compile auto with --compile-scope layers does not go with it$"),
 ])
 def test_bad_compile_settings_are_refused(kw, needle):
     with pytest.raises(ValueError, match=needle):
         FinetuneConfig(**kw)
+
+
+def test_cuda_graphs_take_each_layer_compiled():
+    """--cuda-graphs with --compile default (or max-autotune-no-cudagraphs) and the layers scope: the step
+    replayed with each layer compiled (run on a GPU in tests/probe/test_graphs_gpu.py)."""
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        cfg = FinetuneConfig(compile=mode, cuda_graphs=True, data=DataConfig(padding="bucket"))
+        assert cfg.cuda_graphs and cfg.compile == mode and cfg.compile_scope == "layers"
 
 
 def test_compile_may_change_on_resume():

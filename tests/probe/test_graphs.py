@@ -14,6 +14,8 @@ def test_shape_key_tells_batches_apart_by_shapes_and_dtypes_only():
     assert shape_key(a) == shape_key(dict(reversed(list(a.items()))))  # key order does not matter
     assert shape_key(a) != shape_key(padded_batch("bert", (5, 9), seed=1))  # another batch size and length
     assert shape_key(a) != shape_key({**a, "labels": a["labels"].int()})  # another dtype
+    # the ints a causal LM's batch carries for the labelled-rows head are no input of the replayed forward
+    assert shape_key({**a, "n_targets": 3}) == shape_key({**a, "n_targets": 5}) == shape_key(a)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
