@@ -26,6 +26,11 @@ from ..notes import note
 from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full")
+# The labelled-rows head runs the last layer's position-wise work on the labelled rows too (:mod:`.last_layer`).
+# Under compile that layer runs eagerly; turning this off (the last layer compiled on every row) was timed on
+# packed Qwen2.5-0.5B and Llama-3.2-1B and stayed within the runs' noise (docs/benchmarks.md; the experiment's
+# script flips this: results/layouts_compiled_h100/raw/session10_kept_ab.sh).
+KEPT_ROWS_LAST_LAYER = True
 _ATTR = "_sebp_head_task"
 _TASK_OF_CLASS = (("ForMaskedLM", "mlm"), ("ForCausalLM", "causal-lm"), ("ForSequenceClassification", "classification"))
 
@@ -47,11 +52,11 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
         inputs = {k: v for k, v in batch.items() if k not in HOST_COUNTS}
         return model(**inputs, **no_cache(model)).loss
     if not packed:
-        return head_loss(model, batch, task, last_layer_rows_only=True, targets=targets).loss
+        return head_loss(model, batch, task, last_layer_rows_only=KEPT_ROWS_LAST_LAYER, targets=targets).loss
     if task == "classification":
         raise HeadError("the [CLS]-rows last layer takes padded batches only, not packed ones")
     with packed_call(model, batch) as inputs:
-        return head_loss(model, inputs, task, last_layer_rows_only=True, targets=targets).loss
+        return head_loss(model, inputs, task, last_layer_rows_only=KEPT_ROWS_LAST_LAYER, targets=targets).loss
 
 
 def no_cache(model: torch.nn.Module) -> dict:
