@@ -192,42 +192,93 @@ def roundoff_first_queries(model: torch.nn.Module, suffix: str = "q_proj", scale
             h.remove()
 
 
-def torchrun_failure(stderr: str, returncode: int | None, timeout: float | None = None) -> str:
+def torchrun_failure(stderr: str, returncode: int | None, timeout: float | None = None,
+                     running: list[int] | None = None) -> str:
     """What a failed or hung 2-process torchrun said, for an assertion message: the ranks that failed (torchrun's
-    summary: rank, exit code or signal) and each one's own lines (``[rankN]:``), else the end of stderr."""
+    summary: rank, exit code or signal) or, for a hang, the ranks still running when it was stopped
+    (``running``), then the last lines each of those ranks wrote to stderr (``[defaultN]:``, as
+    :func:`run_torchrun` has torchrun tee them; ``[rankN]:`` from torch's own messages), else the end of
+    stderr."""
     import re
 
     lines = stderr.splitlines()
-    failed = sorted(set(re.findall(r"rank\s*:\s*(\d+)", stderr)) | set(re.findall(r"\[rank(\d+)\]:.*Error", stderr)))
-    head = f"torchrun hung: no exit within {timeout:.0f} s" if returncode is None else \
-        f"torchrun exited {returncode}"
-    head += f"; failed rank(s): {', '.join(failed)}" if failed else "; no rank named in its output"
-    own = [x for x in lines if any(x.startswith(f"[rank{r}]:") for r in failed)]
+    if returncode is None:
+        failed = [str(r) for r in running or []]
+        head = f"torchrun hung: no exit within {timeout:.0f} s" + (
+            f"; rank(s) still running: {', '.join(failed)}" if failed else "; no rank was running")
+    else:
+        failed = sorted(set(re.findall(r"rank\s*:\s*(\d+)", stderr))
+                        | set(re.findall(r"\[rank(\d+)\]:.*Error", stderr)))
+        head = f"torchrun exited {returncode}" + (f"; failed rank(s): {', '.join(failed)}" if failed
+                                                  else "; no rank named in its output")
     summary = [x for x in lines if re.search(r"^\s*(rank|exitcode|error_file|traceback|host|time)\s*:", x)]
-    return "\n".join([head, *summary[-12:], *(own[-40:] or lines[-40:])])
+    own = []
+    for r in failed:
+        mine = [x for x in lines if x.startswith((f"[default{r}]:", f"[rank{r}]:"))]
+        own += [f"-- rank {r}'s last lines of stderr:"] + mine[-25:] if mine else []
+    return "\n".join([head, *summary[-12:], *(own or lines[-40:])])
 
 
-def run_torchrun(args: list[str], timeout: float, **popen_kw) -> tuple[str, str]:
+_RUN_TAG = "SEBP_TORCHRUN_TAG"  # set in a torchrun's environment: its workers inherit it
+
+
+def _tagged(tag: str) -> list[tuple[int, int | None]]:
+    """(pid, LOCAL_RANK or None) of every live process whose environment holds ``_RUN_TAG=tag``: a torchrun of
+    :func:`run_torchrun` and its workers, which torch's launcher starts in sessions of their own (so a signal to
+    torchrun's process group does not reach them). Read from /proc (Linux; elsewhere none)."""
+    import os
+
+    want = f"{_RUN_TAG}={tag}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if want in env:
+            rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"LOCAL_RANK=")), None)
+            found.append((int(pid), rank))
+    return found
+
+
+def run_torchrun(args: list[str], timeout: float, env: dict | None = None, **popen_kw) -> tuple[str, str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS`` through this interpreter (the venv's
-    torchrun script need not be on PATH, as under CI); (stdout, stderr). A failure or a hang (the whole process
-    group killed at ``timeout``) fails the test with :func:`torchrun_failure`'s message."""
+    torchrun script need not be on PATH, as under CI); (stdout, stderr), each rank's stderr teed into stderr with
+    its ``[defaultN]:`` prefix (stdout as the ranks wrote it). A failure fails the test with
+    :func:`torchrun_failure`'s message: the failed ranks and their own last lines. A hang: at ``timeout`` the
+    ranks still running are noted, torchrun and its workers killed (each worker has a session of its own, so
+    they are found by a tag in their environment), and the test fails naming those ranks."""
+    import os
+    import signal
     import subprocess
     import sys
+    import tempfile
+    import uuid
 
     import pytest
 
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, **popen_kw)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        import os
-        import signal
-
-        os.killpg(p.pid, signal.SIGKILL)  # torchrun and both workers
-        out, err = p.communicate()
-        pytest.fail(torchrun_failure(err, None, timeout))
+    tag = uuid.uuid4().hex
+    env = {**(os.environ if env is None else env), _RUN_TAG: tag}
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "--tee", "2", "--log-dir", logs, *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=env, **popen_kw)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            procs = _tagged(tag)
+            running = sorted(r for _, r in procs if r is not None)
+            for pid, _ in procs:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = p.communicate()
+            pytest.fail(torchrun_failure(err, None, timeout, running))
     if p.returncode != 0:
         pytest.fail(torchrun_failure(err, p.returncode))
     return out, err
