@@ -58,7 +58,9 @@ class SEBPLinear(nn.Linear):
     _sebp_hint = None
     # set by sebp_probe.model.patch.patch_model: the model's PadRows (sebp_kernels.pad_rows)
     _sebp_pad_rows = None
-    sebp_own_rows = False  # set by that PadRows' check: this layer's dY is far sparser, it selects its own rows
+    # set by that PadRows' check (or a resume restoring it): this layer's dY is far sparser, it selects its own
+    # rows; public, so that an unpatch and a later patch of the same model keep it, as they keep the verdict
+    sebp_own_rows = False
     _sebp_key_input = False  # the key as a tensor input of compiled graphs (sebp_kernels.registry.keys_as_inputs)
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):

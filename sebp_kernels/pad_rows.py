@@ -112,7 +112,7 @@ class PadRows:
         if not bad:
             for i, (linear, _, _) in enumerate(layers):
                 act, real = counts[1 + 2 * i], counts[2 + 2 * i]
-                if real and act <= OWN_BELOW * real:
+                if 0 < act <= OWN_BELOW * real:  # no non-zero row at all (a batch without a target) says nothing
                     linear.sebp_own_rows = True
         if bad:
             self.state = OFF

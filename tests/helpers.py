@@ -271,13 +271,17 @@ def run_torchrun(args: list[str], timeout: float, env: dict | None = None, **pop
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             procs = _tagged(tag)
-            running = sorted(r for _, r in procs if r is not None)
+            running = sorted({r for _, r in procs if r is not None})  # a rank's own children carry its rank too
             for pid, _ in procs:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            out, err = p.communicate()
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # something untagged still holds the pipes: the whole group goes
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
             pytest.fail(torchrun_failure(err, None, timeout, running))
     if p.returncode != 0:
         pytest.fail(torchrun_failure(err, p.returncode))

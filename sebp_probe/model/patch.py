@@ -272,7 +272,8 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def pad_rows_of(model: nn.Module) -> PadRows | None:
-    """The :class:`~sebp_kernels.pad_rows.PadRows` of ``model`` (also inside a DDP wrapper), or None."""
+    """The :class:`~sebp_kernels.pad_rows.PadRows` of ``model`` (also inside a DDP wrapper or a compiled
+    module), or None."""
     return vars(_backbone(_unwrapped(model))).get("_sebp_pad_rows")
 
 
@@ -294,10 +295,19 @@ def pad_rows_verdict(model: nn.Module) -> str | None:
     return None if pad is None else pad.verdict()
 
 
+_WRAPPER_SEGMENTS = frozenset(("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def _plain_name(name: str) -> str:
+    """A module's name without the segments wrappers insert (FSDP1, activation checkpointing, a compiled
+    module), wherever they stand: the same before and after ``accelerate.prepare``."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
 def pad_rows_own(model: nn.Module) -> list[str]:
     """The SEBP linears of ``model`` that select their own rows, by name (the check found their dY far sparser
     than the padding): what a checkpoint keeps beside the verdict, for :func:`restore_pad_rows`."""
-    return sorted(n for n, m in _unwrapped(model).named_modules()
+    return sorted(_plain_name(n) for n, m in _unwrapped(model).named_modules()
                   if isinstance(m, SEBPLinear) and vars(m).get("sebp_own_rows"))
 
 
@@ -311,13 +321,19 @@ def restore_pad_rows(model: nn.Module, verdict: str | None, own: Iterable[str] =
         pad.state = verdict
         names = set(own)
         for name, module in _unwrapped(model).named_modules():
-            if name in names and isinstance(module, SEBPLinear):
+            if _plain_name(name) in names and isinstance(module, SEBPLinear):
                 module.sebp_own_rows = True
 
 
 def remove_pad_rows(model: nn.Module) -> None:
-    """Take the hook of :func:`install_pad_rows` off (the PadRows stays, with its verdict, for a later patch)."""
+    """Take the hook of :func:`install_pad_rows` off (the PadRows stays, with its verdict, for a later patch). A
+    check that awaits its verdict is decided first, so that the linears that select their own rows are marked
+    while they are still the model's (:func:`unpatch_model` hands the mark on to the plain linears, and a later
+    patch back to the SEBP ones)."""
     base = _backbone(model)
+    pad = vars(base).get("_sebp_pad_rows")
+    if pad is not None:
+        pad.verdict()
     for key in [k for k, h in base._forward_pre_hooks.items() if h is _pad_rows_hook]:
         del base._forward_pre_hooks[key]
         base._forward_pre_hooks_with_kwargs.pop(key, None)

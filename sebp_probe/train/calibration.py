@@ -18,7 +18,7 @@ from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from ..config import FinetuneConfig, FinetuneError
 from .graphs import replay_ms
-from ..model.losses import batch_loss
+from ..model.losses import batch_loss, no_cache
 from ..model.patch import find_targets, patch_sebp
 
 
@@ -58,7 +58,7 @@ def timed_backward(model, batch, device, autocast) -> float:
 def graphed_backward_ms(model, batch, autocast, repeats: int = 3) -> float:
     """Median milliseconds of the backward replayed as a CUDA graph (``--cuda-graphs``); the gradients it
     wrote are dropped."""
-    return replay_ms(model, batch, repeats, autocast)[1]
+    return replay_ms(model, batch, repeats, autocast, call_kwargs=no_cache(model))[1]
 
 
 def rng_devices(device: torch.device) -> list[int]:

@@ -43,8 +43,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def shape_key(batch: dict) -> tuple:
     """What a batch must share with the one a :class:`StepGraphs` was captured on to replay it: its tensors'
-    names, shapes and dtypes (the ints a causal LM's batch carries for the labelled-rows head, such as
-    ``n_targets``, are no input of the model's own forward, which the graphs replay)."""
+    names, shapes and dtypes. Its other entries are host-side counts (the ints a causal LM's batch carries for
+    the labelled-rows head, such as ``n_targets``), no input of the model's own forward, which the graphs
+    replay: left out here and of the captured inputs."""
     return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(_tensors(batch).items()))
 
 
@@ -133,10 +134,11 @@ class StepGraphs:
 
 
 def replay_ms(model: torch.nn.Module, batch: dict, repeats: int, autocast: Callable = contextlib.nullcontext,
-              skip: int = 0) -> tuple[float, float]:
-    """Median forward and backward milliseconds (CUDA events) of ``repeats`` replays of the step on ``batch``,
-    after ``skip`` untimed ones; the graphs are dropped and the gradients they wrote set to None."""
-    step = StepGraphs(model, batch, autocast, accumulate=False)
+              skip: int = 0, call_kwargs: dict | None = None) -> tuple[float, float]:
+    """Median forward and backward milliseconds (CUDA events) of ``repeats`` replays of the step on ``batch``
+    (the model called with ``call_kwargs`` too), after ``skip`` untimed ones; the graphs are dropped and the
+    gradients they wrote set to None."""
+    step = StepGraphs(model, batch, autocast, accumulate=False, call_kwargs=call_kwargs)
     try:
         fwd, bwd = [], []
         for _ in range(skip + repeats):

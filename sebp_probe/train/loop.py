@@ -210,6 +210,12 @@ class Run:
                                             LAYOUTS[cfg.data.padding].one_shape)
             self.compile_scope = scope or "eager"
             return batch_loss
+        if cfg.cuda_graphs:  # the graphs replay each layer compiled; a whole compiled model was never tried there
+            self.emit("note", {"run": self.method, "text": f"{self.method}: --cuda-graphs replays the layers "
+                               f"compiled, and {type(model).__name__} has no layer stack sebp-probe knows: the "
+                               "step is replayed eagerly"})
+            self.compile_scope = "eager"
+            return batch_loss
         step = compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None)
         compiled = getattr(model, "_compiled_call_impl", None) is not None  # not where Inductor cannot run
         self.compile_scope = "eager" if not compiled else "step" if labelled else "forward"

@@ -45,7 +45,7 @@ from .compiling import (Fallback, cannot_compile, compile_fn, compile_stack, com
 from ..config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
 from ..layouts import LAYOUTS
-from ..model.losses import batch_loss, compiled_head_problem, head_of, ready_to_compile
+from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
 from ..model.packing import check_packable
 from ..data.train_data import TrainData, make_loaders, to_device
 
@@ -141,7 +141,8 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
         if graphs:
             for method in methods:
                 with _as(method, patch, unpatch):
-                    times[method].append(sum(replay_ms(model, b, reps, autocast, skip=1)))
+                    times[method].append(sum(replay_ms(model, b, reps, autocast, skip=1,
+                                                       call_kwargs=no_cache(model))))
         else:
             for i in range(reps + 1):  # the first round is the warm-up
                 for method in methods:

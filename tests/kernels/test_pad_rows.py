@@ -92,19 +92,43 @@ def test_a_linear_far_sparser_than_the_padding_selects_its_own_rows():
 
     pad = PadRows()
     pad.set(_mask())
-    sparse, full = Linear(), Linear()
+    sparse, full, empty = Linear(), Linear(), Linear()
     dy = torch.randn(3, 4, 5) * _mask()[..., None]
     few = torch.zeros(3, 4, 5)
     few[0, 0], few[2, 1] = 1.0, -2.0
     assert pad.bind(None, (3, 4, 8), sparse).take(few) is None and pad.bind(None, (3, 4, 8), full).take(dy) is None
+    pad.bind(None, (3, 4, 8), empty).take(torch.zeros(3, 4, 5))  # no row at all (a batch without a target)
     pad.set(_mask())
     assert pad.state == ON and sparse.sebp_own_rows and not hasattr(full, "sebp_own_rows")
+    assert not hasattr(empty, "sebp_own_rows")  # no non-zero row says nothing about the layer
     assert pad.bind("hint", (3, 4, 8), sparse) == "hint"
     assert pad.bind(None, (3, 4, 8), full).take(dy)[1].tolist() == [9]
     perm, count, real = pad.traced()
     assert bind_traced(pad, "hint", (3, 4, 5), perm, count, real, sparse) == "hint"
     assert bind_traced(pad, None, (3, 4, 5), perm, count, real, full).take(dy)[1].tolist() == [9]
     assert pad.taken == 2
+
+
+def test_own_rows_decided_before_an_unpatch_stay_with_the_model():
+    """A check still awaiting its verdict when the model is unpatched (calibration times dense in between) is
+    decided first, on the live SEBP linears; the mark passes to the plain linears and back at the next patch."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_model, unpatch_model
+    from sebp_probe.model.patch import pad_rows_own
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("bert")
+    patch_model(model, SEBPConfig("exact"))
+    pad = model.base_model._sebp_pad_rows
+    pad.set(_mask())
+    name = "bert.encoder.layer.1.output.dense"
+    few = torch.zeros(3, 4, 5)
+    few[0, 0] = 1.0
+    pad.bind(None, (3, 4, 8), model.get_submodule(name)).take(few)
+    unpatch_model(model)
+    assert pad.state == ON and model.get_submodule(name).sebp_own_rows  # the plain linear carries it
+    patch_model(model, SEBPConfig("exact"))
+    assert pad_rows_own(model) == [name] and model.base_model._sebp_pad_rows is pad
 
 
 def test_other_row_counts_and_an_activation_hint_come_first():
@@ -380,3 +404,8 @@ def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():
     patch_model(twin, SEBPConfig("exact"))
     restore_pad_rows(twin, ON, pad_rows_own(model))
     assert pad_rows_own(twin) == [name] and twin.base_model._sebp_pad_rows.state == ON
+    # names as a wrapper inserts them (FSDP1's flat-parameter modules) are the plain ones
+    from sebp_probe.model.patch import _plain_name
+
+    assert _plain_name("bert._fsdp_wrapped_module.encoder.layer.1._fsdp_wrapped_module.output.dense") == \
+        "bert.encoder.layer.1.output.dense"

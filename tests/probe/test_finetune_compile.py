@@ -236,3 +236,20 @@ def test_an_accelerate_state_that_compiles_is_refused(tmp_path):
     with pytest.raises(ft.FinetuneError, match="already compiles every model.*AOT_EAGER.*fresh process"):
         _run(tmp_path, "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_cuda_graphs_replay_eagerly_a_model_without_a_known_layer_stack(tmp_path):
+    """--cuda-graphs --compile default replays each layer compiled; a model whose layer stack sebp-probe does
+    not know would compile whole instead, which was never tried under the graphs: one note, eager replays."""
+    from types import SimpleNamespace
+
+    from sebp_probe.model.losses import batch_loss
+
+    cfg = FinetuneConfig(compile="default", cuda_graphs=True, data=DataConfig(padding="bucket"))
+    notes = []
+    run = loop.Run(cfg, "sebp", tmp_path, SimpleNamespace(is_main_process=True, device=torch.device("cpu")),
+                   None, None, None, None, lambda kind, payload: notes.append((kind, payload)))
+    run.head = ("full",)
+    assert run._step_loss(torch.nn.Sequential(torch.nn.Linear(4, 4))) is batch_loss
+    assert run.compile_scope == "eager"
+    assert [k for k, _ in notes] == ["note"] and "has no layer stack sebp-probe knows" in notes[0][1]["text"]
