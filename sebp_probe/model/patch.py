@@ -305,10 +305,10 @@ def _plain_name(name: str) -> str:
 
 
 def pad_rows_own(model: nn.Module) -> list[str]:
-    """The SEBP linears of ``model`` that select their own rows, by name (the check found their dY far sparser
-    than the padding): what a checkpoint keeps beside the verdict, for :func:`restore_pad_rows`."""
-    return sorted(_plain_name(n) for n, m in _unwrapped(model).named_modules()
-                  if isinstance(m, SEBPLinear) and vars(m).get("sebp_own_rows"))
+    """The linears of ``model`` that select their own rows where SEBP runs, by name (the check found their dY far
+    sparser than the padding; after :func:`unpatch_model` the plain linears keep the mark): what a checkpoint
+    keeps beside the verdict, for :func:`restore_pad_rows`, and what a run's summary counts."""
+    return sorted(_plain_name(n) for n, m in _unwrapped(model).named_modules() if vars(m).get("sebp_own_rows"))
 
 
 def restore_pad_rows(model: nn.Module, verdict: str | None, own: Iterable[str] = ()) -> None:

@@ -127,6 +127,7 @@ def test_own_rows_decided_before_an_unpatch_stay_with_the_model():
     pad.bind(None, (3, 4, 8), model.get_submodule(name)).take(few)
     unpatch_model(model)
     assert pad.state == ON and model.get_submodule(name).sebp_own_rows  # the plain linear carries it
+    assert pad_rows_own(model) == [name]  # and a summary written after the unpatch (a saved model) counts it
     patch_model(model, SEBPConfig("exact"))
     assert pad_rows_own(model) == [name] and model.base_model._sebp_pad_rows is pad
 
