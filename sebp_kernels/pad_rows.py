@@ -109,18 +109,17 @@ class PadRows:
         counts = torch.stack([self.violations, *(c for _, act, real in layers for c in (act, real))]).tolist()
         bad = counts[0]
         self.checked, self._layers = 0, {}
-        if not bad:
-            for i, (linear, _, _) in enumerate(layers):
-                act, real = counts[1 + 2 * i], counts[2 + 2 * i]
-                if 0 < act <= OWN_BELOW * real:  # no non-zero row at all (a batch without a target) says nothing
-                    linear.sebp_own_rows = True
         if bad:
             self.state = OFF
             warnings.warn(f"sebp: {bad} padding row(s) of the linears' dL/dY were non-zero (the loss reaches the "
                           "padding, e.g. labels left on it): the SEBP linears select their rows themselves",
                           stacklevel=3)
-        else:
-            self.state = ON
+            return
+        self.state = ON
+        for i, (linear, _, _) in enumerate(layers):
+            act, real = counts[1 + 2 * i], counts[2 + 2 * i]
+            if 0 < act <= OWN_BELOW * real:  # no non-zero row at all (a batch without a target) says nothing
+                linear.sebp_own_rows = True
 
     def _check(self, t: torch.Tensor, flat: torch.Tensor, owner=None) -> None:
         nonzero = (t.reshape(flat.numel(), -1) != 0).any(1)

@@ -170,19 +170,14 @@ def time_eager(model, loss_fn: Callable[[], torch.Tensor], repeats: int, warmup:
 
 def time_graphs(model, batch: dict, repeats: int, warmup: int, no_cache: bool = False) -> dict:
     """The same as CUDA-graph replays of ``model(**batch).loss`` and its backward (no peak). ``no_cache``: a
-    causal LM's config says ``use_cache=False`` meanwhile (compiled layers: a KV cache's guards would compile
-    each layer apart)."""
+    causal LM is called with ``use_cache=False`` (compiled layers: a KV cache's guards would compile each layer
+    apart)."""
+    from ..model.losses import no_cache as without_cache
     from ..train.graphs import replay_ms
 
-    config = getattr(model, "config", None)
-    cached = getattr(config, "use_cache", None)
     try:
-        if no_cache and cached:
-            config.use_cache = False
-        f, b = replay_ms(model, batch, repeats, skip=warmup)
+        f, b = replay_ms(model, batch, repeats, skip=warmup, call_kwargs=without_cache(model) if no_cache else None)
     finally:
-        if no_cache and cached:
-            config.use_cache = cached
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     return {"step_ms": f + b, "forward_ms": f, "backward_ms": b, "peak_gib": None, "loss": None}

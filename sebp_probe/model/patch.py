@@ -20,7 +20,7 @@ from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_k
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
-from ..families import Family, family_of, model_type
+from ..families import Family, family_of, model_type, unwrapped
 from ..notes import note
 
 # Output heads: left dense by "all-linear" unless named explicitly.
@@ -266,9 +266,9 @@ def install_pad_rows(model: nn.Module) -> PadRows:
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """``model`` inside a DDP wrapper (``.module``) and a whole-model ``torch.compile`` (``._orig_mod``)."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
+    """The transformers model inside ``model``'s peft, DDP/FSDP and ``torch.compile`` wrappers
+    (:func:`~sebp_probe.families.unwrapped`); another model inside a DDP wrapper."""
+    return unwrapped(model) or getattr(model, "module", model)
 
 
 def pad_rows_of(model: nn.Module) -> PadRows | None:
