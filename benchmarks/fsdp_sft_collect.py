@@ -1,7 +1,9 @@
 """Gather benchmarks/fsdp_sft_session.sh's archives into one JSON for the docs.
 
 Per pair (compiled dense-first, compiled SEBP-first, eager dense-first) and run: the median backward and step
-milliseconds over the steps after the third that no run of the comparison compiled in (the loop's own
+milliseconds over the steps after the third that no run of the comparison compiled in (on any process: the
+pairs by layers ran after the loop began to agree its flags across processes; before, a step in which only the
+other process recompiled, and held this one up for its whole compile, was flagged a new shape) (the loop's own
 ``untimed`` flags leave out every step of a new batch shape, and under ``longest`` padding nearly every SFT
 batch has one, so its summary times none), rank 0's peak memory, the held-out loss and the projections on
 SEBP; and the median over those steps of dense's time over SEBP's on the same step (the same batch). Runs are
@@ -17,13 +19,18 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import random
 import statistics
 import sys
 import tarfile
 from pathlib import Path
 
 PAIRS = {"pair_dense-first": "compiled, dense first", "pair_sebp-first": "compiled, SEBP first",
-         "eager_dense-first": "eager, dense first"}
+         "eager_dense-first": "eager, dense first",
+         "pair_layers_dense-first": "compiled by layers, dense first",
+         "pair_layers_sebp-first": "compiled by layers, SEBP first"}
+ORDERS = {"compiled": ("pair_dense-first", "pair_sebp-first"),  # the pairs of each compile scope, both orders
+          "compiled by layers": ("pair_layers_dense-first", "pair_layers_sebp-first")}
 SKIP_FIRST = 3
 BEFORE = ("`finetune` still left sdpa its own choice of kernel, on these GPUs cuDNN's attention, which builds a "
           "host-side plan for each new batch shape and keeps it for the process")
@@ -63,10 +70,12 @@ def _pair(files: dict[str, str], name: str) -> dict:
                    "dense_layers": len(calib.get("fallback_dense") or []),
                    "compile": s.get("compile"), "compile_s": s.get("compile_s")}
     gap = max(abs(recs["dense"][t]["loss"] - recs["sebp"][t]["loss"]) for t in steps)
-    per_step = {k: statistics.median(recs["dense"][t][k] / recs["sebp"][t][k] for t in timed)
-                for k in ("step_ms", "backward_ms")}
-    return {"label": PAIRS[name], "steps": len(steps), "timed_steps": len(timed), "max_abs_loss_gap": gap,
-            "step_ratio_per_step": per_step["step_ms"], "backward_ratio_per_step": per_step["backward_ms"],
+    ratios = {k: [recs["dense"][t][k] / recs["sebp"][t][k] for t in timed] for k in ("step_ms", "backward_ms")}
+    date = json.loads(files[f"{name}/run_config.json"])["created"]
+    return {"label": PAIRS[name], "date": date, "steps": len(steps), "timed_steps": len(timed), "max_abs_loss_gap": gap,
+            "step_ratio_per_step": statistics.median(ratios["step_ms"]),
+            "backward_ratio_per_step": statistics.median(ratios["backward_ms"]),
+            "step_ratios": ratios["step_ms"], "backward_ratios": ratios["backward_ms"],
             "loop_verdict": top["comparison"]["verdict"], "runs": runs}
 
 
@@ -84,17 +93,42 @@ def _resume(files: dict[str, str]) -> dict:
 
 
 def _by_place(pairs: dict) -> dict:
-    """The compiled pairs' dense / SEBP ratios between runs at the same place in their processes."""
-    names = ("pair_dense-first", "pair_sebp-first")
-    if not all(n in pairs for n in names):
-        return {}
+    """The compiled pairs' dense / SEBP ratios between runs at the same place in their processes (per compile
+    scope measured in both orders)."""
     out = {}
-    for place in (1, 2):
-        d = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "dense" and r["place"] == place)
-        s = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "sebp" and r["place"] == place)
-        out[f"compiled, run {place} of its process"] = {
-            "step_ratio": d["step_ms"] / s["step_ms"], "backward_ratio": d["backward_ms"] / s["backward_ms"],
-            "peak_mem_ratio": s["peak_mem_gib_rank0"] / d["peak_mem_gib_rank0"]}
+    for what, names in ORDERS.items():
+        if not all(n in pairs for n in names):
+            continue
+        for place in (1, 2):
+            d = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "dense" and r["place"] == place)
+            s = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "sebp" and r["place"] == place)
+            out[f"{what}, run {place} of its process"] = {
+                "step_ratio": d["step_ms"] / s["step_ms"], "backward_ratio": d["backward_ms"] / s["backward_ms"],
+                "peak_mem_ratio": s["peak_mem_gib_rank0"] / d["peak_mem_gib_rank0"]}
+    return out
+
+
+def _median_ci(xs: list[float], n: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% bootstrap interval of the median of ``xs`` (``n`` resamples, a fixed seed: the same every time)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return [meds[int(0.025 * n)], meds[int(0.975 * n) - 1]]
+
+
+def _both_orders(pairs: dict) -> dict:
+    """Per compile scope measured in both orders: the median of dense / SEBP on the same step over the timed
+    steps of both pairs together (and its 95% bootstrap interval), and the largest gap of SEBP's peak memory
+    (rank 0) from dense's."""
+    out = {}
+    for what, names in ORDERS.items():
+        if all(n in pairs for n in names):
+            runs = [pairs[n]["runs"] for n in names]
+            steps = [x for n in names for x in pairs[n]["step_ratios"]]
+            out[what] = {"steps": sum(pairs[n]["timed_steps"] for n in names),
+                         "step_ratio": statistics.median(steps), "step_ratio_ci95": _median_ci(steps),
+                         "backward_ratio": statistics.median(x for n in names for x in pairs[n]["backward_ratios"]),
+                         "peak_mem_ratio_max": max(r["sebp"]["peak_mem_gib_rank0"] / r["dense"]["peak_mem_gib_rank0"]
+                                                   for r in runs)}
     return out
 
 
@@ -121,7 +155,8 @@ def collect(pair_files: dict[str, str], rest_files: dict[str, str], before_files
            "model": "Llama-3.2-1B shape, random weights, the bundled MiniLM's vocabulary (benchmarks/fsdp_model.py)",
            "data": "benchmarks/sft_long_data.py: the bundled tweets as long instruction pairs (median ~280 tokens, "
                    "up to 2048), `longest` padding, 8 sequences a GPU a step, bf16, seed 0",
-           "pairs": pairs, "by_place": _by_place(pairs), "resume": _resume(rest_files),
+           "pairs": pairs, "by_place": _by_place(pairs), "both_orders": _both_orders(pairs),
+           "resume": _resume(rest_files),
            "fsdp1": {"status": fsdp1["status"], "steps": fsdp1["steps"],
                      "sebp_layers": len((fsdp1.get("calibration") or {}).get("layers") or {}),
                      "eval_loss": fsdp1["final_eval"]["eval_loss"]},

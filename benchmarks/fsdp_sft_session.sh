@@ -11,7 +11,9 @@
 # Steps:
 #   prep    the model and the data
 #   pair    --compare with --compile default, --padding longest, 8 sequences a GPU (ORDERS: dense-first, sebp-first;
-#           SCOPE: --compile-scope, model as the committed pairs, or layers)
+#           SCOPE: --compile-scope, model as the committed pairs, or layers; BATCH: sequences a GPU, 8;
+#           RESHARD: --fsdp_reshard_after_forward, true; TAG: a suffix of the runs' names)
+#   trace   the pair, dense first, 16 steps, under benchmarks/step_trace.py (steps 10-12 profiled, per rank)
 #   eager   the pair without --compile, dense first
 #   auto    the same with --padding auto, SEBP only (what auto picks under FSDP2 and compile)
 #   resume  exact SEBP eager, 16 steps: the run uninterrupted, then one killed by SIGTERM after 6 logged steps
@@ -36,10 +38,10 @@ if [ -d .whl ] && [ ! -d /tmp/site/kneed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 fi
 nvidia-smi -L > "$RAW/env.txt"
-COMMON=("$MODEL" "$DATA" --bf16 --max-length 2048 --batch-size 8 --eval-samples 32 --seed 0 --json)
+COMMON=("$MODEL" "$DATA" --bf16 --max-length 2048 --batch-size ${BATCH:-8} --eval-samples 32 --seed 0 --json)
 FSDP=(accelerate launch --num_processes 2 --num_machines 1 --mixed_precision bf16 --use_fsdp
       --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer
-      --fsdp_state_dict_type SHARDED_STATE_DICT --fsdp_reshard_after_forward true)
+      --fsdp_state_dict_type SHARDED_STATE_DICT --fsdp_reshard_after_forward ${RESHARD:-true})
 FT=(-m sebp_probe finetune)
 save() {  # run dir, name
   mkdir -p "$RAW/$2"
@@ -82,10 +84,14 @@ for s in ${STEPS:-prep}; do
     pair)
       for order in ${ORDERS:-dense-first sebp-first}; do
         flag=(); [ "$order" = sebp-first ] && flag=(--sebp-first)
-        run "pair_$order" "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --compile default \
-          --compile-scope "${SCOPE:-model}" --max-steps ${PAIR_STEPS:-40} --compare "${flag[@]}" -o "$RUNS/pair_$order" \
+        run "pair${TAG:-}_$order" "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest --compile default \
+          --compile-scope "${SCOPE:-model}" --max-steps ${PAIR_STEPS:-40} --compare "${flag[@]}" -o "$RUNS/pair${TAG:-}_$order" \
           --overwrite
       done ;;
+    trace)  # the pair (dense first) under benchmarks/step_trace.py: a profile of steps 10-12 of each run, per rank
+      run trace "${FSDP[@]}" --fsdp_version 2 benchmarks/step_trace.py --out "$RAW/trace" --steps 10:13 -- \
+        "${FT[@]}" "${COMMON[@]}" --padding longest --compile default --compile-scope "${SCOPE:-model}" --max-steps 16 \
+        --compare -o "$RUNS/trace" --overwrite ;;
     eager)  # the pair without --compile (dense first)
       run eager_dense-first "${FSDP[@]}" --fsdp_version 2 "${FT[@]}" "${COMMON[@]}" --padding longest \
         --max-steps ${PAIR_STEPS:-40} --compare -o "$RUNS/eager_dense-first" --overwrite ;;

@@ -34,7 +34,7 @@ from ..model.patch import find_targets, pad_rows_of, pad_rows_own, pad_rows_summ
     patched_activations, restore_pad_rows
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
 from ..data.train_data import TrainData, first_batches, make_loaders
-from .train_step import MicroBatches, StepTally, StopRequest, untimed_reason
+from .train_step import UNTIMED, MicroBatches, StepTally, StopRequest, untimed_reason
 
 Event = Callable[[str, dict], None]
 
@@ -401,7 +401,9 @@ class Run:
         t_step = time.perf_counter()
         before = (len(micro.graphs), dynamo_counts()[0] if cfg.compile else 0)  # graphs captured, compiled
         tally = micro.run(batches, t.model, t.loss_fn)
-        mean_loss = self.acc.reduce(tally.loss_sum / cfg.grad_accum, "mean").item()  # the step's one wait
+        untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
+                                  tally.new_shape and dev.type == "cuda")
+        mean_loss, untimed = self._reduce_loss(tally.loss_sum / cfg.grad_accum, untimed)  # the step's one wait
         stopping = self._stop_agreed(stop)
         if not math.isfinite(mean_loss):
             p.diverged(mean_loss)
@@ -412,7 +414,7 @@ class Run:
         saving = bool(cfg.save_steps) and p.step % cfg.save_steps == 0 and p.step < t.total
         if evaluating or saving or stopping:
             sync(dev)
-        rec = self._step_record(p, tally, mean_loss, lr, t_step, micro, before)
+        rec = self._step_record(p, tally, mean_loss, lr, t_step, micro, untimed)
         self._log(rec)
         live = self._vs_dense_backward()
         self.emit("step", {"run": self.method, **rec, **({"vs_dense_backward": live} if live else {}),
@@ -429,6 +431,17 @@ class Run:
         if saving:
             p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
         return True
+
+    def _reduce_loss(self, loss: torch.Tensor, untimed: str | None) -> tuple[float, str | None]:
+        """The step's loss averaged over the processes, and why the step is untimed on any of them: a process
+        that compiles or captures holds the others up in the next collective, so such a step's time is not
+        steady on any process. Both travel in the one reduction (a sum) the host waits for anyway."""
+        n = self.acc.num_processes
+        if n == 1:
+            return self.acc.reduce(loss, "mean").item(), untimed
+        flags = [loss.new_full((), float(untimed == reason), dtype=torch.float32) for reason in UNTIMED]  # no sync
+        total = self.acc.reduce(torch.stack([loss.float(), *flags]), "sum").tolist()
+        return total[0] / n, next((r for r, f in zip(UNTIMED, total[1:]) if f > 0), None)
 
     def _stop_agreed(self, stop: StopRequest) -> bool:
         """Ctrl-C / SIGTERM: every process stops after the same step. Across processes that takes a reduction
@@ -452,15 +465,14 @@ class Run:
         return lr
 
     def _step_record(self, p: _Progress, tally: StepTally, mean_loss: float, lr: float, t_step: float,
-                     micro: MicroBatches, before: tuple[int, int]) -> dict:
-        """The step's line of metrics.jsonl; a step that compiled, captured or ran a new shape is untimed."""
+                     micro: MicroBatches, untimed: str | None) -> dict:
+        """The step's line of metrics.jsonl; a step that compiled, captured or ran a new shape (on any process)
+        is untimed."""
         cfg, dev = self.cfg, self.acc.device
         tokens, empty = int(tally.tokens), int(tally.empty)
         rec = {"type": "train", "step": p.step, "epoch": tally.epoch, "loss": mean_loss, "lr": lr,
                "backward_ms": tally.backward_ms(), "step_ms": (time.perf_counter() - t_step) * 1e3,
                "peak_mem_mb": peak_memory_mb(dev), "tokens": tokens, "rows": tally.rows}
-        untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
-                                  tally.new_shape and dev.type == "cuda")
         if untimed:  # not in the run's times: summary.json reports these steps' seconds apart
             rec["untimed"] = untimed
         if empty:

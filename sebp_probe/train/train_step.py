@@ -40,11 +40,14 @@ class StopRequest:
         return False
 
 
+UNTIMED = ("compile", "graph capture", "new shape")  # why a step is untimed, first reason first
+
+
 def untimed_reason(compiled: bool, captured: bool, new_shape: bool) -> str | None:
     """Why a step is left out of the run's times (None: it is timed): Dynamo compiled during it, a CUDA graph was
     captured, or the GPU ran a batch of its shape for the first time in this run (cuBLAS heuristics, allocator
     blocks, kernel loads: the first run of a --compare would pay these and the second find them warm)."""
-    return "compile" if compiled else "graph capture" if captured else "new shape" if new_shape else None
+    return next((r for r, on in zip(UNTIMED, (compiled, captured, new_shape)) if on), None)
 
 
 @dataclass

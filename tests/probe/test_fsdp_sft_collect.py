@@ -24,3 +24,9 @@ def test_collect_reproduces_the_committed_json(tmp_path):
     assert before["pair_dense-first"]["step_ratio_per_step"] > 1.5 > 0.7 > before["pair_sebp-first"]["step_ratio_per_step"]
     assert got["resume"]["resumed_from_step"] == 8 and got["resume"]["identical_steps"][:4] == [1, 2, 3, 4]
     assert "trained on 2 process(es), this launch has 1" in got["resume_other_process_count"]
+    # by layers, in both orders: every step of a layer's recompile on either process left out, the interval
+    # of the median around it
+    both = got["both_orders"]["compiled by layers"]
+    assert both["steps"] == 70 and both["step_ratio_ci95"][0] <= both["step_ratio"] <= both["step_ratio_ci95"][1]
+    for name in ("pair_layers_dense-first", "pair_layers_sebp-first"):
+        assert got["pairs"][name]["timed_steps"] == 35 == len(got["pairs"][name]["step_ratios"])

@@ -455,8 +455,9 @@ FSDP_SFT = "fsdp_sft_h100/fsdp_sft.json"
 
 
 def _second_over_first(pairs: dict, method: str) -> float:
-    """``method``'s compiled median step in the first place of its process over its step in the second."""
-    runs = [p["runs"][method] for n, p in pairs.items() if n.startswith("pair_")]
+    """``method``'s compiled (whole model) median step in the first place of its process over its step in the
+    second."""
+    runs = [pairs[n]["runs"][method] for n in ("pair_dense-first", "pair_sebp-first")]
     ms = {r["place"]: r["step_ms"] for r in runs}
     return ms[1] / ms[2]
 
@@ -470,23 +471,33 @@ def fsdp_sft_h100(page: Page) -> str:
     for p in d["pairs"].values():
         for method, r in sorted(p["runs"].items(), key=lambda kv: kv[1]["place"]):
             sebp = f"{r['sebp_layers']} of {r['sebp_layers'] + r['dense_layers']}" if method == "sebp" else "-"
-            body.append([p["label"], method, str(r["place"]), sebp, str(p["timed_steps"]), f1(r["step_ms"]),
+            body.append([p["label"], method, str(r["place"]), sebp, f"{p['timed_steps']} of {p['steps']}",
+                         f1(r["step_ms"]),
                          f1(r["backward_ms"]), f1(r["peak_mem_gib_rank0"]), f3(r["eval_loss"]),
                          f3(p["max_abs_loss_gap"])])
-    header = ["pair", "method", "run in its process", "projections on SEBP", "steps timed", "median step ms",
+    header = ["pair", "method", "run in its process", "projections on SEBP", "steps timed of run", "median step ms",
               "median backward ms", "peak GiB (rank 0)", "held-out loss", "largest loss gap in the pair"]
     paired = "; ".join(f"{p['label']}: step {times(p['step_ratio_per_step'])}, backward "
                        f"{times(p['backward_ratio_per_step'])}" for p in d["pairs"].values())
     places = "; ".join(f"{k}: dense / SEBP step {times(v['step_ratio'])}, backward {times(v['backward_ratio'])}, "
                        f"SEBP's peak memory {v['peak_mem_ratio']:.3f} of dense's" for k, v in d["by_place"].items())
+    both = "; ".join(f"{k}: step {times(v['step_ratio'])} (95% bootstrap interval of the median "
+                     f"{times(v['step_ratio_ci95'][0])}-{times(v['step_ratio_ci95'][1])}), backward "
+                     f"{times(v['backward_ratio'])} ({v['steps']} "
+                     f"steps), SEBP's peak memory at most {v['peak_mem_ratio_max']:.4f} of dense's"
+                     for k, v in d["both_orders"].items())
+    dates = ", ".join(sorted({p["date"][:10] for p in d["pairs"].values()}))
     b = d["before"]
     second = ", ".join(f"{m} {times(_second_over_first(b['pairs'], m))}" for m in ("dense", "sebp"))
     second_now = ", ".join(f"{m} {times(_second_over_first(d['pairs'], m))}" for m in ("dense", "sebp"))
     r = d["resume"]
     note = (f"{d['model']}; {d['data']}; {d['attention']}. FSDP2 through `accelerate launch --use_fsdp "
-            f"--fsdp_version 2`, full shard, each decoder layer a unit; 30 steps a run, the medians over the steps "
-            f"after the third that no run of the pair compiled in. Dense / SEBP on the same step, the median over "
-            f"those steps: {paired}. Same place in the process: {places}. A compiled run's median step, second "
+            f"--fsdp_version 2`, full shard, each decoder layer a unit; pairs run {dates}; `compiled`: "
+            f"`--compile-scope model`, `compiled by layers`: `--compile-scope layers`. Medians over the steps after "
+            f"the third that no run of the pair compiled in (by layers: on either process; the whole-model pairs "
+            f"ran before the processes agreed on that). Dense / SEBP on the same step, the median over those "
+            f"steps: {paired}. **Both orders together: {both}.** Same place in the process: {places}. A "
+            f"compiled (whole model) run's median step, second "
             f"place over first: {second_now}; measured {b['date'][:10]}, when {b['attention']}: {second}.\n\n"
             f"Resume (exact SEBP, eager, 16 steps, {d['environment']['date_resume_fsdp1'][:10]}): killed by "
             f"SIGTERM, resumed from step {r['resumed_from_step']}; "

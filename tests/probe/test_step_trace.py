@@ -1,0 +1,40 @@
+"""benchmarks/step_trace.py: the profile of a command's optimizer steps, hooked in from outside the command."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def script():
+    yield load_benchmark("step_trace")
+    sys.modules.pop("step_trace", None)
+
+
+def test_busy_intervals_and_the_part_of_one_set_the_other_leaves_uncovered(script):
+    comp = script._merged([(0, 4), (2, 6), (10, 12)])
+    assert comp == [(0, 6), (10, 12)] and script._length(comp) == 8
+    comm = script._merged([(5, 11), (13, 14)])
+    assert script._uncovered(comm, comp) == 4 + 1  # 6..10 and 13..14
+    assert script._uncovered(comp, []) == 8 and script._uncovered([], comp) == 0
+
+
+def test_a_script_runs_under_it_and_each_run_gets_its_profile(script, tmp_path, monkeypatch):
+    train = tmp_path / "train.py"
+    train.write_text("import torch\n"
+                     "for run in range(2):\n"
+                     "    m = torch.nn.Linear(8, 8); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                     "    for _ in range(6):\n"
+                     "        m(torch.randn(4, 8)).sum().backward(); o.step(); o.zero_grad()\n")
+    out = tmp_path / "trace"
+    monkeypatch.setattr(sys, "argv", ["step_trace.py", "--out", str(out), "--steps", "3:5", "--", str(train)])
+    script.main()
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["run1_rank0.txt", "run2_rank0.txt"]
+    assert (out / "run1_rank0.txt").read_text().startswith("profiled steps: 2, wall ")
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    assert not _global_optimizer_post_hooks  # the hook is gone: later optimizers in this process run as they were
