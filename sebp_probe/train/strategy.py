@@ -18,7 +18,8 @@ host's launch overhead, so measurement chooses it as well.
 Under ``--compile`` each layout is also timed compiled (:func:`_compiled_ms`; ``--compile MODE``: compiled
 only, the run compiles anyway; ``--compile auto``: eager and compiled): dense and SEBP each compiled as the run
 would (``--compile-scope``: each layer in place, or a fresh ``torch.compile(batch_loss)``) with Dynamo's caches
-reset first, so no candidate finds another's graphs. On
+reset first, so no candidate finds another's graphs; with ``--cuda-graphs`` too, the compiled step is timed as
+the run will take it, replayed as CUDA graphs. On
 each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
 median is that candidate's compile seconds. The choice minimizes the whole run's estimated seconds
 (:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
@@ -156,14 +157,17 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
 
 
 def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast, reps: int,
-                 mode: str, scope: str = "layers", one_shape: bool = False) -> tuple[float, float] | str:
+                 mode: str, scope: str = "layers", one_shape: bool = False,
+                 replays: bool = False) -> tuple[float, float] | str:
     """A layout's compiled milliseconds per batch over an epoch (as :func:`_layout_ms`: per token slot times
     the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched), compiled as
     the run would (``scope``: ``layers``, each layer of its stack in place, :func:`compile_stack`, with
     dynamic shapes unless the layout has ``one_shape``, undone after; ``model``, a fresh
     ``torch.compile(batch_loss)``), Dynamo's caches reset first; on each batch one
     first call (a compile or recompile, and one step: its time past the batch's median counts as compile
-    seconds), then ``reps`` timed calls. Why it did not compile instead, where it did not."""
+    seconds), then ``reps`` timed calls, or (``replays``: ``--cuda-graphs``, which replays the compiled layers)
+    ``reps`` replays of the step captured as CUDA graphs, as the run will step. Why it did not compile instead,
+    where it did not."""
     torch._dynamo.reset()
     fallback = Fallback(mode)
     undo = compile_stack(model, fallback, **layer_compile_options(mode, one_shape)) if scope == "layers" else None
@@ -172,7 +176,8 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
     try:
         for b in batches:
             first = _timed_pass(model, b, device, autocast, step)
-            ms = statistics.median(_timed_pass(model, b, device, autocast, step) for _ in range(reps))
+            ms = (sum(replay_ms(model, b, reps, autocast, skip=1, call_kwargs=no_cache(model))) if replays
+                  else statistics.median(_timed_pass(model, b, device, autocast, step) for _ in range(reps)))
             if fallback.why is not None:
                 return f"did not compile: {fallback.why}"
             compile_s += max(0.0, first - ms) / 1e3
@@ -184,10 +189,12 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
 
 
 def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: float, device, autocast, reps: int,
-                   mode: str, methods: tuple[str, ...], patch, unpatch, scope: str = "layers") -> None:
+                   mode: str, methods: tuple[str, ...], patch, unpatch, scope: str = "layers",
+                   replays: bool = False) -> None:
     """Add the compiled candidates of ``row`` (a layout and head) to it: ``{method}_compiled_ms`` and
     ``_compile_s``, or ``compiled_skipped``: why they were not timed. ``scope``: the run's --compile-scope
-    (under ``layers`` the head runs eagerly, so nothing about it keeps a compiled step from running)."""
+    (under ``layers`` the head runs eagerly, so nothing about it keeps a compiled step from running);
+    ``replays``: timed as CUDA-graph replays of the compiled layers (``--cuda-graphs``)."""
     why = compiled_head_problem(task, padding) if head_of(model) == "labelled" and compiles_whole(model, scope) \
         else None
     if why:
@@ -197,7 +204,7 @@ def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: fl
     for method in methods:
         with _as(method, patch, unpatch):
             got = _compiled_ms(model, batches, slots, device, autocast, reps, mode, scope,
-                               LAYOUTS[padding].one_shape)
+                               LAYOUTS[padding].one_shape, replays)
         if isinstance(got, str):
             row["compiled_skipped"] = got
             return
@@ -271,7 +278,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                     row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
                 if mode:
                     _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
-                                   timed, patch, unpatch, cfg.compile_scope)
+                                   timed, patch, unpatch, cfg.compile_scope, graphs and cfg.cuda_graphs)
                 table.append(row)
         model.zero_grad(set_to_none=True)
     if mode:

@@ -129,6 +129,26 @@ def test_finetune_with_cuda_graphs_and_compiled_layers_trains_as_the_eager_graph
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-4)
 
 
+def test_padding_auto_times_compiled_candidates_as_the_replays_the_run_takes(tmp_path):
+    """--padding auto --cuda-graphs --compile default: every layout the graphs can take is timed compiled and
+    replayed (dense and SEBP), and the run then trains that way on the layout chosen."""
+    data = synthetic_data("causal-lm", n=48, n_eval=8, prompt=0.5)
+    load = lambda: LoadedModel(tiny_model("llama"), None, "causal-lm", "tiny", "config")  # noqa: E731
+    torch._dynamo.reset()
+    cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding="auto"),
+                         output_dir=str(tmp_path / "auto"), max_steps=3, lr=2e-3, warmup_ratio=0.0,
+                         dense_fallback=1.0, fallback_if_slower=False, method="sebp", cuda_graphs=True,
+                         graph_bucket=8, compile="default", seed=0, eval_samples=8)
+    summary = ft.finetune(cfg, load_fn=load, data=data)
+    torch._dynamo.reset()
+    assert summary["status"] == "completed"
+    timed = [r for r in summary["padding_choice"]["table"] if "skipped" not in r]
+    assert timed and all(r["dense_compiled_ms"] > 0 and r["sebp_compiled_ms"] > 0 for r in timed)
+    assert all("dense_ms" not in r for r in timed)  # --compile MODE: only compiled candidates
+    recs = [r for r in map(json.loads, (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "train"]
+    assert len(recs) == 3 and all(r["graph_replays"] == 1 for r in recs)
+
 def test_graphs_built_mid_accumulation_keep_the_gradients_so_far():
     """A second shape's graphs, captured while .grad holds the first micro-batch's share, in the same memory
     pool: the warm-up runs with the gradients set aside, and the first graphs still replay right after."""

@@ -144,3 +144,38 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     assert not dynamo.utils.counters["graph_break"]
     # layers scope: the model is as it was after the timing (no layer left compiled)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+
+
+def test_under_cuda_graphs_the_compiled_candidates_are_timed_as_replays_of_the_compiled_layers(monkeypatch):
+    """``--cuda-graphs --compile default --padding auto``: the run will replay its compiled layers as CUDA
+    graphs, so each compiled candidate is timed that way (after the compiling call), not as compiled calls.
+    The replays are a stand-in here (CUDA graphs need a GPU; the GPU test runs the real ones): it checks that
+    the layers are compiled while it runs, that the causal LM runs without its cache, and times each batch at
+    1 ms per 1000 token slots."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
+    monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    fixed = {name: lay for name, lay in strategy.LAYOUTS.items() if lay.fixed_shapes}
+    monkeypatch.setattr(strategy, "SAMPLE_BATCHES", 2)
+    model = tiny_model("llama")
+    seen = []
+
+    def replays(m, batch, reps, autocast, skip=0, call_kwargs=None):
+        assert m is model and skip == 1 and call_kwargs == {"use_cache": False}
+        assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+        seen.append(batch["input_ids"].numel())
+        return 0.4e-3 * batch["input_ids"].numel(), 0.6e-3 * batch["input_ids"].numel()
+
+    monkeypatch.setattr(strategy, "replay_ms", replays)
+    dynamo.reset()
+    data = synthetic_data("causal-lm", n=48, prompt=0.5)
+    cfg = _cfg(method="dense", compile="default", cuda_graphs=True, max_steps=7, calib_batches=0)
+    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, graphs=True)
+    timed = {r["padding"]: r for r in choice.table if "skipped" not in r}
+    assert set(timed) == set(fixed) and len(seen) == 2 * len(fixed)  # each layout's two batches, replayed
+    for r in timed.values():
+        assert "dense_ms" not in r  # --compile MODE: the run compiles, so only compiled candidates are timed
+        slots = sum(min(len(it["input_ids"]), 24) for it in data.train) / (1 - r["padding_share"]) / (48 // 8)
+        assert r["dense_compiled_ms"] == pytest.approx(1e-3 * slots, abs=1e-3)
+        assert r["dense_compiled_compile_s"] > 0
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)  # undone after the timing
