@@ -1,13 +1,14 @@
 """Gather benchmarks/fsdp_sft_session.sh's archives into one JSON for the docs.
 
 Per pair (compiled dense-first, compiled SEBP-first, eager dense-first) and run: the median backward and step
-milliseconds over the steps after the third that no run of the comparison compiled in (on any process: the
-pairs by layers ran after the loop began to agree its flags across processes; before, a step in which only the
-other process recompiled, and held this one up for its whole compile, was flagged a new shape) (the loop's own
+milliseconds over the steps after the third that no run of the comparison compiled in. The loop's own
 ``untimed`` flags leave out every step of a new batch shape, and under ``longest`` padding nearly every SFT
-batch has one, so its summary times none), rank 0's peak memory, the held-out loss and the projections on
-SEBP; and the median over those steps of dense's time over SEBP's on the same step (the same batch). Runs are
-also compared by their place in the process: while sdpa used cuDNN's attention (``--before``), the second run
+batch has one, so its summary times none. "Compiled in" is on any process for the pairs by layers, which ran
+after the loop began to agree its flags across processes; in the earlier pairs a step in which only the other
+process recompiled, and held this one up for its whole compile, was flagged a new shape and counts here.
+Also per run: rank 0's peak memory, the held-out loss and the projections on SEBP; per pair, the median over
+those steps of dense's time over SEBP's on the same step (the same batch). Runs are also compared by their
+place in the process (the same batches at the same place, one pair's dense against the other's SEBP): while sdpa used cuDNN's attention (``--before``), the second run
 of a ``--compare`` under FSDP2 stepped faster than the first whichever method it was. Also: the resume after a
 SIGTERM against the run uninterrupted, FSDP1, and a resume by another number of processes.
 
@@ -71,6 +72,8 @@ def _pair(files: dict[str, str], name: str) -> dict:
                    "compile": s.get("compile"), "compile_s": s.get("compile_s")}
     gap = max(abs(recs["dense"][t]["loss"] - recs["sebp"][t]["loss"]) for t in steps)
     ratios = {k: [recs["dense"][t][k] / recs["sebp"][t][k] for t in timed] for k in ("step_ms", "backward_ms")}
+    for m in runs:  # each timed step's times, for comparisons across pairs (the same batches: seed 0)
+        runs[m]["timed"] = {str(t): [recs[m][t]["step_ms"], recs[m][t]["backward_ms"]] for t in timed}
     date = json.loads(files[f"{name}/run_config.json"])["created"]
     return {"label": PAIRS[name], "date": date, "steps": len(steps), "timed_steps": len(timed), "max_abs_loss_gap": gap,
             "step_ratio_per_step": statistics.median(ratios["step_ms"]),
@@ -102,14 +105,18 @@ def _by_place(pairs: dict) -> dict:
         for place in (1, 2):
             d = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "dense" and r["place"] == place)
             s = next(r for n in names for m, r in pairs[n]["runs"].items() if m == "sebp" and r["place"] == place)
+            steps = [t for t in d["timed"] if t in s["timed"]]  # the same batches, timed in both pairs
             out[f"{what}, run {place} of its process"] = {
-                "step_ratio": d["step_ms"] / s["step_ms"], "backward_ratio": d["backward_ms"] / s["backward_ms"],
+                "steps": len(steps),
+                "step_ratio": statistics.median(d["timed"][t][0] / s["timed"][t][0] for t in steps),
+                "backward_ratio": statistics.median(d["timed"][t][1] / s["timed"][t][1] for t in steps),
                 "peak_mem_ratio": s["peak_mem_gib_rank0"] / d["peak_mem_gib_rank0"]}
     return out
 
 
 def _median_ci(xs: list[float], n: int = 2000, seed: int = 0) -> list[float]:
-    """A 95% bootstrap interval of the median of ``xs`` (``n`` resamples, a fixed seed: the same every time)."""
+    """A 95% bootstrap interval of the median of ``xs`` (``n`` resamples, a fixed seed: the same every time). Over
+    steps only: it cannot see what varies from run to run, which the two orders' own medians show."""
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
     return [meds[int(0.025 * n)], meds[int(0.975 * n) - 1]]
@@ -117,15 +124,16 @@ def _median_ci(xs: list[float], n: int = 2000, seed: int = 0) -> list[float]:
 
 def _both_orders(pairs: dict) -> dict:
     """Per compile scope measured in both orders: the median of dense / SEBP on the same step over the timed
-    steps of both pairs together (and its 95% bootstrap interval), and the largest gap of SEBP's peak memory
-    (rank 0) from dense's."""
+    steps of both pairs together (its 95% bootstrap interval over steps, and each order's own median), and the
+    largest gap of SEBP's peak memory (rank 0) from dense's."""
     out = {}
     for what, names in ORDERS.items():
         if all(n in pairs for n in names):
             runs = [pairs[n]["runs"] for n in names]
             steps = [x for n in names for x in pairs[n]["step_ratios"]]
             out[what] = {"steps": sum(pairs[n]["timed_steps"] for n in names),
-                         "step_ratio": statistics.median(steps), "step_ratio_ci95": _median_ci(steps),
+                         "step_ratio": statistics.median(steps), "step_ratio_ci95_over_steps": _median_ci(steps),
+                         "step_ratio_by_order": [pairs[n]["step_ratio_per_step"] for n in names],
                          "backward_ratio": statistics.median(x for n in names for x in pairs[n]["backward_ratios"]),
                          "peak_mem_ratio_max": max(r["sebp"]["peak_mem_gib_rank0"] / r["dense"]["peak_mem_gib_rank0"]
                                                    for r in runs)}

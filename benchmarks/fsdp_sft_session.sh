@@ -12,8 +12,10 @@
 #   prep    the model and the data
 #   pair    --compare with --compile default, --padding longest, 8 sequences a GPU (ORDERS: dense-first, sebp-first;
 #           SCOPE: --compile-scope, model as the committed pairs, or layers; BATCH: sequences a GPU, 8;
-#           RESHARD: --fsdp_reshard_after_forward, true; TAG: a suffix of the runs' names)
-#   trace   the pair, dense first, 16 steps, under benchmarks/step_trace.py (steps 10-12 profiled, per rank)
+#           RESHARD: --fsdp_reshard_after_forward, true; TAG: a suffix of the runs' names: the collector
+#           reads pair_* as compiled whole and pair_layers_* as compiled by layers, so SCOPE=layers TAG=_layers)
+#   trace   the pair, dense first, 16 steps, under benchmarks/step_trace.py (steps 10-12 profiled, per rank;
+#           SCOPE as for pair). Steps a recompile stalls are in the profile too: look at the run's metrics
 #   eager   the pair without --compile, dense first
 #   auto    the same with --padding auto, SEBP only (what auto picks under FSDP2 and compile)
 #   resume  exact SEBP eager, 16 steps: the run uninterrupted, then one killed by SIGTERM after 6 logged steps
@@ -28,6 +30,7 @@
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
+export TORCH_LOGS="${TORCH_LOGS-recompiles}"  # each recompile and the guard that failed, in the run's log
 OUT=${OUT:-/tmp/out}
 MODEL=.cache/gpu/llama_1b
 DATA=.cache/gpu/sft_long.jsonl
@@ -52,6 +55,7 @@ save() {  # run dir, name
 run() {  # name, command...
   local name=$1; shift
   echo "=== $name $(date +%T): $*" | tee -a "$RAW/commands.txt"
+  echo "TORCH_LOGS=$TORCH_LOGS" >> "$RAW/commands.txt"
   local t0=$SECONDS
   COLUMNS=200 "$@" > "$RAW/$name.log" 2>&1
   echo "rc=$? wall=$((SECONDS - t0))s" | tee -a "$RAW/commands.txt"

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's packages
 
 from sebp_probe.bench.bench_cases import MODEL_CASES  # noqa: E402
-from sebp_probe.train.compiling import compile_layers  # noqa: E402
+from sebp_probe.train.compiling import compile_layers, layer_compile_options  # noqa: E402
 from sebp_probe.bench.bench_model import _pool, _step_fn, build_model, sebp_patched  # noqa: E402
 from sebp_probe.data.train_data import to_device  # noqa: E402
 from sebp_probe.model.packing import attention_backend  # noqa: E402
@@ -35,7 +35,7 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
     with (sebp_patched(model, case, head, "exact", norms, acts, False) if method == "sebp"
           else contextlib.nullcontext()):
         # compiled after the patch, as the bench compiles: SEBP layers carry their keys as graph inputs
-        undo = compile_layers(model, dynamic=True) if compile else None
+        undo = compile_layers(model, **layer_compile_options("default", one_shape=False)) if compile else None
         try:
             for b in batches:
                 for _ in range(warmup):

@@ -5,18 +5,23 @@ step hook, so any training command runs unchanged.
     accelerate launch [...] benchmarks/step_trace.py --out /tmp/trace --steps 10:13 -- \\
         -m sebp_probe finetune MODEL DATA [...]
 
-For each run (a new optimizer) and process, ``<out>/run<i>_rank<r>.txt``: the wall milliseconds of the profiled
-steps, the device time of the compute stream's kernels merged into busy intervals, the share of the wall they
-cover, the collectives' (NCCL) busy time and the part of it no compute kernel overlaps, and the kernels by
-device time. A diagnosis, not a benchmark: the profiler's own cost is in the wall times.
+For each run (an optimizer, numbered as first seen) and process, ``<out>/run<i>_rank<r>.txt``: the wall
+milliseconds of the profiled steps, the device time of every other kernel, copy and fill (on any stream: FSDP's
+copy-in and copy-out too) merged into busy intervals and the share of the wall they cover, the collectives'
+(NCCL) busy time and the part of it nothing else overlaps, and the operators by device time. Annotation spans
+(``FSDP::all_gather``, ``nccl:all_reduce``: they lie over the kernels they name) are not device work. A run
+shorter than the profiled steps writes nothing. A diagnosis, not a benchmark: the profiler's own cost is in the
+wall times.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import runpy
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -55,7 +60,8 @@ def _uncovered(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
 
 
 def summarize(prof, wall_ms: float, steps: int) -> str:
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     comm = _merged([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
     comp = _merged([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
     us = 1e3 * wall_ms
@@ -74,30 +80,41 @@ def main() -> None:
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- -m MODULE args... or -- SCRIPT args...")
     a = ap.parse_args()
     first, end = (int(x) for x in a.steps.split(":"))
+    if not 2 <= first < end:
+        ap.error("--steps FIRST:END needs 2 <= FIRST < END (the profile starts after step FIRST-1's optimizer step)")
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     a.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
-    state = {"opt": None, "n": 0, "run": 0, "prof": None, "t0": 0.0}
+    runs = weakref.WeakKeyDictionary()  # optimizer -> {run, n, prof, t0} (an id could be reused by the next run's)
+    seen = itertools.count(1)
+    open_: list[dict] = []  # the run being profiled: one at a time, so a run that ends inside its profiled
+    # steps keeps the later runs from being profiled
+
+    def close(state: dict, write: bool) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - state["t0"]) * 1e3
+        prof, state["prof"] = state["prof"], None
+        prof.__exit__(None, None, None)
+        open_.clear()
+        if write:
+            (a.out / f"run{state['run']}_rank{rank}.txt").write_text(summarize(prof, wall, end - first))
 
     def hook(opt, args, kwargs):
-        if opt is not state["opt"]:
-            state.update(opt=opt, n=0, run=state["run"] + 1)
+        if opt not in runs:
+            runs[opt] = {"run": next(seen), "n": 0, "prof": None, "t0": 0.0}
+        state = runs[opt]
         state["n"] += 1
-        n = state["n"]
-        if n == first - 1:  # the profiled steps start after this one
+        if state["n"] == first - 1 and not open_:  # the profiled steps start after this one
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA])
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
-        elif n == end - 1 and state["prof"] is not None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - state["t0"]) * 1e3
-            prof, state["prof"] = state["prof"], None
-            prof.__exit__(None, None, None)
-            (a.out / f"run{state['run']}_rank{rank}.txt").write_text(summarize(prof, wall, end - first))
+            open_.append(state)
+        elif state["n"] == end - 1 and state["prof"] is not None:
+            close(state, write=True)
 
     handle = register_optimizer_step_post_hook(hook)
     try:
@@ -109,6 +126,8 @@ def main() -> None:
             runpy.run_path(rest[0], run_name="__main__")
     finally:
         handle.remove()
+        if open_:  # a run that ended inside its profiled steps: nothing to report
+            close(open_[0], write=False)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,26 @@ def compiles_whole(model: torch.nn.Module, scope: str) -> bool:
 def layer_compile_options(mode: str, one_shape: bool) -> dict:
     """The ``torch.compile`` options of a run's layers: ``mode``, and dynamic shapes from the first batch unless
     every batch has ``one_shape`` (``max_length``): else Dynamo compiles the first shape, then again with
-    symbols at the second, a whole second compile (23 s of a 1B model's first 10 steps on an H200)."""
-    return {"mode": mode} if one_shape else {"mode": mode, "dynamic": True}
+    symbols at the second, a whole second compile (23 s of a 1B model's first 10 steps on an H200). With
+    dynamic shapes, ``mode`` goes as its Inductor options (:func:`dynamic_options`)."""
+    return {"mode": mode} if one_shape else {"options": dynamic_options(mode), "dynamic": True}
+
+
+def dynamic_options(mode: str | None) -> dict:
+    """Inductor's options of ``mode`` for a compile that meets batches of many shapes: ``mode``'s own, with the
+    mix-order reduction fusion off where this torch has it. That fusion (a norm's backward: its sums over rows
+    and over columns in one kernel) is decided by guards on the batch's row count (at least 4096 rows, at least
+    5 Mi elements), so a layer compiled with dynamic shapes was compiled again whenever a batch crossed one:
+    three times in a run of a Llama-1B shape on SFT batches with ``longest`` padding under FSDP2 (once on
+    one process, twice on the other), and a process waited 15-41 s for the other's compile (``TORCH_LOGS=recompiles`` in results/fsdp_sft_h100/raw/pairs_layers.tgz).
+    Off, a norm's backward takes two reductions at every batch size, as it did below those sizes; what that
+    costs a step on large batches is not measured yet."""
+    from torch._inductor import config, list_mode_options
+
+    opts = dict(list_mode_options(mode or "default"))  # (None would list every mode's)
+    if hasattr(config.triton, "mix_order_reduction"):
+        opts["triton.mix_order_reduction"] = False
+    return opts
 
 
 def compile_layers_or_eager(model: torch.nn.Module, mode: str, device: torch.device,

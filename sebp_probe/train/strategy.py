@@ -245,6 +245,8 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     if mode and (cannot_compile(cfg.compile, device) if cfg.compile == COMPILE_AUTO  # then the line comes from here
                  else inductor_problem(device) is not None):  # the run will say so
         mode = None
+    if mode and graphs and cfg.cuda_graphs and compiles_whole(model, cfg.compile_scope):
+        mode = None  # no layer stack to compile: the run replays its step eagerly, as timed here
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
     table = []
     with torch.random.fork_rng(devices=rng_devices(device)):

@@ -100,10 +100,11 @@ def test_layers_compile_once_for_batches_of_every_shape(tmp_path, monkeypatch, p
     """Under a layout whose batch shapes change, the layers compile with dynamic shapes from the first batch:
     one graph for every batch, where Dynamo would otherwise compile the first shape and again at the second;
     under max_length (one shape) without."""
-    real, seen = torch.compile, []
+    real, seen, options = torch.compile, [], []
 
     def compile_(fn, mode=None, **kw):
         seen.append(kw.get("dynamic"))
+        options.append(kw.pop("options", None))  # Inductor's; aot_eager stands in for it
         return real(fn, backend="aot_eager", **kw)
 
     monkeypatch.setattr(torch, "compile", compile_)
@@ -117,6 +118,8 @@ def test_layers_compile_once_for_batches_of_every_shape(tmp_path, monkeypatch, p
         dynamo.reset()
     assert run["compile"] == {"mode": "default", "graphs": graphs, "graph_breaks": 0, "scope": "layers"}
     assert seen and set(seen) == {dynamic}
+    # with dynamic shapes no Inductor fusion guards on the batch's size (each crossing would compile again)
+    assert all((o or {}).get("triton.mix_order_reduction", True) is not bool(dynamic) for o in options)
     slots = [r["rows"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["type"] == "train"]
     assert len(slots) == 6 and (len(set(slots)) > 1) == (padding == "longest")  # token slots a batch
@@ -253,3 +256,20 @@ def test_cuda_graphs_replay_eagerly_a_model_without_a_known_layer_stack(tmp_path
     assert run._step_loss(torch.nn.Sequential(torch.nn.Linear(4, 4))) is batch_loss
     assert run.compile_scope == "eager"
     assert [k for k, _ in notes] == ["note"] and "has no layer stack sebp-probe knows" in notes[0][1]["text"]
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs", None])
+def test_dynamic_layers_take_their_modes_inductor_options_without_size_guarded_fusions(mode):
+    """A layer compiled for many batch shapes gets ``mode``'s own Inductor options, with the mix-order reduction
+    fusion off: Inductor decided it by guards on the row count, and a batch crossing one compiled the layer
+    again (three times a run under FSDP2, stalling the other process 15-41 s). torch.compile takes the options
+    as they are (it checks their names when the compiled function is made)."""
+    from torch._inductor import list_mode_options
+
+    got = compiling.layer_compile_options(mode, one_shape=False)
+    assert got["dynamic"] is True and "mode" not in got
+    assert {k: v for k, v in got["options"].items() if k != "triton.mix_order_reduction"} == \
+        list_mode_options(mode or "default")
+    assert got["options"]["triton.mix_order_reduction"] is False
+    torch.compile(lambda x: x + 1, **got)  # an unknown option name would raise here
+    assert compiling.layer_compile_options(mode, one_shape=True) == {"mode": mode}  # one shape: no guards to fear

@@ -27,6 +27,7 @@ def test_collect_reproduces_the_committed_json(tmp_path):
     # by layers, in both orders: every step of a layer's recompile on either process left out, the interval
     # of the median around it
     both = got["both_orders"]["compiled by layers"]
-    assert both["steps"] == 70 and both["step_ratio_ci95"][0] <= both["step_ratio"] <= both["step_ratio_ci95"][1]
+    lo, hi = both["step_ratio_ci95_over_steps"]
+    assert both["steps"] == 70 and lo <= both["step_ratio"] <= hi and len(both["step_ratio_by_order"]) == 2
     for name in ("pair_layers_dense-first", "pair_layers_sebp-first"):
         assert got["pairs"][name]["timed_steps"] == 35 == len(got["pairs"][name]["step_ratios"])

@@ -129,9 +129,15 @@ def test_finetune_with_cuda_graphs_and_compiled_layers_trains_as_the_eager_graph
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-4)
 
 
-def test_padding_auto_times_compiled_candidates_as_the_replays_the_run_takes(tmp_path):
+def test_padding_auto_times_compiled_candidates_as_the_replays_the_run_takes(tmp_path, monkeypatch):
     """--padding auto --cuda-graphs --compile default: every layout the graphs can take is timed compiled and
     replayed (dense and SEBP), and the run then trains that way on the layout chosen."""
+    from sebp_probe.train import strategy
+
+    replays = []
+    real = strategy.replay_ms
+    spy = lambda *a, **k: replays.append(a[1]["input_ids"].shape) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(strategy, "replay_ms", spy)
     data = synthetic_data("causal-lm", n=48, n_eval=8, prompt=0.5)
     load = lambda: LoadedModel(tiny_model("llama"), None, "causal-lm", "tiny", "config")  # noqa: E731
     torch._dynamo.reset()
@@ -145,9 +151,11 @@ def test_padding_auto_times_compiled_candidates_as_the_replays_the_run_takes(tmp
     timed = [r for r in summary["padding_choice"]["table"] if "skipped" not in r]
     assert timed and all(r["dense_compiled_ms"] > 0 and r["sebp_compiled_ms"] > 0 for r in timed)
     assert all("dense_ms" not in r for r in timed)  # --compile MODE: only compiled candidates
+    assert len(replays) >= 2 * len(timed)  # each timed layout's batches replayed, dense and SEBP
     recs = [r for r in map(json.loads, (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines())
             if r["type"] == "train"]
     assert len(recs) == 3 and all(r["graph_replays"] == 1 for r in recs)
+
 
 def test_graphs_built_mid_accumulation_keep_the_gradients_so_far():
     """A second shape's graphs, captured while .grad holds the first micro-batch's share, in the same memory

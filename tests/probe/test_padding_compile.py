@@ -117,6 +117,7 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    monkeypatch.setattr(strategy, "inductor_problem", lambda device: None)  # (imported by name there)
     two = {name: strategy.LAYOUTS[name] for name in ("longest", "packed")}  # two layouts, two batches each
     monkeypatch.setattr(strategy, "LAYOUTS", two)
     monkeypatch.setattr(strategy, "SAMPLE_BATCHES", 2)
@@ -155,6 +156,7 @@ def test_under_cuda_graphs_the_compiled_candidates_are_timed_as_replays_of_the_c
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    monkeypatch.setattr(strategy, "inductor_problem", lambda device: None)  # (imported by name there)
     fixed = {name: lay for name, lay in strategy.LAYOUTS.items() if lay.fixed_shapes}
     monkeypatch.setattr(strategy, "SAMPLE_BATCHES", 2)
     model = tiny_model("llama")
@@ -179,3 +181,42 @@ def test_under_cuda_graphs_the_compiled_candidates_are_timed_as_replays_of_the_c
         assert r["dense_compiled_ms"] == pytest.approx(1e-3 * slots, abs=1e-3)
         assert r["dense_compiled_compile_s"] > 0
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)  # undone after the timing
+
+
+def test_under_cuda_graphs_a_model_without_a_layer_stack_is_timed_as_the_eager_replays_it_runs(monkeypatch):
+    """A model whose layer stack sebp-probe does not know is replayed eagerly by a --cuda-graphs --compile run
+    (one note, :class:`~sebp_probe.train.loop.Run`), so ``auto`` times it that way: eager replays, nothing
+    compiled."""
+    monkeypatch.setattr(strategy, "compiles_whole", lambda model, scope: True)
+    monkeypatch.setattr(strategy, "inductor_problem", lambda device: None)
+    seen = []
+    monkeypatch.setattr(strategy, "_layout_ms", lambda *a, **k: seen.append(a[5]) or {"dense": 1.0})
+    monkeypatch.setattr(strategy, "_time_compiled", lambda *a, **k: pytest.fail("timed compiled"))
+    model = tiny_model("llama")
+    cfg = _cfg(method="dense", compile="default", cuda_graphs=True, max_steps=7, calib_batches=0)
+    choice = choose_padding(model, cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {}, torch.device("cpu"),
+                            graphs=True)
+    assert seen and all(seen) and not choice.compiled  # graphs=True on every layout timed
+
+
+
+@pytest.mark.parametrize("compile_mode,cuda_graphs,replays", [("reduce-overhead", False, False),
+                                                               ("default", False, False), ("default", True, True)])
+def test_only_cuda_graphs_time_compiled_candidates_as_replays(monkeypatch, compile_mode, cuda_graphs, replays):
+    """A compile mode that records CUDA graphs itself (``reduce-overhead``) is timed as its compiled calls,
+    which replay Inductor's own graphs; only ``--cuda-graphs`` replays the compiled layers as the step's
+    graphs."""
+    monkeypatch.setattr(strategy, "inductor_problem", lambda device: None)
+    got = []
+
+    def time_compiled(row, *a, **k):  # records ``replays``, times the row's compiled dense at 1 ms
+        got.append(a[-1])
+        row.update(dense_compiled_ms=1.0, dense_compiled_compile_s=0.0)
+
+    monkeypatch.setattr(strategy, "_time_compiled", time_compiled)
+    model = tiny_model("llama")
+    cfg = _cfg(method="dense", compile=compile_mode, cuda_graphs=cuda_graphs, max_steps=7, calib_batches=0)
+    graphs = cuda_graphs or compile_mode == "reduce-overhead"  # finetune's: --cuda-graphs or graphed_compile
+    choice = choose_padding(model, cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {}, torch.device("cpu"),
+                            graphs=graphs)
+    assert got and set(got) == {replays} and choice.compiled

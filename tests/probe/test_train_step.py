@@ -52,3 +52,16 @@ def test_a_step_another_process_compiled_in_is_untimed_on_every_process():
     assert _reduce([3.0, 0.0, 0.0, 1.0], 1.0, None) == (2.0, "new shape")
     assert _reduce([3.0, 0.0, 0.0, 0.0], 1.0, None) == (2.0, None)
     assert _reduce([3.0, 0.0, 1.0, 0.0], 1.0, "new shape") == (2.0, "graph capture")
+
+
+def test_one_process_reduces_nothing_and_keeps_its_own_reason():
+    class One:
+        num_processes = 1
+
+        def reduce(self, t, op):
+            assert op == "mean"
+            return t
+
+    from sebp_probe.train.loop import Run
+
+    assert Run._reduce_loss(SimpleNamespace(acc=One()), torch.tensor(2.5), "new shape") == (2.5, "new shape")
