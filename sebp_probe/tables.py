@@ -67,7 +67,7 @@ def padding_table(choice: dict):
     heads = any("head" in r for r in rows)  # the labelled-rows head timed against the full one
     compiled = any(k.endswith("_compiled_ms") or k == "compiled_skipped" for r in rows for k in r)
     eager = any(k in r for r in rows for k in ("dense_ms", "sebp_ms"))
-    title = "--padding auto: ms per batch (fwd+bwd)"
+    title = "--padding auto: ms per batch (fwd+bwd" + (", CUDA-graph replays)" if choice.get("replays") else ")")
     if compiled:
         title += f"; run s: the run's {choice.get('micro_batches')} micro-batches x ms + compile s"
     table = Table(title=title, box=box.SIMPLE_HEAD)

@@ -70,6 +70,7 @@ class PaddingChoice:
     compiled: bool = False
     best_compiled: dict[str, bool] = field(default_factory=dict)
     micro_batches: int | None = None
+    replays: bool = False  # the times are CUDA-graph replays of the step (--cuda-graphs), as the run steps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +79,7 @@ class PaddingChoice:
     def from_dict(cls, d: dict) -> "PaddingChoice":
         return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
                    dict(d.get("best_head") or {}), bool(d.get("compiled", False)), dict(d.get("best_compiled") or {}),
-                   d.get("micro_batches"))
+                   d.get("micro_batches"), bool(d.get("replays", False)))
 
 
 def whole_run_s(steady_ms: float, micro_batches: int, compile_s: float = 0.0) -> float:
@@ -226,6 +227,19 @@ def _why_not(model, cfg: FinetuneConfig, task: str, padding: str, graphs: bool) 
     return None
 
 
+def _timings(model, cfg: FinetuneConfig, device: torch.device, graphs: bool) -> tuple[str | None, bool]:
+    """(the compile mode to time candidates with, None: eager only; whether steps are timed as CUDA-graph
+    replays): as the run will train."""
+    mode = cfg.compile_mode
+    if mode and (cannot_compile(cfg.compile, device) if cfg.compile == COMPILE_AUTO  # then the line comes from here
+                 else inductor_problem(device) is not None):  # the run will say so
+        mode = None
+    replays = bool(graphs and cfg.cuda_graphs)  # the run replays its steps as CUDA graphs (not Inductor's own)
+    if mode and replays and compiles_whole(model, cfg.compile_scope):
+        mode = None  # no layer stack to compile: the run replays its step eagerly, as timed here
+    return mode, replays
+
+
 def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
                    device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
                    reps: int = 2, heads: tuple[str | None, ...] = (None,)) -> PaddingChoice:
@@ -241,12 +255,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     n_batches = -(-len(lens) // cfg.data.batch_size)
     micro = cfg.optimizer_steps(n_batches) * cfg.grad_accum
     methods = ("dense", "sebp") if candidates else ("dense",)
-    mode = cfg.compile_mode
-    if mode and (cannot_compile(cfg.compile, device) if cfg.compile == COMPILE_AUTO  # then the line comes from here
-                 else inductor_problem(device) is not None):  # the run will say so
-        mode = None
-    if mode and graphs and cfg.cuda_graphs and compiles_whole(model, cfg.compile_scope):
-        mode = None  # no layer stack to compile: the run replays its step eagerly, as timed here
+    mode, replays = _timings(model, cfg, device, graphs)
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
     table = []
     with torch.random.fork_rng(devices=rng_devices(device)):
@@ -276,16 +285,16 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                 unpatch = lambda: unpatch_model(model)  # noqa: E731
                 timed = methods if patch else ("dense",)
                 if eager:
-                    times = _layout_ms(model, batches, slots, device, autocast, graphs, reps, patch, unpatch)
+                    times = _layout_ms(model, batches, slots, device, autocast, replays, reps, patch, unpatch)
                     row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
                 if mode:
                     _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
-                                   timed, patch, unpatch, cfg.compile_scope, graphs and cfg.cuda_graphs)
+                                   timed, patch, unpatch, cfg.compile_scope, replays)
                 table.append(row)
         model.zero_grad(set_to_none=True)
     if mode:
         torch._dynamo.reset()  # the runs compile their own models afresh
-    return pick(table, methods, micro)
+    return replace(pick(table, methods, micro), replays=replays)
 
 
 def pick(table: list[dict], methods: tuple[str, ...], micro_batches: int) -> PaddingChoice:

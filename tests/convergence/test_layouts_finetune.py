@@ -177,7 +177,10 @@ def test_auto_table_shows_compiled_candidates_their_compile_seconds_and_run_cost
     console = Console(width=200, record=True)
     console.print(padding_table(choice))
     text = console.export_text()
-    assert "100000 micro-batches" in text
+    assert "100000 micro-batches" in text and "CUDA-graph replays" not in text
+    console = Console(width=200, record=True)
+    console.print(padding_table({**choice, "replays": True}))
+    assert "ms per batch (fwd+bwd, CUDA-graph replays)" in console.export_text()
     lines = {line.split()[0]: line.split() for line in text.splitlines() if line.strip()}
     assert lines["longest"][4:8] == ["5.0", "4.0", "60.0/75.5", "475.5"]  # 4 ms x 100000 / 1000 + 75.5
     assert lines["longest"][-3:] == ["chosen:", "SEBP", "compiled"]

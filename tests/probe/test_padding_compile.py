@@ -181,6 +181,7 @@ def test_under_cuda_graphs_the_compiled_candidates_are_timed_as_replays_of_the_c
         assert r["dense_compiled_ms"] == pytest.approx(1e-3 * slots, abs=1e-3)
         assert r["dense_compiled_compile_s"] > 0
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)  # undone after the timing
+    assert choice.replays and PaddingChoice.from_dict(choice.to_dict()).replays  # said in the table, stored
 
 
 def test_under_cuda_graphs_a_model_without_a_layer_stack_is_timed_as_the_eager_replays_it_runs(monkeypatch):
@@ -219,4 +220,16 @@ def test_only_cuda_graphs_time_compiled_candidates_as_replays(monkeypatch, compi
     graphs = cuda_graphs or compile_mode == "reduce-overhead"  # finetune's: --cuda-graphs or graphed_compile
     choice = choose_padding(model, cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {}, torch.device("cpu"),
                             graphs=graphs)
-    assert got and set(got) == {replays} and choice.compiled
+    assert got and set(got) == {replays} and choice.compiled and choice.replays == replays
+
+
+def test_a_graph_recording_mode_that_cannot_compile_is_timed_as_the_plain_eager_steps_it_runs(monkeypatch):
+    """``--compile reduce-overhead`` where Inductor cannot run: the run trains eagerly without CUDA graphs (the
+    graphs were Inductor's), so ``auto`` times plain eager steps, not graph replays."""
+    monkeypatch.setattr(strategy, "inductor_problem", lambda device: "no compiler here")
+    seen = []
+    monkeypatch.setattr(strategy, "_layout_ms", lambda *a, **k: seen.append(a[5]) or {"dense": 1.0})
+    cfg = _cfg(method="dense", compile="reduce-overhead", max_steps=7, calib_batches=0)
+    choice = choose_padding(tiny_model("llama"), cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {},
+                            torch.device("cpu"), graphs=True)
+    assert seen and not any(seen) and not choice.replays and not choice.compiled
