@@ -215,7 +215,7 @@ def torchrun_failure(stderr: str, returncode: int | None, timeout: float | None 
     own = []
     for r in failed:
         mine = [x for x in lines if x.startswith((f"[default{r}]:", f"[rank{r}]:"))]
-        own += [f"-- rank {r}'s last lines of stderr:"] + mine[-25:] if mine else []
+        own += [f"-- rank {r}'s last lines of stderr:"] + mine[-60:] if mine else []
     return "\n".join([head, *summary[-12:], *(own or lines[-40:])])
 
 
@@ -249,7 +249,8 @@ def run_torchrun(args: list[str], timeout: float, env: dict | None = None, **pop
     """``python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS`` through this interpreter (the venv's
     torchrun script need not be on PATH, as under CI); (stdout, stderr), each rank's stderr teed into stderr with
     its ``[defaultN]:`` prefix (stdout as the ranks wrote it). A failure fails the test with
-    :func:`torchrun_failure`'s message: the failed ranks and their own last lines. A hang: at ``timeout`` the
+    :func:`torchrun_failure`'s message: the failed ranks and their own last lines (a rank killed by a signal
+    first prints its threads' Python stacks: ``PYTHONFAULTHANDLER``). A hang: at ``timeout`` the
     ranks still running are noted, torchrun and its workers killed (each worker has a session of its own, so
     they are found by a tag in their environment), and the test fails naming those ranks."""
     import os
@@ -262,7 +263,9 @@ def run_torchrun(args: list[str], timeout: float, env: dict | None = None, **pop
     import pytest
 
     tag = uuid.uuid4().hex
-    env = {**(os.environ if env is None else env), _RUN_TAG: tag}
+    # PYTHONFAULTHANDLER: a rank killed by a signal (an abort in C++: "terminate called without an active
+    # exception", twice in fresh-clone CI) prints every thread's Python stack first, into its teed stderr
+    env = {"PYTHONFAULTHANDLER": "1", **(os.environ if env is None else env), _RUN_TAG: tag}
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
         p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                               "--tee", "2", "--log-dir", logs, *args], stdout=subprocess.PIPE,

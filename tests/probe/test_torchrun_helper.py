@@ -1,5 +1,6 @@
 """tests.helpers.run_torchrun, which every multi-process test uses: a failing rank's own stderr in the
-assertion, and a hang named by the rank still running when the timeout stops it."""
+assertion (with its Python stack where a signal killed it), and a hang named by the rank still running when the
+timeout stops it."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,8 @@ def test_a_failing_rank_is_named_with_its_own_stderr(tmp_path):
     assert msg.startswith("torchrun exited 1; failed rank(s): 1"), msg
     assert "-- rank 1's last lines of stderr:" in msg and "[default1]:rank 1 gives up here" in msg, msg
     assert "SIGABRT" in msg, msg
+    # where in Python it was when it died (faulthandler): the worker's line that aborted
+    assert "Fatal Python error: Aborted" in msg and 'worker.py", line 7' in msg, msg
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the running ranks are read from /proc")
