@@ -1,14 +1,14 @@
 """Gather benchmarks/fsdp_sft_session.sh's archives into one JSON for the docs.
 
 Per pair (compiled dense-first, compiled SEBP-first, eager dense-first) and run: the median backward and step
-milliseconds over the steps after the third that no run of the comparison compiled in. The loop's own
-``untimed`` flags leave out every step of a new batch shape, and under ``longest`` padding nearly every SFT
-batch has one, so its summary times none. "Compiled in" is on any process for the pairs by layers, which ran
-after the loop began to agree its flags across processes; in the earlier pairs a step in which only the other
-process recompiled, and held this one up for its whole compile, was flagged a new shape and counts here.
-Also per run: rank 0's peak memory, the held-out loss and the projections on SEBP; per pair, the median over
-those steps of dense's time over SEBP's on the same step (the same batch). Runs are also compared by their
-place in the process (the same batches at the same place, one pair's dense against the other's SEBP): while sdpa used cuDNN's attention (``--before``), the second run
+milliseconds over the steps after the third that no run of the comparison compiled in. The loop's own ``untimed``
+flags leave out every step of a new batch shape, and under ``longest`` padding nearly every SFT batch has one, so
+its summary times none. "Compiled in" is on any process for the pairs by layers, which ran after the loop began to
+agree its flags across processes; in the earlier pairs a step in which only the other process recompiled, and held
+this one up for its whole compile, was flagged a new shape and counts here. Also per run: rank 0's peak memory, the
+held-out loss and the projections on SEBP; per pair, the median over those steps of dense's time over SEBP's on the
+same step (the same batch). Runs are also compared by their place in the process (the same batches at the same
+place, one pair's dense against the other's SEBP): while sdpa used cuDNN's attention (``--before``), the second run
 of a ``--compare`` under FSDP2 stepped faster than the first whichever method it was. Also: the resume after a
 SIGTERM against the run uninterrupted, FSDP1, and a resume by another number of processes.
 

@@ -64,9 +64,9 @@ def summarize(prof, wall_ms: float, steps: int) -> str:
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     comm = _merged([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
     comp = _merged([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
-    us = 1e3 * wall_ms
+    busy = _length(comp)
     lines = [f"profiled steps: {steps}, wall {wall_ms / steps:.1f} ms a step",
-             f"compute kernels busy: {_length(comp) / 1e3 / steps:.1f} ms a step ({_length(comp) / us:.0%} of the wall)",
+             f"compute kernels busy: {busy / 1e3 / steps:.1f} ms a step ({busy / (1e3 * wall_ms):.0%} of the wall)",
              f"collectives busy: {_length(comm) / 1e3 / steps:.1f} ms a step; not under compute: "
              f"{_uncovered(comm, comp) / 1e3 / steps:.1f} ms a step",
              "", prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)]

@@ -7,8 +7,8 @@ dynamic=True)`` once per entry, after
 on-disk cache stays: an entry whose graph an earlier entry compiled, the same model on another padded layout,
 say, finds it there, as a second run of a user's job would), with torch.compile's own options for ``mode``: what
 a user's compile gets (``finetune``'s layers leave out one Inductor fusion whose size guards recompiled them
-under dynamic shapes, :func:`~sebp_probe.train.compiling.dynamic_options`). ``dynamic=True`` makes the batch and sequence
-sizes symbols from the first call on, so a layout's later batches (padded to another length, or packed into
+under dynamic shapes, :func:`~sebp_probe.train.compiling.dynamic_options`). ``dynamic=True`` makes the batch and
+sequence sizes symbols from the first call on, so a layout's later batches (padded to another length, or packed into
 another token count) reuse the graphs (but for Dynamo's 0/1 specialization: a size that is 1 in the first batch
 and more in a later one recompiles once, as the rows of packed batches run under a mask can; varlen-packed
 batches are always one row): ``recompiles`` counts the graphs Dynamo compiled after the entry's

@@ -189,8 +189,8 @@ def dynamic_options(mode: str | None) -> dict:
     and over columns in one kernel) is decided by guards on the batch's row count (at least 4096 rows, at least
     5 Mi elements), so a layer compiled with dynamic shapes was compiled again whenever a batch crossed one:
     three times in a run of a Llama-1B shape on SFT batches with ``longest`` padding under FSDP2 (once on
-    one process, twice on the other), and a process waited 15-41 s for the other's compile (``TORCH_LOGS=recompiles`` in results/fsdp_sft_h100/raw/pairs_layers.tgz).
-    Off, a norm's backward takes two reductions at every batch size, as it did below those sizes; what that
+    one process, twice on the other), and a process waited 15-41 s for the other's compile
+    (``TORCH_LOGS=recompiles`` in results/fsdp_sft_h100/raw/pairs_layers.tgz). Off, a norm's backward takes two reductions at every batch size, as it did below those sizes; what that
     costs a step on large batches is not measured yet."""
     from torch._inductor import config, list_mode_options
 

@@ -116,6 +116,13 @@ def _timed_pass(model, batch: dict, device: torch.device, autocast, loss_fn: Cal
     return (time.perf_counter() - t0) * 1e3
 
 
+def _replayed_ms(model, batch: dict, reps: int, autocast) -> float:
+    """Milliseconds of one step on ``batch`` as a ``--cuda-graphs`` run takes it: the median forward plus backward
+    of ``reps`` replays of the step captured as CUDA graphs, after one untimed replay (a causal LM without its
+    KV cache, as it trains)."""
+    return sum(replay_ms(model, batch, reps, autocast, skip=1, call_kwargs=no_cache(model)))
+
+
 @contextlib.contextmanager
 def _as(method: str, patch: Callable[[], None] | None, unpatch: Callable[[], None] | None):
     """Within the block the model is ``method``'s: dense as it is, SEBP patched (and unpatched after)."""
@@ -143,8 +150,7 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
         if graphs:
             for method in methods:
                 with _as(method, patch, unpatch):
-                    times[method].append(sum(replay_ms(model, b, reps, autocast, skip=1,
-                                                       call_kwargs=no_cache(model))))
+                    times[method].append(_replayed_ms(model, b, reps, autocast))
         else:
             for i in range(reps + 1):  # the first round is the warm-up
                 for method in methods:
@@ -177,7 +183,7 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
     try:
         for b in batches:
             first = _timed_pass(model, b, device, autocast, step)
-            ms = (sum(replay_ms(model, b, reps, autocast, skip=1, call_kwargs=no_cache(model))) if replays
+            ms = (_replayed_ms(model, b, reps, autocast) if replays
                   else statistics.median(_timed_pass(model, b, device, autocast, step) for _ in range(reps)))
             if fallback.why is not None:
                 return f"did not compile: {fallback.why}"

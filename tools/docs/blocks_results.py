@@ -485,7 +485,8 @@ def fsdp_sft_h100(page: Page) -> str:
     both = "; ".join(f"{k}: step {times(v['step_ratio'])} ({times(min(v['step_ratio_by_order']))}-"
                      f"{times(max(v['step_ratio_by_order']))} by order; over steps alone the median's 95% bootstrap "
                      f"interval is {times(v['step_ratio_ci95_over_steps'][0])}-"
-                     f"{times(v['step_ratio_ci95_over_steps'][1])}), backward {times(v['backward_ratio'])} ({v['steps']} "
+                     f"{times(v['step_ratio_ci95_over_steps'][1])}), backward {times(v['backward_ratio'])} "
+                     f"({v['steps']} "
                      f"steps), SEBP's peak memory at most {v['peak_mem_ratio_max']:.4f} of dense's"
                      for k, v in d["both_orders"].items())
     dates = ", ".join(sorted({p["date"][:10] for p in d["pairs"].values()}))
