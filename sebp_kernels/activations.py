@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import registry, zero_rows
-from .library import backward_op
+from .library import plain_op
 from .registry import as_dtype, graph_key, if_wanted, name_module, op_keys, placeholder
 from .reference import records_grad, refuse_missing_triton
 
@@ -238,7 +238,7 @@ def _act_backward_fake(kind, dh, a, b, bad, need_a, need_b, backend, hint_t, hin
             a.new_empty(a.shape) if need_b else placeholder(dh))
 
 
-act_backward = backward_op(_act_backward, _act_backward_fake)
+act_backward = plain_op(_act_backward, _act_backward_fake)
 
 
 def _act_setup(ctx, inputs, output):

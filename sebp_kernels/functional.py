@@ -24,8 +24,9 @@ from torch import Tensor
 from . import registry, zero_rows
 from .config import SEBPConfig
 from .density import RowDensity
-from .library import backward_op
-from .pad_rows import bind_traced
+from .forward_rows import linear_maybe_over_rows
+from .library import plain_op
+from .pad_rows import bind_traced, forward_rows_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
@@ -56,14 +57,14 @@ def resolve_backend(config: SEBPConfig, device: torch.device):
 
 class SEBPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, config, state=None, hint=None):
+    def forward(ctx, x, weight, bias, config, state=None, hint=None, rows=None):
         ctx.config = config
         ctx.state = state
         ctx.hint = hint
         ctx.x_shape = x.shape
         need_dw = ctx.needs_input_grad[1]
         ctx.save_for_backward(x if need_dw else None, weight)
-        return F.linear(x, weight, bias)
+        return linear_maybe_over_rows(x, weight, bias, rows)  # rows: the real-token rows alone (.forward_rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -71,12 +72,12 @@ class SEBPLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         if not (need_dx or need_dw or need_db):
-            return None, None, None, None, None, None
+            return (None,) * 7
         dx, dw, db = linear_grads(dy, x, weight, ctx.config, need_dx, need_dw, need_db, ctx.state, ctx.hint,
                                   pool=True)
         if dx is not None:
             dx = dx.view(ctx.x_shape)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, hint=None, pool=False):
@@ -127,14 +128,35 @@ def _linear_backward_fake(dy, x, weight, need_dx, need_dw, need_db, key, op_key,
             dy.new_empty(weight.shape[0]) if need_db else placeholder(dy))
 
 
-linear_backward = backward_op(_linear_backward, _linear_backward_fake)
+linear_backward = plain_op(_linear_backward, _linear_backward_fake)
+
+
+def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: Optional[Tensor], op_key: int,
+                    pad_perm: Tensor, pad_count: Tensor, pad_real: Tensor) -> Tensor:
+    """The forward of the SEBP linear registered under ``key`` (else ``op_key``) whose layer passed on its
+    batch's padding rows: over the real-token rows alone where that module's :class:`~.pad_rows.PadRows` says so
+    when this runs (:func:`~.pad_rows.forward_rows_traced`), else ``F.linear``."""
+    obj = registry.lookup(key if key is not None else op_key)
+    rows = forward_rows_traced(getattr(obj, "_sebp_pad_rows", None), x.shape, pad_perm, pad_count, pad_real)
+    return linear_maybe_over_rows(x, weight, bias, rows)
+
+
+def _linear_forward_fake(x, weight, bias, key, op_key, pad_perm, pad_count, pad_real):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+linear_forward = plain_op(_linear_forward, _linear_forward_fake)
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` traced into the graph; its backward is the opaque :func:`linear_backward`."""
+    """``F.linear`` traced into the graph (or, given its layer's padding rows, the opaque
+    :func:`linear_forward`, which may compute the real-token rows alone); its backward is the opaque
+    :func:`linear_backward`."""
 
     @staticmethod
     def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real):
+        if pad_perm is not None:
+            return linear_forward(x, weight, bias, key, op_key, pad_perm, pad_count, pad_real)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -172,6 +194,7 @@ def sebp_linear(
     hint=None,
     _key: int | torch.Tensor | None = None,
     _pad: tuple | None = None,
+    _rows: tuple | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
@@ -186,7 +209,9 @@ def sebp_linear(
     then runs :func:`traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
     operator ``sebp::linear_backward`` (:mod:`.library`), which reads that layer's settings, state and hint.
     ``_pad``: that layer's padding rows of this forward inside ``torch.compile`` (graph inputs; eagerly they
-    come as the hint, :meth:`~.pad_rows.PadRows.bind`).
+    come as the hint, :meth:`~.pad_rows.PadRows.bind`). ``_rows``: eagerly, the (perm, count) of the real-token
+    rows the forward computes alone (:meth:`~.pad_rows.PadRows.forward_rows`; compiled, the forward reads them
+    from ``_pad`` when it runs).
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
@@ -201,15 +226,15 @@ def sebp_linear(
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return _apply(x, weight, bias, config, state, hint, _key, _pad)
-    return _apply(x, weight, bias, config, state, hint, _key, _pad)
+            return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows)
+    return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows)
 
 
-def _apply(x, weight, bias, config, state, hint, key, pad=None):
+def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None):
     if torch.compiler.is_compiling():
         if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
             return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad)
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
             return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key)
-    return SEBPLinearFunction.apply(x, weight, bias, config, state, hint)
+    return SEBPLinearFunction.apply(x, weight, bias, config, state, hint, rows)

@@ -1,4 +1,5 @@
-"""The ``sebp::`` backward operators of the compiled path, defined with torch.library's low-level API.
+"""The ``sebp::`` operators of the compiled path without a derivative of their own, defined with torch.library's
+low-level API.
 
 Inside ``torch.compile`` each SEBP layer's backward is one operator (see :mod:`.registry`), which the compiled
 backward calls once per layer and step: about 105 times a step for a Llama-3.2-1B. ``torch.library.custom_op``
@@ -9,12 +10,14 @@ SEBP linears spent 108 us more host time per layer and step than the same stack 
 here (``benchmarks/op_overhead.py``, results/op_overhead_h100/).
 
 The backward operators need none of those layers: they run inside a backward, where autograd records nothing,
-return new tensors, and have no derivative of their own. :func:`backward_op` defines one as the dispatcher's
+return new tensors, and have no derivative of their own. :func:`plain_op` defines one as the dispatcher's
 kernel for every backend (``CompositeExplicitAutograd``: the dispatcher calls the Python function directly) with
 its fake (shape-only) implementation, which Dynamo, AOTAutograd and Inductor trace with. Without an autograd
 kernel, a call that autograd would record (a backward with ``create_graph=True``) would only warn, so the
-kernel refuses it, as the eager Functions (``once_differentiable``) do. The forward operators
-with a derivative (``sebp::act``, ``sebp::linear_ce``) stay ``custom_op``s with ``register_autograd``.
+kernel refuses it, as the eager Functions (``once_differentiable``) do. ``sebp::linear_forward`` (the forward
+over real-token rows) is one too: it runs inside the forward of the autograd Function whose backward is
+``sebp::linear_backward``, where autograd records nothing either. The forward operators with a derivative
+(``sebp::act``, ``sebp::linear_ce``) stay ``custom_op``s with ``register_autograd``.
 
 This module imports none of the modules that use it.
 """
@@ -27,7 +30,7 @@ import torch
 _LIB = torch.library.Library("sebp", "FRAGMENT")  # noqa: TOR901 - the low-level API, on purpose (see above)
 
 
-def backward_op(fn: Callable, fake: Callable) -> torch._ops.OpOverload:
+def plain_op(fn: Callable, fake: Callable) -> torch._ops.OpOverload:
     """Define ``sebp::<name>`` (``fn``'s name without leading underscores) from ``fn``'s annotated signature
     (as ``custom_op`` infers it; no argument is mutated), with ``fn`` as its kernel for every device and
     ``fake`` as its shape-only implementation; returns the operator (``torch.ops.sebp.<name>.default``)."""

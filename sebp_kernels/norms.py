@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import registry, zero_rows
 from .config import SEBPConfig
 from .modules import _take_over
-from .library import backward_op
+from .library import plain_op
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import norm_backward_torch, records_grad, refuse_missing_triton, unit_col_stride
 
@@ -136,7 +136,7 @@ def _norm_backward_fake(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, n,
             dy.new_empty(n, dtype=wdt) if need_db else placeholder(dy))
 
 
-norm_backward = backward_op(_norm_backward, _norm_backward_fake)
+norm_backward = plain_op(_norm_backward, _norm_backward_fake)
 
 
 class _LayerNorm(torch.autograd.Function):

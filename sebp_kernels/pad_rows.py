@@ -32,11 +32,14 @@ is traced (the whole model compiled) it names no rows.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 
 CHECKING, ON, OFF = "checking", "on", "off"
+# SEBP_FORWARD_ROWS=0 keeps every forward over all rows (to compare; see sebp_kernels.forward_rows)
+FORWARD_ROWS = os.environ.get("SEBP_FORWARD_ROWS", "1") != "0"
 # A linear whose dY had at most this share of the real-token rows non-zero while checked selects its own rows.
 OWN_BELOW = 0.5
 
@@ -95,6 +98,15 @@ class PadRows:
                 or getattr(owner, "sebp_own_rows", False)):
             return hint
         return _Bound(self, hint, self.rows, owner)
+
+    def forward_rows(self, x_shape: tuple):
+        """(perm, count) of the real-token rows an SEBP linear's forward computes alone
+        (:mod:`~sebp_kernels.forward_rows`), or None (every row): only once the check found no gradient on the
+        padding (``on``), and only where the input ``x_shape`` is the batch's tokens, as :meth:`bind` decides
+        (a linear that selects its own backward rows takes them too)."""
+        if not FORWARD_ROWS or self.state != ON or self.rows is None or tuple(x_shape[:-1]) != self.shape:
+            return None
+        return self.rows[:2]
 
     def verdict(self) -> str | None:
         """``on`` or ``off`` once the check is decided, deciding it now where backwards were checked since (one
@@ -167,6 +179,15 @@ def bind_traced(pad: PadRows | None, hint, dy_shape: tuple, perm, count, real, o
             or getattr(owner, "sebp_own_rows", False)):
         return hint
     return _Bound(pad, hint, (perm, count, real.reshape(-1)), owner)
+
+
+def forward_rows_traced(pad: PadRows | None, x_shape: tuple, perm, count, real):
+    """(perm, count) for the forward of a compiled SEBP linear whose layer passed on the rows of its batch
+    (:meth:`PadRows.traced`), read when the forward runs, as :meth:`PadRows.forward_rows` decides eagerly; or
+    None."""
+    if not FORWARD_ROWS or pad is None or pad.state != ON or tuple(x_shape[:-1]) != tuple(real.shape):
+        return None
+    return perm, count
 
 
 def _capturing(device: torch.device) -> bool:

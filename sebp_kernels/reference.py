@@ -153,3 +153,12 @@ def norm_backward_torch(
     if need_db:
         db = d.sum(0).to(weight.dtype if weight is not None else dy.dtype)
     return dx, dw, db
+
+
+def linear_rows_torch(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """2-D ``x`` (M, in) @ ``weight``ᵀ on rows ``perm[:count]``, zeros on the others: the oracle of the Triton
+    forward over rows (reads the count on the host)."""
+    rows = perm[: int(count.reshape(-1)[0])].long()
+    y = x.new_zeros((x.shape[0], weight.shape[0]))
+    y[rows] = x[rows] @ weight.t()
+    return y

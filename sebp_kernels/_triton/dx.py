@@ -216,13 +216,15 @@ def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: b
 
 
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
-            interpret: bool = False, ieee: bool = True, n_sm: int = 1, busy: int = 0) -> torch.Tensor:
+            interpret: bool = False, ieee: bool = True, n_sm: int = 1, busy: int = 0, level: int = 0,
+            small: bool = False) -> torch.Tensor:
     """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows (K splits when the
-    active tiles cannot fill the ``n_sm - busy`` free SMs)."""
+    active tiles cannot fill the ``n_sm - busy`` free SMs). ``level``, ``small``: the tile setting
+    (:func:`~.tuning.gemm_config`). ``weight`` may be a transposed view (the forward over rows passes Wᵀ)."""
     m, k_dim = dy.shape
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
-    cfg = gemm_config("dx", dy.dtype, interpret)
+    cfg = gemm_config("dx", dy.dtype, interpret, level, small)
     programs, extra, fill, min_k, part_tiles = dx_split_args(m, n, k_dim, cfg, n_sm, interpret, busy)
     part = (torch.empty(part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=dy.device)
             if part_tiles else dx)

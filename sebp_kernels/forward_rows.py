@@ -1,0 +1,57 @@
+"""The forward of an SEBP linear over the real-token rows of a padded batch.
+
+Where :mod:`.pad_rows` has checked that the padding rows of a batch carry no gradient into any SEBP linear
+(its verdict ``on``), nothing the loss reads depends on what those rows of a linear's output hold: attention
+masks them out as keys, and their own outputs reach no loss. The forward then computes the real-token rows only
+and writes zeros (plus the bias) to the padding rows, instead of a GEMM over every row: on a ``longest`` batch
+half of whose rows are padding, about half the forward GEMM work. The real rows get the same values as
+``F.linear`` up to summation order (another GEMM kernel), the padding rows other values that nothing reads.
+
+On the GPU (or the Triton interpreter) it is one launch of the dX kernel (:mod:`._triton.fwd`) with the row
+count on the device, so a CUDA graph replays it for any batch of the captured shape; elsewhere the torch
+reference runs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .reference import linear_rows_torch, unit_col_stride
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_parts():
+    """(supported, the launcher, ieee, SM count, interpreting), or None without triton (looked up once)."""
+    try:
+        from ._triton.backward import INTERPRET, _ieee, supported
+        from ._triton.fwd import linear_rows_triton
+        from ._triton.select import _sm_count
+    except ImportError:
+        return None
+    return supported, linear_rows_triton, _ieee, _sm_count, INTERPRET
+
+
+def linear_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, perm: Tensor, count: Tensor) -> Tensor:
+    """``F.linear(x, weight, bias)`` on the rows ``perm[:count]`` of ``x`` (leading dimensions flattened); the
+    other rows hold the bias (zeros without one)."""
+    x2 = unit_col_stride(x.reshape(-1, x.shape[-1]))
+    parts = _triton_parts()
+    # the kernel reads Wᵀ as a strided view, its column offsets (32-bit) up to W's size
+    if parts is not None and parts[0](x2, None, weight) and weight.stride(1) == 1 and weight.numel() < 2**31:
+        supported, launch, ieee, sm_count, interpret = parts
+        y = launch(x2, weight, perm, count, ieee(x2.dtype), 1 if interpret else sm_count(x2.device), interpret)
+    else:
+        y = linear_rows_torch(x2, weight, perm, count)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_maybe_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, rows) -> Tensor:
+    """:func:`linear_over_rows` where ``rows`` (perm, count) names the real-token rows, else ``F.linear``."""
+    if rows is None:
+        return F.linear(x, weight, bias)
+    return linear_over_rows(x, weight, bias, *rows)

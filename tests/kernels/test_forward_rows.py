@@ -1,0 +1,120 @@
+"""The forward of an SEBP linear over the real-token rows (sebp_kernels.forward_rows) against F.linear.
+
+The torch reference runs on the CPU directly; the Triton launch (the dX kernel fed X and Wᵀ) runs under the
+interpreter in a subprocess, and on a GPU where there is one. The whole path in a model (eager and each layer
+compiled, after the padding rows' check) is tested against dense in test_pad_rows.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sebp_kernels.forward_rows import linear_maybe_over_rows, linear_over_rows
+from sebp_kernels.pad_rows import ON, PadRows, forward_rows_traced
+from sebp_kernels.reference import linear_rows_torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _rows(mask: torch.Tensor, device="cpu"):
+    """(perm, count) of a (batch, seq) mask's real rows, as PadRows forms them."""
+    pad = PadRows()
+    pad.set(mask.to(device))
+    return pad.rows[0], pad.rows[1]
+
+
+def _case(device, dtype, m_batch=3, seq=11, n_in=19, n_out=23, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, seq + 1, (m_batch,), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    x = torch.randn(m_batch, seq, n_in, generator=g).to(device, dtype)
+    w = torch.randn(n_out, n_in, generator=g).to(device, dtype)
+    b = torch.randn(n_out, generator=g).to(device, dtype) if bias else None
+    return x, w, b, mask.to(device)
+
+
+def _check(device, dtype, atol, rtol, **shape):
+    x, w, b, mask = _case(device, dtype, **shape)
+    perm, count = _rows(mask, device)
+    got = linear_over_rows(x, w, b, perm, count)
+    want = F.linear(x, w, b)
+    real = mask.bool()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got[real], want[real], atol=atol, rtol=rtol)
+    pad_value = b if b is not None else torch.zeros(w.shape[0], dtype=dtype, device=device)
+    assert torch.equal(got[~real], pad_value.expand_as(got[~real]))  # the padding rows: the bias alone
+
+
+def test_reference_computes_the_real_rows_and_zeros_the_rest():
+    x = torch.randn(6, 4)
+    w = torch.randn(3, 4)
+    perm, count = torch.tensor([0, 2, 5, 1, 3, 4], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    y = linear_rows_torch(x, w, perm, count)
+    torch.testing.assert_close(y[[0, 2, 5]], x[[0, 2, 5]] @ w.t())
+    assert not y[[1, 3, 4]].any()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_path_matches_f_linear_on_the_real_rows(bias):
+    """Without triton for these tensors (the CPU outside the interpreter) the torch reference runs."""
+    _check("cpu", torch.float32, 1e-5, 1e-5, bias=bias)
+
+
+def test_no_rows_is_f_linear_itself():
+    x, w, b, _ = _case("cpu", torch.float32)
+    assert torch.equal(linear_maybe_over_rows(x, w, b, None), F.linear(x, w, b))
+
+
+def test_rows_only_once_checked_and_only_for_the_batch_tokens():
+    """PadRows hands the forward its rows only with the verdict "on", and only to an input of the batch's
+    (batch, seq); compiled, the same from the flags the layer passed on."""
+    pad = PadRows()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    pad.set(mask)
+    assert pad.forward_rows((2, 3, 8)) is None  # still checking
+    perm, count, real = pad.traced()
+    assert forward_rows_traced(pad, (2, 3, 8), perm, count, real) is None
+    pad.state = ON
+    got = pad.forward_rows((2, 3, 8))
+    assert got[1].tolist() == [3] and got[0] is pad.rows[0]
+    assert pad.forward_rows((6, 8)) is None and pad.forward_rows((3, 2, 8)) is None  # other leading dims
+    assert forward_rows_traced(pad, (2, 3, 8), perm, count, real)[1].tolist() == [3]
+    assert forward_rows_traced(pad, (6, 8), perm, count, real) is None
+    assert forward_rows_traced(None, (2, 3, 8), perm, count, real) is None
+    pad.clear()
+    assert pad.forward_rows((2, 3, 8)) is None
+
+
+if not INTERPRET:
+
+    @pytest.mark.slow
+    def test_interpreter_suite():
+        from tests.helpers import run_file_under_interpreter
+
+        run_file_under_interpreter(__file__)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    @pytest.mark.parametrize("shape", [dict(m_batch=8, seq=300, n_in=2048, n_out=512),
+                                       dict(m_batch=4, seq=129, n_in=768, n_out=3072),
+                                       dict(m_batch=2, seq=70, n_in=64, n_out=130)])
+    def test_gpu_triton_matches_f_linear_on_the_real_rows(dtype, shape):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (2e-4, 1e-4)
+        _check("cuda", dtype, atol, rtol, **shape)
+
+else:
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("shape", [dict(), dict(m_batch=2, seq=40, n_in=33, n_out=17),
+                                       dict(m_batch=1, seq=5, n_in=8, n_out=3, bias=False)])
+    def test_interp_triton_matches_f_linear_on_the_real_rows(dtype, shape):
+        from sebp_kernels import forward_rows
+
+        assert forward_rows._triton_parts() is not None  # the Triton launch, not the reference
+        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3)
+        _check("cpu", dtype, atol, rtol, **shape)
