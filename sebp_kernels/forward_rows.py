@@ -10,6 +10,15 @@ half of whose rows are padding, about half the forward GEMM work. The real rows 
 On the GPU (or the Triton interpreter) it is one launch of the dX kernel (:mod:`._triton.fwd`) with the row
 count on the device, so a CUDA graph replays it for any batch of the captured shape; elsewhere the torch
 reference runs.
+
+It pays only where the work it skips outweighs what the kernel gives away to cuBLAS. On an H100 (bf16,
+``benchmarks/fwd_rows_probe.py``, results/fwd_rows_h100/fwd_rows_probe.json) it was 1.2-1.9x faster than
+``F.linear`` at half the rows real for Llama-3.2-1B and Qwen2.5-0.5B projections over 8192 rows, but for
+Qwen's 896->128 k/v; 5-15% slower with every row real; and slower at every density for BERT-base's
+projections over 2112 rows (a `longest` batch of short sentences: 14 us or more a launch where cuBLAS takes
+6-18 us). :func:`pays` draws the line from those rows: at least :data:`MIN_ROWS` rows and at least
+:data:`MIN_SKIPPED` multiply-adds skipped at the batch's share of real rows (the last one read back, see
+:class:`~.pad_rows.PadRows`; a half where none was read yet).
 """
 from __future__ import annotations
 
@@ -50,8 +59,20 @@ def linear_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, perm: Tenso
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+MIN_ROWS = 4096
+MIN_SKIPPED = 3e9  # multiply-adds: ~10 us of an H100's bf16 GEMM throughput
+
+
+def pays(rows: int, in_features: int, out_features: int, density: float | None) -> bool:
+    """Whether the forward over the real rows is expected to beat ``F.linear`` on ``rows`` rows of which the
+    share ``density`` is real (None: not known yet, taken as a half); see the module docstring."""
+    real = 0.5 if density is None else density
+    return rows >= MIN_ROWS and rows * in_features * out_features * (1.0 - real) > MIN_SKIPPED
+
+
 def linear_maybe_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, rows) -> Tensor:
-    """:func:`linear_over_rows` where ``rows`` (perm, count) names the real-token rows, else ``F.linear``."""
-    if rows is None:
+    """:func:`linear_over_rows` where ``rows`` (perm, count, a recent real-row share or None) names the
+    real-token rows and that :func:`pays`, else ``F.linear``."""
+    if rows is None or not pays(x.numel() // x.shape[-1], weight.shape[1], weight.shape[0], rows[2]):
         return F.linear(x, weight, bias)
-    return linear_over_rows(x, weight, bias, *rows)
+    return linear_over_rows(x, weight, bias, rows[0], rows[1])

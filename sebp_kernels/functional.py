@@ -136,8 +136,8 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: Opti
     """The forward of the SEBP linear registered under ``key`` (else ``op_key``) whose layer passed on its
     batch's padding rows: over the real-token rows alone where that module's :class:`~.pad_rows.PadRows` says so
     when this runs (:func:`~.pad_rows.forward_rows_traced`), else ``F.linear``."""
-    obj = registry.lookup(key if key is not None else op_key)
-    rows = forward_rows_traced(getattr(obj, "_sebp_pad_rows", None), x.shape, pad_perm, pad_count, pad_real)
+    pad = getattr(registry.lookup(key if key is not None else op_key), "_sebp_pad_rows", None)
+    rows = forward_rows_traced(pad, x.shape, pad_perm, pad_count, pad_real)
     return linear_maybe_over_rows(x, weight, bias, rows)
 
 
@@ -210,7 +210,8 @@ def sebp_linear(
     operator ``sebp::linear_backward`` (:mod:`.library`), which reads that layer's settings, state and hint.
     ``_pad``: that layer's padding rows of this forward inside ``torch.compile`` (graph inputs; eagerly they
     come as the hint, :meth:`~.pad_rows.PadRows.bind`). ``_rows``: eagerly, the (perm, count) of the real-token
-    rows the forward computes alone (:meth:`~.pad_rows.PadRows.forward_rows`; compiled, the forward reads them
+    rows the forward computes alone where that pays, and a recent share of real rows
+    (:meth:`~.pad_rows.PadRows.forward_rows`; compiled, the forward reads them
     from ``_pad`` when it runs).
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by

@@ -59,7 +59,13 @@ class PadRows:
         self.violations = None  # device counter of non-zero padding rows seen while checking
         self.checked = 0  # backwards checked since the counter was last read
         self.taken = 0
+        self.density = None  # the share of real rows of a recent batch (read without a sync), None before one
+        self._host = self._event = None
+        self._host_n = 0
         self._layers = {}  # id(linear) -> [linear, non-zero rows, real rows] (device counters) while checking
+
+    def __getstate__(self):  # a copy (deepcopy of a model, pickle) leaves the read in flight behind
+        return {**vars(self), "_host": None, "_event": None}
 
     def set(self, mask: torch.Tensor) -> None:
         """The rows of a batch whose (batch, seq) attention mask is ``mask`` (non-zero = a real token). Only a
@@ -77,6 +83,25 @@ class PadRows:
         perm = torch.sort((~flat).to(torch.uint8), stable=True).indices.to(torch.int32)
         self.rows = (perm, flat.sum(dtype=torch.int32).reshape(1), flat)
         self.real, self.shape = real, tuple(mask.shape)
+        self._read_density(self.rows[1], flat.numel())
+
+    def _read_density(self, count: torch.Tensor, n: int) -> None:
+        """The share of real rows, for the forward's choice (:func:`~sebp_kernels.forward_rows.pays`) without a
+        host sync: copied to pinned memory as it is set, read at a later set once that copy is done (so the
+        share is a batch or more stale). On the CPU it is read at once; during a CUDA-graph capture nothing."""
+        if count.device.type != "cuda":
+            self.density = int(count[0]) / n
+            return
+        if _capturing(count.device):
+            return
+        if self._event is not None and self._event.query():
+            self.density, self._event = int(self._host[0]) / self._host_n, None
+        if self._event is None:
+            if self._host is None:
+                self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self._host.copy_(count, non_blocking=True)
+            self._event, self._host_n = torch.cuda.Event(), n
+            self._event.record(torch.cuda.current_stream(count.device))
 
     def clear(self) -> None:
         """No rows for the next forward (a batch without a padding mask)."""
@@ -100,13 +125,13 @@ class PadRows:
         return _Bound(self, hint, self.rows, owner)
 
     def forward_rows(self, x_shape: tuple):
-        """(perm, count) of the real-token rows an SEBP linear's forward computes alone
-        (:mod:`~sebp_kernels.forward_rows`), or None (every row): only once the check found no gradient on the
-        padding (``on``), and only where the input ``x_shape`` is the batch's tokens, as :meth:`bind` decides
-        (a linear that selects its own backward rows takes them too)."""
+        """(perm, count, a recent real-row share) of the real-token rows an SEBP linear's forward may compute
+        alone (:mod:`~sebp_kernels.forward_rows`, which decides whether that pays), or None (every row): only
+        once the check found no gradient on the padding (``on``), and only where the input ``x_shape`` is the
+        batch's tokens, as :meth:`bind` decides (a linear that selects its own backward rows takes them too)."""
         if not FORWARD_ROWS or self.state != ON or self.rows is None or tuple(x_shape[:-1]) != self.shape:
             return None
-        return self.rows[:2]
+        return self.rows[0], self.rows[1], self.density
 
     def verdict(self) -> str | None:
         """``on`` or ``off`` once the check is decided, deciding it now where backwards were checked since (one
@@ -182,12 +207,12 @@ def bind_traced(pad: PadRows | None, hint, dy_shape: tuple, perm, count, real, o
 
 
 def forward_rows_traced(pad: PadRows | None, x_shape: tuple, perm, count, real):
-    """(perm, count) for the forward of a compiled SEBP linear whose layer passed on the rows of its batch
-    (:meth:`PadRows.traced`), read when the forward runs, as :meth:`PadRows.forward_rows` decides eagerly; or
-    None."""
+    """(perm, count, a recent real-row share) for the forward of a compiled SEBP linear whose layer passed on
+    the rows of its batch (:meth:`PadRows.traced`), read when the forward runs, as :meth:`PadRows.forward_rows`
+    decides eagerly; or None."""
     if not FORWARD_ROWS or pad is None or pad.state != ON or tuple(x_shape[:-1]) != tuple(real.shape):
         return None
-    return perm, count
+    return perm, count, pad.density
 
 
 def _capturing(device: torch.device) -> bool:

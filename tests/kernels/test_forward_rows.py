@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sebp_kernels.forward_rows import linear_maybe_over_rows, linear_over_rows
+from sebp_kernels import forward_rows
+from sebp_kernels.forward_rows import linear_maybe_over_rows, linear_over_rows, pays
 from sebp_kernels.pad_rows import ON, PadRows, forward_rows_traced
 from sebp_kernels.reference import linear_rows_torch
 
@@ -68,6 +69,41 @@ def test_no_rows_is_f_linear_itself():
     assert torch.equal(linear_maybe_over_rows(x, w, b, None), F.linear(x, w, b))
 
 
+def test_it_pays_on_large_batches_with_padding_only():
+    """The line drawn from the H100 probe (results/fwd_rows_h100/fwd_rows_probe.json): Llama-3.2-1B's and
+    Qwen2.5-0.5B's projections over 8192 rows half real, not their all-real batches, not Qwen's 896->128 k/v,
+    not BERT-base's 2112-row batches."""
+    assert pays(8192, 2048, 2048, 0.5) and pays(8192, 2048, 512, 0.5) and pays(8192, 896, 896, 0.5)
+    assert pays(8192, 2048, 8192, None)  # no share read yet: taken as a half
+    assert not pays(8192, 2048, 2048, 1.0) and not pays(8192, 896, 128, 0.25) and not pays(8192, 896, 896, 0.75)
+    assert not pays(2112, 768, 3072, 0.25) and not pays(2112, 3072, 768, 0.5)
+
+
+def test_rows_that_do_not_pay_run_f_linear(monkeypatch):
+    x, w, b, mask = _case("cpu", torch.float32)
+    perm, count = _rows(mask)
+    assert torch.equal(linear_maybe_over_rows(x, w, b, (perm, count, 0.5)), F.linear(x, w, b))  # too small
+    monkeypatch.setattr(forward_rows, "MIN_ROWS", 0)
+    monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0)
+    got = linear_maybe_over_rows(x, w, b, (perm, count, 0.5))
+    assert torch.equal(got[~mask.bool()], b.expand_as(got[~mask.bool()]))  # the rows path: padding rows the bias
+    assert torch.equal(linear_maybe_over_rows(x, w, b, (perm, count, 1.0)), F.linear(x, w, b))  # nothing skipped
+
+
+def test_the_real_row_share_is_read_back_as_rows_are_set():
+    """On the CPU the share of the batch just set; a copy of the PadRows leaves nothing in flight behind."""
+    import copy
+
+    pad = PadRows()
+    assert pad.density is None
+    pad.set(torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]]))
+    assert pad.density == 3 / 8
+    pad.set(torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
+    assert pad.density == 7 / 8
+    twin = copy.deepcopy(pad)
+    assert twin.density == 7 / 8 and twin._event is None and twin._host is None
+
+
 def test_rows_only_once_checked_and_only_for_the_batch_tokens():
     """PadRows hands the forward its rows only with the verdict "on", and only to an input of the batch's
     (batch, seq); compiled, the same from the flags the layer passed on."""
@@ -79,7 +115,7 @@ def test_rows_only_once_checked_and_only_for_the_batch_tokens():
     assert forward_rows_traced(pad, (2, 3, 8), perm, count, real) is None
     pad.state = ON
     got = pad.forward_rows((2, 3, 8))
-    assert got[1].tolist() == [3] and got[0] is pad.rows[0]
+    assert got[1].tolist() == [3] and got[0] is pad.rows[0] and got[2] == 3 / 6
     assert pad.forward_rows((6, 8)) is None and pad.forward_rows((3, 2, 8)) is None  # other leading dims
     assert forward_rows_traced(pad, (2, 3, 8), perm, count, real)[1].tolist() == [3]
     assert forward_rows_traced(pad, (6, 8), perm, count, real) is None
