@@ -29,9 +29,14 @@ from pathlib import Path
 PAIRS = {"pair_dense-first": "compiled, dense first", "pair_sebp-first": "compiled, SEBP first",
          "eager_dense-first": "eager, dense first",
          "pair_layers_dense-first": "compiled by layers, dense first",
-         "pair_layers_sebp-first": "compiled by layers, SEBP first"}
+         "pair_layers_sebp-first": "compiled by layers, SEBP first",
+         # two H200s, 30 steps: the SEBP linears' forward over the real-token rows, Inductor's mix-order
+         # reduction off for dynamic shapes (sebp_probe.train.compiling.dynamic_options)
+         "pair_layers_fwd_dense-first": "by layers, forward over real rows (H200), dense first",
+         "pair_layers_fwd_sebp-first": "by layers, forward over real rows (H200), SEBP first"}
 ORDERS = {"compiled": ("pair_dense-first", "pair_sebp-first"),  # the pairs of each compile scope, both orders
-          "compiled by layers": ("pair_layers_dense-first", "pair_layers_sebp-first")}
+          "compiled by layers": ("pair_layers_dense-first", "pair_layers_sebp-first"),
+          "by layers, forward over real rows (H200)": ("pair_layers_fwd_dense-first", "pair_layers_fwd_sebp-first")}
 SKIP_FIRST = 3
 BEFORE = ("`finetune` still left sdpa its own choice of kernel, on these GPUs cuDNN's attention, which builds a "
           "host-side plan for each new batch shape and keeps it for the process")
@@ -74,8 +79,8 @@ def _pair(files: dict[str, str], name: str) -> dict:
     ratios = {k: [recs["dense"][t][k] / recs["sebp"][t][k] for t in timed] for k in ("step_ms", "backward_ms")}
     for m in runs:  # each timed step's times, for comparisons across pairs (the same batches: seed 0)
         runs[m]["timed"] = {str(t): [recs[m][t]["step_ms"], recs[m][t]["backward_ms"]] for t in timed}
-    date = json.loads(files[f"{name}/run_config.json"])["created"]
-    return {"label": PAIRS[name], "date": date, "steps": len(steps), "timed_steps": len(timed), "max_abs_loss_gap": gap,
+    cfg = json.loads(files[f"{name}/run_config.json"])
+    return {"label": PAIRS[name], "date": cfg["created"], "device": cfg.get("device"), "steps": len(steps), "timed_steps": len(timed), "max_abs_loss_gap": gap,
             "step_ratio_per_step": statistics.median(ratios["step_ms"]),
             "backward_ratio_per_step": statistics.median(ratios["backward_ms"]),
             "step_ratios": ratios["step_ms"], "backward_ratios": ratios["backward_ms"],
