@@ -43,15 +43,23 @@ def _triton_parts():
     return supported, linear_rows_triton, _ieee, _sm_count, INTERPRET
 
 
+def _wt_view_ok(weight: Tensor) -> bool:
+    """Whether the kernel can read ``weight``ᵀ as a strided view: unit column stride, and every offset it forms
+    (32-bit) within range."""
+    return weight.stride(1) == 1 and (weight.shape[0] - 1) * weight.stride(0) + weight.shape[1] < 2**31
+
+
 def linear_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, perm: Tensor, count: Tensor) -> Tensor:
     """``F.linear(x, weight, bias)`` on the rows ``perm[:count]`` of ``x`` (leading dimensions flattened); the
-    other rows hold the bias (zeros without one)."""
+    other rows hold the bias (zeros without one). On a GPU where the Triton kernel does not take these tensors
+    it is ``F.linear`` on every row (the torch reference reads the count on the host)."""
     x2 = unit_col_stride(x.reshape(-1, x.shape[-1]))
     parts = _triton_parts()
-    # the kernel reads Wᵀ as a strided view, its column offsets (32-bit) up to W's size
-    if parts is not None and parts[0](x2, None, weight) and weight.stride(1) == 1 and weight.numel() < 2**31:
+    if parts is not None and parts[0](x2, None, weight) and _wt_view_ok(weight):
         supported, launch, ieee, sm_count, interpret = parts
         y = launch(x2, weight, perm, count, ieee(x2.dtype), 1 if interpret else sm_count(x2.device), interpret)
+    elif x.device.type == "cuda":  # no Triton for these tensors: the reference would sync (and break a capture)
+        return F.linear(x, weight, bias)
     else:
         y = linear_rows_torch(x2, weight, perm, count)
     if bias is not None:
@@ -73,6 +81,7 @@ def pays(rows: int, in_features: int, out_features: int, density: float | None) 
 def linear_maybe_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, rows) -> Tensor:
     """:func:`linear_over_rows` where ``rows`` (perm, count, a recent real-row share or None) names the
     real-token rows and that :func:`pays`, else ``F.linear``."""
-    if rows is None or not pays(x.numel() // x.shape[-1], weight.shape[1], weight.shape[0], rows[2]):
+    if (rows is None or x.device != rows[0].device  # a layer on another GPU than the batch's rows
+            or not pays(x.numel() // x.shape[-1], weight.shape[1], weight.shape[0], rows[2])):
         return F.linear(x, weight, bias)
     return linear_over_rows(x, weight, bias, rows[0], rows[1])

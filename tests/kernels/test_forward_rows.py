@@ -79,6 +79,16 @@ def test_it_pays_on_large_batches_with_padding_only():
     assert not pays(2112, 768, 3072, 0.25) and not pays(2112, 3072, 768, 0.5)
 
 
+def test_the_kernel_reads_w_transposed_only_within_32_bit_offsets():
+    """Wᵀ as a strided view: unit column stride, and the largest offset (rows x row stride) under 2**31, which
+    a column slice of a wide matrix can pass while its own size stays under it."""
+    from sebp_kernels.forward_rows import _wt_view_ok
+
+    assert _wt_view_ok(torch.empty(64, 32)) and not _wt_view_ok(torch.empty(32, 64).t())
+    wide = torch.empty(0, device="meta").as_strided((2**16, 8), (2**16, 1))  # rows 2**16 apart: offsets to 2**32
+    assert wide.numel() < 2**31 and not _wt_view_ok(wide)
+
+
 def test_rows_that_do_not_pay_run_f_linear(monkeypatch):
     x, w, b, mask = _case("cpu", torch.float32)
     perm, count = _rows(mask)
@@ -151,6 +161,16 @@ else:
     def test_interp_triton_matches_f_linear_on_the_real_rows(dtype, shape):
         from sebp_kernels import forward_rows
 
-        assert forward_rows._triton_parts() is not None  # the Triton launch, not the reference
-        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3)
-        _check("cpu", dtype, atol, rtol, **shape)
+        from sebp_kernels._triton import fwd
+
+        launches = []
+        real = fwd.linear_rows_triton
+        forward_rows._triton_parts.cache_clear()
+        fwd.linear_rows_triton = lambda *a: launches.append(1) or real(*a)
+        try:
+            atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3)
+            _check("cpu", dtype, atol, rtol, **shape)
+        finally:
+            fwd.linear_rows_triton = real
+            forward_rows._triton_parts.cache_clear()
+        assert launches  # the Triton launch, not the reference

@@ -26,6 +26,12 @@ def _forward_rows_always(monkeypatch):
 
     monkeypatch.setattr(forward_rows, "MIN_ROWS", 0)
     monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0)
+    real = forward_rows.linear_over_rows
+    _FORWARD_ROWS.clear()
+    monkeypatch.setattr(forward_rows, "linear_over_rows", lambda *a: _FORWARD_ROWS.append(1) or real(*a))
+
+
+_FORWARD_ROWS: list = []  # calls of the forward over real rows in the current test
 
 
 def _mask():
@@ -239,6 +245,7 @@ def _check_model(arch, device, dtype, backend, atol, rtol):
         _same_step(model, dense, {k: v.to(device) for k, v in padded_batch(arch, lengths, side, seed=step).items()},
                    atol, rtol)
     assert pad.state == ON and pad.taken == 2 * _taking(model, arch)
+    assert _FORWARD_ROWS  # the step after the check computed its forward on the real rows
     return pad
 
 
@@ -305,7 +312,7 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
         assert graphs > 0  # the layers ran compiled
         for batch in batches[1:3]:
             _same_step(model, dense, batch, atol, rtol)
-        assert pad.state == ON and pad.taken == 2 * _taking(model, arch)
+        assert pad.state == ON and pad.taken == 2 * _taking(model, arch) and _FORWARD_ROWS
         assert dynamo_counts()[0] == graphs  # neither the verdict nor the lengths compiled again
     finally:
         undo()
