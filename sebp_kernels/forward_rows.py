@@ -8,8 +8,9 @@ half of whose rows are padding, about half the forward GEMM work. The real rows 
 ``F.linear`` up to summation order (another GEMM kernel), the padding rows other values that nothing reads.
 
 On the GPU (or the Triton interpreter) it is one launch of the dX kernel (:mod:`._triton.fwd`) with the row
-count on the device, so a CUDA graph replays it for any batch of the captured shape; elsewhere the torch
-reference runs.
+count on the device, so a CUDA graph replays it for any batch of the captured shape (the choice itself, rows or
+every row, is the one made at capture: a graph captured before the verdict keeps every row); elsewhere the torch
+reference runs on the CPU, and ``F.linear`` on a GPU.
 
 It pays only where the work it skips outweighs what the kernel gives away to cuBLAS. On an H100 (bf16,
 ``benchmarks/fwd_rows_probe.py``, results/fwd_rows_h100/fwd_rows_probe.json) it was 1.2-1.9x faster than
