@@ -26,7 +26,7 @@ from .config import SEBPConfig
 from .density import RowDensity
 from .forward_rows import linear_maybe_over_rows
 from .library import plain_op
-from .pad_rows import bind_traced, forward_rows_traced
+from .pad_rows import FORWARD_ROWS, bind_traced, forward_rows_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
@@ -155,7 +155,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real):
-        if pad_perm is not None:
+        if pad_perm is not None and FORWARD_ROWS:  # (SEBP_FORWARD_ROWS=0: F.linear traced, no operator call)
             return linear_forward(x, weight, bias, key, op_key, pad_perm, pad_count, pad_real)
         return F.linear(x, weight, bias)
 

@@ -129,9 +129,7 @@ class PadRows:
         alone (:mod:`~sebp_kernels.forward_rows`, which decides whether that pays), or None (every row): only
         once the check found no gradient on the padding (``on``), and only where the input ``x_shape`` is the
         batch's tokens, as :meth:`bind` decides (a linear that selects its own backward rows takes them too)."""
-        if not FORWARD_ROWS or self.state != ON or self.rows is None or tuple(x_shape[:-1]) != self.shape:
-            return None
-        return self.rows[0], self.rows[1], self.density
+        return None if self.rows is None else forward_rows_traced(self, x_shape, self.rows[0], self.rows[1], self.real)
 
     def verdict(self) -> str | None:
         """``on`` or ``off`` once the check is decided, deciding it now where backwards were checked since (one
