@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .readback import ShareReader
 from .registry import register
 
 # Take the dense backward when at least this share of rows was active last time. H100, bf16, the seven
@@ -29,14 +30,12 @@ OBSERVE_EVERY = 8  # while sparse, read the count back every OBSERVE_EVERY-th ba
 class RowDensity:
     """Host-side estimate of one layer's active-row share (see the module docstring)."""
 
-    __slots__ = ("density", "_host", "_event", "_rows", "_calls", "_dense_calls", "key", "__weakref__")
+    __slots__ = ("density", "_reader", "_calls", "_dense_calls", "key", "__weakref__")
 
     def __init__(self) -> None:
         self.key = register(self)  # names it inside compiled graphs (see .registry); a copy gets its own
         self.density: float | None = None  # the last share read back; None before the first
-        self._host = None  # pinned int32 buffer of the count in flight
-        self._event = None
-        self._rows = 0
+        self._reader = ShareReader()  # the count in flight
         self._calls = 0
         self._dense_calls = 0
 
@@ -48,9 +47,9 @@ class RowDensity:
         count is then passed to :meth:`observe`)."""
         if capturing:
             return "dense" if self.density is not None and self.density >= DENSE_ABOVE else "sebp"
-        if self._event is not None and self._event.query():
-            self.density = int(self._host[0]) / self._rows
-            self._event = None
+        share = self._reader.poll()
+        if share is not None:
+            self.density = share
         if self.density is None or self.density < DENSE_ABOVE:
             return "sebp"
         self._dense_calls += 1
@@ -63,15 +62,9 @@ class RowDensity:
     def observe(self, count: torch.Tensor, rows: int, capturing: bool = False) -> None:
         """Start reading back the device-side active-row ``count`` of a backward over ``rows`` rows."""
         calls, self._calls = self._calls, self._calls + 1
-        if capturing or self._event is not None or calls % OBSERVE_EVERY:
+        if capturing or self._reader.busy or calls % OBSERVE_EVERY:
             return
-        if count.device.type != "cuda":  # CPU (the Triton interpreter): no sync to avoid
-            self.density = int(count.reshape(-1)[0]) / rows
-            return
-        if self._host is None:
-            self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        self._host.copy_(count.reshape(1), non_blocking=True)  # on the count's device's current stream
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(count.device))
-        self._rows = rows
+        share = self._reader.start(count, rows)  # CPU (the Triton interpreter): read at once, no sync to avoid
+        if share is not None:
+            self.density = share
 

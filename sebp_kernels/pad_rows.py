@@ -37,6 +37,8 @@ import warnings
 
 import torch
 
+from .readback import ShareReader
+
 CHECKING, ON, OFF = "checking", "on", "off"
 # SEBP_FORWARD_ROWS=0 keeps every forward over all rows (to compare; see sebp_kernels.forward_rows)
 FORWARD_ROWS = os.environ.get("SEBP_FORWARD_ROWS", "1") != "0"
@@ -60,12 +62,11 @@ class PadRows:
         self.checked = 0  # backwards checked since the counter was last read
         self.taken = 0
         self.density = None  # the share of real rows of a recent batch (read without a sync), None before one
-        self._host = self._event = None
-        self._host_n = 0
+        self._reader = ShareReader()  # that share in flight
         self._layers = {}  # id(linear) -> [linear, non-zero rows, real rows] (device counters) while checking
 
     def __getstate__(self):  # a copy (deepcopy of a model, pickle) leaves the read in flight behind
-        return {**vars(self), "_host": None, "_event": None}
+        return {**vars(self), "_reader": ShareReader()}
 
     def set(self, mask: torch.Tensor) -> None:
         """The rows of a batch whose (batch, seq) attention mask is ``mask`` (non-zero = a real token). Only a
@@ -89,19 +90,13 @@ class PadRows:
         """The share of real rows, for the forward's choice (:func:`~sebp_kernels.forward_rows.pays`) without a
         host sync: copied to pinned memory as it is set, read at a later set once that copy is done (so the
         share is a batch or more stale). On the CPU it is read at once; during a CUDA-graph capture nothing."""
-        if count.device.type != "cuda":
-            self.density = int(count[0]) / n
-            return
         if _capturing(count.device):
             return
-        if self._event is not None and self._event.query():
-            self.density, self._event = int(self._host[0]) / self._host_n, None
-        if self._event is None:
-            if self._host is None:
-                self._host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            self._host.copy_(count, non_blocking=True)
-            self._event, self._host_n = torch.cuda.Event(), n
-            self._event.record(torch.cuda.current_stream(count.device))
+        done = self._reader.poll()  # the read started at an earlier set, if its copy is done
+        now = None if self._reader.busy else self._reader.start(count, n)  # a CPU count: this batch's at once
+        for share in (done, now):
+            if share is not None:
+                self.density = share
 
     def clear(self) -> None:
         """No rows for the next forward (a batch without a padding mask)."""

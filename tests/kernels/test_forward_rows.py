@@ -111,7 +111,7 @@ def test_the_real_row_share_is_read_back_as_rows_are_set():
     pad.set(torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
     assert pad.density == 7 / 8
     twin = copy.deepcopy(pad)
-    assert twin.density == 7 / 8 and twin._event is None and twin._host is None
+    assert twin.density == 7 / 8 and twin._reader is not pad._reader and not twin._reader.busy
 
 
 def test_rows_only_once_checked_and_only_for_the_batch_tokens():
