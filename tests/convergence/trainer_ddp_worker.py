@@ -17,6 +17,7 @@ import torch
 
 from sebp_kernels import SEBPLinear
 from sebp_probe.integrations.hf import apply_sebp
+from tests.helpers import exit_after_teardown
 from tests.convergence.test_hf_trainer import _args, _completions, _Rows
 from tests.tiny_models import tiny_model, word_tokenizer
 
@@ -57,12 +58,9 @@ def main() -> None:
     for kind in kinds:
         result[kind] = {"plain": train(kind, False, rank, out / kind), "sebp": train(kind, True, rank, out / kind)}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    # the trainers leave accelerate's process group up; torn down by the interpreter's exit instead, gloo's
-    # threads now and then aborted a rank there ("terminate called without an active exception", no Python
-    # frame: twice in fresh-clone CI and once in three runs here)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    # the trainers leave accelerate's process group up: torn down by the interpreter's exit instead, gloo's
+    # threads now and then aborted a rank there
+    exit_after_teardown()
 
 
 if __name__ == "__main__":

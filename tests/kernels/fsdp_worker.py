@@ -8,7 +8,6 @@ are compared. ``argv[2] == "merge"``: that LoRA model sharded, its full state di
 ``merge_and_unload`` of the same model unsharded. ``argv[2] == "compiled"``: a tiny Llama with SEBP, every
 decoder layer sharded, then compiled layer by layer as ``finetune --compile`` does."""
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from sebp_kernels import SEBPConfig, SEBPLinear
+from tests.helpers import exit_after_teardown
 
 
 def build(sebp: bool) -> torch.nn.Module:
@@ -130,7 +130,7 @@ def main() -> None:
     if mode is not None:
         result = {"rank": rank, "diffs": mode(rank)}
         (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
-        _exit_after_teardown()
+        exit_after_teardown()
     dense, sebp = build(False), build(True)
     g = torch.Generator().manual_seed(1 + rank)  # each process its own data, as in data parallel
     for _ in range(2):  # two steps of gradient accumulation
@@ -148,20 +148,7 @@ def main() -> None:
         diffs[name] = float((ga - gb).abs().max()) / scale  # relative: only the summation order differs
     result = {"rank": rank, "sharded": type(next(sebp.parameters())).__name__, "diffs": diffs}
     (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
-    _exit_after_teardown()
-
-
-def _exit_after_teardown() -> None:
-    """Every rank done with FSDP's collectives, the process group destroyed, then out without the interpreter's
-    own teardown. With the barrier and destroy alone, a rank still aborted at exit now and then ("terminate
-    called without an active exception", no Python frame: gloo's threads torn down during finalization): once
-    in fresh-clone CI on 1eeaa31, and 1 in 10 runs of this worker here. What the test checks is in the rank's
-    file by then."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_teardown()
 
 
 if __name__ == "__main__":
