@@ -56,16 +56,22 @@ def linear_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, perm: Tenso
     it is ``F.linear`` on every row (the torch reference reads the count on the host)."""
     x2 = unit_col_stride(x.reshape(-1, x.shape[-1]))
     parts = _triton_parts()
-    if parts is not None and parts[0](x2, None, weight) and _wt_view_ok(weight):
+    if parts is not None and parts[0](x2, None, weight) and _wt_view_ok(weight) and _bias_ok(bias, x2):
         supported, launch, ieee, sm_count, interpret = parts
-        y = launch(x2, weight, perm, count, ieee(x2.dtype), 1 if interpret else sm_count(x2.device), interpret)
+        y = launch(x2, weight, perm, count, ieee(x2.dtype), 1 if interpret else sm_count(x2.device), interpret,
+                   bias)
     elif x.device.type == "cuda":  # no Triton for these tensors: the reference would sync (and break a capture)
         return F.linear(x, weight, bias)
     else:
-        y = linear_rows_torch(x2, weight, perm, count)
-    if bias is not None:
-        y += bias
+        y = linear_rows_torch(x2, weight, perm, count, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _bias_ok(bias: Tensor | None, x2: Tensor) -> bool:
+    """Whether the kernel can add ``bias`` as it stores: none, or a contiguous vector on ``x2``'s device and in
+    its dtype (as ``F.linear`` takes it)."""
+    return bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.device == x2.device
+                            and bias.dtype == x2.dtype)
 
 
 MIN_ROWS = 4096

@@ -5,6 +5,7 @@ This is the CPU path, the fallback on GPUs, and the oracle the Triton kernels ar
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .config import SEBPConfig
 
@@ -155,10 +156,13 @@ def norm_backward_torch(
     return dx, dw, db
 
 
-def linear_rows_torch(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """2-D ``x`` (M, in) @ ``weight``ᵀ on rows ``perm[:count]``, zeros on the others: the oracle of the Triton
-    forward over rows (reads the count on the host)."""
+def linear_rows_torch(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """2-D ``x`` (M, in) @ ``weight``ᵀ + ``bias`` on rows ``perm[:count]``, zeros (the bias) on the others: the
+    oracle of the Triton forward over rows (reads the count on the host)."""
     rows = perm[: int(count.reshape(-1)[0])].long()
     y = x.new_zeros((x.shape[0], weight.shape[0]))
-    y[rows] = x[rows] @ weight.t()
+    if bias is not None:
+        y += bias
+    y[rows] = F.linear(x[rows], weight, bias)
     return y

@@ -97,6 +97,7 @@ def _dx_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
     MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr, REUSE: tl.constexpr, ZERO_PROGRAMS: tl.constexpr,
+    bias_ptr, HAS_BIAS: tl.constexpr,
 ):
     """Program ``g`` of the dX grid (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) + EXTRA`` programs; also called by
     the fused gradient kernel). STAGES: software-pipeline depth of the main loop.
@@ -108,6 +109,8 @@ def _dx_program(
     (``part_ptr``: at least T * S tiles of BLOCK_M x BLOCK_N; ``ticket_ptr``: T counters, zero between
     launches). The programs after those write the zero rows of the tiles wholly past k (with ``REUSE``: only
     the dirty ones; ``zt_ticket_ptr``: a counter per row tile, zero between launches); the rest exit.
+    ``HAS_BIAS`` (the forward over rows, never with ``REUSE``): every row gets ``bias_ptr``'s N values added,
+    the computed ones in fp32 before their one rounding (to the first K piece's partial), the others as they are.
     """
     # M rows of dY/dX, N = in_features, K = out_features.
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -129,6 +132,9 @@ def _dx_program(
         acc = _dx_acc(dy_ptr, w_ptr, rows, pos < count, offs_n, n_mask, k_start, tl.minimum(k_start + chunk, K),
                       K, stride_dym, stride_dyk, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE,
                       STAGES)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += tl.where(pid_s == 0, 1.0, 0.0) * b[None, :]
         _store_split(dx_ptr, rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
                      part_ptr + t * (BLOCK_M * BLOCK_N), offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
                      t_act * (BLOCK_M * BLOCK_N), ticket_ptr, t, acc, in_m[:, None] & n_mask, pid_s, n_split)
@@ -168,24 +174,26 @@ def _dx_program(
             in_m = pos < M
             rows = _perm_rows(perm_ptr, pos, in_m, BIG)
             offs_n = (z % n_tiles_n) * BLOCK_N + offs_bn
-            tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn,
-                     tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty),
+            fill = tl.zeros([BLOCK_M, BLOCK_N], dtype=dx_ptr.dtype.element_ty)
+            if HAS_BIAS:
+                fill += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(fill.dtype)[None, :]
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :] * stride_dxn, fill,
                      mask=in_m[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["FILL", "EXTRA", "M"])
 def _dx_kernel(
-    dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, FILL, EXTRA,
+    dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, bias_ptr, FILL, EXTRA,
     M, N, K,
     stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm, stride_dxn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
-    MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     _dx_program(dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, perm_ptr, perm_ptr, tl.load(count_ptr),
                 tl.program_id(0), FILL, EXTRA, M, N, K, stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm,
                 stride_dxn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES, MIN_K, MAX_SPLIT, False,
-                1)
+                1, bias_ptr, HAS_BIAS)
 
 
 _dx = FastLaunch(_dx_kernel)
@@ -217,10 +225,11 @@ def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: b
 
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
             interpret: bool = False, ieee: bool = True, n_sm: int = 1, busy: int = 0, level: int = 0,
-            small: bool = False) -> torch.Tensor:
+            small: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows (K splits when the
     active tiles cannot fill the ``n_sm - busy`` free SMs). ``level``, ``small``: the tile setting
-    (:func:`~.tuning.gemm_config`). ``weight`` may be a transposed view (the forward over rows passes Wᵀ)."""
+    (:func:`~.tuning.gemm_config`). ``weight`` may be a transposed view (the forward over rows passes Wᵀ, and
+    its ``bias``, which every row of the result then gets)."""
     m, k_dim = dy.shape
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
@@ -229,8 +238,9 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
     part = (torch.empty(part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=dy.device)
             if part_tiles else dx)
     big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
-    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), fill, extra, m, n, k_dim,
+    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), dy if bias is None else bias,
+                     fill, extra, m, n, k_dim,
                      dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
                      EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1),
-                     MIN_K=min_k, MAX_SPLIT=MAX_SPLIT, **cfg)
+                     MIN_K=min_k, MAX_SPLIT=MAX_SPLIT, HAS_BIAS=bias is not None, **cfg)
     return dx

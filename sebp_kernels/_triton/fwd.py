@@ -17,9 +17,10 @@ _LEVEL: dict = {}  # device index -> the tile setting that launches there
 
 
 def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, ieee: bool,
-                       n_sm: int, interpret: bool = False) -> torch.Tensor:
-    """2-D ``x`` (M, in) @ ``weight``ᵀ on rows ``perm[:count]``, zeros on the others; smaller tiles on a GPU
-    whose shared memory does not hold the H100's (as :func:`~.grads.grads_rows`)."""
+                       n_sm: int, interpret: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """2-D ``x`` (M, in) @ ``weight``ᵀ (+ ``bias``, added in fp32 before the rounding) on rows ``perm[:count]``,
+    zeros (the bias) on the others; smaller tiles on a GPU whose shared memory does not hold the H100's (as
+    :func:`~.grads.grads_rows`)."""
     small = few_rows(x.shape[0], weight.shape[0], n_sm)
     return fit_to_device(_LEVEL, x.device, range(LEVELS), lambda level: dx_rows(
-        x, weight.t(), perm, count, interpret, ieee, n_sm, 0, level, small), "smaller GEMM tiles")
+        x, weight.t(), perm, count, interpret, ieee, n_sm, 0, level, small, bias), "smaller GEMM tiles")

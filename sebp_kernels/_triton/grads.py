@@ -63,7 +63,7 @@ def _grads_kernel(
                         zt_ticket_ptr, count, dx_pid, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
                         stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES, DX_MIN_K, DX_MAX_SPLIT,
-                        DX_REUSE, DX_ZERO_PROGRAMS)
+                        DX_REUSE, DX_ZERO_PROGRAMS, dy_ptr, False)
     else:
         if DO_DB:
             g = pid - N_DW - N_DX

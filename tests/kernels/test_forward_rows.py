@@ -56,6 +56,10 @@ def test_reference_computes_the_real_rows_and_zeros_the_rest():
     y = linear_rows_torch(x, w, perm, count)
     torch.testing.assert_close(y[[0, 2, 5]], x[[0, 2, 5]] @ w.t())
     assert not y[[1, 3, 4]].any()
+    b = torch.randn(3)
+    y = linear_rows_torch(x, w, perm, count, b)
+    torch.testing.assert_close(y[[0, 2, 5]], x[[0, 2, 5]] @ w.t() + b)
+    assert torch.equal(y[[1, 3, 4]], b.expand(3, 3))
 
 
 @pytest.mark.parametrize("bias", [True, False])
