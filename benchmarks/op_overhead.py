@@ -14,6 +14,12 @@ GPU never sets the pace:
 - ``stack_step_us``: forward and backward of 16 linears (2048 x 2048) compiled (``torch.compile(dynamic=True)``),
   dense, and SEBP with the backward operator defined each way (the custom_op twin swapped in for the run).
 
+``--triton-op OUT2.json`` times, instead, the same stack compiled with static shapes and half of its rows
+without gradient (so that every SEBP layer takes its sparse path): dense; SEBP with the operator of
+:mod:`sebp_kernels.library`; SEBP with the backward as a ``torch.library.triton_op`` whose kernels Inductor
+launches from its own code (``benchmarks/op_triton.py``, exact mode without density state or hints). Each
+SEBP stack's gradients are checked against dense's first (``max_rel_diff``).
+
 Each figure: the host seconds of ``--calls`` calls (no synchronisation between them) divided by their number,
 the median of ``--rounds`` rounds, the variants interleaved and every other round in reverse order.
 """
@@ -136,18 +142,61 @@ def stacks(calls: int, rounds: int) -> dict[str, float]:
     return out
 
 
+def _masked_step(net, x, mask):
+    def step():
+        (net(x) * mask).sum().backward()
+    return step
+
+
+def _grads(net, x, mask) -> list[torch.Tensor]:
+    for p in net.parameters():
+        p.grad = None
+    x.grad = None
+    (net(x) * mask).float().sum().backward()
+    return [x.grad.float()] + [p.grad.float() for p in net.parameters()]
+
+
+def triton_op_stacks(calls: int, rounds: int) -> dict:
+    """Host us per step of the static-shape stacks (see the module docstring), and each SEBP stack's largest
+    gradient difference from dense relative to the gradient's largest magnitude."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import op_triton  # noqa: E402 - defines its operator on import: only for this comparison
+
+    torch._dynamo.reset()
+    x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.zeros(M, 1, device="cuda", dtype=torch.bfloat16)
+    mask[: M // 2] = 1  # half the rows carry no gradient: each SEBP layer's sparse path
+    dense = stack(False)
+    nets = {"dense": dense, "sebp_library": stack(True, TwinStack),
+            "sebp_triton_op": op_triton.TritonOpStack(list(dense))}
+    for i in range(LAYERS):  # the same weights in every stack
+        nets["sebp_library"][i].weight.data.copy_(dense[i].weight)
+    compiled = {k: torch.compile(v, dynamic=False) for k, v in nets.items()}
+    want = _grads(compiled["dense"], x, mask)
+    diffs = {}
+    for k in ("sebp_library", "sebp_triton_op"):
+        got = _grads(compiled[k], x, mask)
+        diffs[k] = max(float((a - b).abs().max()) / max(float(a.abs().max()), 1e-30) for a, b in zip(want, got))
+    out = interleaved({k: _masked_step(v, x, mask) for k, v in compiled.items()}, calls, rounds)
+    return {"stack_step_us": out, "max_rel_diff": diffs}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--triton-op", action="store_true", help="the static-shape comparison with a triton_op backward")
     opts = p.parse_args()
     if not torch.cuda.is_available():
         p.error("the probe needs a CUDA GPU")
+    stack_calls = max(opts.calls // 10, 50)
     result = {"environment": environment(), "command": " ".join(["python3", "benchmarks/op_overhead.py", *sys.argv[1:]]),
-              "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds,
-              "per_call_us": per_call(opts.calls, opts.rounds),
-              "stack_step_us": stacks(max(opts.calls // 10, 50), opts.rounds)}
+              "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds}
+    if opts.triton_op:
+        result.update(calls=stack_calls, **triton_op_stacks(stack_calls, opts.rounds))
+    else:
+        result.update(per_call_us=per_call(opts.calls, opts.rounds), stack_step_us=stacks(stack_calls, opts.rounds))
     print(json.dumps(result, indent=1), flush=True)
     Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
