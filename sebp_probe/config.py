@@ -102,7 +102,8 @@ class FinetuneConfig:
     SEBP settings: ``mode`` is inferred when not given: ``topk`` with ``top_n``, ``threshold`` with ``eps``,
     ``auto_eps`` or ``report``, else ``exact``. ``auto_eps`` runs the analysis first; ``report`` reads one.
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
-    ``fallback_if_slower``: the whole model stays dense when SEBP's backward measures slower at calibration.
+    ``fallback_if_slower``: the whole model stays dense when SEBP's step (forward + backward) measures slower at
+    calibration.
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the
     linear layers in calibration). ``sebp_acts``: likewise the MLP activations (SwiGLU, GELU; see
     :func:`~sebp_probe.model.patch.patch_activations`). ``cuda_graphs``: each micro-step's forward and backward

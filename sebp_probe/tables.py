@@ -29,9 +29,10 @@ def finetune_progress(console_):
         if kind == "calibrated":
             n, dense = len(p["layers"]), len(p["fallback_dense"])
             times = ""
-            if p.get("dense_backward_ms") and p.get("sebp_backward_ms"):
-                times = (f"; calibration backward on its batches, interleaved: dense {p['dense_backward_ms']:.1f} "
-                         f"ms, SEBP {p['sebp_backward_ms']:.1f} ms")
+            if p.get("dense_step_ms") and p.get("sebp_step_ms"):
+                times = (f"; calibration on its batches, interleaved, forward + backward: dense "
+                         f"{p['dense_step_ms']:.1f} ms, SEBP {p['sebp_step_ms']:.1f} ms (backward "
+                         f"{p['dense_backward_ms']:.1f} and {p['sebp_backward_ms']:.1f} ms)")
             why = p.get("fallback_reason") or "active rows above the fallback density"
             progress.console.print(f"{run}: SEBP on {n} layers, {dense} left dense ({why}){times}", highlight=False)
         elif kind == "start":

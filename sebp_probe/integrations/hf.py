@@ -70,7 +70,7 @@ COMPILE_SCOPES = ("layers", "loss")
 class SEBPTrainer:
     """What :func:`apply_sebp` did to ``trainer``: ``applied`` (False: it runs unchanged, ``reason`` says why),
     the ``head`` its training loss runs (``labelled`` or ``full``; ``reason`` says why not the one asked for),
-    and the ``calibration`` (which layers run SEBP, their measured densities and backward times)."""
+    and the ``calibration`` (which layers run SEBP, their measured densities, step and backward times)."""
 
     trainer: object
     applied: bool

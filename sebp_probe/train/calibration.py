@@ -45,20 +45,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_backward(model, batch, device, autocast) -> float:
+def timed_step(model, batch, device, autocast) -> tuple[float, float]:
+    """Milliseconds of the forward (to the loss) and of its backward, each between syncs."""
+    sync(device)
+    t0 = time.perf_counter()
     with autocast():
         loss = batch_loss(model, batch)
     sync(device)
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     loss.backward()
     sync(device)
-    return (time.perf_counter() - t0) * 1e3
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
 
 
-def graphed_backward_ms(model, batch, autocast, repeats: int = 3) -> float:
-    """Median milliseconds of the backward replayed as a CUDA graph (``--cuda-graphs``); the gradients it
-    wrote are dropped."""
-    return replay_ms(model, batch, repeats, autocast, call_kwargs=no_cache(model))[1]
+def graphed_step_ms(model, batch, autocast, repeats: int = 3) -> tuple[float, float]:
+    """Median forward and backward milliseconds of the step replayed as CUDA graphs (``--cuda-graphs``); the
+    gradients it wrote are dropped."""
+    return replay_ms(model, batch, repeats, autocast, call_kwargs=no_cache(model))
 
 
 def rng_devices(device: torch.device) -> list[int]:
@@ -85,7 +88,7 @@ def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig
     handles = [modules[n].register_forward_hook(hook_for(n, c)) for n, c in candidates.items()]
     try:
         for b in batches:
-            timed_backward(model, b, device, autocast)
+            timed_step(model, b, device, autocast)
     finally:
         for h in handles:
             h.remove()
@@ -94,6 +97,9 @@ def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig
 
 @dataclass
 class Calibration:
+    """What :func:`calibrate` found: the medians over its timed passes of the backward and of the whole step
+    (forward to the loss + backward), dense and with SEBP, in milliseconds (None where not timed)."""
+
     density: dict[str, float]
     dense_backward_ms: float | None
     sebp_backward_ms: float | None
@@ -102,10 +108,13 @@ class Calibration:
     reason: str | None = None
     norms: list[str] = field(default_factory=list)  # norms with the SEBP backward (``sebp_norms``)
     acts: list[str] = field(default_factory=list)  # MLPs with the SEBP activation (``sebp_acts``)
+    dense_step_ms: float | None = None
+    sebp_step_ms: float | None = None
 
     def to_dict(self) -> dict:
         return {"density": self.density, "dense_backward_ms": self.dense_backward_ms,
-                "sebp_backward_ms": self.sebp_backward_ms, "fallback_dense": self.fallback,
+                "sebp_backward_ms": self.sebp_backward_ms, "dense_step_ms": self.dense_step_ms,
+                "sebp_step_ms": self.sebp_step_ms, "fallback_dense": self.fallback,
                 "fallback_reason": self.reason, "layers": {n: s.to_dict() for n, s in self.layers.items()},
                 "norms": self.norms, "activations": self.acts}
 
@@ -140,57 +149,77 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too,
     with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
-    1. One dense backward per batch measures each layer's share of active rows under its setting; layers
-       above ``fallback`` stay dense (gathering nearly every row costs more than it saves). With ``norms`` or
-       ``acts``, those are timed even where no linear layer qualifies.
-    2. Dense and SEBP backward are timed interleaved on the same batches (median of ``reps`` rounds); on CUDA
-       with backend ``auto`` the Triton and the torch implementations are both timed and the faster kept.
-       With ``if_slower``, SEBP slower than dense leaves the whole model dense: SEBP never costs backward
-       time as timed here. With ``graphs`` both backward passes are timed as CUDA-graph replays, as
+    1. One dense forward and backward per batch measures each layer's share of active rows under its setting;
+       layers above ``fallback`` stay dense (gathering nearly every row costs more than it saves). With
+       ``norms`` or ``acts``, those are timed even where no linear layer qualifies.
+    2. Dense and SEBP steps (the forward to the loss, then its backward) are timed interleaved on the same
+       batches (median of ``reps`` rounds); on CUDA with backend ``auto`` the Triton and the torch
+       implementations are both timed and the faster kept. The forward counts: SEBP's differs from dense's
+       (the linears over the real-token rows once the padding's check passed, the activations' and norms'
+       fused kernels). With ``if_slower``, an SEBP step slower than dense's leaves the whole model dense: SEBP
+       never costs step time as timed here. With ``graphs`` both are timed as CUDA-graph replays, as
        ``--cuda-graphs`` (and the graph-recording ``--compile`` modes) train; otherwise eagerly, also under
-       ``--compile default``, whose compiled backward can rank differently.
+       ``--compile default``, whose compiled step can rank differently.
 
     Leaves no gradients and no trace in the RNG.
     """
     from ..model.patch import unpatch_model
 
-    dense_ms, sebp_ms, reason, norm_names = [], [], None, []
+    dense, sebp, reason, norm_names = [], [], None, []
     if graphs:
-        timed = lambda b: graphed_backward_ms(model, b, autocast)  # noqa: E731
+        timed = lambda b: graphed_step_ms(model, b, autocast)  # noqa: E731
     else:
-        timed = lambda b: timed_backward(model, b, device, autocast)  # noqa: E731
+        timed = lambda b: timed_step(model, b, device, autocast)  # noqa: E731
     with torch.random.fork_rng(devices=rng_devices(device)):
         density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
         if layers or norms or acts:
-            best = None
-            for cfgs in backend_variants(layers, device, graphs) if layers else [{}]:
-                apply_sebp(model, cfgs, norms, acts)
-                for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, allocator
-                    timed_backward(model, b, device, autocast)
-                d_ms, s_ms = [], []
-                for _ in range(reps):
-                    for b in batches:
-                        unpatch_model(model)
-                        d_ms.append(timed(b))
-                        apply_sebp(model, cfgs, norms, acts)
-                        s_ms.append(timed(b))
-                if best is None or statistics.median(s_ms) < statistics.median(best[2]):
-                    best = (cfgs, d_ms, s_ms)
-            layers, dense_ms, sebp_ms = best
+            layers, dense, sebp = _fastest_variant(model, batches, norms, acts, reps, timed,
+                                                   backend_variants(layers, device, graphs) if layers else [{}],
+                                                   lambda b: timed_step(model, b, device, autocast))
             norm_names = apply_sebp(model, layers, norms, acts)  # the chosen backend in place of the last one timed
-            if if_slower and statistics.median(sebp_ms) > statistics.median(dense_ms):
+            if if_slower and _median_step(sebp) > _median_step(dense):
                 unpatch_model(model)
-                reason = "SEBP backward measured slower than dense on the calibration batches"
+                reason = "SEBP measured slower than dense (forward + backward) on the calibration batches"
                 if device.type == "cuda" and not graphs:  # eager on a GPU: often the host's launch overhead
                     reason += " (eager: where the host is the bound, --cuda-graphs may reverse it)"
                 layers, norm_names = {}, []
         else:
-            dense_ms = [timed(b) for b in batches]
+            dense = [timed(b) for b in batches]
         model.zero_grad(set_to_none=True)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    return Calibration(density, med(dense_ms), med(sebp_ms), layers,
-                       sorted(n for n in candidates if n not in layers), reason, norm_names)
+    return Calibration(density, med([b for _, b in dense]), med([b for _, b in sebp]), layers,
+                       sorted(n for n in candidates if n not in layers), reason, norm_names,
+                       dense_step_ms=_median_step(dense) if dense else None,
+                       sebp_step_ms=_median_step(sebp) if sebp else None)
+
+
+def _median_step(passes: list[tuple[float, float]]) -> float:
+    """Median forward + backward milliseconds of timed passes."""
+    return statistics.median(f + b for f, b in passes)
+
+
+def _fastest_variant(model, batches, norms, acts, reps, timed, variants, warm):
+    """(layers, dense passes, SEBP passes) of the SEBP implementation of ``variants`` (layer settings, see
+    :func:`backend_variants`) whose steps timed fastest, each timed interleaved with dense (``timed``) after a
+    warm-up pass (``warm``) over ``batches``."""
+    from ..model.patch import unpatch_model
+
+    best = None
+    for cfgs in variants:
+        apply_sebp(model, cfgs, norms, acts)
+        for b in batches:  # SEBP warm-up: kernel compilation and tuning for these row counts, the padding check
+            warm(b)
+        dense, sebp = [], []
+        for _ in range(reps):
+            for b in batches:
+                unpatch_model(model)
+                dense.append(timed(b))
+                apply_sebp(model, cfgs, norms, acts)
+                sebp.append(timed(b))
+        if best is None or _median_step(sebp) < _median_step(best[2]):
+            best = (cfgs, dense, sebp)
+    return best
 
 
 def take_main_choice(model, c: Calibration, candidates: dict[str, SEBPConfig]) -> Calibration:

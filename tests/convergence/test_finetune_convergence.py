@@ -109,18 +109,19 @@ def test_dense_fallback_keeps_dense_rows_dense(tmp_path):
 
 def test_sebp_slower_than_dense_falls_back_to_dense(monkeypatch):
     model = tiny_model("bert")
-    real = calibration.timed_backward
+    real = calibration.timed_step
 
-    def fake(m, batch, device, autocast):  # SEBP measured twice as slow as dense
+    def fake(m, batch, device, autocast):  # SEBP's step measured slower than dense's, its backward faster
         real(m, batch, device, autocast)
-        return 2.0 if any(isinstance(x, SEBPLinear) for x in m.modules()) else 1.0
+        return (3.0, 0.5) if any(isinstance(x, SEBPLinear) for x in m.modules()) else (1.0, 1.0)
 
-    monkeypatch.setattr(calibration, "timed_backward", fake)
+    monkeypatch.setattr(calibration, "timed_step", fake)
     batch = next(iter(train_data.make_loaders(FinetuneConfig(data=DataConfig(max_length=24, batch_size=8)),
                                   synthetic_data("classification"))[0]))
     cands = calibration.candidate_layers(model, FinetuneConfig(), None)
     c = calibration.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=True)
     assert c.layers == {} and c.reason and not any(isinstance(x, SEBPLinear) for x in model.modules())
+    assert (c.dense_step_ms, c.sebp_step_ms, c.dense_backward_ms, c.sebp_backward_ms) == (2.0, 3.5, 1.0, 0.5)
     assert all(p.grad is None for p in model.parameters())
     c = calibration.calibrate(model, [batch], cands, 1.0, torch.device("cpu"), if_slower=False)
     assert len(c.layers) == 12 and sum(isinstance(x, SEBPLinear) for x in model.modules()) == 12
@@ -245,6 +246,26 @@ def test_calibration_times_both_backends_on_cuda_only():
     assert _backend_variants(pinned, torch.device("cuda")) == [pinned]
 
 
+def test_the_fastest_implementation_is_chosen_by_its_whole_step():
+    """Of two SEBP implementations, calibration keeps the one whose forward + backward is faster, though its
+    backward alone is the slower one."""
+    from dataclasses import replace
+
+    model = tiny_model("bert")
+    cands = calibration.candidate_layers(model, FinetuneConfig(), None)
+    variants = [{n: replace(c, backend=b) for n, c in cands.items()} for b in ("torch", "triton")]
+
+    def timed(_batch):
+        sebp = [m for m in model.modules() if isinstance(m, SEBPLinear)]
+        if not sebp:
+            return 2.0, 2.0
+        return (3.0, 1.0) if sebp[0].sebp_config.backend == "torch" else (1.0, 2.0)
+
+    chosen, dense, sebp = calibration._fastest_variant(model, [{}], False, False, 2, timed, variants,
+                                                       lambda _b: None)
+    assert chosen == variants[1] and dense == [(2.0, 2.0)] * 2 and sebp == [(1.0, 2.0)] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_compare_frees_the_first_run_before_the_second(tmp_path, precision):
@@ -353,10 +374,13 @@ def test_norms_and_activations_run_where_no_linear_qualifies(monkeypatch, arch):
     assert c.layers == {} and not any(isinstance(x, SEBPLinear) for x in model.modules())
     assert c.norms and c.norms == [n for n, m in model.named_modules() if isinstance(m, SEBPNorm)]
     assert patched_activations(model) and c.sebp_backward_ms is not None
-    real = calibration.timed_backward
-    monkeypatch.setattr(calibration, "timed_backward", lambda m, b, d, a: real(m, b, d, a) + (
-        1e3 if any(isinstance(x, SEBPNorm) for x in m.modules()) else 0.0))  # the fused kernels measure slower
-    # (by a second: 1 ms was within a loaded CPU's noise)
+    real = calibration.timed_step
+
+    def slower_norms(m, b, d, a):  # the fused kernels measure slower (by a second: 1 ms was within a loaded
+        fwd, bwd = real(m, b, d, a)  # CPU's noise)
+        return fwd, bwd + (1e3 if any(isinstance(x, SEBPNorm) for x in m.modules()) else 0.0)
+
+    monkeypatch.setattr(calibration, "timed_step", slower_norms)
     model = tiny_model(arch)
     c = calibration.calibrate(model, [batch], cands, 0.0, torch.device("cpu"), if_slower=True, norms=True,
                               acts=True)
