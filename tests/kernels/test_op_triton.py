@@ -70,6 +70,7 @@ if INTERPRET:
         stack, dense, x, mask = _case()
         _assert_dense(_grads(stack, x, mask), _grads(dense, x, mask), 1e-5)
 else:
+    @pytest.mark.slow
     def test_under_the_interpreter():
         from tests.helpers import run_file_under_interpreter
 
