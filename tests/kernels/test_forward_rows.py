@@ -150,7 +150,8 @@ if not INTERPRET:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
     @pytest.mark.parametrize("shape", [dict(m_batch=8, seq=300, n_in=2048, n_out=512),
                                        dict(m_batch=4, seq=129, n_in=768, n_out=3072),
-                                       dict(m_batch=2, seq=70, n_in=64, n_out=130)])
+                                       dict(m_batch=2, seq=70, n_in=64, n_out=130),
+                                       dict(m_batch=2, seq=100, n_in=8192, n_out=256)])  # K split, bias once
     def test_gpu_triton_matches_f_linear_on_the_real_rows(dtype, shape):
         if not torch.cuda.is_available():
             pytest.skip("needs a GPU")
@@ -178,3 +179,15 @@ else:
             fwd.linear_rows_triton = real
             forward_rows._triton_parts.cache_clear()
         assert launches  # the Triton launch, not the reference
+
+    @pytest.mark.parametrize("bias", [True, False])
+    def test_interp_k_split_adds_the_bias_once(bias):
+        """With SMs to spare the kernel splits K over several programs (the interpreter stands in one SM
+        unless told more); the bias goes into one piece's partial, so the sum holds it once."""
+        from sebp_kernels._triton.fwd import linear_rows_triton
+
+        x, w, b, mask = _case("cpu", torch.float32, m_batch=2, seq=9, n_in=96, n_out=20, bias=bias)
+        perm, count = _rows(mask)
+        got = linear_rows_triton(x.reshape(-1, 96), w, perm, count, True, 6, True, b)
+        want = linear_rows_torch(x.reshape(-1, 96), w, perm, count, b)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
