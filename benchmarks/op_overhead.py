@@ -11,6 +11,10 @@ GPU never sets the pace:
   (``library``); the same function as a ``torch.library.custom_op`` (``custom_op``, defined here under another
   namespace, called through its ``CustomOpDef`` and a wrapper that counts its calls: a fraction of a
   microsecond more than its ``OpOverload``, against the gap of tens of microseconds this measures).
+- ``forward_per_call_us``: one forward of the same linear over its real-token rows, half of them real
+  (:mod:`sebp_kernels.forward_rows`, the rule that keeps such few rows on cuBLAS set aside for the probe):
+  ``F.linear`` on every row; the forward over rows called directly; ``sebp::linear_forward``, the operator a
+  compiled SEBP linear calls.
 - ``stack_step_us``: forward and backward of 16 linears (2048 x 2048) compiled (``torch.compile(dynamic=True)``),
   dense, and SEBP with the backward operator defined each way (the custom_op twin swapped in for the run).
 
@@ -102,6 +106,34 @@ def per_call(calls: int, rounds: int) -> dict[str, float]:
         }, calls, rounds)
 
 
+def forward_per_call(calls: int, rounds: int) -> dict[str, float]:
+    from sebp_kernels import forward_rows
+    from sebp_kernels.pad_rows import ON, PadRows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, D, device="cuda", generator=g).to(torch.bfloat16)
+    linear = SEBPLinear.from_linear(torch.nn.Linear(D, D, bias=False), SEBPConfig("exact")).to("cuda", torch.bfloat16)
+    mask = torch.ones(2, M // 2, dtype=torch.long, device="cuda")
+    mask[:, M // 4:] = 0  # right padding: half the rows real
+    pad = PadRows()
+    pad.set(mask)
+    pad.state = ON  # as after the padding rows' check
+    linear._sebp_pad_rows = pad
+    perm, count, real = pad.traced()
+    x3, w = x.view(2, M // 2, D), linear.weight.detach()
+    saved = forward_rows.MIN_ROWS, forward_rows.MIN_SKIPPED
+    forward_rows.MIN_ROWS = forward_rows.MIN_SKIPPED = 0  # these few rows would stay on cuBLAS
+    try:
+        with torch.no_grad():
+            return interleaved({
+                "f_linear": lambda: torch.nn.functional.linear(x3, w),
+                "over_rows": lambda: forward_rows.linear_over_rows(x3, w, None, perm, count),
+                "library": lambda: functional.linear_forward(x3, w, None, None, linear._sebp_key, perm, count, real),
+            }, calls, rounds)
+    finally:
+        forward_rows.MIN_ROWS, forward_rows.MIN_SKIPPED = saved
+
+
 class TwinStack(torch.nn.Sequential):
     """A stack whose forward is code of its own, so Dynamo compiles it apart from the other SEBP stack's."""
 
@@ -191,12 +223,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         p.error("the probe needs a CUDA GPU")
     stack_calls = max(opts.calls // 10, 50)
-    result = {"environment": environment(), "command": " ".join(["python3", "benchmarks/op_overhead.py", *sys.argv[1:]]),
-              "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds}
+    result = {"environment": environment(),
+              "command": " ".join(["python3", "benchmarks/op_overhead.py", *sys.argv[1:]]), "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds}
     if opts.triton_op:
         result.update(calls=stack_calls, **triton_op_stacks(stack_calls, opts.rounds))
     else:
-        result.update(per_call_us=per_call(opts.calls, opts.rounds), stack_step_us=stacks(stack_calls, opts.rounds))
+        result.update(per_call_us=per_call(opts.calls, opts.rounds),
+                      forward_per_call_us=forward_per_call(opts.calls, opts.rounds),
+                      stack_step_us=stacks(stack_calls, opts.rounds))
     print(json.dumps(result, indent=1), flush=True)
     Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

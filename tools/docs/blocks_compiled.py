@@ -220,8 +220,14 @@ def op_overhead(page: Page) -> str:
                     ("sebp_custom_op", "SEBP, the operator as a `custom_op`")):
         stack_rows.append([f"{n} linears compiled, {what}", f1(stack[k]), f1((stack[k] - stack["dense"]) / n)])
     shape = f"{d['rows']} x {d['width']}"
+    fwd = d.get("forward_per_call_us")  # runs from before the forward operator have none
+    fwd_names = {"f_linear": "dense: `F.linear` on every row",
+                 "over_rows": "SEBP: the forward over rows, called directly",
+                 "library": "SEBP: `sebp::linear_forward`"}
+    fwd_table = [table([f"one forward call ({shape} rows, half real, bf16)", "host us"],
+                       [[fwd_names[k], f1(fwd[k])] for k in fwd_names], "lr")] if fwd else []
     return captioned(page, [src], "\n\n".join([
-        table([f"one backward call ({shape} rows, half active, bf16)", "host us"], rows, "lr"),
+        table([f"one backward call ({shape} rows, half active, bf16)", "host us"], rows, "lr"), *fwd_table,
         table([f"forward + backward ({shape} rows per layer)", "host us per step", "more per layer than dense"],
               stack_rows, "lrr"),
         f"Host microseconds per call, the median of {d['rounds']} interleaved rounds of {d['calls']} calls "
