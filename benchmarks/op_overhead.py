@@ -224,7 +224,8 @@ def main() -> int:
         p.error("the probe needs a CUDA GPU")
     stack_calls = max(opts.calls // 10, 50)
     result = {"environment": environment(),
-              "command": " ".join(["python3", "benchmarks/op_overhead.py", *sys.argv[1:]]), "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds}
+              "command": " ".join(["python3", "benchmarks/op_overhead.py", *sys.argv[1:]]),
+              "rows": M, "width": D, "layers": LAYERS, "calls": opts.calls, "rounds": opts.rounds}
     if opts.triton_op:
         result.update(calls=stack_calls, **triton_op_stacks(stack_calls, opts.rounds))
     else:
