@@ -225,11 +225,11 @@ def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: b
 
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
             interpret: bool = False, ieee: bool = True, n_sm: int = 1, busy: int = 0, level: int = 0,
-            small: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+            small: bool = False) -> torch.Tensor:
     """dX (M, in) = dY[perm[:k]] @ W scattered to rows perm[:k], zeros on the other rows (K splits when the
     active tiles cannot fill the ``n_sm - busy`` free SMs). ``level``, ``small``: the tile setting
-    (:func:`~.tuning.gemm_config`). ``weight`` may be a transposed view (the forward over rows passes Wᵀ, and
-    its ``bias``, which every row of the result then gets)."""
+    (:func:`~.tuning.gemm_config`). ``weight`` may be a transposed view. (The forward over rows launches the
+    same kernel with its own plans, :mod:`.fwd`.)"""
     m, k_dim = dy.shape
     n = weight.shape[1]
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
@@ -238,9 +238,9 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
     part = (torch.empty(part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=dy.device)
             if part_tiles else dx)
     big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
-    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), dy if bias is None else bias,
-                     fill, extra, m, n, k_dim,
+    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), dy, fill, extra,
+                     m, n, k_dim,
                      dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
                      EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1),
-                     MIN_K=min_k, MAX_SPLIT=MAX_SPLIT, HAS_BIAS=bias is not None, **cfg)
+                     MIN_K=min_k, MAX_SPLIT=MAX_SPLIT, HAS_BIAS=False, **cfg)
     return dx
