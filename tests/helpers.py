@@ -135,6 +135,19 @@ def run_file_under_interpreter(test_file: str) -> None:
     assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
 
 
+def interpreter_suite(test_file: str):
+    """A slow test that runs ``test_file`` under the Triton interpreter (:func:`run_file_under_interpreter`):
+    ``test_interpreter_suite = interpreter_suite(__file__)`` in a file whose interpreter tests are defined only
+    when ``TRITON_INTERPRET=1``."""
+    import pytest
+
+    @pytest.mark.slow
+    def test_interpreter_suite():
+        run_file_under_interpreter(test_file)
+
+    return test_interpreter_suite
+
+
 def fail_launches(monkeypatch, launcher, failing: set) -> list:
     """Make ``launcher.launch_planned`` (a FastLaunch) raise Triton's OutOfResources on the calls whose numbers
     (from 0) are in ``failing``, as a GPU with too little shared memory does at a kernel's first launch; the

@@ -17,16 +17,14 @@ import torch.nn.functional as F
 from sebp_kernels import SEBPConfig
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 
+from tests.helpers import interpreter_suite
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16]
 BACKEND = "triton" if INTERPRET else "torch"
 
 if not INTERPRET:
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
 
 def _case(kind, shape, dtype, seed=0, bad_rows=()):

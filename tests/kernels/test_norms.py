@@ -14,7 +14,7 @@ from torch import nn
 
 from sebp_kernels import SEBPConfig, SEBPNorm, sebp_layer_norm, sebp_rms_norm
 from sebp_kernels.reference import norm_backward_torch
-from tests.helpers import assert_within_torch_error
+from tests.helpers import assert_within_torch_error, interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16]
@@ -119,11 +119,7 @@ def test_nan_rows_stay_active():
 
 if not INTERPRET:
 
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
     def test_reference_skips_zero_rows_and_matches_dense():
         x, dy = torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)

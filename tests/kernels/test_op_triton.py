@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import load_benchmark
+from tests.helpers import interpreter_suite, load_benchmark
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
@@ -70,11 +70,7 @@ if INTERPRET:
         stack, dense, x, mask = _case()
         _assert_dense(_grads(stack, x, mask), _grads(dense, x, mask), 1e-5)
 else:
-    @pytest.mark.slow
-    def test_under_the_interpreter():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
 
 @pytest.mark.gpu

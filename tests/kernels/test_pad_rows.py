@@ -15,6 +15,8 @@ import torch
 
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
+from tests.helpers import interpreter_suite
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -348,11 +350,7 @@ def _check_labels_on_padding(device, backend):
 
 if not INTERPRET:
 
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("arch", ["bert", "llama"])

@@ -11,13 +11,10 @@ import os
 import pytest
 import torch
 
+from tests.helpers import interpreter_suite
+
 if os.environ.get("TRITON_INTERPRET") != "1":
-
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
 else:
     from sebp_kernels import resprop_grads

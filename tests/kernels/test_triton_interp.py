@@ -11,15 +11,13 @@ import os
 import pytest
 import torch
 
+from tests.helpers import interpreter_suite
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRET:
 
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
 else:
     from sebp_kernels import SEBPConfig, sebp_linear

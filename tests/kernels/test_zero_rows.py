@@ -14,6 +14,8 @@ import torch
 from sebp_kernels import zero_rows
 from sebp_kernels.zero_rows import ZeroRowBuffer
 
+from tests.helpers import interpreter_suite
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -112,11 +114,7 @@ def test_pool_is_off_by_default_and_off_on_cpu():
 
 if not INTERPRET:
 
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        from tests.helpers import run_file_under_interpreter
-
-        run_file_under_interpreter(__file__)
+    test_interpreter_suite = interpreter_suite(__file__)
 
 else:
     import torch.nn.functional as F
