@@ -223,6 +223,20 @@ def dx_split_args(m: int, n: int, k_dim: int, cfg: dict, n_sm: int, interpret: b
     return tiles + fill, fill, fill, min_k, 2 * fill
 
 
+def dx_launch_args(m: int, n: int, k_dim: int, dtype, a_stride: tuple, b_stride: tuple, interpret: bool, ieee: bool,
+                   n_sm: int, busy: int, level: int, small: bool, has_bias: bool) -> tuple[int, int, tuple, dict]:
+    """(programs, fp32 partial-sum elements, the integer arguments after the tensors, the keywords) of a launch
+    of :func:`_dx_kernel` computing rows of A (M, K; strides ``a_stride``) @ B (K, N; strides ``b_stride``) into
+    a contiguous (M, N) output; ``busy``, ``level``, ``small`` as in :func:`dx_rows`."""
+    cfg = gemm_config("dx", dtype, interpret, level, small)
+    programs, extra, fill, min_k, part_tiles = dx_split_args(m, n, k_dim, cfg, n_sm, interpret, busy)
+    big = max(a_stride[0], n) * m >= 2**31
+    ints = (fill, extra, m, n, k_dim, *a_stride, *b_stride, n, 1)
+    kw = dict(EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1), MIN_K=min_k,
+              MAX_SPLIT=MAX_SPLIT, HAS_BIAS=has_bias, **cfg)
+    return programs, part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], ints, kw
+
+
 def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
             interpret: bool = False, ieee: bool = True, n_sm: int = 1, busy: int = 0, level: int = 0,
             small: bool = False) -> torch.Tensor:
@@ -232,15 +246,9 @@ def dx_rows(dy: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, count: t
     same kernel with its own plans, :mod:`.fwd`.)"""
     m, k_dim = dy.shape
     n = weight.shape[1]
+    programs, part_n, ints, kw = dx_launch_args(m, n, k_dim, dy.dtype, dy.stride(), weight.stride(), interpret, ieee,
+                                                n_sm, busy, level, small, False)
     dx = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
-    cfg = gemm_config("dx", dy.dtype, interpret, level, small)
-    programs, extra, fill, min_k, part_tiles = dx_split_args(m, n, k_dim, cfg, n_sm, interpret, busy)
-    part = (torch.empty(part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=dy.device)
-            if part_tiles else dx)
-    big = max(dy.stride(0), dx.stride(0)) * m >= 2**31
-    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), dy, fill, extra,
-                     m, n, k_dim,
-                     dy.stride(0), dy.stride(1), weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
-                     EVEN_K=k_dim % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1),
-                     MIN_K=min_k, MAX_SPLIT=MAX_SPLIT, HAS_BIAS=False, **cfg)
+    part = torch.empty(part_n, dtype=torch.float32, device=dy.device) if part_n else dx
+    _dx[(programs,)](dy, weight, dx, part, perm, count, _tickets(dy.device, n_sm), dy, *ints, **kw)
     return dx

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from .dw import _tickets
-from .dx import MAX_SPLIT, _dx, dx_split_args
+from .dx import _dx, dx_launch_args
 from .launch import Plans, fit_to_device, plan_ids
-from .tuning import LEVELS, few_rows, gemm_config
+from .tuning import LEVELS, few_rows
 
 _LEVEL: dict = {}  # device index -> the tile setting that launches there
 _PLANS = Plans(_dx)
@@ -34,15 +34,10 @@ def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor
 
 
 def _plan(m, k_in, n_out, dtype, x_stride, w_stride, ieee, n_sm, interpret, level, has_bias):
-    """(plan number, programs, fp32 partial-sum elements, the integer arguments, the keywords) of one shape."""
-    cfg = gemm_config("dx", dtype, interpret, level, few_rows(m, n_out, n_sm))
-    programs, extra, fill, min_k, part_tiles = dx_split_args(m, n_out, k_in, cfg, n_sm, interpret)
-    big = max(x_stride[0], n_out) * m >= 2**31
-    # the dX kernel's B = Wᵀ: its row stride is W's column stride and the other way round
-    ints = (fill, extra, m, n_out, k_in, *x_stride, w_stride[1], w_stride[0], n_out, 1)
-    kw = dict(EVEN_K=k_in % cfg["BLOCK_K"] == 0, IEEE=ieee, BIG=big, STAGES=cfg.get("num_stages", 1), MIN_K=min_k,
-              MAX_SPLIT=MAX_SPLIT, HAS_BIAS=has_bias, **cfg)
-    return next(plan_ids), programs, part_tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"], ints, kw
+    """(plan number, programs, fp32 partial-sum elements, the integer arguments, the keywords) of one shape: the
+    dX kernel's B = Wᵀ, whose row stride is W's column stride and the other way round."""
+    return next(plan_ids), *dx_launch_args(m, n_out, k_in, dtype, x_stride, (w_stride[1], w_stride[0]), interpret,
+                                           ieee, n_sm, 0, level, few_rows(m, n_out, n_sm), has_bias)
 
 
 def _rows_at(level, x, weight, perm, count, ieee, n_sm, interpret, bias):
