@@ -190,13 +190,12 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return Calibration(density, med([b for _, b in dense]), med([b for _, b in sebp]), layers,
                        sorted(n for n in candidates if n not in layers), reason, norm_names,
-                       dense_step_ms=_median_step(dense) if dense else None,
-                       sebp_step_ms=_median_step(sebp) if sebp else None)
+                       dense_step_ms=_median_step(dense), sebp_step_ms=_median_step(sebp))
 
 
-def _median_step(passes: list[tuple[float, float]]) -> float:
-    """Median forward + backward milliseconds of timed passes."""
-    return statistics.median(f + b for f, b in passes)
+def _median_step(passes: list[tuple[float, float]]) -> float | None:
+    """Median forward + backward milliseconds of timed passes (None for none)."""
+    return statistics.median(f + b for f, b in passes) if passes else None
 
 
 def _fastest_variant(model, batches, norms, acts, reps, timed, variants, warm):
