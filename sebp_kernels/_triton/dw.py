@@ -132,7 +132,7 @@ def _dw_tile(
         acc = _dw_loop(dy_ptr, x_ptr, perm_ptr, start, end, offs_o, offs_i, o_mask, i_mask,
                        stride_dym, stride_dyo, stride_xm, stride_xi, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BIG)
         offs = offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :]
-        _store_split(dw_ptr, offs, part_ptr, offs, N_OUT.to(tl.int64) * N_IN, ticket_ptr, pid, acc,
+        _store_split(dw_ptr, offs, part_ptr, offs, tl.cast(N_OUT, tl.int64) * N_IN, ticket_ptr, pid, acc,
                      o_mask[:, None] & i_mask[None, :], pid_s, n_split)
 
 
