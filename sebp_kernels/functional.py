@@ -15,6 +15,7 @@ and its input is not even saved.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -151,18 +152,19 @@ linear_forward = plain_op(_linear_forward, _linear_forward_fake)
 class _Linear(torch.autograd.Function):
     """``F.linear`` traced into the graph (or, given its layer's padding rows, the opaque
     :func:`linear_forward`, which may compute the real-token rows alone); its backward is the opaque
-    :func:`linear_backward`."""
+    :func:`linear_backward`, or, given ``eps`` (a float), the ``triton_op`` of :mod:`._triton.traced`, whose
+    kernels Inductor launches itself (see :func:`_traced_eps`)."""
 
     @staticmethod
-    def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real):
+    def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps):
         if pad_perm is not None and FORWARD_ROWS:  # (SEBP_FORWARD_ROWS=0: F.linear traced, no operator call)
             return linear_forward(x, weight, bias, key, op_key, pad_perm, pad_count, pad_real)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real = inputs
-        ctx.keys, ctx.has_bias = (op_key, state_key, hint_key), bias is not None
+        x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps = inputs
+        ctx.keys, ctx.has_bias, ctx.eps = (op_key, state_key, hint_key), bias is not None, eps
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, key, pad_perm, pad_count, pad_real)
 
     @staticmethod
@@ -171,18 +173,48 @@ class _Linear(torch.autograd.Function):
         nx, nw, nb = ctx.needs_input_grad[:3]
         nb = nb and ctx.has_bias
         if not (nx or nw or nb):
-            return (None,) * 10
-        dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, key, *ctx.keys, *pad)
-        return (if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb)) + (None,) * 7
+            return (None,) * 11
+        if ctx.eps is None:
+            dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, key, *ctx.keys, *pad)
+        else:
+            dx, dw, db = _grads_traced(dy, x, weight, nx, nw, nb, ctx.eps)
+        return (if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb)) + (None,) * 8
+
+
+def _grads_traced(dy, x, weight, need_dx, need_dw, need_db, eps):
+    from ._triton.traced import linear_grads_traced
+
+    rows = dy.reshape(-1, dy.shape[-1]).contiguous()
+    xs = x.reshape(-1, x.shape[-1]).contiguous() if need_dw else rows
+    dx, dw, db = linear_grads_traced(rows, xs, weight.contiguous(), need_dx, need_dw, need_db, eps)
+    return (dx.view(*dy.shape[:-1], weight.shape[1]) if need_dx else dx), dw, db
+
+
+# SEBP_TRITON_OP=1: a compiled SEBP linear's backward is the triton_op (see _traced_eps), not the operator
+TRITON_OP = os.environ.get("SEBP_TRITON_OP", "0") == "1"
+
+
+def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float]:
+    """The threshold a compiled layer's ``triton_op`` backward selects rows with (0.0: exact), or None where the
+    layer keeps the operator :func:`linear_backward`: top-N selection, the torch backend, inputs the kernels do
+    not take. Read when the graph is traced: Dynamo guards on the config it read."""
+    if not TRITON_OP or config.mode == "topk" or config.backend == "torch" or not x.is_cuda:
+        return None
+    from ._triton.backward import supported
+
+    if not supported(x, x, weight):
+        return None
+    return 0.0 if config.mode == "exact" else float(config.eps)
 
 
 def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: Optional[Tensor], op_key: int = 0,
-                  state_key: int = 0, hint_key: int = 0, pad: tuple | None = None) -> Tensor:
+                  state_key: int = 0, hint_key: int = 0, pad: tuple | None = None,
+                  eps: Optional[float] = None) -> Tensor:
     """What a compiled SEBP linear runs: the module under ``key`` (a :func:`~.registry.key_tensor`) or ``op_key``
     (its int key), or a functional call (``key`` None, ``op_key`` its config's, with the keys of its RowDensity
     and RowHint, 0 for none). ``pad``: the (perm, count, real-token flags) of the forward's padding rows
     (:meth:`~.pad_rows.PadRows.traced`), inputs of the graph that its backward takes (a module's only)."""
-    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key, *(pad or (None, None, None)))
+    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key, *(pad or (None, None, None)), eps)
 
 
 def sebp_linear(
@@ -233,9 +265,10 @@ def sebp_linear(
 
 def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None):
     if torch.compiler.is_compiling():
+        eps = _traced_eps(config, x, weight)
         if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
-            return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad)
+            return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad, eps=eps)
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
-            return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key)
+            return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key, eps=eps)
     return SEBPLinearFunction.apply(x, weight, bias, config, state, hint, rows)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -167,6 +168,8 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # the switches of the SEBP layers' compiled path (sebp_kernels.functional, .pad_rows) this run had set
+        "sebp_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SEBP_")},
     }
 
 

@@ -1,0 +1,141 @@
+"""The SEBP linear's backward as a triton_op (sebp_kernels._triton.traced), which a compiled SEBP linear takes
+with SEBP_TRITON_OP=1: against the torch reference under the interpreter (row counts below their bucket, bias,
+frozen weight, threshold); traced on the CPU into its kernel launches, with a graph per row-count bucket; and
+compiled by Inductor on a GPU against dense."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sebp_kernels import SEBPConfig, functional, registry
+from sebp_kernels.modules import SEBPLinear
+from tests.helpers import interpreter_suite
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
+from sebp_kernels._triton import traced  # noqa: E402
+from sebp_kernels.reference import sebp_backward_torch  # noqa: E402
+
+
+def test_row_counts_are_planned_for_their_power_of_two():
+    assert [traced.row_bucket(m) for m in (1, 256, 257, 300, 512, 513, 4096, 4097)] == \
+        [256, 256, 512, 512, 512, 1024, 4096, 8192]
+
+
+def _stack(device="cpu", dtype=torch.float32, width=24, layers=3):
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(width, width, bias=i == 1).to(device, dtype) for i in range(layers)]
+    dense = torch.nn.Sequential(*linears)
+    sebp = torch.nn.Sequential(*[SEBPLinear.from_linear(lin, SEBPConfig("exact")) for lin in linears])
+    registry.keys_as_inputs(sebp)
+    return sebp, dense
+
+
+def _counting(compiles: list):
+    """A torch.compile backend tracing forward and backward with AOTAutograd; keeps each backward graph."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def backend(gm, example):
+        return aot_module_simplified(gm, example, fw_compiler=lambda g, _: g,
+                                     bw_compiler=lambda g, _: compiles.append(g) or g)
+    return backend
+
+
+@pytest.fixture
+def triton_op(monkeypatch):
+    """The compiled SEBP linears take the triton_op (on the CPU too: no GPU to ask for)."""
+    monkeypatch.setattr(functional, "TRITON_OP", True)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(functional, "_traced_eps", lambda config, x, weight: 0.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled test below runs the kernels")
+def test_a_compiled_sebp_linear_launches_the_kernels_from_the_graph_a_graph_per_bucket(triton_op):
+    """Dynamo and AOTAutograd trace each layer's backward into the flags, compaction and fused gradient
+    launches (no sebp operator); with dynamic shapes, row counts in one power-of-two bucket share the graph and
+    the next bucket traces another."""
+    if INTERPRET:
+        pytest.skip("traced in the main test run (the interpreter's kernels are not wrap_triton's)")
+    sebp, _ = _stack()
+    graphs = []
+    compiled = torch.compile(sebp, dynamic=True, backend=_counting(graphs))
+    for rows, want in ((300, 1), (400, 1), (500, 1), (600, 2)):
+        out = compiled(torch.randn(rows, 24, requires_grad=True))
+        with pytest.raises(RuntimeError, match="driver"):  # traced; its kernels need a GPU
+            out.sum().backward()
+        assert len(graphs) == want, rows
+    code = graphs[-1].code
+    assert code.count("triton_kernel_wrapper_functional(") == 3 * 3 and "sebp.linear_backward" not in code
+
+
+def test_without_the_switch_the_compiled_backward_is_the_operator(monkeypatch):
+    monkeypatch.setattr(functional, "TRITON_OP", False)
+    sebp, _ = _stack()
+    graphs = []
+    torch.compile(sebp, dynamic=False, backend=_counting(graphs))(torch.randn(30, 24, requires_grad=True)).sum() \
+        .backward()  # the operator runs the torch path on the CPU
+    assert "sebp.linear_backward" in graphs[-1].code and "triton_kernel_wrapper" not in graphs[-1].code
+
+
+@pytest.mark.parametrize("mode,backend", [("topk", "auto"), ("exact", "torch")])
+def test_layers_the_kernels_do_not_serve_keep_the_operator(monkeypatch, mode, backend):
+    monkeypatch.setattr(functional, "TRITON_OP", True)
+    cfg = SEBPConfig(mode, top_n=4, backend=backend) if mode == "topk" else SEBPConfig(mode, backend=backend)
+    assert functional._traced_eps(cfg, torch.zeros(2, 4), torch.zeros(4, 4)) is None
+
+
+def test_the_switch_is_off_by_default_and_on_the_cpu():
+    assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(2, 4), torch.zeros(4, 4)) is None
+
+
+def _reference(dy, x, weight, need, eps):
+    cfg = SEBPConfig("exact") if eps == 0 else SEBPConfig("threshold", eps=eps)
+    return sebp_backward_torch(dy, x, weight, cfg, *need)
+
+
+if INTERPRET:
+    @pytest.mark.parametrize("rows", [5, 300])  # below their buckets (256, 512): the grids cover more rows
+    @pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, True, True)])
+    @pytest.mark.parametrize("eps", [0.0, 0.5])
+    def test_interpreted_gradients_equal_the_reference(rows, need, eps):
+        try:
+            torch.library.wrap_triton(traced._grads_kernel)
+        except RuntimeError as err:  # torch 2.11's wrap_triton takes only compiled kernels
+            pytest.skip(f"this torch's wrap_triton refuses the interpreter's kernels: {err}")
+        torch.manual_seed(rows)
+        dy, x, weight = torch.randn(rows, 24), torch.randn(rows, 40), torch.randn(24, 40)
+        dy[::3] = 0  # rows without gradient
+        dy[1::3] *= 0.1  # rows below the threshold
+        got = traced.linear_grads_traced(dy, x, weight, *need, eps)
+        for g, w, wanted in zip(got, _reference(dy, x, weight, need, eps), need):
+            if wanted:
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            else:
+                assert g.numel() == 0
+else:
+    test_interpreter_suite = interpreter_suite(__file__)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inductor_compiled_sebp_linears_equal_dense_across_buckets(monkeypatch, dtype):
+    monkeypatch.setattr(functional, "TRITON_OP", True)
+    torch._dynamo.reset()
+    sebp, dense = _stack("cuda", dtype, width=256, layers=4)
+    compiled = torch.compile(sebp, dynamic=True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for rows in (700, 900, 1500):
+        x = torch.randn(rows, 256, device="cuda", dtype=dtype)
+        mask = (torch.arange(rows, device="cuda") % 3 != 0).to(dtype)[:, None]  # a third of the rows: no gradient
+        grads = []
+        for net in (compiled, dense):
+            xi = x.clone().requires_grad_()
+            for p in net.parameters():
+                p.grad = None
+            (net(xi) * mask).float().pow(2).sum().backward()
+            grads.append([xi.grad] + [p.grad.clone() for p in net.parameters()])
+        for a, b in zip(*grads):
+            assert float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max()), rows
