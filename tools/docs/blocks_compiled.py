@@ -232,3 +232,49 @@ def op_overhead(page: Page) -> str:
               stack_rows, "lrr"),
         f"Host microseconds per call, the median of {d['rounds']} interleaved rounds of {d['calls']} calls "
         "(the stacks: a tenth as many steps); rows few enough that the GPU never sets the pace."]))
+
+
+@block("op_triton")
+def op_triton(page: Page) -> str:
+    """The static-shape stack of linears, half its rows without gradient: dense, SEBP through the operator and
+    SEBP with the triton_op backward (results/op_overhead_h100/op_triton.json)."""
+    src = page.load("op_overhead_h100/op_triton.json")
+    d = src.data
+    stack, diff, n = d["stack_step_us"], d["max_rel_diff"], d["layers"]
+    names = {"dense": "dense", "sebp_library": "SEBP, the operator `sebp::linear_backward` (`sebp_kernels.library`)",
+             "sebp_triton_op": "SEBP, the `triton_op` (`sebp_kernels._triton.traced`)"}
+    rows = [[what, f1(stack[k]), "-" if k == "dense" else f1((stack[k] - stack["dense"]) / n),
+             "-" if k == "dense" else f"{diff[k]:.1g}"] for k, what in names.items()]
+    return captioned(page, [src], "\n\n".join([
+        table([f"{n} linears ({d['rows']} x {d['width']} rows, half without gradient, bf16) compiled, static shapes",
+               "host us per step", "more per layer than dense", "largest gradient difference from dense"],
+              rows, "lrrr"),
+        f"Host microseconds per forward + backward, the median of {d['rounds']} interleaved rounds of {d['calls']} "
+        "steps; the difference relative to the gradient's largest magnitude."]))
+
+
+TRITON_OP_MODEL = ("layouts_compiled_h100/model_llama-3.2-1b-sft_longest_libop_pair.json",
+                   "layouts_compiled_h100/model_llama-3.2-1b-sft_longest_triton_op.json")
+
+
+@block("triton_op_model")
+def triton_op_model(page: Page) -> str:
+    """Llama-3.2-1B `longest`, compiled, in two runs on one machine: the SEBP linears' backward through the
+    operator, then through the triton_op (SEBP_TRITON_OP=1); dense in both."""
+    srcs = [page.load(rel) for rel in TRITON_OP_MODEL]
+    runs = [_rows(s.rows("models")[0]) for s in srcs]
+    out = []
+    for head in ("full", "labelled"):
+        for method, what in (("dense", "dense"), ("sebp", "SEBP")):
+            cells = []
+            for rows in runs:
+                r = rows[("longest", method, head, "compiled")]
+                cells += [f"{f1(r['ms'])} ({f1(r['forward_ms'])} + {f1(r['backward_ms'])})",
+                          f"{f1(r['compile_s'])} / {r['recompiles']}"]
+            out.append([f"{what}, {head} head", *cells])
+    return captioned(page, srcs, "\n\n".join([
+        table(["llama-3.2-1b-sft longest, compiled", "operator run: ms a step (fwd + bwd)",
+               "compile s / recompiles", "triton_op run: ms a step (fwd + bwd)", "compile s / recompiles"], out,
+              "lrrrr"),
+        "Each run: the same 6 batches, every entry's step the mean over them of the median of its repeats; dense "
+        "ran in both runs, so its two figures show the spread between runs."]))

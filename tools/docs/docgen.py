@@ -115,6 +115,12 @@ def _setting(src: Source) -> str:
     return f"{parts[0]} ({', '.join(versions)}), {date}" if versions else f"{parts[0]}, {date}"
 
 
+def _switches(src: Source) -> str:
+    """The SEBP_* environment variables a run had set (the bench records them), as a command's prefix."""
+    env = src.env().get("sebp_env") or {}
+    return "".join(f"{k}={v} " for k, v in sorted(env.items()))
+
+
 def caption(page: Page, *sources: Source) -> str:
     """The caption line(s) of a table: for each GPU / versions / date, the commands and the files they wrote."""
     groups: dict[str, list[Source]] = {}
@@ -122,8 +128,8 @@ def caption(page: Page, *sources: Source) -> str:
         groups.setdefault(_setting(src), []).append(src)
     lines = []
     for setting, group in groups.items():
-        runs = "; ".join(f"`{command(s.data.get('command') or s.env().get('command', '?'))}` → {page.link(s.rel)}"
-                         for s in group)
+        runs = "; ".join(f"`{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}` → "
+                         f"{page.link(s.rel)}" for s in group)
         lines.append(f"*Measured on {setting}: {runs}.*")
     return "\n\n".join(lines)
 
