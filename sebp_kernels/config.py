@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 Mode = Literal["exact", "threshold", "topk"]
 Backend = Literal["auto", "torch", "triton"]
 MODES: tuple[str, ...] = ("exact", "threshold", "topk")
+# The environment switches of the compiled path, read once at import: SEBP_FORWARD_ROWS=0 (every forward on all
+# rows, .pad_rows) and SEBP_TRITON_OP=1 (the triton_op backward, .functional).
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
@@ -81,3 +84,8 @@ def _op_key(config: SEBPConfig) -> int:
         key = _KEY_OF_VALUES[values] = -(len(_KEY_OF_VALUES) + 1)
         CONFIG_OF_KEY[key] = config
     return key
+
+
+def switches() -> dict[str, str]:
+    """The ``SEBP_*`` environment variables set in this process, for a run's record of what it ran with."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("SEBP_")}

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import platform
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from sebp_kernels.config import switches
 
 DENSITIES: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -168,8 +169,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        # the switches of the SEBP layers' compiled path (sebp_kernels.functional, .pad_rows) this run had set
-        "sebp_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SEBP_")},
+        "sebp_env": switches(),  # the SEBP_* switches this run had set
     }
 
 

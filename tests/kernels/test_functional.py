@@ -171,6 +171,16 @@ def test_config_rejects_bad_values(kwargs, err):
         SEBPConfig(**kwargs)
 
 
+def test_a_run_records_the_sebp_switches_it_had_set(monkeypatch):
+    from sebp_kernels.config import switches
+    from sebp_probe.train.rundir import versions
+
+    monkeypatch.setenv("SEBP_TRITON_OP", "1")
+    monkeypatch.delenv("SEBP_FORWARD_ROWS", raising=False)
+    assert switches()["SEBP_TRITON_OP"] == "1" and "SEBP_FORWARD_ROWS" not in switches()
+    assert versions()["sebp_env"] == switches()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_inf_row_stays_active_when_eps_exceeds_the_dtype_range(dtype):
     dy = torch.zeros(4, 3, dtype=dtype)
