@@ -198,11 +198,14 @@ def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float
     """The threshold a compiled layer's ``triton_op`` backward selects rows with (0.0: exact), or None where the
     layer keeps the operator :func:`linear_backward`: top-N selection, the torch backend, inputs the kernels do
     not take. Read when the graph is traced: Dynamo guards on the config it read."""
-    if not TRITON_OP or config.mode == "topk" or config.backend == "torch" or not x.is_cuda:
+    if not TRITON_OP or config.mode == "topk" or config.backend == "torch" or x.dim() < 2:
         return None
-    from ._triton.backward import supported
-
-    if not supported(x, x, weight):
+    try:
+        from ._triton.backward import supported
+    except ImportError:  # no triton
+        return None
+    # the backward's dY has x's rows and dtype: the kernels' check, on the rows as 2-D (a model's x is 3-D)
+    if not supported(x.reshape(-1, x.shape[-1]), None, weight):
         return None
     return 0.0 if config.mode == "exact" else float(config.eps)
 

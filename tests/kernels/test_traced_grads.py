@@ -61,11 +61,11 @@ def test_a_compiled_sebp_linear_launches_the_kernels_from_the_graph_a_graph_per_
     sebp, _ = _stack()
     graphs = []
     compiled = torch.compile(sebp, dynamic=True, backend=_counting(graphs))
-    for rows, want in ((300, 1), (400, 1), (500, 1), (600, 2)):
-        out = compiled(torch.randn(rows, 24, requires_grad=True))
+    for seq, want in ((150, 1), (200, 1), (250, 1), (300, 2)):  # 2 x seq rows: 300-500 in one bucket, 600 not
+        out = compiled(torch.randn(2, seq, 24, requires_grad=True))
         with pytest.raises(RuntimeError, match="driver"):  # traced; its kernels need a GPU
             out.sum().backward()
-        assert len(graphs) == want, rows
+        assert len(graphs) == want, seq
     code = graphs[-1].code
     assert code.count("triton_kernel_wrapper_functional(") == 3 * 3 and "sebp.linear_backward" not in code
 
@@ -86,8 +86,11 @@ def test_layers_the_kernels_do_not_serve_keep_the_operator(monkeypatch, mode, ba
     assert functional._traced_eps(cfg, torch.zeros(2, 4), torch.zeros(4, 4)) is None
 
 
-def test_the_switch_is_off_by_default_and_on_the_cpu():
+def test_the_switch_is_off_by_default_and_the_cpu_keeps_the_operator(monkeypatch):
     assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(2, 4), torch.zeros(4, 4)) is None
+    if not INTERPRET:  # (the interpreter's kernels take CPU tensors: its suite checks them below)
+        monkeypatch.setattr(functional, "TRITON_OP", True)
+        assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(2, 4), torch.zeros(4, 4)) is None
 
 
 def _reference(dy, x, weight, need, eps):
@@ -96,6 +99,15 @@ def _reference(dy, x, weight, need, eps):
 
 
 if INTERPRET:
+    @pytest.mark.parametrize("shape", [(6, 4), (2, 3, 4), (2, 3, 5, 4)])
+    def test_layers_of_any_leading_shape_take_the_kernels(monkeypatch, shape):
+        """A model's linears see (batch, seq, features): the check is on the rows, not on x as it comes."""
+        monkeypatch.setattr(functional, "TRITON_OP", True)
+        weight = torch.zeros(5, 4)
+        assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(shape), weight) == 0.0
+        assert functional._traced_eps(SEBPConfig("threshold", eps=0.25), torch.zeros(shape), weight) == 0.25
+        assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(shape, dtype=torch.float64), weight) is None
+
     @pytest.mark.parametrize("rows", [5, 300])  # below their buckets (256, 512): the grids cover more rows
     @pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, True, True)])
     @pytest.mark.parametrize("eps", [0.0, 0.5])
@@ -123,13 +135,16 @@ else:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_inductor_compiled_sebp_linears_equal_dense_across_buckets(monkeypatch, dtype):
     monkeypatch.setattr(functional, "TRITON_OP", True)
+    traced_calls = []
+    real = functional._grads_traced
+    monkeypatch.setattr(functional, "_grads_traced", lambda *a: traced_calls.append(1) or real(*a))
     torch._dynamo.reset()
     sebp, dense = _stack("cuda", dtype, width=256, layers=4)
     compiled = torch.compile(sebp, dynamic=True)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    for rows in (700, 900, 1500):
-        x = torch.randn(rows, 256, device="cuda", dtype=dtype)
-        mask = (torch.arange(rows, device="cuda") % 3 != 0).to(dtype)[:, None]  # a third of the rows: no gradient
+    for seq in (350, 450, 750):  # (batch, seq, features) as a model's linears see them; rows 700-1500
+        x = torch.randn(2, seq, 256, device="cuda", dtype=dtype)
+        mask = (torch.arange(seq, device="cuda") % 3 != 0).to(dtype)[None, :, None]  # a third: no gradient
         grads = []
         for net in (compiled, dense):
             xi = x.clone().requires_grad_()
@@ -138,4 +153,5 @@ def test_inductor_compiled_sebp_linears_equal_dense_across_buckets(monkeypatch, 
             (net(xi) * mask).float().pow(2).sum().backward()
             grads.append([xi.grad] + [p.grad.clone() for p in net.parameters()])
         for a, b in zip(*grads):
-            assert float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max()), rows
+            assert float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max()), seq
+    assert traced_calls  # the layers' backward was the triton_op (traced once a layer a compile), not the operator

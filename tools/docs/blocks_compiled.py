@@ -252,29 +252,3 @@ def op_triton(page: Page) -> str:
         f"Host microseconds per forward + backward, the median of {d['rounds']} interleaved rounds of {d['calls']} "
         "steps; the difference relative to the gradient's largest magnitude."]))
 
-
-TRITON_OP_MODEL = ("layouts_compiled_h100/model_llama-3.2-1b-sft_longest_libop_pair.json",
-                   "layouts_compiled_h100/model_llama-3.2-1b-sft_longest_triton_op.json")
-
-
-@block("triton_op_model")
-def triton_op_model(page: Page) -> str:
-    """Llama-3.2-1B `longest`, compiled, in two runs on one machine: the SEBP linears' backward through the
-    operator, then through the triton_op (SEBP_TRITON_OP=1); dense in both."""
-    srcs = [page.load(rel) for rel in TRITON_OP_MODEL]
-    runs = [_rows(s.rows("models")[0]) for s in srcs]
-    out = []
-    for head in ("full", "labelled"):
-        for method, what in (("dense", "dense"), ("sebp", "SEBP")):
-            cells = []
-            for rows in runs:
-                r = rows[("longest", method, head, "compiled")]
-                cells += [f"{f1(r['ms'])} ({f1(r['forward_ms'])} + {f1(r['backward_ms'])})",
-                          f"{f1(r['compile_s'])} / {r['recompiles']}"]
-            out.append([f"{what}, {head} head", *cells])
-    return captioned(page, srcs, "\n\n".join([
-        table(["llama-3.2-1b-sft longest, compiled", "operator run: ms a step (fwd + bwd)",
-               "compile s / recompiles", "triton_op run: ms a step (fwd + bwd)", "compile s / recompiles"], out,
-              "lrrrr"),
-        "Each run: the same 6 batches, every entry's step the mean over them of the median of its repeats; dense "
-        "ran in both runs, so its two figures show the spread between runs."]))
