@@ -11,8 +11,10 @@
 # (benchmarks/resprop_bench.py); resprop-profile (one level, with a kernel breakdown); breakdown (Llama SFT
 # eager, GPU kernel time by kind, with and without the padding mask); breakdown-bert (BERT-base, SEBP with
 # norms and activations); gpu-pad (the padding-rows and tile tests); op-overhead (benchmarks/op_overhead.py);
-# triton-op (its GPU test, then op_overhead.py --triton-op: the backward as a triton_op against the library
-# operator); gpu1 / gpu2 (every GPU-marked test: tests/kernels, then the rest). The packages
+# triton-op (its GPU tests, then op_overhead.py --triton-op: the backward as a triton_op against the library
+# operator); triton-op-model (Llama-3.2-1B `longest` compiled, dense and SEBP with the labelled head, with
+# SEBP_TRITON_OP=1 and without, in the order 1 0 0 1, through compile_session.sh); gpu1 / gpu2 (every GPU-marked
+# test: tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
 # cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
 set -u
@@ -62,8 +64,11 @@ for s in ${STEPS:-smoke}; do
     head-qwen) python3 benchmarks/head_bench.py --shapes qwen2.5-0.5b --extra-chunks 1024 704 512 --repeats 30 \
                  --out "$OUT/head_qwen.json" 2>&1 | grep -v Warning | tail -30 ;;
     op-overhead) python3 benchmarks/op_overhead.py "$OUT/op_overhead.json" 2>&1 | tail -30 ;;
-    triton-op) python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_op_triton.py 2>&1 | tail -5
+    triton-op) python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_op_triton.py tests/kernels/test_traced_grads.py 2>&1 | tail -5
       python3 benchmarks/op_overhead.py --triton-op "$OUT/op_triton.json" 2>&1 | tail -30 ;;
+    triton-op-model) i=0; for op in 1 0 0 1; do i=$((i + 1))
+        SEBP_TRITON_OP=$op STEPS=llama LAYOUTS=longest METHODS=dense:labelled,sebp:labelled BATCHES=6 GRAPHS=0 \
+          TAG=_tt${op}_$i LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1
       grep -B2 -A12 "^E  " "$OUT/$s.txt" | head -80; tail -3 "$OUT/$s.txt" ;;
