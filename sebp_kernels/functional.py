@@ -15,6 +15,7 @@ and its input is not even saved.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Optional
 
@@ -190,22 +191,39 @@ def _grads_traced(dy, x, weight, need_dx, need_dw, need_db, eps):
     return (dx.view(*dy.shape[:-1], weight.shape[1]) if need_dx else dx), dw, db
 
 
+def triton_op_available() -> bool:
+    """Whether the ``triton_op`` backward can run here: triton imports, and torch has ``torch.library.triton_op``
+    (2.6 and later). Asked once, at import."""
+    try:
+        importlib.import_module(f"{__package__}._triton.traced")
+    except ImportError:
+        return False
+    return True
+
+
 # SEBP_TRITON_OP=1: a compiled SEBP linear's backward is the triton_op (see _traced_eps), not the operator
-TRITON_OP = os.environ.get("SEBP_TRITON_OP", "0") == "1"
+TRITON_OP = os.environ.get("SEBP_TRITON_OP", "0") == "1" and triton_op_available()
+
+
+@torch.compiler.assume_constant_result
+def _kernels_take(dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype,
+                  weight_device: torch.device) -> bool:
+    """Whether the Triton kernels take rows of this dtype on this device with such a weight
+    (:func:`._triton.backward.takes`; bf16 asks the GPU's compute capability). Called by Dynamo when it traces,
+    its answer a constant."""
+    from ._triton.backward import takes
+
+    return weight_dtype == dtype and weight_device == device and takes(dtype, device)
 
 
 def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float]:
     """The threshold a compiled layer's ``triton_op`` backward selects rows with (0.0: exact), or None where the
     layer keeps the operator :func:`linear_backward`: top-N selection, the torch backend, inputs the kernels do
-    not take. Read when the graph is traced: Dynamo guards on the config it read."""
+    not take (dtype, device, no rows). Read when the graph is traced: Dynamo guards on the config and the sizes
+    it read."""
     if not TRITON_OP or config.mode == "topk" or config.backend == "torch" or x.dim() < 2:
         return None
-    try:
-        from ._triton.backward import supported
-    except ImportError:  # no triton
-        return None
-    # the backward's dY has x's rows and dtype: the kernels' check, on the rows as 2-D (a model's x is 3-D)
-    if not supported(x.reshape(-1, x.shape[-1]), None, weight):
+    if x.numel() == 0 or weight.numel() == 0 or not _kernels_take(x.dtype, x.device, weight.dtype, weight.device):
         return None
     return 0.0 if config.mode == "exact" else float(config.eps)
 

@@ -23,13 +23,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def supported(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    """Whether the Triton kernels handle these inputs (else the torch path runs): bf16 needs a GPU whose tensor
-    cores take it (compute capability 8.0 or later)."""
-    want = "cpu" if INTERPRET else "cuda"
+    """Whether the Triton kernels handle these inputs (else the torch path runs): 2-D rows, none empty, every
+    tensor in dY's dtype, which :func:`takes`."""
     tensors = [t for t in (dy, x, weight) if t is not None]
-    return (all(t.device.type == want and t.dtype == dy.dtype for t in tensors)
-            and dy.dtype in DTYPES and dy.dim() == 2 and min(dy.shape) > 0 and weight.shape[1] > 0
-            and (dy.dtype != torch.bfloat16 or INTERPRET or _bf16_dots(dy.device.index)))
+    return (takes(dy.dtype, dy.device)
+            and all(t.device.type == dy.device.type and t.dtype == dy.dtype for t in tensors) and dy.dim() == 2 and min(dy.shape) > 0 and weight.shape[1] > 0)
+
+
+def takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels take tensors of ``dtype`` on ``device``: CUDA (the CPU under the interpreter), fp16,
+    bf16 or fp32; bf16 needs a GPU whose tensor cores take it (compute capability 8.0 or later)."""
+    return (device.type == ("cpu" if INTERPRET else "cuda") and dtype in DTYPES
+            and (dtype != torch.bfloat16 or INTERPRET or _bf16_dots(device.index)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -86,6 +86,13 @@ def test_layers_the_kernels_do_not_serve_keep_the_operator(monkeypatch, mode, ba
     assert functional._traced_eps(cfg, torch.zeros(2, 4), torch.zeros(4, 4)) is None
 
 
+def test_a_torch_without_triton_op_has_no_switch(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sebp_kernels._triton.traced", None)  # its import fails
+    assert not functional.triton_op_available()
+
+
 def test_the_switch_is_off_by_default_and_the_cpu_keeps_the_operator(monkeypatch):
     assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(2, 4), torch.zeros(4, 4)) is None
     if not INTERPRET:  # (the interpreter's kernels take CPU tensors: its suite checks them below)
@@ -107,6 +114,18 @@ if INTERPRET:
         assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(shape), weight) == 0.0
         assert functional._traced_eps(SEBPConfig("threshold", eps=0.25), torch.zeros(shape), weight) == 0.25
         assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(shape, dtype=torch.float64), weight) is None
+
+    def test_dynamo_reads_the_choice_without_a_graph_break(monkeypatch):
+        monkeypatch.setattr(functional, "TRITON_OP", True)
+        cfg = SEBPConfig("threshold", eps=0.5)
+
+        def f(x, w):
+            return x * functional._traced_eps(cfg, x, w)
+
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(f)(torch.ones(2, 3, 4), torch.zeros(5, 4))
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        assert torch.compile(f, backend="eager")(torch.ones(2, 3, 4), torch.zeros(5, 4)).max() == 0.5
 
     @pytest.mark.parametrize("rows", [5, 300])  # below their buckets (256, 512): the grids cover more rows
     @pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, True, True)])
