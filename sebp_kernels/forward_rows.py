@@ -85,6 +85,13 @@ def pays(rows: int, in_features: int, out_features: int, density: float | None) 
     return rows >= MIN_ROWS and rows * in_features * out_features * (1.0 - real) > MIN_SKIPPED
 
 
+def could_pay(rows, in_features: int, out_features: int) -> bool:
+    """Whether :func:`pays` can hold for this shape at any share of real rows (none real at best). A compiled
+    SEBP linear asks it when its graph is traced (``rows`` may be symbolic: the answer is then a guard), and where
+    it cannot, traces ``F.linear`` instead of calling the forward operator for nothing."""
+    return rows >= MIN_ROWS and rows * in_features * out_features > MIN_SKIPPED
+
+
 def linear_maybe_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, rows) -> Tensor:
     """:func:`linear_over_rows` where ``rows`` (perm, count, a recent real-row share or None) names the
     real-token rows and that :func:`pays`, else ``F.linear``."""

@@ -26,7 +26,7 @@ from torch import Tensor
 from . import registry, zero_rows
 from .config import SEBPConfig
 from .density import RowDensity
-from .forward_rows import linear_maybe_over_rows
+from .forward_rows import could_pay, linear_maybe_over_rows
 from .library import plain_op
 from .pad_rows import FORWARD_ROWS, bind_traced, forward_rows_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
@@ -158,7 +158,8 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps):
-        if pad_perm is not None and FORWARD_ROWS:  # (SEBP_FORWARD_ROWS=0: F.linear traced, no operator call)
+        # SEBP_FORWARD_ROWS=0, or a shape where the forward over rows never pays: F.linear traced, no operator call
+        if pad_perm is not None and FORWARD_ROWS and could_pay(x.numel() // x.shape[-1], *weight.shape[::-1]):
             return linear_forward(x, weight, bias, key, op_key, pad_perm, pad_count, pad_real)
         return F.linear(x, weight, bias)
 

@@ -85,6 +85,18 @@ def test_it_pays_on_large_batches_with_padding_only():
     assert not pays(2112, 768, 3072, 0.25) and not pays(2112, 3072, 768, 0.5)
 
 
+def test_a_shape_that_could_never_pay_is_told_apart_from_the_shapes_alone():
+    """What a compiled layer asks when traced: BERT-base's 2112-row batches never pay (F.linear traced, no
+    operator call); Llama's do at some share of real rows, Qwen's 896->128 k/v at none; and pays implies it."""
+    from sebp_kernels.forward_rows import could_pay
+
+    assert not could_pay(2112, 768, 3072) and not could_pay(4095, 8192, 8192)
+    assert not could_pay(8192, 896, 128)  # 0.94e9 multiply-adds with every row padding: under the 3e9
+    assert could_pay(8192, 2048, 2048) and could_pay(8192, 896, 896)
+    for rows, n_in, n_out, share in ((8192, 2048, 512, 0.5), (4096, 2048, 2048, 0.1), (8192, 896, 128, 0.0)):
+        assert could_pay(rows, n_in, n_out) or not pays(rows, n_in, n_out, share)
+
+
 def test_the_kernel_reads_w_transposed_only_within_32_bit_offsets():
     """Wᵀ as a strided view: unit column stride, and the largest offset (rows x row stride) under 2**31, which
     a column slice of a wide matrix can pass while its own size stays under it."""

@@ -293,11 +293,24 @@ def _check_prompt_masked_lm(device, dtype, backend, atol, rtol):
     assert pad_rows_summary(model) == {"state": ON, "taken": 2 * (5 * (last + 1) - 3), "own": 4}
 
 
-def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
+def _check_compiled_layers(arch, device, dtype, backend, atol, rtol, forward_rows=True):
     """Each layer compiled (the pre-hook eager): the linears' backward operators take the padding rows their
     forward passed on as graph inputs, checked first; the verdict "on" compiles nothing again, and batches of
     other lengths (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
-    batch's rows are read), and the linears select theirs."""
+    batch's rows are read), and the linears select theirs. ``forward_rows`` False: these shapes can never pay
+    for the forward over rows, whose operator the layers then never call (F.linear traced)."""
+    from sebp_kernels import functional
+
+    calls = []
+    real = functional.linear_maybe_over_rows  # what the forward operator runs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(functional, "linear_maybe_over_rows", lambda *a: calls.append(1) or real(*a))
+        _compiled_layers_steps(arch, device, dtype, backend, atol, rtol)
+    assert bool(calls) == forward_rows and bool(_FORWARD_ROWS) == forward_rows
+
+
+def _compiled_layers_steps(arch, device, dtype, backend, atol, rtol):
+    """The steps of :func:`_check_compiled_layers`."""
     from sebp_probe.train.compiling import compile_layers, dynamo_counts
     from tests.tiny_models import padded_batch
 
@@ -314,7 +327,7 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
         assert graphs > 0  # the layers ran compiled
         for batch in batches[1:3]:
             _same_step(model, dense, batch, atol, rtol)
-        assert pad.state == ON and pad.taken == 2 * _taking(model, arch) and _FORWARD_ROWS
+        assert pad.state == ON and pad.taken == 2 * _taking(model, arch)
         assert dynamo_counts()[0] == graphs  # neither the verdict nor the lengths compiled again
     finally:
         undo()
@@ -387,6 +400,12 @@ else:
     @pytest.mark.parametrize("arch", ["bert", "llama"])
     def test_interp_compiled_layers_take_the_padding_rows(arch):
         _check_compiled_layers(arch, "cpu", torch.float32, "triton", 1e-5, 1e-4)
+
+    def test_interp_compiled_layers_whose_rows_never_pay_trace_f_linear(monkeypatch):
+        from sebp_kernels import forward_rows
+
+        monkeypatch.setattr(forward_rows, "MIN_ROWS", 4096)  # the product's line: the tiny batches are below it
+        _check_compiled_layers("llama", "cpu", torch.float32, "triton", 1e-5, 1e-4, forward_rows=False)
 
 
 def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():
