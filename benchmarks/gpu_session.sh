@@ -64,7 +64,7 @@ for s in ${STEPS:-smoke}; do
     head-qwen) python3 benchmarks/head_bench.py --shapes qwen2.5-0.5b --extra-chunks 1024 704 512 --repeats 30 \
                  --out "$OUT/head_qwen.json" 2>&1 | grep -v Warning | tail -30 ;;
     op-overhead) python3 benchmarks/op_overhead.py "$OUT/op_overhead.json" 2>&1 | tail -30 ;;
-    triton-op) python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_op_triton.py tests/kernels/test_traced_grads.py 2>&1 | tail -5
+    triton-op) python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_traced_lowering.py tests/kernels/test_traced_grads.py 2>&1 | tail -5
       python3 benchmarks/op_overhead.py --triton-op "$OUT/op_triton.json" 2>&1 | tail -30 ;;
     triton-op-model) i=0; for op in 1 0 0 1; do i=$((i + 1))
         SEBP_TRITON_OP=$op STEPS=llama LAYOUTS=longest METHODS=dense:labelled,sebp:labelled BATCHES=6 GRAPHS=0 \

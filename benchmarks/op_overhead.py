@@ -21,7 +21,7 @@ GPU never sets the pace:
 ``--triton-op OUT2.json`` times, instead, the same stack compiled with static shapes and half of its rows
 without gradient (so that every SEBP layer takes its sparse path): dense; SEBP with the operator of
 :mod:`sebp_kernels.library`; SEBP with the backward as a ``torch.library.triton_op`` whose kernels Inductor
-launches from its own code (``benchmarks/op_triton.py``, exact mode without density state or hints). Each
+launches from its own code (the switch SEBP_TRITON_OP=1 sets, :mod:`sebp_kernels._triton.traced`). Each
 SEBP stack's gradients are checked against dense's first (``max_rel_diff``).
 
 Each figure: the host seconds of ``--calls`` calls (no synchronisation between them) divided by their number,
@@ -174,42 +174,48 @@ def stacks(calls: int, rounds: int) -> dict[str, float]:
     return out
 
 
-def _masked_step(net, x, mask):
+def _masked_step(net, x, mask, triton_op: bool = False):
+    """One forward + backward of ``net``; ``triton_op``: with the compiled SEBP linears' switch
+    (``functional.TRITON_OP``, read when the graph is traced and guarded on) on, as SEBP_TRITON_OP=1 sets it."""
     def step():
-        (net(x) * mask).sum().backward()
+        saved, functional.TRITON_OP = functional.TRITON_OP, triton_op
+        try:
+            (net(x) * mask).sum().backward()
+        finally:
+            functional.TRITON_OP = saved
     return step
 
 
-def _grads(net, x, mask) -> list[torch.Tensor]:
-    for p in net.parameters():
-        p.grad = None
-    x.grad = None
-    (net(x) * mask).float().sum().backward()
-    return [x.grad.float()] + [p.grad.float() for p in net.parameters()]
+class TritonOpStack(torch.nn.Sequential):
+    """A third copy of the stack's code, so Dynamo compiles it apart from the other two SEBP stacks."""
+
+    def forward(self, x):
+        return super().forward(x)
 
 
 def triton_op_stacks(calls: int, rounds: int) -> dict:
     """Host us per step of the static-shape stacks (see the module docstring), and each SEBP stack's largest
     gradient difference from dense relative to the gradient's largest magnitude."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import op_triton  # noqa: E402 - defines its operator on import: only for this comparison
-
     torch._dynamo.reset()
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.zeros(M, 1, device="cuda", dtype=torch.bfloat16)
     mask[: M // 2] = 1  # half the rows carry no gradient: each SEBP layer's sparse path
-    dense = stack(False)
-    nets = {"dense": dense, "sebp_library": stack(True, TwinStack),
-            "sebp_triton_op": op_triton.TritonOpStack(list(dense))}
-    for i in range(LAYERS):  # the same weights in every stack
-        nets["sebp_library"][i].weight.data.copy_(dense[i].weight)
-    compiled = {k: torch.compile(v, dynamic=False) for k, v in nets.items()}
-    want = _grads(compiled["dense"], x, mask)
-    diffs = {}
-    for k in ("sebp_library", "sebp_triton_op"):
-        got = _grads(compiled[k], x, mask)
-        diffs[k] = max(float((a - b).abs().max()) / max(float(a.abs().max()), 1e-30) for a, b in zip(want, got))
-    out = interleaved({k: _masked_step(v, x, mask) for k, v in compiled.items()}, calls, rounds)
+    nets = {"dense": stack(False), "sebp_library": stack(True, TwinStack), "sebp_triton_op": stack(True, TritonOpStack)}
+    for name in ("sebp_library", "sebp_triton_op"):  # the same weights in every stack
+        for i in range(LAYERS):
+            nets[name][i].weight.data.copy_(nets["dense"][i].weight)
+    steps = {k: _masked_step(torch.compile(v, dynamic=False), x, mask, k == "sebp_triton_op")
+             for k, v in nets.items()}
+    grads = {}
+    for k, step in steps.items():
+        x.grad = None
+        for p in nets[k].parameters():
+            p.grad = None
+        step()
+        grads[k] = [x.grad.float()] + [p.grad.float() for p in nets[k].parameters()]
+    diffs = {k: max(float((a - b).abs().max()) / max(float(a.abs().max()), 1e-30)
+                    for a, b in zip(grads["dense"], grads[k])) for k in ("sebp_library", "sebp_triton_op")}
+    out = interleaved(steps, calls, rounds)
     return {"stack_step_us": out, "max_rel_diff": diffs}
 
 

@@ -27,7 +27,8 @@ def supported(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor) ->
     tensor in dY's dtype, which :func:`takes`."""
     tensors = [t for t in (dy, x, weight) if t is not None]
     return (takes(dy.dtype, dy.device)
-            and all(t.device.type == dy.device.type and t.dtype == dy.dtype for t in tensors) and dy.dim() == 2 and min(dy.shape) > 0 and weight.shape[1] > 0)
+            and all(t.device.type == dy.device.type and t.dtype == dy.dtype for t in tensors)
+            and dy.dim() == 2 and min(dy.shape) > 0 and weight.shape[1] > 0)
 
 
 def takes(dtype: torch.dtype, device: torch.device) -> bool:
