@@ -9,8 +9,6 @@ from typing import Literal
 Mode = Literal["exact", "threshold", "topk"]
 Backend = Literal["auto", "torch", "triton"]
 MODES: tuple[str, ...] = ("exact", "threshold", "topk")
-# The environment switches of the compiled path, read once at import: SEBP_FORWARD_ROWS=0 (every forward on all
-# rows, .pad_rows) and SEBP_TRITON_OP=1 (the triton_op backward, .functional).
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
@@ -87,5 +85,7 @@ def _op_key(config: SEBPConfig) -> int:
 
 
 def switches() -> dict[str, str]:
-    """The ``SEBP_*`` environment variables set in this process, for a run's record of what it ran with."""
+    """The ``SEBP_*`` environment variables set in this process, for a run's record of what it ran with: the
+    switches of the compiled path, each read once at import where it acts (SEBP_FORWARD_ROWS=0, every forward
+    on all rows: .pad_rows; SEBP_TRITON_OP=1, the triton_op backward: .functional)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("SEBP_")}

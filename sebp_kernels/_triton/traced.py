@@ -21,9 +21,7 @@ from torch.library import triton_op, wrap_triton
 
 from .backward import INTERPRET, _ieee
 from .grads import _grads_kernel, _plan
-from .select import EXACT, THRESHOLD, _compact_kernel, _eps_in, _flag_blocks, _row_flags_kernel, _sm_count, \
-    compact_plan
-from .tuning import cdiv
+from .select import _compact_kernel, _row_flags_kernel, _select_plan, _sm_count
 
 
 MIN_BUCKET = 256
@@ -45,21 +43,18 @@ def row_bucket(m) -> int:
 
 def select_rows_traced(dy: Tensor, eps: float, bucket: int) -> tuple[Tensor, Tensor]:
     """(perm, count) of 2-D ``dy``'s rows with any ``|value| > eps`` (eps 0: any non-zero), as
-    :func:`~.select.select_rows_device` finds them, launched through ``wrap_triton`` with grids for
-    ``bucket`` rows."""
+    :func:`~.select.select_rows_device` finds them (its plan, made for ``bucket`` rows), launched through
+    ``wrap_triton``."""
     m, n = dy.shape
-    block_r, block_c, unroll, warps = _flag_blocks(n, INTERPRET)
-    nb = cdiv(bucket, block_r)
+    _, nb, n_compact, flags_ints, flags_kw, compact_kw = _select_plan(
+        bucket, n, dy.dtype, dy.stride(), "exact" if eps == 0 else "threshold", eps, INTERPRET)
     dev = dy.device
+    # a tensor of its own for each (select.selection_buffers' views of one would alias under functionalization)
     flags = torch.empty(m, dtype=torch.int32, device=dev)
     block_count = torch.empty(nb, dtype=torch.int32, device=dev)
     perm = torch.empty(m, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
-    mode = EXACT if eps == 0 else THRESHOLD
-    wrap_triton(_row_flags_kernel)[(nb,)](dy, flags, block_count, m, n, dy.stride(0), dy.stride(1),
-                                          _eps_in(eps, dy.dtype), MODE=mode, BLOCK_R=block_r, BLOCK_C=block_c,
-                                          UNROLL=unroll, num_warps=warps)
-    n_compact, compact_kw = compact_plan(bucket, block_r, INTERPRET)
+    wrap_triton(_row_flags_kernel)[(nb,)](dy, flags, block_count, m, *flags_ints[1:], **flags_kw)
     wrap_triton(_compact_kernel)[(n_compact,)](flags, block_count, perm, count, m, **compact_kw)
     return perm, count
 
