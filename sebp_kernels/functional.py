@@ -157,15 +157,14 @@ class _Linear(torch.autograd.Function):
     kernels Inductor launches itself (see :func:`_traced_eps`)."""
 
     @staticmethod
-    def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps):
-        # SEBP_FORWARD_ROWS=0, or a shape where the forward over rows never pays: F.linear traced, no operator call
-        if pad_perm is not None and FORWARD_ROWS and could_pay(x.numel() // x.shape[-1], *weight.shape[::-1]):
+    def forward(x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps, over_rows):
+        if over_rows:  # decided by the caller, outside this Function (see _over_rows)
             return linear_forward(x, weight, bias, key, op_key, pad_perm, pad_count, pad_real)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps = inputs
+        x, weight, bias, key, op_key, state_key, hint_key, pad_perm, pad_count, pad_real, eps, _ = inputs
         ctx.keys, ctx.has_bias, ctx.eps = (op_key, state_key, hint_key), bias is not None, eps
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, key, pad_perm, pad_count, pad_real)
 
@@ -175,12 +174,21 @@ class _Linear(torch.autograd.Function):
         nx, nw, nb = ctx.needs_input_grad[:3]
         nb = nb and ctx.has_bias
         if not (nx or nw or nb):
-            return (None,) * 11
+            return (None,) * 12
         if ctx.eps is None:
             dx, dw, db = linear_backward(dy, x, weight, nx, nw, nb, key, *ctx.keys, *pad)
         else:
             dx, dw, db = _grads_traced(dy, x, weight, nx, nw, nb, ctx.eps)
-        return (if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb)) + (None,) * 8
+        return (if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb)) + (None,) * 9
+
+
+def _over_rows(x: Tensor, weight: Tensor, pad: tuple | None) -> bool:
+    """Whether a compiled layer given its padding rows calls the forward operator (which may compute the real
+    rows alone) rather than tracing ``F.linear``: not with SEBP_FORWARD_ROWS=0, nor where the shape can never pay
+    (:func:`~.forward_rows.could_pay`). Asked by the caller in the graph being traced, where a symbolic row count
+    becomes a guard; inside the autograd Function's forward Dynamo traces a subgraph, and torch 2.11 fails there
+    on a guard over a size of the enclosing graph."""
+    return pad is not None and FORWARD_ROWS and bool(could_pay(x.numel() // x.shape[-1], *weight.shape[::-1]))
 
 
 def _grads_traced(dy, x, weight, need_dx, need_dw, need_db, eps):
@@ -231,12 +239,14 @@ def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float
 
 def traced_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: Optional[Tensor], op_key: int = 0,
                   state_key: int = 0, hint_key: int = 0, pad: tuple | None = None,
-                  eps: Optional[float] = None) -> Tensor:
+                  eps: Optional[float] = None, over_rows: bool = False) -> Tensor:
     """What a compiled SEBP linear runs: the module under ``key`` (a :func:`~.registry.key_tensor`) or ``op_key``
     (its int key), or a functional call (``key`` None, ``op_key`` its config's, with the keys of its RowDensity
     and RowHint, 0 for none). ``pad``: the (perm, count, real-token flags) of the forward's padding rows
-    (:meth:`~.pad_rows.PadRows.traced`), inputs of the graph that its backward takes (a module's only)."""
-    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key, *(pad or (None, None, None)), eps)
+    (:meth:`~.pad_rows.PadRows.traced`), inputs of the graph that its backward takes (a module's only);
+    ``over_rows``: the forward is the operator over those rows (:func:`_over_rows`), else ``F.linear``."""
+    return _Linear.apply(x, weight, bias, key, op_key, state_key, hint_key, *(pad or (None, None, None)), eps,
+                         over_rows)
 
 
 def sebp_linear(
@@ -289,7 +299,8 @@ def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None):
     if torch.compiler.is_compiling():
         eps = _traced_eps(config, x, weight)
         if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
-            return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad, eps=eps)
+            return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad, eps=eps,
+                                 over_rows=_over_rows(x, weight, pad))
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
             return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key, eps=eps)

@@ -23,11 +23,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.fixture(autouse=True)
 def _forward_rows_always(monkeypatch):
     """The forward over real rows on the tiny models too (sebp_kernels.forward_rows.pays keeps it to large
-    batches), so the models' steps after the check go through it."""
+    batches), so the models' steps after the check go through it. The lines keep the product's types: a float
+    against a symbolic size, asked inside the autograd Function's forward, once failed Dynamo (an int did not)."""
     from sebp_kernels import forward_rows
 
+    assert isinstance(forward_rows.MIN_SKIPPED, float)  # the product's type, kept below
     monkeypatch.setattr(forward_rows, "MIN_ROWS", 0)
-    monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0)
+    monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0.0)
     real = forward_rows.linear_over_rows
     _FORWARD_ROWS.clear()
     monkeypatch.setattr(forward_rows, "linear_over_rows", lambda *a: _FORWARD_ROWS.append(1) or real(*a))
