@@ -29,7 +29,7 @@ from sebp_probe.model.packing import attention_backend  # noqa: E402
 
 
 def profile_entry(model, case, method: str, head: str, batches: list[dict], warmup: int, compile: bool,
-                  norms: bool = False, acts: bool = False, shapes: bool = False) -> str:
+                  norms: bool = False, acts: bool = False, shapes: bool = False, stack: bool = False) -> str:
     step = _step_fn(method, head)
     torch._dynamo.reset()
     with (sebp_patched(model, case, head, "exact", norms, acts, False) if method == "sebp"
@@ -44,7 +44,7 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
             torch.cuda.synchronize()
             kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             t0 = time.perf_counter()
-            with torch.profiler.profile(activities=kinds, record_shapes=shapes) as prof:
+            with torch.profiler.profile(activities=kinds, record_shapes=shapes, with_stack=stack) as prof:
                 for b in batches:
                     model.zero_grad(set_to_none=True)
                     step(model, b).backward()
@@ -65,7 +65,9 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
             + "\n\nby host time\n" + table.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80)
             + ("\n\nby device time and input shapes\n" + prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=60, max_shapes_column_width=120)
-               if shapes else ""))
+               if shapes else "")
+            + ("\n\nby own host time and Python stack (5 frames)\n" + prof.key_averages(group_by_stack_n=5).table(
+                sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60) if stack else ""))
 
 
 def main() -> int:
@@ -79,6 +81,8 @@ def main() -> int:
     p.add_argument("--norms", action="store_true", help="SEBP entries: the norms too (the bench's --norms)")
     p.add_argument("--acts", action="store_true", help="SEBP entries: the MLP activations too (the bench's --acts)")
     p.add_argument("--shapes", action="store_true", help="also a table by operator and input shapes")
+    p.add_argument("--stack", action="store_true",
+                   help="also a table by own host time and Python stack (where a step's host time goes)")
     p.add_argument("--out-dir", required=True)
     opts = p.parse_args()
     if not torch.cuda.is_available():
@@ -92,7 +96,7 @@ def main() -> int:
     for entry in opts.entries.split(","):
         method, head = entry.split(":")
         text = profile_entry(model, case, method, head, on_device, opts.warmup, opts.compile, opts.norms, opts.acts,
-                             opts.shapes)
+                             opts.shapes, opts.stack)
         fused = "_norms" * opts.norms + "_acts" * opts.acts if method == "sebp" else ""
         name = f"{opts.case}_{opts.layout}_{method}_{head}{fused}{'_compiled' if opts.compile else ''}.txt"
         command = " ".join(["python", "benchmarks/step_profile.py", *sys.argv[1:]])

@@ -16,7 +16,9 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
             "layouts_compiled_h100/model_bert-base_cgraphs_own.json",
             "layouts_compiled_h100/model_llama-3.2-1b-sft_cgraphs_own.json",
             "layouts_compiled_h100/model_bert-base_fwdrows.json",
-            "layouts_compiled_h100/model_llama-3.2-1b-sft_fwdrows.json")
+            "layouts_compiled_h100/model_llama-3.2-1b-sft_fwdrows.json",
+            "layouts_compiled_h100/model_bert-base_gate.json",
+            "triton_op_h100/model_llama-3.2-1b-sft_op.json")
 # What the later runs of a layout changed, for the targets' lines (the first run of each has none)
 RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[5]: "the same, SEBP on the norms and activations too",
@@ -25,7 +27,9 @@ RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[8]: "the same, the linears whose dY is far sparser than the padding selecting their own rows",
              COMPILED[9]: "the same, the linears whose dY is far sparser than the padding selecting their own rows",
              COMPILED[10]: "the same, the SEBP linears' forward over the real-token rows where it pays",
-             COMPILED[11]: "the same, the SEBP linears' forward over the real-token rows where it pays"}
+             COMPILED[11]: "the same, the SEBP linears' forward over the real-token rows where it pays",
+             COMPILED[12]: "the same, the forward operator called only where its shape could pay, 2026-11-28",
+             COMPILED[13]: "the same, the labelled-rows head alone, 2026-11-28"}
 
 TRAINER = ("trainer_h100/trainer_final.json",)
 TRAINER_PF = "trainer_h200/trainer_pf.json"
@@ -110,19 +114,21 @@ def compiled_targets(page: Page) -> str:
                      f"{times(x)} compiled dense + CCE ({f1(cce['ms'])} ms): target >= 1.00x "
                      f"{'met' if x >= 1.0 else '**not met**'}.")
     for rel, want in ((COMPILED[2], 1.25), (COMPILED[4], 1.25), (COMPILED[5], 1.25), (COMPILED[7], 1.25),
-                      (COMPILED[9], 1.25), (COMPILED[11], 1.25), (COMPILED[3], 1.15), (COMPILED[6], 1.15),
-                      (COMPILED[8], 1.15), (COMPILED[10], 1.15)):
+                      (COMPILED[9], 1.25), (COMPILED[11], 1.25), (COMPILED[13], 1.25), (COMPILED[3], 1.15),
+                      (COMPILED[6], 1.15), (COMPILED[8], 1.15), (COMPILED[10], 1.15), (COMPILED[12], 1.15)):
         m = models[rel]  # every padded layout each file ran, each ratio within one run
         for layout in m["layouts_run"]:
             got = {h: _ratio(m, layout, h, "sebp", "dense") for h in ("full", "labelled")}
             graphs = _ratio(m, layout, "full", "sebp", "dense", "compiled_graphs")
             best = max(v for v in (*got.values(), graphs) if v is not None)
-            with_graphs = f", {times(graphs)} (model's head, compiled + CUDA graphs)" if graphs else ""
+            heads = ", ".join(f"{times(v)} ({name})" for v, name in ((got["full"], "model's head"),
+                                                                     (got["labelled"], "labelled-rows head"),
+                                                                     (graphs, "model's head, compiled + CUDA graphs"))
+                              if v is not None)
             lines.append(f"- {m['case']['name']}, {layout}{_run_note(rel)}: SEBP compiled against dense compiled "
-                         f"{times(got['full'])} (model's head), {times(got['labelled'])} (labelled-rows head)"
-                         f"{with_graphs}: target >= {times(want)} {'met' if best >= want else '**not met**'}.")
+                         f"{heads}: target >= {times(want)} {'met' if best >= want else '**not met**'}.")
     first = max(r["compile_s"] for rel in (COMPILED[0], COMPILED[2], COMPILED[4], COMPILED[5], COMPILED[7],
-                                           COMPILED[9], COMPILED[11])
+                                           COMPILED[9], COMPILED[11], COMPILED[13])
                 for r in models[rel]["rows"]
                 if r["timing"] == "compiled")
     lines.append(f"- llama-3.2-1b-sft first compile: {f1(first)} s at most per entry, over all of its runs "
@@ -252,3 +258,48 @@ def op_triton(page: Page) -> str:
         f"Host microseconds per forward + backward, the median of {d['rounds']} interleaved rounds of {d['calls']} "
         "steps; the difference relative to the gradient's largest magnitude."]))
 
+
+
+TRITON_OP_MODEL = ("triton_op_h100/model_llama-3.2-1b-sft_op.json", "triton_op_h100/model_llama-3.2-1b-sft_tt.json")
+TRITON_OP_AB = ("0c2ba73_SEBP_TRITON_OP_1_1795850360", "0c2ba73_1795850470", "d78623b_1795850529",
+                "0c2ba73_SEBP_TRITON_OP_1_1795850617", "0c2ba73_1795850726")  # the call's order
+
+
+@block("triton_op_model")
+def triton_op_model(page: Page) -> str:
+    """Llama-3.2-1B `longest`, each layer compiled, labelled head: dense, SEBP through the operator and SEBP
+    with the triton_op backward, per batch (results/triton_op_h100/, one machine)."""
+    (src_op, op), (src_tt, tt) = (_model(page, rel) for rel in TRITON_OP_MODEL)
+    got = {("dense", "op"): _rows(op)[("longest", "dense", "labelled", "compiled")],
+           ("sebp", "op"): _rows(op)[("longest", "sebp", "labelled", "compiled")],
+           ("sebp", "tt"): _rows(tt)[("longest", "sebp", "labelled", "compiled")]}
+    shapes = op["layouts"]["longest"]["shapes"]
+    rows = [[f"{b} x {t}", str(b * t)] + [f1(got[k]["per_batch_ms"][i]) for k in got] for i, (b, t) in
+            enumerate(shapes)]
+    rows.append(["step (mean of the batches' medians)", "-"] + [f"**{f1(r['ms'])}**" for r in got.values()])
+    rows.append(["compile s / recompiles", "-"] + [f"{f1(r['compile_s'])} / {r['recompiles']}" for r in got.values()])
+    return captioned(page, [src_op, src_tt], "\n\n".join([
+        table(["batch (sequences x longest)", "rows", "dense ms", "SEBP, the operator ms", "SEBP, the triton_op ms"],
+              rows, "lrrrr"),
+        "Compiled step ms (forward + backward, median per batch) in the bench's order of the batches; the two runs "
+        "one after the other on one machine, the second with `SEBP_TRITON_OP=1`."]))
+
+
+@block("triton_op_ab")
+def triton_op_ab(page: Page) -> str:
+    """The same SEBP entry with the tree of 0c2ba73 with and without the switch and with d78623b's code, in
+    one call (results/triton_op_h100/ab/)."""
+    srcs, rows = [], []
+    for name in TRITON_OP_AB:
+        src, m = _model(page, f"triton_op_h100/ab/{name}.json")
+        srcs.append(src)
+        r = _rows(m).get(("longest", "sebp", "labelled", "compiled"))
+        code = name.split("_")[0] + (", `SEBP_TRITON_OP=1`" if "TRITON_OP" in name else "")
+        rows.append([code] + (["cut by the run's time limit while compiling", "-", "-"] if r is None else
+                              [f1(r["ms"]), f1(r["compile_s"]), str(r["recompiles"])]))
+    return "\n\n".join([
+        f"*Measured on {srcs[0].data['environment']['gpu']} (torch {srcs[0].data['environment']['torch']}), "
+        f"{srcs[0].data['environment']['date'][:10]}, one call, in this order: "
+        f"`{srcs[0].data['command'].split(' -o ')[0]}` with each tree's packages (`benchmarks/ab_code.sh`, "
+        "`REVERSE=0 LIMIT=110`) → `results/triton_op_h100/ab/`.*",
+        table(["code", "SEBP labelled, compiled: step ms", "compile s", "recompiles"], rows, "lrrr")])
