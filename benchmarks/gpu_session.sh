@@ -13,7 +13,9 @@
 # norms and activations); gpu-pad (the padding-rows and tile tests); op-overhead (benchmarks/op_overhead.py);
 # triton-op (its GPU tests, then op_overhead.py --triton-op: the backward as a triton_op against the library
 # operator); triton-op-model (Llama-3.2-1B `longest` compiled, dense and SEBP with the labelled head, with
-# SEBP_TRITON_OP=1 and without, in the order 1 0 0 1, through compile_session.sh); gpu1 / gpu2 (every GPU-marked
+# SEBP_TRITON_OP=1 and without, in the order 1 0 0 1, through compile_session.sh); small-batches (where compiled
+# SEBP loses on Llama `longest`'s smaller batches: a step profile by Python stack, then the SEBP entry with
+# SEBP_FORWARD_ROWS=0 and 1); gpu1 / gpu2 (every GPU-marked
 # test: tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
 # cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
@@ -69,6 +71,10 @@ for s in ${STEPS:-smoke}; do
     triton-op-model) i=0; for op in 1 0 0 1; do i=$((i + 1))
         SEBP_TRITON_OP=$op STEPS=llama LAYOUTS=longest METHODS=dense:labelled,sebp:labelled BATCHES=6 GRAPHS=0 \
           TAG=_tt${op}_$i LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
+    small-batches) python3 benchmarks/step_profile.py --case llama-3.2-1b-sft --layout longest --entries sebp:labelled \
+        --compile --stack --out-dir "$OUT/prof" 2>&1 | grep -v Warning | tail -3
+      for fr in 0 1; do SEBP_FORWARD_ROWS=$fr STEPS=llama LAYOUTS=longest METHODS=sebp:labelled BATCHES=6 GRAPHS=0 \
+          TAG=_fr$fr LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1
       grep -B2 -A12 "^E  " "$OUT/$s.txt" | head -80; tail -3 "$OUT/$s.txt" ;;
