@@ -335,3 +335,13 @@ def load_benchmark(name: str, folder: str = "benchmarks"):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class FakeCudaDriver:
+    """A stand-in for Triton's active driver on a machine without a GPU: only what Triton's front end asks of one
+    to lower a kernel to TTIR, which Inductor does to find what a ``wrap_triton`` kernel writes (torch 2.11 asks
+    it as Dynamo traces; without a driver it takes every input as written)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)

@@ -8,16 +8,10 @@ import os
 import pytest
 import torch
 
+from tests.helpers import FakeCudaDriver
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
-
-
-class _FakeCudaDriver:
-    """Only what Triton's front end asks of a driver to lower a kernel to TTIR (no GPU needed for that)."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("cuda", 90, 32)
 
 
 def _recorded_launches(monkeypatch):
@@ -59,7 +53,7 @@ def test_inductor_finds_what_each_kernel_writes(monkeypatch, scalars):
     from torch._higher_order_ops.triton_kernel_wrap import generate_ttir
 
     if not torch.cuda.is_available():
-        monkeypatch.setattr(triton.runtime.driver, "_active", _FakeCudaDriver())
+        monkeypatch.setattr(triton.runtime.driver, "_active", FakeCudaDriver())
     launches, inputs = _recorded_launches(monkeypatch)
     assert len(launches) == 3
     for kernel, kwargs in launches:
