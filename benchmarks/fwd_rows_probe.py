@@ -1,7 +1,7 @@
 """The forward over real-token rows against cuBLAS's forward on every row (bf16, CUDA-graph timings).
 
 Per layer shape of BERT-base at its `longest` bench batches (2112 rows, 66 a sequence), Llama-3.2-1B and
-Qwen2.5-0.5B (8192 rows, 1024 a sequence) and right-padded densities: ``F.linear`` on every row, the forward over
+Qwen2.5-0.5B (8192 rows, 1024 a sequence; Llama also at 4376 and 6456 rows) and right-padded densities: ``F.linear`` on every row, the forward over
 the real rows (``sebp_kernels.forward_rows.linear_over_rows``: the dX kernel fed X and Wᵀ), and cuBLAS on the
 real rows gathered (the rows known on the host; no scatter: a floor, not a path). Which shapes it pays on decides
 ``sebp_kernels.forward_rows``' rule.
@@ -19,7 +19,10 @@ from sebp_probe.bench.bench import padded_rows, resolve_shapes
 
 from dense_gap import bench, write_rows
 
-SETS = (("bert-base", 2112, 66), ("llama-3.2-1b", 8192, 1024), ("qwen2.5-0.5b", 8192, 1024))
+SETS = (("bert-base", 2112, 66), ("llama-3.2-1b", 8192, 1024), ("qwen2.5-0.5b", 8192, 1024),
+        # two of the Llama bench's `longest` batches near the 4096-row line (8 x 547 and 8 x 807 rows), where
+        # compiled SEBP lost to dense on 2026-11-28 (results/triton_op_h100/)
+        ("llama-3.2-1b", 4376, 547), ("llama-3.2-1b", 6456, 807))
 
 
 def main(path, densities):
