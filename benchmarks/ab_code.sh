@@ -9,7 +9,8 @@
 # device's copy of the working tree carries them; run times the bench below with each, in the order given and
 # then reversed (both orders), one JSON per run in $OUT/ab/. An entry COMMIT+NAME=VALUE runs that commit's code
 # with the variable set (COMMITS="d78623b 46ccc3d 46ccc3d+SEBP_TRITON_OP=1": one switch against the old code).
-# REVERSE=0 runs the order as given, once (repeat an entry in COMMITS to interleave). BENCH overrides the bench's arguments; LIMIT (seconds) stops each run. Delete _ab/ afterwards.
+# REVERSE=0 runs the order as given, once (repeat an entry in COMMITS to interleave). BENCH overrides the
+# bench's arguments; LIMIT (seconds) stops each run. Delete _ab/ afterwards.
 set -u
 BENCH=${BENCH:-"llama-3.2-1b-sft --scope model --compile default --layouts longest --methods sebp:labelled --model-batches 6"}
 case ${1:-} in

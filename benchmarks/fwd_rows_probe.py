@@ -1,10 +1,10 @@
 """The forward over real-token rows against cuBLAS's forward on every row (bf16, CUDA-graph timings).
 
 Per layer shape of BERT-base at its `longest` bench batches (2112 rows, 66 a sequence), Llama-3.2-1B and
-Qwen2.5-0.5B (8192 rows, 1024 a sequence; Llama also at 4376 and 6456 rows) and right-padded densities: ``F.linear`` on every row, the forward over
-the real rows (``sebp_kernels.forward_rows.linear_over_rows``: the dX kernel fed X and Wᵀ), and cuBLAS on the
-real rows gathered (the rows known on the host; no scatter: a floor, not a path). Which shapes it pays on decides
-``sebp_kernels.forward_rows``' rule.
+Qwen2.5-0.5B (8192 rows, 1024 a sequence; Llama also at 4376 and 6456 rows) and right-padded densities:
+``F.linear`` on every row, the forward over the real rows (``sebp_kernels.forward_rows.linear_over_rows``: the
+dX kernel fed X and Wᵀ), and cuBLAS on the real rows gathered (the rows known on the host; no scatter: a floor,
+not a path). Which shapes it pays on decides ``sebp_kernels.forward_rows``' rule.
 
     python benchmarks/fwd_rows_probe.py OUT.json [densities, default 0.25,0.5,0.75,1.0]
 """

@@ -186,8 +186,8 @@ def _over_rows(x: Tensor, weight: Tensor, pad: tuple | None) -> bool:
     """Whether a compiled layer given its padding rows calls the forward operator (which may compute the real
     rows alone) rather than tracing ``F.linear``: not with SEBP_FORWARD_ROWS=0, nor where the shape can never pay
     (:func:`~.forward_rows.could_pay`). Asked by the caller in the graph being traced, where a symbolic row count
-    becomes a guard; inside the autograd Function's forward Dynamo traces a subgraph, and torch 2.11 fails there
-    on a guard over a size of the enclosing graph."""
+    becomes a guard: inside the autograd Function's forward Dynamo traces a subgraph, and there (torch 2.11 and
+    2.13) comparing that count with the float multiply-add line failed the compile."""
     return pad is not None and FORWARD_ROWS and bool(could_pay(x.numel() // x.shape[-1], *weight.shape[::-1]))
 
 

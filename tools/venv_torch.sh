@@ -19,4 +19,5 @@ python3 -m venv "$dir"
 "$dir/bin/pip" install -q "torch==$release" "numpy<2.3"
 purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 purelib .venv/bin/python > "$(purelib "$dir/bin/python")/zz_main_venv.pth"
-"$dir/bin/python" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+"$dir/bin/python" -c "import torch, triton, transformers as t
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)"
