@@ -112,7 +112,7 @@ def test_rows_that_do_not_pay_run_f_linear(monkeypatch):
     perm, count = _rows(mask)
     assert torch.equal(linear_maybe_over_rows(x, w, b, (perm, count, 0.5)), F.linear(x, w, b))  # too small
     monkeypatch.setattr(forward_rows, "MIN_ROWS", 0)
-    monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0)
+    monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0.0)  # the product's type
     got = linear_maybe_over_rows(x, w, b, (perm, count, 0.5))
     assert torch.equal(got[~mask.bool()], b.expand_as(got[~mask.bool()]))  # the rows path: padding rows the bias
     assert torch.equal(linear_maybe_over_rows(x, w, b, (perm, count, 1.0)), F.linear(x, w, b))  # nothing skipped
