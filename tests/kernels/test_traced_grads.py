@@ -68,9 +68,8 @@ def test_a_compiled_sebp_linear_launches_the_kernels_from_the_graph_a_graph_per_
     compiled = torch.compile(sebp, dynamic=True, backend=_counting(graphs))
     for seq, want in ((150, 1), (200, 1), (250, 1), (300, 2)):  # 2 x seq rows: 300-500 in one bucket, 600 not
         out = compiled(torch.randn(2, seq, 24, requires_grad=True))
-        with pytest.raises(Exception) as err:  # noqa: B017 - traced; its kernels need a GPU to run
+        with pytest.raises(AttributeError, match="FakeCudaDriver"):  # traced whole; launching asks for a GPU
             out.sum().backward()
-        assert not isinstance(err.value, torch._dynamo.exc.BackendCompilerFailed), err.value  # traced whole
         assert len(graphs) == want, seq
     code = graphs[-1].code
     assert code.count("triton_kernel_wrapper_functional(") == 3 * 3 and "sebp.linear_backward" not in code
