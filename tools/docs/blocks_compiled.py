@@ -261,8 +261,7 @@ def op_triton(page: Page) -> str:
 
 
 TRITON_OP_MODEL = ("triton_op_h100/model_llama-3.2-1b-sft_op.json", "triton_op_h100/model_llama-3.2-1b-sft_tt.json")
-TRITON_OP_AB = ("0c2ba73_SEBP_TRITON_OP_1_1795850360", "0c2ba73_1795850470", "d78623b_1795850529",
-                "0c2ba73_SEBP_TRITON_OP_1_1795850617", "0c2ba73_1795850726")  # the call's order
+TRITON_OP_AB = "triton_op_h100/ab"  # one JSON a run of benchmarks/ab_code.sh, named <commit>[_<switch>]_<time>
 
 
 @block("triton_op_model")
@@ -288,18 +287,17 @@ def triton_op_model(page: Page) -> str:
 @block("triton_op_ab")
 def triton_op_ab(page: Page) -> str:
     """The same SEBP entry with the tree of 0c2ba73 with and without the switch and with d78623b's code, in
-    one call (results/triton_op_h100/ab/)."""
-    srcs, rows = [], []
-    for name in TRITON_OP_AB:
-        src, m = _model(page, f"triton_op_h100/ab/{name}.json")
-        srcs.append(src)
+    one call, in the order the runs started (results/triton_op_h100/ab/)."""
+    runs = sorted((_model(page, f"{TRITON_OP_AB}/{path.name}") for path in
+                   (page.root / "results" / TRITON_OP_AB).glob("*.json")), key=lambda sm: sm[0].env()["date"])
+    rows = []
+    for src, m in runs:
         r = _rows(m).get(("longest", "sebp", "labelled", "compiled"))
-        code = name.split("_")[0] + (", `SEBP_TRITON_OP=1`" if "TRITON_OP" in name else "")
-        rows.append([code] + (["cut by the run's time limit while compiling", "-", "-"] if r is None else
-                              [f1(r["ms"]), f1(r["compile_s"]), str(r["recompiles"])]))
-    return "\n\n".join([
-        f"*Measured on {srcs[0].data['environment']['gpu']} (torch {srcs[0].data['environment']['torch']}), "
-        f"{srcs[0].data['environment']['date'][:10]}, one call, in this order: "
-        f"`{srcs[0].data['command'].split(' -o ')[0]}` with each tree's packages (`benchmarks/ab_code.sh`, "
-        "`REVERSE=0 LIMIT=110`) → `results/triton_op_h100/ab/`.*",
-        table(["code", "SEBP labelled, compiled: step ms", "compile s", "recompiles"], rows, "lrrr")])
+        switches = "".join(f", `{k}={v}`" for k, v in src.env().get("sebp_env", {}).items())
+        rows.append([src.rel.split("/")[-1].split("_")[0] + switches]
+                    + (["cut by the run's time limit while compiling", "-", "-"] if r is None else
+                       [f1(r["ms"]), f1(r["compile_s"]), str(r["recompiles"])]))
+    return captioned(page, [src for src, _ in runs], "\n\n".join([
+        table(["code", "SEBP labelled, compiled: step ms", "compile s", "recompiles"], rows, "lrrr"),
+        "One device call, the runs in the table's order, each with its commit's packages (`benchmarks/ab_code.sh` "
+        "with `REVERSE=0 LIMIT=110`)."]))
