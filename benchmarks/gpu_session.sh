@@ -14,7 +14,8 @@
 # triton-op (its GPU tests, then op_overhead.py --triton-op: the backward as a triton_op against the library
 # operator); triton-op-model (Llama-3.2-1B `longest` compiled, dense and SEBP with the labelled head, with
 # SEBP_TRITON_OP=1 and without, in the order 1 0 0 1, through compile_session.sh); small-batches (where compiled
-# SEBP loses on Llama `longest`'s smaller batches: a step profile by Python stack, then the SEBP entry with
+# SEBP loses on Llama `longest`'s smaller batches: each batch's step without a profiler, the host time of the
+# eager SEBP linear backwards, plainly and under cProfile, then a step profile); fwd-rows-model (the SEBP entry with
 # SEBP_FORWARD_ROWS=0 and 1); fwd-rows (benchmarks/fwd_rows_probe.py: the forward over real rows against
 # cuBLAS per layer shape, rows and share of real rows); gpu1 / gpu2 (every GPU-marked
 # test: tests/kernels, then the rest). The packages
@@ -73,9 +74,9 @@ for s in ${STEPS:-smoke}; do
         SEBP_TRITON_OP=$op STEPS=llama LAYOUTS=longest METHODS=dense:labelled,sebp:labelled BATCHES=6 GRAPHS=0 \
           TAG=_tt${op}_$i LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
     fwd-rows) (cd benchmarks && python3 fwd_rows_probe.py "$OUT/fwd_rows_probe.json" 2>&1 | tail -30) ;;
-    small-batches) python3 benchmarks/step_profile.py --case llama-3.2-1b-sft --layout longest --entries sebp:labelled \
-        --compile --stack --out-dir "$OUT/prof" 2>&1 | grep -v Warning | tail -3
-      for fr in 0 1; do SEBP_FORWARD_ROWS=$fr STEPS=llama LAYOUTS=longest METHODS=sebp:labelled BATCHES=6 GRAPHS=0 \
+    small-batches) python3 benchmarks/step_profile.py --case llama-3.2-1b-sft --layout longest \
+        --entries sebp:labelled,dense:labelled --compile --host-calls --out-dir "$OUT/prof" 2>&1 | grep -v Warning | tail -24 ;;
+    fwd-rows-model) for fr in 0 1; do SEBP_FORWARD_ROWS=$fr STEPS=llama LAYOUTS=longest METHODS=sebp:labelled BATCHES=6 GRAPHS=0 \
           TAG=_fr$fr LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,9 +32,87 @@ from sebp_probe.data.train_data import to_device  # noqa: E402
 from sebp_probe.model.packing import attention_backend  # noqa: E402
 
 
+class HostCalls:
+    """Host milliseconds of each eager SEBP linear backward (``SEBPLinearFunction.backward``, the layers a
+    compiled run leaves eager) while active, and with ``cprofile`` a cProfile of those calls (on the thread that
+    runs them: autograd's device thread). Patches the class's backward while entered."""
+
+    def __init__(self):
+        self.ms: list[float] = []
+        self.stats: pstats.Stats | None = None
+        self.active = self.cprofile = False
+
+    def __enter__(self):
+        from sebp_kernels.functional import SEBPLinearFunction
+
+        self._orig = SEBPLinearFunction.__dict__["backward"]
+        fn = self._orig.__func__
+
+        def backward(ctx, dy):
+            if not self.active:
+                return fn(ctx, dy)
+            prof = cProfile.Profile() if self.cprofile else None
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            try:
+                return fn(ctx, dy)
+            finally:
+                if prof is not None:
+                    prof.disable()
+                    if self.stats is None:
+                        self.stats = pstats.Stats(prof)
+                    else:
+                        self.stats.add(prof)
+                self.ms.append((time.perf_counter() - t0) * 1e3)
+
+        SEBPLinearFunction.backward = staticmethod(backward)
+        self._cls = SEBPLinearFunction
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.backward = self._orig
+
+    def summary(self, what: str) -> str:
+        ms, self.ms = self.ms, []
+        if not ms:
+            return f"{what}: no eager SEBP linear backward ran\n"
+        q = sorted(ms)
+        return (f"{what}: {len(ms)} calls, host ms median {statistics.median(q):.3f}, p90 {q[int(0.9 * (len(q) - 1))]:.3f}, "
+                f"max {q[-1]:.3f}, sum {sum(q):.1f}\n")
+
+    def cprofile_table(self) -> str:
+        if self.stats is None:
+            return "no cProfile\n"
+        buf = io.StringIO()
+        self.stats.stream = buf
+        self.stats.sort_stats("tottime").print_stats(30)
+        return buf.getvalue()
+
+
+def _timed_steps(model, step, batches: list[dict], repeats: int) -> list[float]:
+    """Each batch's step (forward, backward) in ms of wall, the GPU synchronized around it: the median of
+    ``repeats``."""
+    out = []
+    for b in batches:
+        times = []
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(model, b).backward()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(times))
+    return out
+
+
 def profile_entry(model, case, method: str, head: str, batches: list[dict], warmup: int, compile: bool,
-                  norms: bool = False, acts: bool = False, shapes: bool = False, stack: bool = False) -> str:
+                  norms: bool = False, acts: bool = False, shapes: bool = False, stack: bool = False,
+                  host_calls: bool = False) -> str:
     step = _step_fn(method, head)
+    calls = HostCalls() if host_calls and method == "sebp" else None
+    extra = ""
     torch._dynamo.reset()
     with (sebp_patched(model, case, head, "exact", norms, acts, False) if method == "sebp"
           else contextlib.nullcontext()):
@@ -42,6 +124,24 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
                     model.zero_grad(set_to_none=True)
                     step(model, b).backward()
             torch.cuda.synchronize()
+            if host_calls:  # before the profiler: its launch hooks and records cost host time of their own
+                with calls or contextlib.nullcontext():
+                    if calls is not None:
+                        calls.active = True
+                    rows = [int(b["input_ids"].numel()) for b in batches]
+                    ms = _timed_steps(model, step, batches, 3)
+                    extra += "steps without the profiler (median of 3, ms; rows): " + ", ".join(
+                        f"{r}:{t:.1f}" for r, t in zip(rows, ms)) + f"; total {sum(ms):.1f}\n"
+                    if calls is not None:
+                        extra += calls.summary("eager SEBP linear backwards (no profiler)")
+                        calls.cprofile = True
+                        for b in batches:
+                            model.zero_grad(set_to_none=True)
+                            step(model, b).backward()
+                        torch.cuda.synchronize()
+                        extra += calls.summary("eager SEBP linear backwards (under cProfile)")
+                        extra += "cProfile of those calls, by own time\n" + calls.cprofile_table()
+                        calls.active = False
             kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             t0 = time.perf_counter()
             with torch.profiler.profile(activities=kinds, record_shapes=shapes, with_stack=stack) as prof:
@@ -60,7 +160,7 @@ def profile_entry(model, case, method: str, head: str, batches: list[dict], warm
                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / 1e3
     fused = "+norms" * norms + "+acts" * acts if method == "sebp" else ""
     return (f"{method}{fused}:{head}{' compiled (layers)' if compile else ''}: {len(batches)} steps, wall {wall:.1f} ms "
-            f"(profiled), device busy {device_ms:.1f} ms\n\nby device time\n"
+            f"(profiled), device busy {device_ms:.1f} ms\n" + (f"\n{extra}" if extra else "") + "\nby device time\n"
             + table.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=80)
             + "\n\nby host time\n" + table.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=80)
             + ("\n\nby device time and input shapes\n" + prof.key_averages(group_by_input_shape=True).table(
@@ -83,6 +183,9 @@ def main() -> int:
     p.add_argument("--shapes", action="store_true", help="also a table by operator and input shapes")
     p.add_argument("--stack", action="store_true",
                    help="also a table by own host time and Python stack (where a step's host time goes)")
+    p.add_argument("--host-calls", action="store_true",
+                   help="before the profile: each batch's step timed without a profiler, and the host time of the "
+                        "eager SEBP linear backwards (a compiled run's eager layers), then under cProfile")
     p.add_argument("--out-dir", required=True)
     opts = p.parse_args()
     if not torch.cuda.is_available():
@@ -96,12 +199,12 @@ def main() -> int:
     for entry in opts.entries.split(","):
         method, head = entry.split(":")
         text = profile_entry(model, case, method, head, on_device, opts.warmup, opts.compile, opts.norms, opts.acts,
-                             opts.shapes, opts.stack)
+                             opts.shapes, opts.stack, opts.host_calls)
         fused = "_norms" * opts.norms + "_acts" * opts.acts if method == "sebp" else ""
         name = f"{opts.case}_{opts.layout}_{method}_{head}{fused}{'_compiled' if opts.compile else ''}.txt"
         command = " ".join(["python", "benchmarks/step_profile.py", *sys.argv[1:]])
         (out / name).write_text(f"command: {command}\n{text}\n")
-        print(text.splitlines()[0], flush=True)
+        print(text.split("\nby device time")[0], flush=True)
     return 0
 
 
