@@ -39,8 +39,11 @@ class HostCalls:
 
     def __init__(self):
         self.ms: list[float] = []
+        self.slow: list[str] = []  # what each call over SLOW_MS did: its shapes, path, compiles, ticket growth
         self.stats: pstats.Stats | None = None
         self.active = self.cprofile = False
+
+    SLOW_MS = 5.0
 
     def __enter__(self):
         from sebp_kernels.functional import SEBPLinearFunction
@@ -52,6 +55,8 @@ class HostCalls:
             if not self.active:
                 return fn(ctx, dy)
             prof = cProfile.Profile() if self.cprofile else None
+            before = _kernel_state(dy.device)
+            density = getattr(ctx.state, "density", None)
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
@@ -64,7 +69,13 @@ class HostCalls:
                         self.stats = pstats.Stats(prof)
                     else:
                         self.stats.add(prof)
-                self.ms.append((time.perf_counter() - t0) * 1e3)
+                ms = (time.perf_counter() - t0) * 1e3
+                self.ms.append(ms)
+                if ms > self.SLOW_MS:
+                    after = _kernel_state(dy.device)
+                    self.slow.append(f"{ms:.1f} ms: dY {tuple(dy.shape)}, W {tuple(ctx.saved_tensors[1].shape)}, "
+                                     f"density before {density}, after {getattr(ctx.state, 'density', None)}; "
+                                     f"compiled kernels {before[0]} -> {after[0]}, tickets {before[1]} -> {after[1]}")
 
         SEBPLinearFunction.backward = staticmethod(backward)
         self._cls = SEBPLinearFunction
@@ -75,11 +86,12 @@ class HostCalls:
 
     def summary(self, what: str) -> str:
         ms, self.ms = self.ms, []
+        slow, self.slow = self.slow, []
         if not ms:
             return f"{what}: no eager SEBP linear backward ran\n"
         q = sorted(ms)
         return (f"{what}: {len(ms)} calls, host ms median {statistics.median(q):.3f}, p90 {q[int(0.9 * (len(q) - 1))]:.3f}, "
-                f"max {q[-1]:.3f}, sum {sum(q):.1f}\n")
+                f"max {q[-1]:.3f}, sum {sum(q):.1f}\n" + "".join(f"  slow call {line}\n" for line in slow))
 
     def cprofile_table(self) -> str:
         if self.stats is None:
@@ -88,6 +100,20 @@ class HostCalls:
         self.stats.stream = buf
         self.stats.sort_stats("tottime").print_stats(30)
         return buf.getvalue()
+
+
+def _kernel_state(device: torch.device) -> tuple[int, int]:
+    """(Triton kernels compiled so far by the SEBP launchers, int32 tickets allocated on ``device``): what a slow
+    call may have grown (-1 where this Triton keeps its caches elsewhere)."""
+    from sebp_kernels._triton import dw, dx, grads, select
+
+    try:
+        compiled = sum(len(c[0]) for k in (grads._grads, dx._dx, select._row_flags, select._compact)
+                       for c in k.fn.device_caches.values())
+    except (AttributeError, TypeError, IndexError):
+        compiled = -1
+    tickets = dw._TICKETS.get(device)
+    return compiled, -1 if tickets is None else tickets.numel()
 
 
 def _timed_steps(model, step, batches: list[dict], repeats: int) -> list[float]:
