@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -155,8 +156,20 @@ def parse_densities(text: str | Sequence[float]) -> list[float]:
 # ----------------------------------------------------------------------------------------------- timing
 
 
+def host_cpu() -> dict:
+    """The host's processor model (Linux: /proc/cpuinfo's first ``model name``) and logical core count: steps
+    bound by the host (compiled layers without CUDA graphs) differ between machines with the same GPU."""
+    model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"model": model or platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
 def environment() -> dict:
-    """GPU, versions and date, for the results file."""
+    """GPU, host processor, versions and date, for the results file."""
     import triton
 
     dev = torch.cuda.get_device_properties(torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -164,6 +177,7 @@ def environment() -> dict:
         "gpu": dev.name if dev else None,
         "gpu_memory_gib": round(dev.total_memory / 2**30, 1) if dev else None,
         "sm_count": dev.multi_processor_count if dev else None,
+        "cpu": host_cpu(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,

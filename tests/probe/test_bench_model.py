@@ -271,3 +271,31 @@ def test_a_run_cut_short_keeps_what_it_measured():
     assert {r["layout"] for r in seen[0]["rows"]} == {"max_length"}
     assert seen[-1]["rows"] == final["rows"]
     assert all("flops" not in lay for s in seen for lay in s["layouts"].values())
+
+
+def test_the_results_environment_names_the_host_processor(monkeypatch):
+    """Compiled steps without CUDA graphs are bound by the host: the JSON says which host it was."""
+    import builtins
+    import io
+
+    from sebp_probe.bench import bench
+
+    env = bench.environment()
+    assert env["cpu"]["cores"] >= 1 and env["cpu"]["model"]
+    real_open = builtins.open
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/cpuinfo":
+            return io.StringIO("processor\t: 0\nmodel name\t: Example CPU 9000 @ 3.0GHz\n")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert bench.host_cpu()["model"] == "Example CPU 9000 @ 3.0GHz"
+
+    def no_proc(path, *a, **k):
+        if path == "/proc/cpuinfo":
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert bench.host_cpu()["model"]  # falls back to the platform's name
