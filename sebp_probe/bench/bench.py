@@ -168,8 +168,22 @@ def host_cpu() -> dict:
     return {"model": model or platform.processor() or platform.machine(), "cores": os.cpu_count()}
 
 
+def gpu_limits(index: int) -> dict | None:
+    """The GPU's power limit (W) and top SM clock (MHz) as ``nvidia-smi`` reports them (two boards of one name, an
+    SXM and an NVL part, differ there), or None where it does not answer."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=power.limit,clocks.max.sm",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        power, clock = (v.strip() for v in out.stdout.strip().splitlines()[0].split(","))
+        return {"power_limit_w": float(power), "max_sm_clock_mhz": float(clock)}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def environment() -> dict:
-    """GPU, host processor, versions and date, for the results file."""
+    """GPU (and its limits), host processor, versions and date, for the results file."""
     import triton
 
     dev = torch.cuda.get_device_properties(torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -177,6 +191,7 @@ def environment() -> dict:
         "gpu": dev.name if dev else None,
         "gpu_memory_gib": round(dev.total_memory / 2**30, 1) if dev else None,
         "sm_count": dev.multi_processor_count if dev else None,
+        "gpu_limits": gpu_limits(torch.cuda.current_device()) if dev else None,
         "cpu": host_cpu(),
         "torch": torch.__version__,
         "triton": triton.__version__,

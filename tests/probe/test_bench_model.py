@@ -299,3 +299,27 @@ def test_the_results_environment_names_the_host_processor(monkeypatch):
 
     monkeypatch.setattr(builtins, "open", no_proc)
     assert bench.host_cpu()["model"]  # falls back to the platform's name
+
+
+def test_the_gpu_limits_come_from_nvidia_smi_or_are_none(monkeypatch):
+    import subprocess
+
+    from sebp_probe.bench import bench
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return SimpleNamespace(stdout="700.00, 1980\n", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert bench.gpu_limits(1) == {"power_limit_w": 700.0, "max_sm_clock_mhz": 1980.0}
+    assert seen[0][:3] == ["nvidia-smi", "-i", "1"]
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert bench.gpu_limits(0) is None
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: SimpleNamespace(stdout="[N/A], [N/A]\n", returncode=0))
+    assert bench.gpu_limits(0) is None
