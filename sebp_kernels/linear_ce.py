@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from . import label_checks
+
 CHUNK_BYTES = 320 * 2**20  # the per-chunk working set the default chunk size aims at
 _ROW_MULTIPLE = 128  # chunks of whole 128-row tiles (on an H100, 832 rows a chunk ran the head 1.2x slower
 #                       than 1024 or 1408: results/head_h100/head.json)
@@ -53,11 +55,17 @@ def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100,
     """Sorted indices of the entries of flat ``labels`` that are not ``ignore_index``; raises ValueError when
     one of them is outside [0, vocab). ``count``: how many there are, when the caller knows it (a Python int):
     the indices then have a shape known before the labels' values, so ``torch.compile`` traces this without a
-    graph break (the range check becomes a device-side assert there; eagerly a wrong count raises)."""
+    graph break (the range check becomes a device-side assert there; eagerly a wrong count raises). Eagerly,
+    given ``count``, inside :func:`~sebp_kernels.label_checks.deferred`: no host sync; both checks are read
+    where that block's owner waits anyway, a bad label is left out, and the rows it leaves are row 0."""
     keep = labels != ignore_index
     bad = keep & ((labels < 0) | (labels >= vocab))
+    held = label_checks.active()
     if torch.compiler.is_compiling():
         torch._assert_async(~bad.any(), f"a label is outside [0, {vocab}) and is not ignore_index {ignore_index}")
+    elif held is not None and count is not None:
+        held.add(labels, bad, keep, count, vocab, ignore_index)
+        return (keep & ~bad).nonzero_static(size=count, fill_value=0).squeeze(1)
     elif bad.any():
         first = labels[bad][0].item()
         raise ValueError(f"label {first} is outside [0, {vocab}) (and is not ignore_index {ignore_index})")

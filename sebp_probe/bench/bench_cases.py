@@ -151,9 +151,10 @@ def layout_indices(lengths: list[int], batch: int, seed: int) -> dict[str, list[
 
 
 def layout_batches(case: ModelCase, items: list[dict], seed: int) -> dict[str, list[dict]]:
-    """CPU batches of each layout, collated as training collates them (right padding)."""
+    """CPU batches of each layout, collated as training collates them (right padding; a causal LM's batches
+    carry their labelled-row counts, so the labelled-rows head reads none from the device)."""
     idx = layout_indices([len(it["input_ids"]) for it in items], case.batch, seed)
-    collate = {name: collator(lay, PAD_ID, case.task, case.max_length) for name, lay in LAYOUTS.items()}
+    collate = {name: collator(lay, PAD_ID, case.task, case.max_length, counts=True) for name, lay in LAYOUTS.items()}
     return {lay: [collate[lay]([items[i] for i in b]) for b in idx[lay]] for lay in LAYOUTS}
 
 

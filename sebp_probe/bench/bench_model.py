@@ -152,13 +152,20 @@ def _one_step(model, loss_fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[f
 def time_eager(model, loss_fn: Callable[[], torch.Tensor], repeats: int, warmup: int, cuda: bool) -> dict:
     """Median step, forward and backward milliseconds of ``repeats`` steps after ``warmup``, the peak GiB (CUDA
     only: the parameters plus the steps' peak above what was allocated before them) and the last step's loss."""
+    from sebp_kernels import label_checks
+
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        _one_step(model, loss_fn, cuda)
-    t = [_one_step(model, loss_fn, cuda) for _ in range(repeats)]
+    with label_checks.deferred() as checks:  # the labelled-rows head's checks, read between steps (no sync inside)
+        for _ in range(warmup):
+            _one_step(model, loss_fn, cuda)
+            checks.check()
+        t = []
+        for _ in range(repeats):
+            t.append(_one_step(model, loss_fn, cuda))
+            checks.check()
     model.zero_grad(set_to_none=True)
     out = {"step_ms": statistics.median(f + b for f, b, _ in t), "forward_ms": statistics.median(f for f, _, _ in t),
            "backward_ms": statistics.median(b for _, b, _ in t), "peak_gib": None, "loss": float(t[-1][2])}

@@ -104,6 +104,6 @@ def cce_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         return linear_cross_entropy(h, head.decoder.weight, flat.index_select(0, rows), impl=impl)
 
     if "cu_seqlens" not in batch:
-        return loss(batch, None)
+        return loss(batch, batch.get("n_targets"))
     with packed_call(model, batch) as inputs:
         return loss(inputs, batch.get("n_targets"))

@@ -92,9 +92,10 @@ def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
     # Own generators: creating a loader iterator must not draw from the global RNG (it holds dropout's state).
     gen = lambda: torch.Generator().manual_seed(cfg.seed)  # noqa: E731
     bs = cfg.data.batch_size
-    # compiled steps read the labelled rows' counts from the batch (ints), not the device
+    # the labelled-rows head reads its rows' counts from the batch (ints), not the device: no host sync, and
+    # compiled steps trace it without a graph break
     collate = collator(layout, data.pad_id, data.task, cfg.data.max_length, data.padding_side, multiple,
-                       counts=cfg.compile is not None)
+                       counts=True)
     collate = collate if layout.packed else mlm(collate)  # packed rows train no masked LM (check_packable)
     if layout.grouped:
         sampler = LengthGroupedBatchSampler(lengths(data.train), bs, cfg.seed)

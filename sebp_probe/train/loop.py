@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sebp_kernels import SEBPConfig
+from sebp_kernels import SEBPConfig, label_checks
 
 from ..data.assets import LoadedModel
 from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
@@ -400,10 +400,12 @@ class Run:
         cfg, dev = self.cfg, self.acc.device
         t_step = time.perf_counter()
         before = (len(micro.graphs), dynamo_counts()[0] if cfg.compile else 0)  # graphs captured, compiled
-        tally = micro.run(batches, t.model, t.loss_fn)
-        untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
-                                  tally.new_shape and dev.type == "cuda")
-        mean_loss, untimed = self._reduce_loss(tally.loss_sum / cfg.grad_accum, untimed)  # the step's one wait
+        with label_checks.deferred() as checks:  # the labelled-rows head's label checks stay on the device
+            tally = micro.run(batches, t.model, t.loss_fn)
+            untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
+                                      tally.new_shape and dev.type == "cuda")
+            mean_loss, untimed = self._reduce_loss(tally.loss_sum / cfg.grad_accum, untimed)  # the step's one wait
+            checks.check()  # a bad label raises here, before the optimizer step
         stopping = self._stop_agreed(stop)
         if not math.isfinite(mean_loss):
             p.diverged(mean_loss)

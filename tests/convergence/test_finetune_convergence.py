@@ -386,3 +386,45 @@ def test_norms_and_activations_run_where_no_linear_qualifies(monkeypatch, arch):
                               acts=True)
     assert c.norms == [] and c.reason and not any(isinstance(x, SEBPNorm) for x in model.modules())
     assert not patched_activations(model)
+
+
+def test_the_labelled_rows_heads_checks_wait_for_the_steps_own_wait(tmp_path, monkeypatch):
+    """A causal-LM step with the labelled-rows head reads its labels' checks after the wait for the loss, not in
+    the forward (no host sync there): the batches carry their counts, each check is held on the device
+    (``label_checks.Deferred.add``) and read once a step (``check``), before the optimizer step. A bad label
+    then stops the run with the one-line error, and no parameter changes."""
+    from sebp_kernels import label_checks
+
+    events = []
+    add, check = label_checks.Deferred.add, label_checks.Deferred.check
+    monkeypatch.setattr(label_checks.Deferred, "add", lambda self, *a: (events.append("add"), add(self, *a))[1])
+    monkeypatch.setattr(label_checks.Deferred, "check", lambda self: (events.append("check"), check(self))[1])
+    cfg = _cfg(tmp_path, max_steps=2, head="labelled",
+               data=DataConfig(max_length=24, batch_size=4, padding="longest"))
+    s = ft.finetune(cfg, load_fn=_loader("llama"), data=synthetic_data("causal-lm", n=16))
+    assert s["status"] == "completed" and s["head"] == "labelled"
+    steps = "".join("a" if e == "add" else "c" for e in events)
+    assert steps.count("aac") >= 2  # each step: the head's and the loss's checks held, then one read
+
+    model = {}
+
+    def corrupt(self, *a):  # the step's labels as if from another vocabulary: one label past the end
+        labels, bad, kept, count, vocab, ignore = a
+        wrong = labels.clone()
+        wrong[kept.nonzero()[0]] = vocab + 5
+        return add(self, wrong, kept & (wrong >= vocab) | bad, kept, count, vocab, ignore)
+
+    monkeypatch.setattr(label_checks.Deferred, "add", corrupt)
+    loaded = _loader("llama")
+
+    def load():
+        out = loaded()
+        model["m"] = out.model
+        model["before"] = [p.detach().clone() for p in out.model.parameters()]
+        return out
+
+    with pytest.raises(ValueError, match=r"^label \d+ is outside \[0, \d+\) \(and is not ignore_index -100\)$"):
+        ft.finetune(_cfg(tmp_path / "bad", max_steps=2, head="labelled",
+                         data=DataConfig(max_length=24, batch_size=4, padding="longest")),
+                    load_fn=load, data=synthetic_data("causal-lm", n=16))
+    assert all(torch.equal(p, q) for p, q in zip(model["m"].parameters(), model["before"]))
