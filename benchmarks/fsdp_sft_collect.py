@@ -33,7 +33,9 @@ PAIRS = {"pair_dense-first": "compiled, dense first", "pair_sebp-first": "compil
          # two H200s, 30 steps: the SEBP linears' forward over the real-token rows, Inductor's mix-order
          # reduction off for dynamic shapes (sebp_probe.train.compiling.dynamic_options)
          "pair_layers_fwd_dense-first": "by layers, forward over real rows (H200), dense first",
-         "pair_layers_fwd_sebp-first": "by layers, forward over real rows (H200), SEBP first"}
+         "pair_layers_fwd_sebp-first": "by layers, forward over real rows (H200), SEBP first",
+         # two H200s, 20 steps, the code of 2026-11-28 (0cd0caf); its SEBP-first pair was cut by the device's time
+         "pair_layers_s36_dense-first": "by layers, code of 2026-11-28 (H200, 20 steps), dense first"}
 ORDERS = {"compiled": ("pair_dense-first", "pair_sebp-first"),  # the pairs of each compile scope, both orders
           "compiled by layers": ("pair_layers_dense-first", "pair_layers_sebp-first"),
           "by layers, forward over real rows (H200)": ("pair_layers_fwd_dense-first", "pair_layers_fwd_sebp-first")}
