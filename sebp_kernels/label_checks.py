@@ -6,12 +6,13 @@ sync: the host waits for everything queued before it, and the GPU then idles whi
 follows. A training step of the labelled-rows head made four (two in the head, two in the loss), before the
 model's forward and after it.
 
-Inside :func:`deferred` the checks stay on the device: each call adds its counts to device tensors and keeps
-only valid rows (a label outside [0, V) is not taken, so no kernel reads past the logits; the rows it leaves
-point at row 0), and the first time the host reads anything the caller asks :meth:`Deferred.check` (the
-training loop: right after the wait for the step's loss, before the optimizer step), which raises the same
-one-line ``ValueError`` the eager checks raise. Leaving the block checks too. A step with bad labels thus
-computes a loss nobody uses and changes no parameter.
+Inside :func:`deferred` the checks stay on the device: each call adds its counts to device tensors, the rows
+are found as if every label were good, and the heads that read the labels take them through :func:`safe`, which
+turns a label outside [0, V) into class 0 (no kernel reads past the logits, none asserts on the device); the
+caller reads the checks where it waits anyway, :meth:`Deferred.check` (the training loop: right after the wait
+for the step's loss, before the optimizer step), which raises the same one-line ``ValueError`` the eager checks
+raise. Leaving the block checks too. A step with bad labels thus computes a loss nobody uses and changes no
+parameter.
 
 This module imports none of the modules that use it.
 """
@@ -68,6 +69,15 @@ _ACTIVE: list[Deferred] = []
 def active() -> Deferred | None:
     """The innermost :func:`deferred` block's checks, or None (the checks then read on the host at once)."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def safe(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """``labels`` as a head may index with them: inside :func:`deferred`, where a bad label is only counted, every
+    label outside [0, vocab) but ``ignore_index`` becomes 0 (a new tensor; the check still raises); elsewhere
+    ``labels`` itself (the eager checks raised already)."""
+    if not _ACTIVE or torch.compiler.is_compiling():
+        return labels
+    return labels.masked_fill((labels != ignore_index) & ((labels < 0) | (labels >= vocab)), 0)
 
 
 @contextlib.contextmanager

@@ -57,7 +57,8 @@ def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100,
     the indices then have a shape known before the labels' values, so ``torch.compile`` traces this without a
     graph break (the range check becomes a device-side assert there; eagerly a wrong count raises). Eagerly,
     given ``count``, inside :func:`~sebp_kernels.label_checks.deferred`: no host sync; both checks are read
-    where that block's owner waits anyway, a bad label is left out, and the rows it leaves are row 0."""
+    where that block's owner waits anyway (a head reads the labels through
+    :func:`~sebp_kernels.label_checks.safe` meanwhile)."""
     keep = labels != ignore_index
     bad = keep & ((labels < 0) | (labels >= vocab))
     held = label_checks.active()
@@ -65,7 +66,7 @@ def labelled_rows(labels: torch.Tensor, vocab: int, ignore_index: int = -100,
         torch._assert_async(~bad.any(), f"a label is outside [0, {vocab}) and is not ignore_index {ignore_index}")
     elif held is not None and count is not None:
         held.add(labels, bad, keep, count, vocab, ignore_index)
-        return (keep & ~bad).nonzero_static(size=count, fill_value=0).squeeze(1)
+        return keep.nonzero_static(size=count, fill_value=0).squeeze(1)
     elif bad.any():
         first = labels[bad][0].item()
         raise ValueError(f"label {first} is outside [0, {vocab}) (and is not ignore_index {ignore_index})")
@@ -116,6 +117,7 @@ def linear_cross_entropy(
     rows = labelled_rows(y, weight.shape[0], ignore_index, labelled)
     if rows.numel() < y.numel():
         h, y = h.index_select(0, rows), y.index_select(0, rows)
+    y = label_checks.safe(y, weight.shape[0], ignore_index)  # checks held on the device: no label past the logits
     dev = h.device.type
     if torch.is_autocast_enabled(dev) and h.dtype != torch.float64:  # autocast leaves fp64 alone too
         compute = torch.get_autocast_dtype(dev)

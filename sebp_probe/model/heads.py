@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sebp_kernels import linear_cross_entropy
+from sebp_kernels import label_checks, linear_cross_entropy
 from sebp_kernels.linear_ce import labelled_rows
 
 from ..data.batching import HOST_COUNTS
@@ -183,7 +183,8 @@ def head_loss(
     else:
         hidden = head.backbone(**inputs, use_cache=False)[0]  # the last hidden state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    return _decode(head, h, flat.index_select(0, rows), num_items, label_smoothing, chunk_rows)
+    labels = label_checks.safe(flat.index_select(0, rows), head.decoder.out_features, IGNORE_INDEX)
+    return _decode(head, h, labels, num_items, label_smoothing, chunk_rows)
 
 
 def _classification(model: nn.Module, batch: Mapping, last_layer_rows_only: bool) -> HeadOutput:

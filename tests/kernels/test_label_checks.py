@@ -37,13 +37,20 @@ def test_a_bad_label_raises_at_the_check_and_reaches_no_kernel(bad):
     at = int((y != -100).nonzero()[3])
     y[at] = bad
     n = int((y != -100).sum())
+    h = torch.randn(y.numel(), 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
     with label_checks.deferred() as checks:
         rows = labelled_rows(y, 20, count=n)  # no raise here: no host read
-        assert rows.numel() == n and at not in rows.tolist()  # left out; its slot points at row 0
-        assert bool(((y[rows] >= 0) & (y[rows] < 20) | (y[rows] == -100)).all())
+        assert torch.equal(rows, (y != -100).nonzero().squeeze(1))  # the rows as if the label were good
+        safe = label_checks.safe(y, 20, -100)
+        assert safe[at] == 0 and torch.equal(safe[y != bad], y[y != bad]) and y[at] == bad  # a new tensor
+        loss = linear_cross_entropy(h, w, y, labelled=n)  # reads no logit past the vocabulary
+        loss.backward()
+        assert torch.isfinite(loss)
         with pytest.raises(ValueError, match=rf"^label {bad} is outside \[0, 20\) \(and is not ignore_index -100\)$"):
             checks.check()
         checks.check()  # read and forgotten: nothing left to raise
+    assert label_checks.safe(y, 20, -100) is y  # outside a block the eager checks raise first
 
 
 def test_a_wrong_count_raises_at_the_end_of_the_block():

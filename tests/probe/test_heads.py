@@ -232,3 +232,30 @@ def test_training_and_held_out_losses_build_no_kv_cache():
     batch_loss(model, batch, labelled_head=False).backward()
     evaluate(model, [batch], Accelerator(cpu=True), "causal-lm")
     assert len(seen) == 2 and seen == [None, None]
+
+
+@pytest.mark.parametrize("last_layer", [False, True])
+def test_a_bad_label_with_the_checks_held_raises_at_the_check_not_in_a_kernel(last_layer):
+    """Inside label_checks.deferred() (the training loop's step) a label past the vocabulary reaches no kernel:
+    the head runs on the rows as counted, with that label as class 0, and the one-line error comes at the
+    check; the same batch with good labels gives the eager head's loss."""
+    from sebp_kernels import label_checks
+    from sebp_probe.data.batching import target_counts
+
+    model = causal_model("llama")
+    batch = padded_batch("llama")
+    counts = target_counts(batch["labels"])
+    targets = (counts["n_targets"], counts["max_row_targets"])
+    want = head_loss(model, batch, last_layer_rows_only=last_layer).loss
+    with label_checks.deferred() as checks:
+        got = head_loss(model, batch, last_layer_rows_only=last_layer, targets=targets).loss
+        checks.check()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bad = {**batch, "labels": batch["labels"].clone()}
+    at = tuple((bad["labels"][:, 1:] != -100).nonzero()[0] + torch.tensor([0, 1]))
+    bad["labels"][at] = 120 + 7  # the tiny vocabulary has 120 tokens
+    with pytest.raises(ValueError, match=r"^label 127 is outside \[0, 120\) \(and is not ignore_index -100\)$"):
+        with label_checks.deferred():
+            loss = head_loss(model, bad, last_layer_rows_only=last_layer, targets=targets).loss
+            loss.backward()
+            assert torch.isfinite(loss)
