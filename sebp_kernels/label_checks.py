@@ -3,8 +3,8 @@
 :func:`~sebp_kernels.linear_ce.labelled_rows` checks that every label it keeps is a class (in [0, V)) and, given
 the labelled count as a Python int, that the labels hold that many. Read on the host, each check is a device
 sync: the host waits for everything queued before it, and the GPU then idles while the host launches what
-follows. A training step of the labelled-rows head made four (two in the head, two in the loss), before the
-model's forward and after it.
+follows. A training step of the labelled-rows head given its counts made four (two in the head, before the
+model's forward, and two in the loss, after it).
 
 Inside :func:`deferred` the checks stay on the device: each call adds its counts to device tensors, the rows
 are found as if every label were good, and the heads that read the labels take them through :func:`safe`, which
@@ -38,8 +38,9 @@ class Deferred:
             ignore_index: int) -> None:
         """One call's checks: ``bad`` (flags of labels outside [0, vocab)), ``kept`` (flags of the labels that are
         not ``ignore_index``, bad ones included) against ``count`` (None: not given)."""
-        first = labels.reshape(-1)[bad.reshape(-1).to(torch.uint8).argmax()]  # a bad label, where there is one
-        self._bad.append((bad.sum(), first, vocab, ignore_index))
+        if labels.numel():
+            first = labels.reshape(-1)[bad.reshape(-1).to(torch.uint8).argmax()]  # a bad label, where there is one
+            self._bad.append((bad.sum(), first, vocab, ignore_index))
         if count is not None:
             self._counts.append((kept.sum(), count, ignore_index))
         if len(self._bad) + len(self._counts) > MAX_HELD:

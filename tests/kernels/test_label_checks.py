@@ -90,3 +90,13 @@ def test_an_exception_inside_the_block_is_the_one_that_goes_on_and_many_calls_st
         with label_checks.deferred() as inner:
             assert label_checks.active() is inner
         assert label_checks.active() is outer
+
+
+def test_no_labels_hold_nothing_but_their_count():
+    empty = torch.empty(0, dtype=torch.long)
+    with label_checks.deferred() as checks:
+        assert labelled_rows(empty, 20, count=0).numel() == 0
+        assert checks._bad == [] and len(checks._counts) == 1
+    with pytest.raises(ValueError, match=r"^0 labels are not ignore_index -100, not the 1 given$"):
+        with label_checks.deferred():
+            labelled_rows(empty, 20, count=1)
