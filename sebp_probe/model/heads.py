@@ -183,8 +183,7 @@ def head_loss(
     else:
         hidden = head.backbone(**inputs, use_cache=False)[0]  # the last hidden state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    labels = label_checks.safe(flat.index_select(0, rows), head.decoder.out_features, IGNORE_INDEX)
-    return _decode(head, h, labels, num_items, label_smoothing, chunk_rows)
+    return _decode(head, h, flat.index_select(0, rows), num_items, label_smoothing, chunk_rows)
 
 
 def _classification(model: nn.Module, batch: Mapping, last_layer_rows_only: bool) -> HeadOutput:
@@ -213,6 +212,7 @@ def _decode(head: _Head, h: torch.Tensor, labels: torch.Tensor, num_items, label
     if head.softcap is not None:  # not a linear head: the capped logits of the labelled rows, as the model's loss
         logits = head.decoder(h)
         logits = torch.tanh(logits / head.softcap) * head.softcap
+        labels = label_checks.safe(labels, logits.shape[-1], IGNORE_INDEX)  # (linear_cross_entropy does its own)
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction=reduction,
                                label_smoothing=label_smoothing)
     else:

@@ -234,16 +234,18 @@ def test_training_and_held_out_losses_build_no_kv_cache():
     assert len(seen) == 2 and seen == [None, None]
 
 
-@pytest.mark.parametrize("last_layer", [False, True])
-def test_a_bad_label_with_the_checks_held_raises_at_the_check_not_in_a_kernel(last_layer):
+@pytest.mark.parametrize("arch, last_layer", [("llama", False), ("llama", True), ("gemma2", False)])
+def test_a_bad_label_with_the_checks_held_raises_at_the_check_not_in_a_kernel(arch, last_layer):
     """Inside label_checks.deferred() (the training loop's step) a label past the vocabulary reaches no kernel:
     the head runs on the rows as counted, with that label as class 0, and the one-line error comes at the
-    check; the same batch with good labels gives the eager head's loss."""
+    check; the same batch with good labels gives the eager head's loss. Gemma 2: the soft-capped head, whose
+    cross-entropy is torch's, not linear_cross_entropy."""
     from sebp_kernels import label_checks
     from sebp_probe.data.batching import target_counts
+    from tests.tiny_models import family_model
 
-    model = causal_model("llama")
-    batch = padded_batch("llama")
+    model = causal_model(arch) if arch == "llama" else family_model(arch, "causal-lm")
+    batch = padded_batch("llama")  # token ids below 120: in every tiny vocabulary
     counts = target_counts(batch["labels"])
     targets = (counts["n_targets"], counts["max_row_targets"])
     want = head_loss(model, batch, last_layer_rows_only=last_layer).loss
@@ -253,8 +255,9 @@ def test_a_bad_label_with_the_checks_held_raises_at_the_check_not_in_a_kernel(la
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     bad = {**batch, "labels": batch["labels"].clone()}
     at = tuple((bad["labels"][:, 1:] != -100).nonzero()[0] + torch.tensor([0, 1]))
-    bad["labels"][at] = 120 + 7  # the tiny vocabulary has 120 tokens
-    with pytest.raises(ValueError, match=r"^label 127 is outside \[0, 120\) \(and is not ignore_index -100\)$"):
+    vocab = model.get_output_embeddings().out_features
+    bad["labels"][at] = vocab + 7
+    with pytest.raises(ValueError, match=rf"^label {vocab + 7} is outside \[0, {vocab}\) \(and is not ignore_index -100\)$"):
         with label_checks.deferred():
             loss = head_loss(model, bad, last_layer_rows_only=last_layer, targets=targets).loss
             loss.backward()
