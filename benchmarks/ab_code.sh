@@ -9,7 +9,8 @@
 # device's copy of the working tree carries them; run times the bench below with each, in the order given and
 # then reversed (both orders), one JSON per run in $OUT/ab/. An entry COMMIT+NAME=VALUE runs that commit's code
 # with the variable set (COMMITS="d78623b 46ccc3d 46ccc3d+SEBP_TRITON_OP=1": one switch against the old code).
-# REVERSE=0 runs the order as given, once (repeat an entry in COMMITS to interleave). BENCH overrides the
+# REVERSE=0 runs the order as given, once (repeat an entry in COMMITS to interleave); ORDER (entries prepared)
+# overrides COMMITS' order in run, so two runs in one call can take different orders. BENCH overrides the
 # bench's arguments; LIMIT (seconds) stops each run. Delete _ab/ afterwards.
 set -u
 BENCH=${BENCH:-"llama-3.2-1b-sft --scope model --compile default --layouts longest --methods sebp:labelled --model-batches 6"}
@@ -29,7 +30,7 @@ case ${1:-} in
     if [ -d .whl ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
     fi
-    order=$(cat _ab/ORDER)
+    order=${ORDER:-$(cat _ab/ORDER)}
     [ "${REVERSE:-1}" = 1 ] && order="$order $(echo $order | tr ' ' '\n' | tac)"
     for e in $order; do
       c=${e%%+*} var=()
