@@ -34,11 +34,16 @@ PAIRS = {"pair_dense-first": "compiled, dense first", "pair_sebp-first": "compil
          # reduction off for dynamic shapes (sebp_probe.train.compiling.dynamic_options)
          "pair_layers_fwd_dense-first": "by layers, forward over real rows (H200), dense first",
          "pair_layers_fwd_sebp-first": "by layers, forward over real rows (H200), SEBP first",
-         # two H200s, 20 steps, the code of 2026-11-28 (0cd0caf); its SEBP-first pair was cut by the device's time
-         "pair_layers_s36_dense-first": "by layers, code of 2026-11-28 (H200, 20 steps), dense first"}
+         # two H200s, 20 steps, the code of 0cd0caf; its SEBP-first pair was cut by the device's time
+         "pair_layers_s36_dense-first": "by layers, code of 0cd0caf (H200, 20 steps), dense first",
+         # two H200s of one machine, 20 steps, both orders one after the other, the code of 24b158f (the
+         # labelled-rows head's label checks held on the device)
+         "pair_layers_s37_dense-first": "by layers, code of 24b158f (H200, 20 steps), dense first",
+         "pair_layers_s37_sebp-first": "by layers, code of 24b158f (H200, 20 steps), SEBP first"}
 ORDERS = {"compiled": ("pair_dense-first", "pair_sebp-first"),  # the pairs of each compile scope, both orders
           "compiled by layers": ("pair_layers_dense-first", "pair_layers_sebp-first"),
-          "by layers, forward over real rows (H200)": ("pair_layers_fwd_dense-first", "pair_layers_fwd_sebp-first")}
+          "by layers, forward over real rows (H200)": ("pair_layers_fwd_dense-first", "pair_layers_fwd_sebp-first"),
+          "by layers, code of 24b158f (H200)": ("pair_layers_s37_dense-first", "pair_layers_s37_sebp-first")}
 SKIP_FIRST = 3
 BEFORE = ("`finetune` still left sdpa its own choice of kernel, on these GPUs cuDNN's attention, which builds a "
           "host-side plan for each new batch shape and keeps it for the process")
