@@ -304,3 +304,30 @@ def triton_op_ab(page: Page) -> str:
         table(["code", "SEBP labelled, compiled: step ms", "compile s", "recompiles"], rows, "lrrr"),
         "One device call, the runs in the table's order, each with its commit's packages (`benchmarks/ab_code.sh` "
         "with `REVERSE=0 LIMIT=110`)."]))
+
+
+# one JSON a run of benchmarks/ab_code.sh: folder, the entry whose speed is read against the other's, that other
+LABEL_AB = (("label_checks_h200/ab_llama", ("longest", "sebp", "labelled", "compiled"),
+             ("longest", "dense", "labelled", "compiled"), "SEBP x dense"),
+            ("label_checks_h200/ab_qwen", ("packed", "dense", "labelled", "compiled"),
+             ("packed", "cce", "labelled", "compiled"), "dense labelled x CCE"))
+
+
+@block("label_checks_ab")
+def label_checks_ab(page: Page) -> str:
+    """The labelled-rows head's label checks read on the host (500e459) or held on the device (3189ab7): two
+    bench entries per run, each case's runs in the order they ran (results/label_checks_h200/)."""
+    srcs, rows = [], []
+    for folder, entry, other, what in LABEL_AB:
+        runs = sorted((_model(page, f"{folder}/{path.name}") for path in
+                       (page.root / "results" / folder).glob("*.json")), key=lambda sm: sm[0].env()["date"])
+        for src, m in runs:
+            srcs.append(src)
+            got = _rows(m)
+            e, o = got[entry], got[other]
+            rows.append([m["case"]["name"] if isinstance(m["case"], dict) else m["case"], src.rel.split("/")[-1].split("_")[0], f"{_entry(e)}: {f1(e['ms'])}",
+                         f"{_entry(o)}: {f1(o['ms'])}", f"{what} {times(o['ms'] / e['ms'])}"])
+    return captioned(page, srcs, "\n\n".join([
+        table(["case", "code", "entry ms", "against ms", "speed"], rows, "llrrl"),
+        "One device call on a two-H200 machine, one case on each GPU at once, each run with its commit's packages "
+        "(`benchmarks/ab_code.sh` with `ORDER` and `REVERSE=0`); compiled step ms, the mean of the batches' medians."]))
