@@ -56,6 +56,23 @@ METHODS = ("dense", "sebp", "liger", "cce")
 WARMUP = 2
 
 
+def failure_reason(e: Exception, width: int = 160) -> str:
+    """One line for an entry that failed: the exception's type and message and, for a compile error whose
+    message ends in Dynamo's ``from user code:`` trace, the innermost frame of that trace (where it failed; its
+    outermost frame, which alone fitted before, is the model's forward)."""
+    text = str(e)
+    message, _, trace = text.partition("from user code:")
+    where = ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip()]
+    files = [i for i, line in enumerate(frames) if line.startswith("File ")]
+    if files:
+        last = frames[files[-1]:files[-1] + 2]
+        path, _, rest = last[0].partition(", line ")
+        where = f" at {path.split('/')[-1].rstrip(chr(34))}:{rest}" + (f": {last[1]}" if len(last) > 1 else "")
+    head = " ".join(message.split())[:width] or "(no message)"
+    return f"{type(e).__name__}: {head}" + (" " + " ".join(where.split())[:width] if where else "")
+
+
 def check_pad_mask(case: ModelCase, pad_mask: bool) -> None:
     """Leaving the padding mask out is exact only for causal decoders (right padding); say so otherwise."""
     if not pad_mask and case.arch == "bert":
@@ -405,7 +422,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             yield model
 
     def out_of_run(key: tuple, e: Exception, m) -> None:  # the entry is out, the others go on
-        failed[key] = f"{type(e).__name__}: " + " ".join(str(e).split())[:160]
+        failed[key] = failure_reason(e)
         m.zero_grad(set_to_none=True)  # the failed step's tensors are gone now: give their memory back
         if cuda:
             torch.cuda.empty_cache()

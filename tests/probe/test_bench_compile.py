@@ -304,3 +304,23 @@ def test_compiled_sebp_patches_the_linears_only():
     assert sebp["sebp_layers"]["linears"] > 0 and sebp["sebp_layers"]["norms"] == sebp["sebp_layers"]["acts"] == 0
     assert sebp["loss_gap"] < 1e-5 and sebp["recompiles"] == 0 and sebp["graph_breaks"] == 0
     assert {li["timing"] for li in r["limits"]} == {"eager", "compiled"}
+
+
+def _fails_inside(x):
+    assert x.shape[0] == 99, ""
+    return x + 1
+
+
+def test_a_compile_failure_names_where_it_failed():
+    """A compiled entry that fails is listed with one line naming the innermost frame Dynamo reports (the peer's
+    own code, not the model's forward that called it)."""
+    def outer(x):
+        return _fails_inside(x) * 2
+
+    with pytest.raises(Exception) as info:
+        torch.compile(outer, backend="eager", fullgraph=True)(torch.ones(3))
+    reason = bench_model.failure_reason(info.value)
+    assert "\n" not in reason and reason.startswith(type(info.value).__name__ + ": ")
+    assert "test_bench_compile.py:" in reason and "in _fails_inside" in reason, reason
+    plain = bench_model.failure_reason(RuntimeError("a warm-up\n step failed"))
+    assert plain == "RuntimeError: a warm-up step failed"
