@@ -137,8 +137,9 @@ def finetune_cmd(
                                     "backward (exact; calibrated together with the linear layers)."),
     head: str = typer.Option("labelled", "--head", help="labelled: the loss without the rows no loss reaches "
                              "(LM head and last layer on the labelled rows; a classifier's last layer on [CLS]) "
-                             "where that is exact, and under --padding auto timed against the model's own head | "
-                             "full: the model's own loss."),
+                             "where that is exact, and under --padding auto timed against the model's own head "
+                             "(and, on a GPU where cut-cross-entropy imports, against cce) | full: the model's own "
+                             "loss | cce: a causal LM's backbone, then Cut-Cross-Entropy on the labelled rows."),
     cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="Replay each micro-step's forward and backward "
                                      "as CUDA graphs, one pair per batch shape (one GPU): no host launch overhead, "
                                      "in calibration too; with --compile default, each layer compiled and then "

@@ -111,7 +111,8 @@ class FinetuneConfig:
     (one GPU); with padding ``longest`` the batches are padded to a multiple of ``graph_bucket`` tokens.
     ``head``: ``labelled`` computes the loss without the rows no loss reaches where that is exact (the LM
     head and the last layer on labelled rows only; a BERT/RoBERTa classifier's last layer on its [CLS] rows;
-    :mod:`sebp_probe.model.losses`), ``full`` the model's own loss. ``compile``: a ``torch.compile`` mode for the
+    :mod:`sebp_probe.model.losses`), ``full`` the model's own loss, ``cce`` a causal LM's backbone and then
+    Cut-Cross-Entropy on the labelled rows (:mod:`sebp_probe.model.cce_head`). ``compile``: a ``torch.compile`` mode for the
     training model (one of ``COMPILE_MODES``); the SEBP layers' backward compiles as ``sebp::`` custom ops
     (:mod:`sebp_kernels.registry`); on a GPU, the modes that record CUDA graphs (``reduce-overhead``,
     ``max-autotune``) also time calibration as graph replays. ``compile_scope``: ``layers`` compiles each
@@ -215,8 +216,8 @@ class FinetuneConfig:
                 isinstance(t, str) and t for t in self.targets)):
             raise ValueError("targets must be a tuple of module names or patterns")
         _pos_int(self.graph_bucket, "graph bucket")
-        if self.head not in ("labelled", "full"):
-            raise ValueError(f"unknown head {self.head!r}; choose labelled or full")
+        if self.head not in ("labelled", "full", "cce"):
+            raise ValueError(f"unknown head {self.head!r}; choose labelled, full or cce")
         if self.cuda_graphs and self.precision == "fp16":
             raise ValueError("--cuda-graphs does not take --fp16 (its loss scaler is updated on the host); "
                              "use --bf16")

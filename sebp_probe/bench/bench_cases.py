@@ -275,11 +275,12 @@ def layout_limits(runs: dict, failed: dict, info: dict) -> list[dict]:
     return out
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], auto_methods: tuple[str, ...] = ("dense", "sebp")) -> dict:
     """Per timing (:data:`TIMINGS`) and over ``all`` of them: the fastest dense entry, the fastest
     non-SEBP one (dense, Cut-Cross-Entropy or Liger: the bar SEBP must clear), the fastest of all, and what
-    ``--padding auto`` would pick (dense or SEBP, with the head that measured faster; the picks over ``all``
-    name their timing). Each row also gets its speedup over dense on its layout, head and timing, and over the
+    ``--padding auto`` would pick (among ``auto_methods``: dense or SEBP with the head that measured faster,
+    and on a GPU the Cut-Cross-Entropy head too, which ``--padding auto`` times there, except as CUDA graphs; the
+    picks over ``all`` name their timing). Each row also gets its speedup over dense on its layout, head and timing, and over the
     fastest non-SEBP entry of every timing."""
     out = {}
     for timing in (*TIMINGS, "all"):
@@ -295,7 +296,8 @@ def summarize(rows: list[dict]) -> dict:
         out[timing] = {"fastest_dense": best(lambda r: r["method"] == "dense"),
                        "fastest_baseline": best(lambda r: r["method"] != "sebp"),
                        "fastest": best(lambda r: True),
-                       "auto_pick": best(lambda r: r["method"] in ("dense", "sebp"))}
+                       "auto_pick": best(lambda r: r["method"] in auto_methods
+                                         and not (r["method"] == "cce" and "graphs" in r["timing"]))}
     base = out.get("all", {}).get("fastest_baseline")
     dense = {(r["layout"], r["head"], r["timing"]): r["ms"] for r in rows if r["method"] == "dense"}
     for r in rows:

@@ -62,6 +62,7 @@ from ..model.losses import HEADS, _task_of, set_head, use_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
 
 log = logging.getLogger(__name__)
+TRAINER_HEADS = ("labelled", "full")  # the heads apply_sebp takes (HEADS less finetune's cce)
 _HANDLE = "_sebp_handle"  # on the trainer: the handle of the call that changed it
 COMPILE_SCOPES = ("layers", "loss")
 
@@ -137,8 +138,10 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     (one layer's compile, not the model's), ``loss`` compiles that loss as a whole. Calling it again on the same
     trainer returns the first call's handle.
     """
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
+    if head not in TRAINER_HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {', '.join(TRAINER_HEADS)}" +
+                         (" (cce is sebp-probe finetune's; the Trainer integration does not take it)"
+                          if head in HEADS else ""))
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
     if not isinstance(calib_batches, int) or calib_batches < 1:

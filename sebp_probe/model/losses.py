@@ -1,14 +1,16 @@
 """The training loss of one batch, whatever its layout and head: the one call the loop, calibration and timing
 make (:func:`batch_loss`).
 
-Two heads (``FinetuneConfig.head``):
+Three heads (``FinetuneConfig.head``):
 
 - ``full``: the model's own loss, ``model(**batch).loss`` (packed batches through
   :func:`~sebp_probe.model.packing.packed_forward`);
 - ``labelled``: the rows no loss reaches are left out where that is exact (:mod:`.heads`): causal LM and masked
   LM run the head and the last layer's position-wise work on the labelled rows only; BERT/RoBERTa classifiers
   run their last layer on the [CLS] rows only (padded batches; packed ones run the full last layer). The same
-  loss and gradients.
+  loss and gradients;
+- ``cce``: causal LMs, the backbone on every row, then Apple's Cut-Cross-Entropy on the labelled rows
+  (:mod:`.cce_head`; the optional package ``cut-cross-entropy``), the head a user adds to a compiled model.
 
 A run sets its choice on the model (:func:`set_head`), so every caller of :func:`batch_loss` computes the loss
 the same way without passing it around; ``labelled_head`` overrides it for one call (the benchmark).
@@ -20,12 +22,14 @@ import contextlib
 import torch
 
 from ..data.batching import HOST_COUNTS
+from .cce_head import cce_loss, cce_problem
 from .heads import HeadError, head_loss, resolve_head
 from .last_layer import install_kept_rows, kept_rows_family
 from ..notes import note
 from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
-HEADS = ("labelled", "full")
+HEADS = ("labelled", "full", "cce")
+ROWS_HEADS = ("labelled", "cce")  # the heads that call the backbone themselves, on the labelled rows
 # The labelled-rows head runs the last layer's position-wise work on the labelled rows too (:mod:`.last_layer`).
 # Under compile that layer runs eagerly; turning this off (the last layer compiled on every row) was timed on
 # packed Qwen2.5-0.5B and Llama-3.2-1B and stayed within the runs' noise (docs/benchmarks.md; the experiment's
@@ -43,6 +47,8 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
         task = getattr(unwrap(model), _ATTR, None)
         if packed and task == "classification":  # the [CLS]-rows last layer reads padded rows
             task = None
+        if task == "cce":
+            return cce_loss(model, batch)
     else:
         task = _task_of(model) if labelled_head else None
     targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
@@ -83,6 +89,11 @@ def use_head(model: torch.nn.Module, task: str, head: str) -> str | None:
     setattr(base, _ATTR, None)
     if head == "full":
         return None
+    if head == "cce":
+        why = cce_problem(model, task)
+        if why is None:
+            setattr(base, _ATTR, "cce")
+        return why
     try:
         kept_rows_family(getattr(base, "base_model", None), cls_rows=task == "classification")
         if task != "classification":
@@ -108,9 +119,9 @@ def compiled_head_problem(task: str, padding: str) -> str | None:
 
 def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, graphs: bool = False,
              compiled: bool = False, padding: str | None = None) -> tuple[str, str | None]:
-    """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path runs
-    in one process (it calls the backbone itself, past DDP's forward) and without CUDA graphs (it reads the
-    labelled-row count on the host). ``compiled``: the run compiles the whole step's loss on ``padding`` batches
+    """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path (and the
+    Cut-Cross-Entropy head) runs in one process (it calls the backbone itself, past DDP's forward) and without
+    CUDA graphs (it reads the labelled-row count on the host). ``compiled``: the run compiles the whole step's loss on ``padding`` batches
     (the run's layout; tests/probe/test_compile_graphs.py), the head with it, except where
     :func:`compiled_head_problem` says."""
     if compiled and padding is None:
@@ -118,20 +129,32 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
     why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
            "CUDA graphs cannot hold its host-side row count" if graphs else
            compiled_head_problem(task, padding) if compiled else None)
-    if head == "labelled" and why is None:
+    if head in ROWS_HEADS and why is None:
         why = use_head(model, task, head)
         if why is not None:
-            note(f"--head labelled runs as --head full (the model's own loss): {why}")
-    if head == "labelled" and why is not None:
+            note(f"--head {head} runs as --head full (the model's own loss): {why}")
+    if head in ROWS_HEADS and why is not None:
         use_head(model, task, "full")
         return "full", why
     use_head(model, task, head)
     return head, None
 
 
+def auto_heads(model: torch.nn.Module, task: str, head: str, device: torch.device) -> tuple[str | None, ...]:
+    """The heads ``--padding auto`` times each layout with, given the run's head as :func:`set_head` set it:
+    ``labelled`` against the model's own (the labelled path may lose) and, on a GPU where Cut-Cross-Entropy can
+    compute this model's loss, against ``cce`` too; ``cce`` against the model's own; ``full`` alone (None: the
+    head set on the model)."""
+    if head == "labelled":
+        cce = ("cce",) if device.type == "cuda" and cce_problem(model, task) is None else ()
+        return ("labelled", "full", *cce)
+    return ("cce", "full") if head == "cce" else (None,)
+
+
 def head_of(model: torch.nn.Module) -> str:
-    """The head :func:`batch_loss` computes for ``model`` now: ``labelled`` or ``full``."""
-    return "full" if getattr(unwrap(model), _ATTR, None) is None else "labelled"
+    """The head :func:`batch_loss` computes for ``model`` now: ``labelled``, ``cce`` or ``full``."""
+    task = getattr(unwrap(model), _ATTR, None)
+    return "full" if task is None else "cce" if task == "cce" else "labelled"
 
 
 def ready_to_compile(model: torch.nn.Module, padding: str, autocast=contextlib.nullcontext) -> None:

@@ -22,7 +22,7 @@ from ..config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneEr
 from ..layouts import LAYOUTS
 from .determinism import NotDeterministic, deterministic
 from .loop import Event, Run, graphed_compile, wrap_lora
-from ..model.losses import set_head
+from ..model.losses import auto_heads, set_head
 from ..model.sdpa import without_cudnn_attention
 from .metrics import compare_runs, loss_gap, timed_steps
 from ..notes import collect_notes, note
@@ -358,7 +358,7 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
     payload = [None]
     if acc.is_main_process:
         graphs = cfg.cuda_graphs or graphed_compile(cfg, acc)
-        heads = ("labelled", "full") if head == "labelled" else (None,)  # the labelled path may lose: time both
+        heads = auto_heads(model, first.task, head, acc.device)
         payload = [choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads).to_dict()]
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list

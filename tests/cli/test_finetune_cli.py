@@ -175,7 +175,7 @@ def test_directory_of_other_files_is_never_cleared(tiny, tmp_path):
     (["--compile", "reduce-overhead", "--cuda-graphs"], "it records CUDA graphs itself"),
     (["--padding", "longest", "--compile", "auto"], "--compile auto chooses by timing, which --padding auto does"),
     (["--sebp-first"], "--sebp-first orders the two runs of --compare: add --compare"),
-    (["--head", "middle"], "unknown head 'middle'; choose labelled or full"),
+    (["--head", "middle"], "unknown head 'middle'; choose labelled, full or cce"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"

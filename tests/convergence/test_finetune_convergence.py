@@ -428,3 +428,23 @@ def test_the_labelled_rows_heads_checks_wait_for_the_steps_own_wait(tmp_path, mo
                          data=DataConfig(max_length=24, batch_size=4, padding="longest")),
                     load_fn=load, data=synthetic_data("causal-lm", n=16))
     assert all(torch.equal(p, q) for p, q in zip(model["m"].parameters(), model["before"]))
+
+
+@pytest.mark.parametrize("padding", ["longest", "packed"])
+def test_the_cce_head_trains_as_the_models_own_loss(tmp_path, padding, monkeypatch):
+    """``--head cce`` (the backbone, then Cut-Cross-Entropy on the labelled rows; its CPU implementation here) trains
+    a tiny Llama step for step as the model's own loss does, SEBP on its linears, on padded and packed batches;
+    the held-out loss of the same run is the model's own."""
+    cce = pytest.importorskip("cut_cross_entropy")
+    calls, real = [], cce.linear_cross_entropy
+    monkeypatch.setattr(cce, "linear_cross_entropy", lambda *a, **k: (calls.append(k["impl"]), real(*a, **k))[1])
+    runs = {}
+    for head in ("full", "cce"):
+        cfg = _cfg(tmp_path / head, max_steps=3, head=head, data=DataConfig(max_length=24, batch_size=4,
+                                                                            padding=padding))
+        s = ft.finetune(cfg, load_fn=_loader("llama"), data=synthetic_data("causal-lm", n=16))
+        assert s["status"] == "completed" and s["head"] == head, s.get("head_fallback_reason")
+        runs[head] = (_train_losses(tmp_path / head / "run" / "metrics.jsonl"), s["final_eval"]["eval_loss"])
+    assert len(runs["cce"][0]) == 3 and len(calls) >= 3 and set(calls) == {"torch_compile"}  # the cce run's steps
+    assert max(abs(a - b) for a, b in zip(*(runs[h][0] for h in runs))) < 1e-4
+    assert runs["cce"][1] == pytest.approx(runs["full"][1], rel=1e-4)

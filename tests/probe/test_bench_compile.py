@@ -106,9 +106,9 @@ def test_cce_loss_reads_the_labelled_rows(layout, monkeypatch):
     cce = pytest.importorskip("cut_cross_entropy")
     given = []
 
-    def reference(e, c, targets, impl):
+    def reference(e, c, targets, impl, reduction="mean"):
         given.append((e.shape[0], impl))
-        return torch.nn.functional.cross_entropy(e @ c.T, targets)
+        return torch.nn.functional.cross_entropy(e @ c.T, targets, reduction=reduction)
 
     monkeypatch.setattr(cce, "linear_cross_entropy", reference)
     model = bench_model.build_model(LLAMA, torch.float32, torch.device("cpu"))
@@ -130,6 +130,11 @@ def test_summary_bar_is_over_every_timing():
     assert s["all"]["fastest_baseline"] == {"layout": "packed", "method": "cce", "head": "labelled", "ms": 16.0,
                                             "timing": "compiled"}
     assert s["all"]["auto_pick"]["method"] == "sebp" and s["all"]["auto_pick"]["timing"] == "compiled"
+    copy = [dict(r) for r in rows]  # (summarize writes each row's ratios)
+    gpu = bench_cases.summarize(copy, bench_model.AUTO_METHODS_GPU)  # --padding auto times the CCE head there
+    assert gpu["all"]["auto_pick"] == gpu["all"]["fastest_baseline"]
+    graphs = [dict(layout="bucket", method="cce", head="labelled", timing="compiled_graphs", ms=1.0)]
+    assert bench_cases.summarize(copy + graphs, bench_model.AUTO_METHODS_GPU)["all"]["auto_pick"]["ms"] == 16.0
     assert s["compiled"]["fastest_dense"]["ms"] == 20.0 and s["eager"]["fastest_baseline"]["method"] == "dense"
     assert rows[4]["vs_dense_same_layout"] == round(20 / 18, 3)  # against dense of its own timing
     assert rows[1]["vs_fastest_baseline"] == round(16 / 25, 3)  # the bar of every timing
