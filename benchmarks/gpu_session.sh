@@ -17,10 +17,13 @@
 # SEBP loses on Llama `longest`'s smaller batches: each batch's step without a profiler, the host time of the
 # eager SEBP linear backwards, plainly and under cProfile, then a step profile); fwd-rows-model (the SEBP entry with
 # SEBP_FORWARD_ROWS=0 and 1); fwd-rows (benchmarks/fwd_rows_probe.py: the forward over real rows against
-# cuBLAS per layer shape, rows and share of real rows); gpu1 / gpu2 (every GPU-marked
+# cuBLAS per layer shape, rows and share of real rows); cce (the GPU tests of `--head cce`, then Llama and Qwen
+# packed and `longest`, compiled, dense and SEBP with the labelled-rows head against dense + CCE: the auto pick
+# counts the CCE head); gpu1 / gpu2 (every GPU-marked
 # test: tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
-# cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists.
+# cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists. More than 8 files
+# under $OUT at the end (what the device returns) go back as $OUT/session.tgz.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton}"
 OUT=${OUT:-/tmp/out}
@@ -78,9 +81,19 @@ for s in ${STEPS:-smoke}; do
         --entries sebp:labelled,dense:labelled --compile --host-calls --out-dir "$OUT/prof" 2>&1 | grep -v Warning | tail -24 ;;
     fwd-rows-model) for fr in 0 1; do SEBP_FORWARD_ROWS=$fr STEPS=llama LAYOUTS=longest METHODS=sebp:labelled BATCHES=6 GRAPHS=0 \
           TAG=_fr$fr LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
+    cce) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu tests/probe/test_cce_head.py \
+           > "$OUT/cce_tests.txt" 2>&1; tail -3 "$OUT/cce_tests.txt"
+      for c in llama-3.2-1b-sft qwen2.5-0.5b-sft; do  # the auto pick now counts the CCE head (finetune --head cce)
+        python3 -m sebp_probe bench "$c" --scope model --compile default --layouts packed,longest \
+          --methods dense:labelled,cce:labelled,sebp:labelled --model-batches 6 -o "$OUT/model_${c}_cce.json" 2>&1 \
+          | grep -E "compiled \(|would pick|rror" ; done ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1
       grep -B2 -A12 "^E  " "$OUT/$s.txt" | head -80; tail -3 "$OUT/$s.txt" ;;
     *) echo "unknown step $s" ;;
   esac
 done
+# the device returns 8 files at most: past that, everything under $OUT goes back as one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/session.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/session.tgz "$OUT/"
+fi
