@@ -14,7 +14,9 @@ What :func:`apply_sebp` does, as a ``finetune`` run does before its first step:
   (:func:`sebp_probe.model.heads.head_loss`), with the trainer's ``num_items_in_batch`` (so gradient accumulation
   divides as the trainer does), its label smoothing, completion-only labels and TRL's padding-free batches
   (one flattened row, ``position_ids`` and ``cu_seq_lens_q``); a BERT/RoBERTa classifier's last layer computes
-  its [CLS] rows only, under the trainer's own loss. Evaluation keeps the trainer's own loss.
+  its [CLS] rows only, under the trainer's own loss. Evaluation keeps the trainer's own loss. With
+  ``head="cce"`` a causal LM's training loss is the backbone's, then Cut-Cross-Entropy on the labelled rows
+  (:mod:`sebp_probe.model.cce_head`; no label smoothing: with it the trainer's own loss runs).
 - the SEBP layers (:mod:`sebp_probe.train.calibration`): the candidates (``targets``, by default the attention and
   MLP projections, in exact mode; or each layer's setting from an ``analyze`` report) that the calibration on
   the trainer's first batches finds worth it, patched in place (same Parameters: an optimizer, peft LoRA and
@@ -58,11 +60,11 @@ from ..config import FinetuneConfig
 from ..model.heads import HeadError, head_loss, host_targets, unwrap
 from ..model.last_layer import KeptRows, last_layer_on_rows
 from ..model.sdpa import without_cudnn_attention
-from ..model.losses import HEADS, _task_of, set_head, use_head
+from ..model.cce_head import cce_loss
+from ..model.losses import HEADS, ROWS_HEADS, _task_of, set_head, use_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
 
 log = logging.getLogger(__name__)
-TRAINER_HEADS = ("labelled", "full")  # the heads apply_sebp takes (HEADS less finetune's cce)
 _HANDLE = "_sebp_handle"  # on the trainer: the handle of the call that changed it
 COMPILE_SCOPES = ("layers", "loss")
 
@@ -70,7 +72,8 @@ COMPILE_SCOPES = ("layers", "loss")
 @dataclass
 class SEBPTrainer:
     """What :func:`apply_sebp` did to ``trainer``: ``applied`` (False: it runs unchanged, ``reason`` says why),
-    the ``head`` its training loss runs (``labelled`` or ``full``; ``reason`` says why not the one asked for),
+    the ``head`` its training loss runs (``labelled``, ``cce`` or ``full``; ``reason`` says why not the one asked
+    for),
     and the ``calibration`` (which layers run SEBP, their measured densities, step and backward times)."""
 
     trainer: object
@@ -126,8 +129,9 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     a handle whose :meth:`SEBPTrainer.undo` takes it back (see the module docstring).
 
     ``report``: an ``analyze`` report (path or dict) giving each layer's setting; otherwise ``targets`` (names,
-    suffixes or regexes; default the attention and MLP projections) run exact SEBP. ``head``: ``labelled`` or
-    ``full`` (the trainer's own loss). ``calibrate``: measure on the first ``calib_batches`` batches of the
+    suffixes or regexes; default the attention and MLP projections) run exact SEBP. ``head``: ``labelled``,
+    ``cce`` (a causal LM's backbone, then Cut-Cross-Entropy on the labelled rows) or ``full`` (the trainer's own
+    loss). ``calibrate``: measure on the first ``calib_batches`` batches of the
     trainer's training data which candidates pay (``dense_fallback``: a layer with a larger share of active
     rows stays dense; ``fallback_if_slower``: SEBP measured slower than dense leaves the model dense); False
     patches every candidate. ``norms``/``acts``: the norms and MLP activations get the SEBP backward too.
@@ -138,10 +142,8 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     (one layer's compile, not the model's), ``loss`` compiles that loss as a whole. Calling it again on the same
     trainer returns the first call's handle.
     """
-    if head not in TRAINER_HEADS:
-        raise ValueError(f"unknown head {head!r}; choose one of {', '.join(TRAINER_HEADS)}" +
-                         (" (cce is sebp-probe finetune's; the Trainer integration does not take it)"
-                          if head in HEADS else ""))
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
     if not isinstance(calib_batches, int) or calib_batches < 1:
@@ -166,10 +168,13 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         blocker = _loss_blocker(trainer, model)
     if blocker is None and task == "classification" and trainer.args.torch_compile:
         blocker = "under torch_compile=True the [CLS]-rows last layer would change the compiled model's layer"
+    if blocker is None and head == "cce" and _smoothing(trainer):
+        blocker = "Cut-Cross-Entropy has no label smoothing (label_smoothing_factor > 0)"
     used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes)
-    reason = blocker if head == "labelled" and blocker is not None else reason
+    reason = blocker if head in ROWS_HEADS and blocker is not None else reason
     if reason is not None:
-        log.warning(f"sebp_probe: the labelled-rows head is off ({reason}); the trainer's own loss runs")
+        what = "labelled-rows" if head == "labelled" else "Cut-Cross-Entropy"
+        log.warning(f"sebp_probe: the {what} head is off ({reason}); the trainer's own loss runs")
     try:
         c = _calibrate(trainer, model, cands, calibrate, calib_batches, dense_fallback, fallback_if_slower,
                        norms, acts)
@@ -180,8 +185,9 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     cudnn = keep_cudnn_attention or not _sdpa_on_gpu(model)
     handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task,
                          cudnn_attention=cudnn)
-    if used == "labelled":
-        handle.compile_scope, handle._uncompile, handle._compiling = _take_loss(trainer, task, compile_scope)
+    if used in ROWS_HEADS:
+        handle.compile_scope, handle._uncompile, handle._compiling = _take_loss(trainer, task, compile_scope,
+                                                                                cce=used == "cce")
     if not cudnn:
         _steps_without_cudnn_attention(trainer)
     setattr(trainer, _HANDLE, handle)
@@ -290,9 +296,12 @@ def _sdpa_on_gpu(model) -> bool:
     return getattr(cfg, "_attn_implementation", None) == "sdpa" and any(p.is_cuda for p in model.parameters())
 
 
-def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Callable[[], None] | None, object]:
-    """Make ``trainer``'s training loss the labelled-rows one (an instance attribute over the class's
-    ``compute_loss``, which still computes evaluation and anything asking for the outputs). Under
+def _take_loss(trainer, task: str, compile_scope: str,
+               cce: bool = False) -> tuple[str | None, Callable[[], None] | None, object]:
+    """Make ``trainer``'s training loss the labelled-rows one (``cce``: the backbone and Cut-Cross-Entropy on the
+    labelled rows, :func:`~sebp_probe.model.cce_head.cce_loss`, eager around the layers compiled in place) (an
+    instance attribute over the class's ``compute_loss``, which still computes evaluation and anything asking
+    for the outputs). Under
     ``torch_compile=True`` each layer of the model compiles in place (``compile_scope="layers"``,
     :func:`_compiled_layers`) or the labelled-rows loss compiles as a whole (``loss``, and where the model has
     no layer stack: :func:`_compiled_labelled_loss`). Returns the scope that compiles (None: eager), what
@@ -307,10 +316,10 @@ def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Call
     if trainer.args.torch_compile:
         kwargs = _compile_kwargs(trainer)
         fallback = Fallback(kwargs.get("mode") or "default", flag="torch_compile=True")
-        if compile_scope == "layers":
+        if compile_scope == "layers" or cce:
             uncompile = _compiled_layers(trainer, fallback, kwargs)
-    compiled = fallback is not None and uncompile is None  # the whole loss compiled
-    labelled = _compiled_labelled_loss(fallback, kwargs) if compiled else _labelled_loss
+    compiled = fallback is not None and uncompile is None and not cce  # the whole loss compiled
+    labelled = _cce_loss if cce else _compiled_labelled_loss(fallback, kwargs) if compiled else _labelled_loss
     scope = "loss" if compiled else "layers" if uncompile is not None else None
 
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -319,8 +328,7 @@ def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Call
         if task == "classification":
             with _cls_rows(model, inputs):
                 return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        smoother = getattr(trainer, "label_smoother", None)
-        smoothing = smoother.epsilon if smoother is not None else 0.0
+        smoothing = _smoothing(trainer)
         with trainer.accelerator.autocast():  # the trainer's forward runs under it (accelerate wraps it)
             loss = labelled(_uncompiled(model), inputs, task, num_items_in_batch, smoothing,
                             host_targets(inputs, task) if compiled else None)  # eagerly: counted in the loss
@@ -330,6 +338,18 @@ def _take_loss(trainer, task: str, compile_scope: str) -> tuple[str | None, Call
 
     trainer.compute_loss = compute_loss
     return scope, uncompile, fallback
+
+
+def _smoothing(trainer) -> float:
+    """The trainer's label smoothing (0.0: none)."""
+    smoother = getattr(trainer, "label_smoother", None)
+    return smoother.epsilon if smoother is not None else 0.0
+
+
+def _cce_loss(model, inputs: dict, task: str, num_items_in_batch, smoothing: float,
+              targets: tuple[int, int] | None) -> torch.Tensor:
+    """``head="cce"``'s training loss (``smoothing`` is 0: apply_sebp leaves the head off otherwise)."""
+    return cce_loss(model, {**inputs, "num_items_in_batch": num_items_in_batch})
 
 
 def _labelled_loss(model, inputs: dict, task: str, num_items_in_batch, smoothing: float,

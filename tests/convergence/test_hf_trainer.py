@@ -333,6 +333,45 @@ def test_sft_padding_free_torch_compile(tmp_path, monkeypatch, scope):
     assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0  # as in the Trainer test above
 
 
+@pytest.mark.parametrize("padding_free,accum,lora", [(False, 2, False), (True, 1, False), (False, 1, True)])
+def test_sft_with_the_cut_cross_entropy_head(tmp_path, padding_free, accum, lora):
+    """``head="cce"``: the backbone, then Cut-Cross-Entropy (its CPU implementation) on the labelled rows, padded
+    or padding-free, with gradient accumulation, and under LoRA (a frozen head): the plain SFTTrainer's losses
+    and gradients, its token count, and every step through CCE."""
+    cce = pytest.importorskip("cut_cross_entropy")
+    kw = {}
+    if lora:
+        pytest.importorskip("peft")
+        from peft import LoraConfig
+
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    make = _sft(tmp_path, lambda: tiny_model("llama"), _completions(), word_tokenizer(),
+                padding_free=padding_free, gradient_accumulation_steps=accum, **kw)
+    plain = _train(make, None)
+    calls, real = [], cce.linear_cross_entropy
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cce, "linear_cross_entropy", lambda *a, **k: (calls.append(k.get("reduction")), real(*a, **k))[1])
+    try:
+        ours = _train(make, {"calibrate": False, "head": "cce"})
+    finally:
+        mp.undo()
+    _assert_same(plain, ours, grad_rel=1e-4)
+    assert ours[2].head == "cce" and ours[2].reason is None
+    assert len(calls) == STEPS * accum and set(calls) == {"sum"}  # the trainer's num_items_in_batch divides
+    logged = [[h["num_tokens"] for h in t.state.log_history if "loss" in h] for t in (plain[4], ours[4])]
+    assert logged[0] == logged[1]
+
+
+def test_the_cce_head_without_label_smoothing_only(tmp_path, caplog):
+    """CCE has no label smoothing: with label_smoothing_factor > 0 the trainer's own loss runs, one warning."""
+    pytest.importorskip("cut_cross_entropy")
+    make = _sft(tmp_path, lambda: tiny_model("llama"), _completions(), word_tokenizer(), label_smoothing_factor=0.1)
+    handle = apply_sebp(make([]), calibrate=False, head="cce")
+    assert handle.head == "full" and "no label smoothing" in handle.reason
+    warned = [r.getMessage() for r in caplog.records if r.name == "sebp_probe.integrations.hf"]
+    assert len(warned) == 1 and "Cut-Cross-Entropy head is off" in warned[0]
+
+
 def test_sft_bf16_autocast(tmp_path):
     """bf16 (SFTConfig's default): the labelled-rows loss runs under the trainer's autocast, its gradients as
     close to the fp32 ones as the plain bf16 trainer's (at most twice its error, plus the bf16 atol)."""
