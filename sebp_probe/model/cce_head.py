@@ -24,7 +24,8 @@ def cce_import_problem() -> str | None:
     try:
         import cut_cross_entropy  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return f"cut_cross_entropy does not import ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+        return (f"cut_cross_entropy does not import ({type(e).__name__}: {' '.join(str(e).split())[:120]}; "
+                "pip install 'sebp-probe[cce]')")
     return None
 
 

@@ -96,7 +96,8 @@ def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypa
 
 def test_cce_reason_when_it_does_not_import(monkeypatch):
     monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # import raises ImportError
-    assert bench_peers.cce_reason("causal-lm").startswith("cut_cross_entropy does not import (ModuleNotFoundError")
+    why = bench_peers.cce_reason("causal-lm")
+    assert why.startswith("cut_cross_entropy does not import (ModuleNotFoundError") and "sebp-probe[cce]" in why
 
 
 @pytest.mark.parametrize("layout", ["longest", "packed"])
