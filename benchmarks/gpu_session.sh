@@ -19,7 +19,8 @@
 # SEBP_FORWARD_ROWS=0 and 1); fwd-rows (benchmarks/fwd_rows_probe.py: the forward over real rows against
 # cuBLAS per layer shape, rows and share of real rows); cce (the GPU tests of `--head cce`, then Llama and Qwen
 # packed and `longest`, compiled, dense and SEBP with the labelled-rows head against dense + CCE: the auto pick
-# counts the CCE head); gpu1 / gpu2 (every GPU-marked
+# counts the CCE head); qwen-layers (the per-layer bench on Qwen2.5-0.5B's shapes: where its narrow projections
+# lose with SEBP); gpu1 / gpu2 (every GPU-marked
 # test: tests/kernels, then the rest). The packages
 # the bench compares against and the ones the package needs beyond torch/transformers (liger-kernel,
 # cut-cross-entropy, kneed, peft) are installed from wheels in .whl/ when that folder exists. More than 8 files
@@ -87,6 +88,7 @@ for s in ${STEPS:-smoke}; do
         python3 -m sebp_probe bench "$c" --scope model --compile default --layouts packed,longest \
           --methods dense:labelled,cce:labelled,sebp:labelled --model-batches 6 -o "$OUT/model_${c}_cce.json" 2>&1 \
           | grep -E "compiled \(|would pick|rror" ; done ;;
+    qwen-layers) python3 -m sebp_probe bench qwen2.5-0.5b -o "$OUT/layers_qwen2.5-0.5b.json" 2>&1 | tail -30 ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1
       grep -B2 -A12 "^E  " "$OUT/$s.txt" | head -80; tail -3 "$OUT/$s.txt" ;;

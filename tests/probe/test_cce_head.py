@@ -122,14 +122,17 @@ def test_the_real_cut_cross_entropy_gives_the_models_loss_and_gradients():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["longest", "packed"])
-def test_on_a_gpu_the_cce_kernels_give_the_models_loss(layout):
-    """CCE's Triton kernels (``impl="cce"``) in bf16 on a GPU: the model's own loss to bf16's rounding, and the
-    gradients close to the model's own (its backward filters the softmax entries below bf16's resolution)."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_on_a_gpu_the_cce_kernels_give_the_models_loss(layout, autocast):
+    """CCE's Triton kernels (``impl="cce"``) on a GPU, the model in bf16 or in fp32 under bf16 autocast (as
+    ``finetune --bf16`` runs it): the model's own loss to bf16's rounding, and the gradients close to the model's
+    own (its backward filters the softmax entries below bf16's resolution)."""
     model, batch = _model_and_batch(layout)
-    model = model.to("cuda", torch.bfloat16)
+    model = model.to("cuda", torch.float32 if autocast else torch.bfloat16)
     batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in batch.items()}
-    want, want_g = _loss_and_grads(model, batch, "full")
-    got, got_g = _loss_and_grads(model, batch, "cce")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        want, want_g = _loss_and_grads(model, batch, "full")
+        got, got_g = _loss_and_grads(model, batch, "cce")
     assert got.item() == pytest.approx(want.item(), rel=2e-2)
     for name, g in want_g.items():
         assert (got_g[name].float() - g.float()).norm() <= 0.05 * g.float().norm() + 1e-6, name
