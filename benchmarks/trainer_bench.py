@@ -23,6 +23,8 @@ and prompt share, labels -100 on the prompt), the same batches for every variant
   sebp-head        diagnostic: apply_sebp with every layer left dense (the labelled-rows loss alone)
   sebp-layers      diagnostic: apply_sebp(head="full") (the SEBP layers under the trainer's own loss)
   sebp-cudnn       diagnostic: apply_sebp(keep_cudnn_attention=True) (sdpa's own choice of kernel)
+  sebp-cce         apply_sebp(head="cce"): the SEBP layers, then Cut-Cross-Entropy on the labelled rows
+  sebp-cce+compile the same with torch_compile=True (each layer compiled in place)
   <any>-nocudnn    the same inside sebp_probe.model.sdpa.without_cudnn_attention(): sdpa without cuDNN's
                    attention, which builds a host-side plan for each new batch shape
 
@@ -56,7 +58,8 @@ from sebp_probe.bench.bench_model import build_model  # noqa: E402
 from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
 VARIANTS = ("plain", "sebp", "plain+compile", "sebp+compile", "sebp+compile-whole", "liger", "liger+compile",
-            "liger+sebp", "liger+sebp+compile", "sebp-head", "sebp-layers", "sebp-cudnn")
+            "liger+sebp", "liger+sebp+compile", "sebp-head", "sebp-layers", "sebp-cudnn", "sebp-cce",
+            "sebp-cce+compile")
 # the pairs the docs compare: (variant, baseline)
 PAIRS = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile"),
          ("sebp+compile", "plain+compile"), ("sebp-head", "plain"), ("sebp-layers", "plain"),
@@ -68,11 +71,13 @@ PAIRS = (("sebp", "plain"), ("sebp", "plain+compile"), ("sebp", "liger+compile")
          ("sebp+compile", "liger-nocudnn"), ("sebp+compile", "sebp"), ("liger+compile-nocudnn", "liger-nocudnn"),
          ("sebp+compile", "sebp+compile-whole"), ("sebp+compile-whole", "liger+compile-nocudnn"),
          ("sebp+compile", "plain+compile-nocudnn"), ("sebp+compile-whole", "plain+compile-nocudnn"),
-         ("plain+compile-nocudnn", "liger+compile-nocudnn"), ("sebp", "liger-nocudnn"))
+         ("plain+compile-nocudnn", "liger+compile-nocudnn"), ("sebp", "liger-nocudnn"),
+         ("sebp-cce", "sebp"), ("sebp-cce+compile", "sebp+compile"), ("sebp-cce+compile", "plain+compile-nocudnn"))
 _APPLY = {"sebp": {}, "sebp+compile": {}, "sebp+compile-whole": {"compile_scope": "loss"}, "liger+sebp": {},
           "liger+sebp+compile": {},
           "sebp-head": {"dense_fallback": 0.0},
-          "sebp-layers": {"head": "full"}, "sebp-cudnn": {"keep_cudnn_attention": True}}
+          "sebp-layers": {"head": "full"}, "sebp-cudnn": {"keep_cudnn_attention": True},
+          "sebp-cce": {"head": "cce"}, "sebp-cce+compile": {"head": "cce"}}
 
 
 def _tokenizer(vocab_size: int):

@@ -17,6 +17,8 @@
 #            (which leaves cuDNN's attention out) and apply_sebp keeping it, Liger with apply_sebp
 #   final    the table's eager rows: plain and Liger with and without cuDNN's attention, apply_sebp, both
 #   rounds   the eager rows without cuDNN's attention, twice, the second round in reverse order
+#   cce      apply_sebp(head="cce") eager and compiled, beside plain+compile without cuDNN's attention and SEBP
+#            with the labelled-rows loss (each compiled variant its own process)
 #   csmoke   the tiny case, the torch_compile=True variants, 2 timed steps
 #   compiled the torch_compile=True rows, 10 timed steps after 4, each variant its own bench and JSON
 #            (VARIANTS: a comma-separated subset, to spread them over calls), Dynamo's recompile reasons in
@@ -96,6 +98,7 @@ for s in ${STEPS:-smoke}; do
     cudnn) bench cudnn --variants plain,plain-nocudnn,sebp,sebp-cudnn,liger,liger-nocudnn,liger+sebp ;;
     final) bench final --variants plain,plain-nocudnn,sebp,liger,liger-nocudnn,liger+sebp ;;
     rounds) bench rounds --variants plain-nocudnn,sebp,liger-nocudnn,liger+sebp --rounds 2 ;;
+    cce) bench cce --variants sebp,sebp-cce,plain+compile-nocudnn,sebp+compile,sebp-cce+compile ;;
     csmoke) bench csmoke --tiny --steps 2 --warmup 1 \
               --variants plain+compile,liger+compile,sebp+compile,liger+sebp+compile ;;
     compiled)
