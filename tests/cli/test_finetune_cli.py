@@ -326,6 +326,11 @@ def test_head_option_reaches_the_run(tiny, tmp_path):
                        "--json"])
         assert result.exit_code == 0, result.output
         assert json.loads((out / "summary.json").read_text())["head"] == head
+    out = tmp_path / "cce"  # a classifier has no LM head for Cut-Cross-Entropy: its own loss, and why
+    result = _run([tiny, *FAST, "--max-steps", "2", "--method", "dense", "--head", "cce", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["head"] == "full" and "a classifier has no LM head" in summary["head_fallback_reason"]
 
 
 @pytest.mark.slow
