@@ -65,6 +65,7 @@ def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     by the backbone and Cut-Cross-Entropy over the labelled rows. A batch's ``n_targets`` (its collator's count)
     spares the host a read of the labels."""
     from cut_cross_entropy import linear_cross_entropy
+    from sebp_kernels import label_checks
     from sebp_kernels.linear_ce import labelled_rows
 
     from .heads import backbone_inputs, target_labels
@@ -81,9 +82,10 @@ def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         if rows.numel() == 0:  # nothing to learn from: a zero loss that still reaches every parameter used
             return hidden.sum() * 0.0
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        # checks held on the device (label_checks.deferred): a label past the vocabulary reaches no kernel
+        y = label_checks.safe(flat.index_select(0, rows), head.decoder.out_features, IGNORE_INDEX)
         reduction = "mean" if num_items is None else "sum"
-        out = linear_cross_entropy(h, head.decoder.weight, flat.index_select(0, rows), impl=impl,
-                                   reduction=reduction)
+        out = linear_cross_entropy(h, head.decoder.weight, y, impl=impl, reduction=reduction)
         if num_items is not None:
             out = out / (num_items.to(out.device) if torch.is_tensor(num_items) else num_items)
         return out

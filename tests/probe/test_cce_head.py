@@ -164,3 +164,21 @@ def test_a_frozen_head_as_under_lora_gets_no_gradient_and_the_rest_the_models():
     assert got.item() == pytest.approx(want.item(), rel=1e-4)
     for name, g in want_g.items():
         torch.testing.assert_close(got_g[name], g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_bad_label_with_held_checks_reaches_no_kernel_and_raises_at_the_check():
+    """Inside the training loop's held label checks (``label_checks.deferred``), a label past the vocabulary in
+    a batch that carries its counts: the real CCE computes a loss nobody uses (the label read as class 0), and
+    the check raises the one-line error where the block reads it."""
+    from sebp_kernels import label_checks
+
+    model, batch = _model_and_batch("packed")
+    losses.use_head(model, "causal-lm", "cce")
+    labels = batch["labels"].clone()
+    at = (labels[..., 1:] != -100).nonzero()[0]
+    labels[..., 1:][tuple(at)] = model.config.vocab_size + 5
+    with pytest.raises(ValueError, match=r"^label \d+ is outside \[0, \d+\) \(and is not ignore_index -100\)$"):
+        with label_checks.deferred() as checks:
+            loss = losses.batch_loss(model, {**batch, "labels": labels})
+            assert torch.isfinite(loss)
+            checks.check()
