@@ -170,7 +170,8 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         blocker = "under torch_compile=True the [CLS]-rows last layer would change the compiled model's layer"
     if blocker is None and head == "cce" and _smoothing(trainer):
         blocker = "Cut-Cross-Entropy has no label smoothing (label_smoothing_factor > 0)"
-    used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes)
+    used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes,
+                            through_forward=False)  # the trainer's loss is replaced by the labelled-rows path
     reason = blocker if head in ROWS_HEADS and blocker is not None else reason
     if reason is not None:
         what = "labelled-rows" if head == "labelled" else "Cut-Cross-Entropy"

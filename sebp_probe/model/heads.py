@@ -186,6 +186,45 @@ def head_loss(
     return _decode(head, h, flat.index_select(0, rows), num_items, label_smoothing, chunk_rows)
 
 
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model``'s forward (the transformers model inside its wrappers) takes ``logits_to_keep``."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(type(unwrap(model)).forward).parameters
+
+
+def forward_kept_loss(model: nn.Module, batch: Mapping, num_items_in_batch: int | torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """A causal LM's loss through the model's own forward, its output layer on the labelled positions only: for
+    callers whose model must be called as a whole (a DDP or FSDP wrapper, whose forward gathers and syncs).
+    ``logits_to_keep`` holds the positions at which some row has a label (a packed batch's one flattened row:
+    exactly its labelled rows); the cross-entropy runs over those logits (at least fp32, as the model's own loss). The
+    same loss as the model's own: the mean over labelled tokens, or their sum over ``num_items_in_batch`` (the
+    batch's, else the argument). Its last layer runs on every row. Reads the positions on the host (one sync)."""
+    from .packing import packed_call
+
+    num_items = batch.get("num_items_in_batch", num_items_in_batch)
+
+    def loss(inputs: Mapping) -> torch.Tensor:
+        labels = target_labels(inputs, "causal-lm")
+        keep = labels != IGNORE_INDEX
+        positions = keep.reshape(-1, keep.shape[-1]).any(0).nonzero().squeeze(1)
+        call = {k: v for k, v in inputs.items() if k not in _NOT_BACKBONE_KEYS}
+        logits = model(**call, logits_to_keep=positions, use_cache=False).logits
+        y = label_checks.safe(labels.index_select(-1, positions), logits.shape[-1], IGNORE_INDEX)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32, as the model's loss
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1).to(logits.device),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        if num_items is None:
+            return total / keep.sum().clamp(min=1).to(total.device)  # no labelled token: 0, not 0 / 0
+        return total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
+
+    if "cu_seqlens" not in batch:
+        return loss(batch)
+    with packed_call(model, batch) as inputs:
+        return loss(inputs)
+
+
 def _classification(model: nn.Module, batch: Mapping, last_layer_rows_only: bool) -> HeadOutput:
     """The model's own loss; with ``last_layer_rows_only`` its last layer computes the [CLS] rows only."""
     if batch.get("labels") is None:

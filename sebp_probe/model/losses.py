@@ -23,7 +23,7 @@ import torch
 
 from ..data.batching import HOST_COUNTS
 from .cce_head import cce_loss, cce_problem
-from .heads import HeadError, head_loss, resolve_head
+from .heads import HeadError, forward_kept_loss, head_loss, resolve_head, takes_logits_to_keep
 from .last_layer import install_kept_rows, kept_rows_family
 from ..notes import note
 from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
@@ -36,6 +36,7 @@ ROWS_HEADS = ("labelled", "cce")  # the heads that call the backbone themselves,
 # script flips this: results/layouts_compiled_h100/raw/session10_kept_ab.sh).
 KEPT_ROWS_LAST_LAYER = True
 _ATTR = "_sebp_head_task"
+_THROUGH_FORWARD = "causal-lm:forward"  # _ATTR's value for the labelled head through the model's own forward
 _TASK_OF_CLASS = (("ForMaskedLM", "mlm"), ("ForCausalLM", "causal-lm"), ("ForSequenceClassification", "classification"))
 
 
@@ -49,6 +50,8 @@ def batch_loss(model: torch.nn.Module, batch: dict, labelled_head: bool | None =
             task = None
         if task == "cce":
             return cce_loss(model, batch)
+        if task == _THROUGH_FORWARD:
+            return forward_kept_loss(model, batch)
     else:
         task = _task_of(model) if labelled_head else None
     targets = (batch["n_targets"], batch["max_row_targets"]) if "n_targets" in batch else None
@@ -118,14 +121,24 @@ def compiled_head_problem(task: str, padding: str) -> str | None:
 
 
 def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, graphs: bool = False,
-             compiled: bool = False, padding: str | None = None) -> tuple[str, str | None]:
+             compiled: bool = False, padding: str | None = None,
+             through_forward: bool = True) -> tuple[str, str | None]:
     """The head a run uses (set on ``model``) and why it is not the one asked for: the labelled-rows path (and the
     Cut-Cross-Entropy head) runs in one process (it calls the backbone itself, past DDP's forward) and without
-    CUDA graphs (it reads the labelled-row count on the host). ``compiled``: the run compiles the whole step's loss on ``padding`` batches
+    CUDA graphs (it reads the labelled-row count on the host); in several processes a causal LM's labelled head
+    goes through the model's own forward instead (:func:`~.heads.forward_kept_loss`: the output layer on the
+    labelled positions, the last layer on every row; ``through_forward`` False: the model's own loss there, for
+    a caller that replaces the loss with the labelled-rows path itself). ``compiled``: the run compiles the whole step's loss on ``padding`` batches
     (the run's layout; tests/probe/test_compile_graphs.py), the head with it, except where
     :func:`compiled_head_problem` says."""
     if compiled and padding is None:
         raise ValueError("set_head(compiled=True) needs the run's padding")
+    if processes > 1 and through_forward and head == "labelled" and not graphs and task == "causal-lm" \
+            and takes_logits_to_keep(model):
+        setattr(unwrap(model), _ATTR, _THROUGH_FORWARD)
+        note(f"--head labelled in {processes} processes: the output layer on the labelled positions through the "
+             "model's own forward (logits_to_keep), the last layer on every row")
+        return head, None
     why = ("it calls the backbone past DDP's forward: one process only" if processes > 1 else
            "CUDA graphs cannot hold its host-side row count" if graphs else
            compiled_head_problem(task, padding) if compiled else None)
@@ -140,15 +153,26 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
     return head, None
 
 
-def auto_heads(model: torch.nn.Module, task: str, head: str, device: torch.device) -> tuple[str | None, ...]:
+def auto_heads(model: torch.nn.Module, task: str, head: str, device: torch.device,
+               processes: int = 1) -> tuple[str | None, ...]:
     """The heads ``--padding auto`` times each layout with, given the run's head as :func:`set_head` set it:
     ``labelled`` against the model's own (the labelled path may lose) and, on a GPU where Cut-Cross-Entropy can
     compute this model's loss, against ``cce`` too; ``cce`` against the model's own; ``full`` alone (None: the
-    head set on the model)."""
+    head set on the model). In several processes the run's head alone: the others would not run there as
+    timed (one process times the layouts, on the model as it is before the run wraps it)."""
+    if processes > 1:
+        return (None,)
     if head == "labelled":
         cce = ("cce",) if device.type == "cuda" and cce_problem(model, task) is None else ()
         return ("labelled", "full", *cce)
     return ("cce", "full") if head == "cce" else (None,)
+
+
+def calls_backbone(model: torch.nn.Module) -> bool:
+    """Whether the head set on ``model`` calls its backbone itself, around the model's forward (the labelled-rows
+    head in one process, the CCE head), rather than the model's own forward (the model's own loss, the labelled
+    head of several processes)."""
+    return getattr(unwrap(model), _ATTR, None) not in (None, _THROUGH_FORWARD)
 
 
 def head_of(model: torch.nn.Module) -> str:

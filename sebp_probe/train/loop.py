@@ -28,7 +28,7 @@ from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, s
 from .compiling import compile_layers_or_eager, compile_or_eager, compiles_whole, dynamo_counts, evaluating_eagerly
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
-from ..model.losses import ROWS_HEADS, batch_loss, ready_to_compile, set_head
+from ..model.losses import ROWS_HEADS, batch_loss, calls_backbone, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from ..model.patch import find_targets, pad_rows_of, pad_rows_own, pad_rows_summary, pad_rows_verdict, \
     patched_activations, restore_pad_rows
@@ -200,7 +200,8 @@ class Run:
         labelled-rows head runs (it goes around the model's forward), the whole step's loss compiles too, the
         forward inlined in its graph (:func:`~sebp_probe.train.compiling.compile_or_eager`). Either way: one
         line and eager where it cannot; the held-out evaluation runs eagerly."""
-        cfg, labelled = self.cfg, self.head[0] in ROWS_HEADS  # heads that call the backbone themselves
+        # the heads that call the backbone around the model's forward (not the labelled head of several processes)
+        cfg, labelled = self.cfg, self.head[0] in ROWS_HEADS and calls_backbone(model)
         if not cfg.compile:
             return batch_loss
         if labelled:

@@ -104,3 +104,39 @@ def test_two_process_auto_eps_shares_the_main_report(tiny, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     run = summary["runs"]["sebp"] if "runs" in summary else summary
     assert run["num_processes"] == 2 and run["steps"] == 3
+
+
+def _tiny_llama(path) -> str:
+    """A 2-layer Llama with the bundled MiniLM's vocabulary (the tweets tokenize without a download)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from sebp_probe.data.assets import minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=40, max_position_embeddings=128,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_two_process_causal_lm_labelled_head_through_the_forward_equals_the_models_loss(tmp_path):
+    """A causal LM in two processes keeps ``--head labelled`` (its output layer on the labelled positions,
+    through DDP's forward, ``logits_to_keep``): the losses and held-out loss of ``--head full``."""
+    model = _tiny_llama(tmp_path / "llama")
+    args = ["tweets", "--max-samples", "200", "--batch-size", "8", "--max-length", "48", "--eval-samples", "16",
+            "--padding", "longest", "--max-steps", "4", "--always-sebp", "--dense-fallback", "1", "--json"]
+    runs = {}
+    for head in ("labelled", "full"):
+        out = _finetune(model, *args, "--head", head, "-o", str(tmp_path / head))
+        assert head != "labelled" or "through the model's own forward (logits_to_keep)" in out
+        summary = json.loads((tmp_path / head / "summary.json").read_text())
+        assert summary["head"] == head and summary["num_processes"] == 2
+        runs[head] = ([r["loss"] for r in _train_records(tmp_path / head / "metrics.jsonl") if r["type"] == "train"],
+                      summary["final_eval"]["eval_loss"])
+    assert len(runs["labelled"][0]) == 4
+    assert max(abs(a - b) for a, b in zip(runs["labelled"][0], runs["full"][0])) < 1e-5
+    assert runs["labelled"][1] == pytest.approx(runs["full"][1], rel=1e-6)

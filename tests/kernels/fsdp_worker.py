@@ -6,7 +6,8 @@ peft LoRA adapters, SEBP on its frozen base projections, every decoder layer sha
 are compared. ``argv[2] == "merge"``: that LoRA model sharded, its full state dict gathered and merged as
 ``finetune`` saves a sharded LoRA run (sebp_probe.train.lora_merge); rank 0 compares it with peft's
 ``merge_and_unload`` of the same model unsharded. ``argv[2] == "compiled"``: a tiny Llama with SEBP, every
-decoder layer sharded, then compiled layer by layer as ``finetune --compile`` does."""
+decoder layer sharded, then compiled layer by layer as ``finetune --compile`` does. ``argv[2] == "kept"``: the
+labelled head of several processes through the sharded model's own forward."""
 import json
 import sys
 from pathlib import Path
@@ -91,24 +92,28 @@ def merged_diffs(rank: int) -> dict:
     return {k: float((merged[k].float() - want[k].float()).abs().max()) for k in want}
 
 
+def sharded_llama(sebp: bool) -> torch.nn.Module:
+    """A tiny Llama (SEBP on every projection where ``sebp``), each decoder layer and the model sharded."""
+    from sebp_probe import patch_model
+    from tests.tiny_models import tiny_model
+
+    m = tiny_model("llama")
+    if sebp:
+        patch_model(m, SEBPConfig("exact"))
+    for layer in m.model.layers:
+        fully_shard(layer)
+    fully_shard(m)
+    return m
+
+
 def compiled_grads(rank: int) -> dict:
     """A tiny Llama with SEBP on every projection, each decoder layer sharded and then compiled in place as
     ``finetune --compile`` does (sebp_probe.train.compiling.compile_layers; aot_eager standing in for Inductor),
     against the same model eager and dense: its gradients, and the graphs Dynamo compiled."""
-    from sebp_probe import patch_model
     from sebp_probe.train.compiling import compile_layers, dynamo_counts
-    from tests.tiny_models import padded_batch, tiny_model
+    from tests.tiny_models import padded_batch
 
-    def model(sebp: bool) -> torch.nn.Module:
-        m = tiny_model("llama")
-        if sebp:
-            patch_model(m, SEBPConfig("exact"))
-        for layer in m.model.layers:
-            fully_shard(layer)
-        fully_shard(m)
-        return m
-
-    dense, sebp = model(False), model(True)
+    dense, sebp = sharded_llama(False), sharded_llama(True)
     compile_layers(sebp, backend="aot_eager", dynamic=True)
     for step in range(2):  # each process its own data, two batch shapes
         batch = padded_batch("llama", lengths=(11, 4, 7) if step else (5, 9), side="right", seed=10 * rank + step)
@@ -122,10 +127,35 @@ def compiled_grads(rank: int) -> dict:
     return diffs
 
 
+def kept_grads(rank: int) -> dict:
+    """A tiny Llama with SEBP, every decoder layer and the model sharded: the loss of the labelled head in
+    several processes (``set_head(processes=2)``: the output layer on the labelled positions through the
+    sharded model's own forward, sebp_probe.model.heads.forward_kept_loss) against the model's own loss of
+    the same model, sharded and dense: its gradients, and the rows the output layer computed (fewer)."""
+    from sebp_probe.model.losses import batch_loss, head_of, set_head
+    from tests.tiny_models import padded_batch
+
+    dense, kept = sharded_llama(False), sharded_llama(True)
+    assert set_head(kept, "causal-lm", "labelled", processes=2) == ("labelled", None) and head_of(kept) == "labelled"
+    rows = []
+    kept.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[:-1].numel()))
+    for step in range(2):  # each process its own data, two steps of gradient accumulation
+        batch = padded_batch("llama", lengths=(11, 4, 7), side="right", seed=10 * rank + step)
+        batch["labels"][:, :3] = -100  # a prompt: the first positions carry no label in any row
+        dense(**batch, use_cache=False).loss.backward()
+        batch_loss(kept, batch).backward()
+    diffs = {}
+    for (name, a), (_, b) in zip(dense.named_parameters(), kept.named_parameters()):
+        ga, gb = a.grad.full_tensor(), b.grad.full_tensor()
+        diffs[name] = float((ga - gb).abs().max()) / max(float(ga.abs().max()), 1e-30)
+    diffs["head_rows"], diffs["all_rows"] = sum(rows), 2 * 3 * 11
+    return diffs
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mode = {"merge": merged_diffs, "lora": lora_grads, "compiled": compiled_grads}.get(
+    mode = {"merge": merged_diffs, "lora": lora_grads, "compiled": compiled_grads, "kept": kept_grads}.get(
         sys.argv[2] if len(sys.argv) > 2 else "")
     if mode is not None:
         result = {"rank": rank, "diffs": mode(rank)}

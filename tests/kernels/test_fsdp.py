@@ -63,3 +63,15 @@ def test_fsdp2_layers_compiled_in_place_get_dense_gradients_with_sebp(tmp_path):
         d = r["diffs"]
         assert (d.pop("graphs"), d.pop("graph_breaks")) == (1, 0)  # one layer graph for every layer and shape
         assert len(d) > 10 and max(d.values()) <= 1e-5, d
+
+
+@pytest.mark.slow
+def test_fsdp2_labelled_head_through_the_models_forward_gets_the_models_gradients(tmp_path):
+    """``--head labelled`` in two processes: the output layer on the labelled positions through the sharded
+    model's own forward (logits_to_keep), SEBP on the projections: the sharded dense model's gradients under its
+    own loss, with fewer rows through the output layer."""
+    for r in _two_processes(tmp_path, "kept"):
+        diffs = dict(r["diffs"])
+        rows, every = diffs.pop("head_rows"), diffs.pop("all_rows")
+        assert 0 < rows < every, (rows, every)
+        assert len(diffs) > 20 and max(diffs.values()) <= 1e-5, diffs

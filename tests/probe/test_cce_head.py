@@ -109,6 +109,7 @@ def test_padding_auto_times_cce_on_a_gpu_where_it_can_run():
     assert losses.auto_heads(tiny_model("bert"), "classification", "labelled", cuda) == ("labelled", "full")
     assert losses.auto_heads(llama, "causal-lm", "cce", cpu) == ("cce", "full")
     assert losses.auto_heads(llama, "causal-lm", "full", cuda) == (None,)
+    assert losses.auto_heads(llama, "causal-lm", "labelled", cuda, processes=2) == (None,)  # the run's head
 
 
 def test_the_real_cut_cross_entropy_gives_the_models_loss_and_gradients():

@@ -262,3 +262,65 @@ def test_a_bad_label_with_the_checks_held_raises_at_the_check_not_in_a_kernel(ar
             loss = head_loss(model, bad, last_layer_rows_only=last_layer, targets=targets).loss
             loss.backward()
             assert torch.isfinite(loss)
+
+
+# ------------------------------------------------------------- several processes: through the model's own forward
+
+
+@pytest.mark.parametrize("layout", ["longest", "packed"])
+def test_through_the_models_forward_the_labelled_positions_give_its_loss(layout):
+    """``forward_kept_loss`` (the labelled head of several processes, through the model's own forward with
+    ``logits_to_keep``): the model's own loss and gradients on padded and packed batches, the output layer on
+    the labelled positions only; a Trainer's accumulated step; a batch without a label gives 0."""
+    from sebp_probe.bench import bench_cases, bench_model
+    from sebp_probe.bench.bench_cases import MODEL_CASES
+    from sebp_probe.model import losses
+    from sebp_probe.model.heads import forward_kept_loss
+
+    case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
+    model = bench_model.build_model(case, torch.float32, torch.device("cpu"))
+    batches, _ = bench_model._pool(case, model.config, 1, 0, "mask", True)
+    batch = batches[layout][0]
+    losses.use_head(model, "causal-lm", "full")
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[:-1].numel()))
+    want, want_g = run(lambda: losses.batch_loss(model, batch))
+    got, got_g = run(lambda: forward_kept_loss(model, batch))
+    hook.remove()
+    assert rows[1] < rows[0]  # the output layer on fewer rows
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)  # fp32, as the model's own loss computes
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    n = int((batch["labels"][..., 1:] != -100).sum()) if layout == "longest" else batch["n_targets"]
+    summed = forward_kept_loss(model, {**batch, "num_items_in_batch": torch.tensor(3 * n)})
+    assert summed.item() == pytest.approx(want.item() / 3, rel=1e-6)
+    none = {k: v for k, v in batch.items() if k not in ("n_targets", "max_row_targets")}
+    none["labels"] = torch.full_like(batch["labels"], -100)
+    assert forward_kept_loss(model, none).item() == 0.0
+
+
+def test_several_processes_take_the_labelled_head_through_the_forward():
+    """``set_head`` with several processes: a causal LM keeps the labelled head, through its own forward (soft-
+    capped Gemma 2 too: the forward caps the kept logits itself); a classifier keeps its own loss, as before."""
+    from sebp_probe.model import losses
+    from sebp_probe.model.heads import forward_kept_loss
+    from tests.tiny_models import family_config, tiny_model
+
+    gemma = AutoModelForCausalLM.from_config(family_config("gemma2"))
+    assert losses.set_head(gemma, "causal-lm", "labelled", processes=2) == ("labelled", None)
+    assert losses.head_of(gemma) == "labelled"
+    batch = padded_batch("llama", lengths=(11, 4, 7))
+    batch["labels"][:, :3] = -100
+    assert losses.batch_loss(gemma, batch).item() == pytest.approx(gemma(**batch).loss.item(), rel=1e-6)
+    assert forward_kept_loss(gemma, batch).item() == pytest.approx(gemma(**batch).loss.item(), rel=1e-6)
+    assert losses.set_head(gemma, "causal-lm", "labelled", processes=2, graphs=True)[0] == "full"
+    bert = tiny_model("bert")
+    assert losses.set_head(bert, "classification", "labelled", processes=2) == (
+        "full", "it calls the backbone past DDP's forward: one process only")
