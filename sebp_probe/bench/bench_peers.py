@@ -14,7 +14,7 @@ import sys
 import torch
 
 from ..families import FAMILIES, names
-from ..model.cce_head import cce_loss as head_cce_loss, cce_problem
+from ..model.cce_head import cce_loss, cce_problem  # noqa: F401 - cce_loss: the CCE entry's, finetune --head cce's
 
 
 def liger_reason(arch: str, device: torch.device) -> str | None:
@@ -72,7 +72,3 @@ def cce_reason(task: str) -> str | None:
     """Why the Cut-Cross-Entropy entries cannot run (None: they can)."""
     return cce_problem(None, task)
 
-
-def cce_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The CCE entry's loss: ``finetune --head cce``'s (:func:`sebp_probe.model.cce_head.cce_loss`)."""
-    return head_cce_loss(model, batch)

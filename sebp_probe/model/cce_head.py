@@ -68,7 +68,7 @@ def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     from sebp_kernels import label_checks
     from sebp_kernels.linear_ce import labelled_rows
 
-    from .heads import backbone_inputs, target_labels
+    from .heads import backbone_inputs, per_item, target_labels
     from .packing import packed_call
 
     head = _plain_head(model)
@@ -86,9 +86,7 @@ def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         y = label_checks.safe(flat.index_select(0, rows), head.decoder.out_features, IGNORE_INDEX)
         reduction = "mean" if num_items is None else "sum"
         out = linear_cross_entropy(h, head.decoder.weight, y, impl=impl, reduction=reduction)
-        if num_items is not None:
-            out = out / (num_items.to(out.device) if torch.is_tensor(num_items) else num_items)
-        return out
+        return out if num_items is None else per_item(out, num_items)
 
     if "cu_seqlens" not in batch:
         return loss(batch, batch.get("n_targets"))

@@ -186,6 +186,12 @@ def head_loss(
     return _decode(head, h, flat.index_select(0, rows), num_items, label_smoothing, chunk_rows)
 
 
+def per_item(total: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
+    """A summed loss over ``num_items`` (a Trainer's labelled tokens of the whole accumulated step: an int or a
+    tensor, on any device)."""
+    return total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
+
+
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """Whether ``model``'s forward (the transformers model inside its wrappers) takes ``logits_to_keep``."""
     import inspect
@@ -217,7 +223,7 @@ def forward_kept_loss(model: nn.Module, batch: Mapping, num_items_in_batch: int 
                                 ignore_index=IGNORE_INDEX, reduction="sum")
         if num_items is None:
             return total / keep.sum().clamp(min=1).to(total.device)  # no labelled token: 0, not 0 / 0
-        return total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
+        return per_item(total, num_items)
 
     if "cu_seqlens" not in batch:
         return loss(batch)
@@ -259,5 +265,5 @@ def _decode(head: _Head, h: torch.Tensor, labels: torch.Tensor, num_items, label
                                     label_smoothing=label_smoothing, reduction=reduction, chunk_rows=chunk_rows,
                                     labelled=labels.numel())
     if num_items is not None:
-        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        loss = per_item(loss, num_items)
     return HeadOutput(loss, labels.numel())

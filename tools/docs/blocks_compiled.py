@@ -336,7 +336,7 @@ def label_checks_ab(page: Page) -> str:
             srcs.append(src)
             got = _rows(m)
             e, o = got[entry], got[other]
-            rows.append([m["case"]["name"] if isinstance(m["case"], dict) else m["case"], src.rel.split("/")[-1].split("_")[0], f"{_entry(e)}: {f1(e['ms'])}",
+            rows.append([m["case"]["name"], src.rel.split("/")[-1].split("_")[0], f"{_entry(e)}: {f1(e['ms'])}",
                          f"{_entry(o)}: {f1(o['ms'])}", f"{what} {times(o['ms'] / e['ms'])}"])
     return captioned(page, srcs, "\n\n".join([
         table(["case", "code", "entry ms", "against ms", "speed"], rows, "llrrl"),
