@@ -17,8 +17,8 @@
 # SEBP loses on Llama `longest`'s smaller batches: each batch's step without a profiler, the host time of the
 # eager SEBP linear backwards, plainly and under cProfile, then a step profile); fwd-rows-model (the SEBP entry with
 # SEBP_FORWARD_ROWS=0 and 1); fwd-rows (benchmarks/fwd_rows_probe.py: the forward over real rows against
-# cuBLAS per layer shape, rows and share of real rows); cce (the GPU tests of `--head cce`, then Llama and Qwen
-# packed and `longest`, compiled, dense and SEBP with the labelled-rows head against dense + CCE: the auto pick
+# cuBLAS per layer shape, rows and share of real rows); cce-tests (the GPU tests of `--head cce`); cce (Llama and Qwen,
+# CCE_CASES, packed and `longest`, compiled, dense and SEBP with the labelled-rows head against dense + CCE: the auto pick
 # counts the CCE head); qwen-layers (the per-layer bench on Qwen2.5-0.5B's shapes: where its narrow projections
 # lose with SEBP); gpu1 / gpu2 (every GPU-marked
 # test: tests/kernels, then the rest). The packages
@@ -27,9 +27,10 @@
 # under $OUT at the end (what the device returns) go back as $OUT/session.tgz.
 set -u
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"  # kept across the calls of one warm machine
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
+if [ -d .whl ] && [ ! -d /tmp/site/kneed ]; then  # once a machine (two sessions at once would race)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 fi
 nvidia-smi -L | tee "$OUT/env.txt"
@@ -82,12 +83,12 @@ for s in ${STEPS:-smoke}; do
         --entries sebp:labelled,dense:labelled --compile --host-calls --out-dir "$OUT/prof" 2>&1 | grep -v Warning | tail -24 ;;
     fwd-rows-model) for fr in 0 1; do SEBP_FORWARD_ROWS=$fr STEPS=llama LAYOUTS=longest METHODS=sebp:labelled BATCHES=6 GRAPHS=0 \
           TAG=_fr$fr LIMIT=150 OUT="$OUT" bash benchmarks/compile_session.sh | grep -E "compiled \(" ; done ;;
-    cce) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu tests/probe/test_cce_head.py \
-           > "$OUT/cce_tests.txt" 2>&1; tail -3 "$OUT/cce_tests.txt"
-      for c in llama-3.2-1b-sft qwen2.5-0.5b-sft; do  # the auto pick now counts the CCE head (finetune --head cce)
+    cce-tests) python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu tests/probe/test_cce_head.py \
+           > "$OUT/cce_tests.txt" 2>&1; tail -3 "$OUT/cce_tests.txt" ;;
+    cce) for c in ${CCE_CASES:-llama-3.2-1b-sft qwen2.5-0.5b-sft}; do  # the auto pick now counts the CCE head (finetune --head cce)
         python3 -m sebp_probe bench "$c" --scope model --compile default --layouts packed,longest \
           --methods dense:labelled,cce:labelled,sebp:labelled --model-batches 6 -o "$OUT/model_${c}_cce.json" 2>&1 \
-          | grep -E "compiled \(|would pick|rror" ; done ;;
+          | tee "$OUT/log_cce_$c.txt" | grep -E "compiled \(|would pick|rror" ; done ;;
     qwen-layers) python3 -m sebp_probe bench qwen2.5-0.5b -o "$OUT/layers_qwen2.5-0.5b.json" 2>&1 | tail -30 ;;
     gpu1|gpu2) [ "$s" = gpu1 ] && dirs="tests/kernels" || dirs="tests/cli tests/convergence tests/probe"
       python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -W ignore -m gpu $dirs > "$OUT/$s.txt" 2>&1

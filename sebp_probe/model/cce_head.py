@@ -3,9 +3,9 @@
 The backbone runs every layer on every row, as a user's ``torch.compile(model.model)`` + CCE does; the labelled
 rows of its last hidden state (the next token's label not -100, the same rows as the labelled-rows head of
 :mod:`.heads`) go through ``cut_cross_entropy.linear_cross_entropy``, which computes the loss and its gradients
-without the logits in memory. On a GPU its Triton kernels (``impl="cce"``), on a CPU its ``torch_compile``
-implementation (a check, not a speed). The same function is the whole-model benchmark's CCE entry
-(:mod:`sebp_probe.bench.bench_peers`), so what ``--padding auto`` times is what the bench timed.
+without the logits in memory. On a GPU in bf16 or fp16 (the model's, or autocast's) its Triton kernels
+(``impl="cce"``), elsewhere its ``torch_compile`` implementation (on a CPU a check, not a speed). The same
+function is the whole-model benchmark's CCE entry (:mod:`sebp_probe.bench.bench_peers`), so what ``--padding auto`` times is what the bench timed.
 
 Left to the caller: the package is optional (:func:`cce_problem` says why it cannot run), and its gradient
 filtering (``filter_eps``, on by default) skips the softmax entries below bf16's resolution in the backward.
@@ -59,6 +59,16 @@ def _plain_head(model: torch.nn.Module):
     return head
 
 
+def _operands(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The hidden rows and output weight in the dtype the output layer would compute in (autocast's where it is
+    on, as ``F.linear`` under autocast casts them; the gradient reaches the weight in its own dtype), and the
+    implementation that takes them: the Triton kernels on a GPU in bf16/fp16 (their backward takes no other),
+    else CCE's ``torch_compile`` one (the CPU; an fp32 run on a GPU without autocast)."""
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    h, w = h.to(dtype), w.to(dtype)
+    return h, w, "cce" if h.is_cuda and dtype in (torch.bfloat16, torch.float16) else "torch_compile"
+
+
 def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     """The causal-LM loss of ``batch`` (padded or packed): the model's own (mean over labelled tokens; the sum
     over them divided by ``num_items_in_batch`` where the batch carries it, as a Trainer's accumulated step),
@@ -72,7 +82,6 @@ def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
     from .packing import packed_call
 
     head = _plain_head(model)
-    impl = "cce" if head.decoder.weight.is_cuda else "torch_compile"
     num_items = batch.get("num_items_in_batch")
 
     def loss(inputs: Mapping, count: int | None) -> torch.Tensor:
@@ -85,7 +94,8 @@ def cce_loss(model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         # checks held on the device (label_checks.deferred): a label past the vocabulary reaches no kernel
         y = label_checks.safe(flat.index_select(0, rows), head.decoder.out_features, IGNORE_INDEX)
         reduction = "mean" if num_items is None else "sum"
-        out = linear_cross_entropy(h, head.decoder.weight, y, impl=impl, reduction=reduction)
+        h, w, impl = _operands(h, head.decoder.weight)
+        out = linear_cross_entropy(h, w, y, impl=impl, reduction=reduction)
         return out if num_items is None else per_item(out, num_items)
 
     if "cu_seqlens" not in batch:

@@ -22,11 +22,12 @@ cce = pytest.importorskip("cut_cross_entropy")
 
 @pytest.fixture
 def plain_ce(monkeypatch):
-    """CCE's kernel replaced by cross-entropy over the rows it is given; records (rows, impl, reduction)."""
+    """CCE's kernel replaced by cross-entropy over the rows it is given; records (rows, impl, reduction, and the
+    dtypes of the hidden rows and the weight)."""
     given = []
 
     def reference(e, c, targets, impl, reduction="mean"):
-        given.append((e.shape[0], impl, reduction))
+        given.append((e.shape[0], impl, reduction, e.dtype, c.dtype))
         return torch.nn.functional.cross_entropy(e @ c.T, targets, reduction=reduction)
 
     monkeypatch.setattr(cce, "linear_cross_entropy", reference)
@@ -58,7 +59,22 @@ def test_the_cce_head_gives_the_models_loss_and_gradients(layout, plain_ce):
     for name, g in want_g.items():
         torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-6, msg=name)
     labelled = int((batch["labels"][..., 1:] != -100).sum()) if layout == "longest" else batch["n_targets"]
-    assert plain_ce == [(labelled, "torch_compile", "mean")]  # the labelled rows only; CCE's CPU path
+    # the labelled rows only, in the model's dtype; CCE's CPU path
+    assert plain_ce == [(labelled, "torch_compile", "mean", torch.float32, torch.float32)]
+
+
+def test_under_autocast_the_rows_and_weight_reach_cce_in_autocasts_dtype_and_the_weight_gets_its_gradient(plain_ce):
+    """As the output layer computes under autocast (``finetune --bf16``: fp32 weights, bf16 matmuls): CCE is
+    given bf16 rows and weight (its GPU backward takes no fp32), the fp32 weight gets an fp32 gradient, and the
+    loss is the model's own to bf16's rounding."""
+    model, batch = _model_and_batch("longest")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = _loss_and_grads(model, batch, "full")
+        got, _ = _loss_and_grads(model, batch, "cce")
+    assert plain_ce[-1][3:] == (torch.bfloat16, torch.bfloat16)
+    grad = model.get_output_embeddings().weight.grad
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+    assert got.item() == pytest.approx(want.item(), rel=2e-2)
 
 
 def test_an_accumulated_step_divides_the_sum_by_the_steps_labelled_tokens(plain_ce):
@@ -123,15 +139,16 @@ def test_the_real_cut_cross_entropy_gives_the_models_loss_and_gradients():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["longest", "packed"])
-@pytest.mark.parametrize("autocast", [False, True])
-def test_on_a_gpu_the_cce_kernels_give_the_models_loss(layout, autocast):
-    """CCE's Triton kernels (``impl="cce"``) on a GPU, the model in bf16 or in fp32 under bf16 autocast (as
-    ``finetune --bf16`` runs it): the model's own loss to bf16's rounding, and the gradients close to the model's
+@pytest.mark.parametrize("precision", ["bf16", "autocast", "fp32"])
+def test_on_a_gpu_the_cce_kernels_give_the_models_loss(layout, precision):
+    """CCE on a GPU, the model in bf16 or in fp32 under bf16 autocast (as ``finetune --bf16`` runs it: its Triton
+    kernels, ``impl="cce"``), or in fp32 without autocast (its ``torch_compile`` implementation: the kernels'
+    backward takes no fp32): the model's own loss to bf16's rounding, and the gradients close to the model's
     own (its backward filters the softmax entries below bf16's resolution)."""
     model, batch = _model_and_batch(layout)
-    model = model.to("cuda", torch.float32 if autocast else torch.bfloat16)
+    model = model.to("cuda", torch.bfloat16 if precision == "bf16" else torch.float32)
     batch = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in batch.items()}
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
         want, want_g = _loss_and_grads(model, batch, "full")
         got, got_g = _loss_and_grads(model, batch, "cce")
     assert got.item() == pytest.approx(want.item(), rel=2e-2)
