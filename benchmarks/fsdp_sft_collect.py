@@ -39,11 +39,17 @@ PAIRS = {"pair_dense-first": "compiled, dense first", "pair_sebp-first": "compil
          # two H200s of one machine, 20 steps, both orders one after the other, the code of 24b158f (the
          # labelled-rows head's label checks held on the device)
          "pair_layers_s37_dense-first": "by layers, code of 24b158f (H200, 20 steps), dense first",
-         "pair_layers_s37_sebp-first": "by layers, code of 24b158f (H200, 20 steps), SEBP first"}
+         "pair_layers_s37_sebp-first": "by layers, code of 24b158f (H200, 20 steps), SEBP first",
+         # the same at 7e23660: the labelled-rows head through the model's own forward (logits_to_keep), where it
+         # fell back to the model's own head before; each order on its own machine
+         "pair_layers_s38_dense-first": "by layers, labelled head through the forward (H200, 20 steps), dense first",
+         "pair_layers_s38_sebp-first": "by layers, labelled head through the forward (H200, 20 steps), SEBP first"}
 ORDERS = {"compiled": ("pair_dense-first", "pair_sebp-first"),  # the pairs of each compile scope, both orders
           "compiled by layers": ("pair_layers_dense-first", "pair_layers_sebp-first"),
           "by layers, forward over real rows (H200)": ("pair_layers_fwd_dense-first", "pair_layers_fwd_sebp-first"),
-          "by layers, code of 24b158f (H200)": ("pair_layers_s37_dense-first", "pair_layers_s37_sebp-first")}
+          "by layers, code of 24b158f (H200)": ("pair_layers_s37_dense-first", "pair_layers_s37_sebp-first"),
+          "by layers, labelled head through the forward (H200)": ("pair_layers_s38_dense-first",
+                                                                  "pair_layers_s38_sebp-first")}
 SKIP_FIRST = 3
 BEFORE = ("`finetune` still left sdpa its own choice of kernel, on these GPUs cuDNN's attention, which builds a "
           "host-side plan for each new batch shape and keeps it for the process")
