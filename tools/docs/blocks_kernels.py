@@ -12,9 +12,10 @@ TARGET_DENSITIES = (0.1, 0.2, 0.5)  # the densities whose shares the summaries c
 GOAL = 0.9  # the share of the ideal's speedup that the summaries count points against
 
 
-def layer_runs(page: Page, folder: str) -> tuple[list[Source], dict[str, dict[float, dict]]]:
+def layer_runs(page: Page, folder: str, files: tuple[str, ...] = LAYER_FILES
+               ) -> tuple[list[Source], dict[str, dict[float, dict]]]:
     """The per-layer bench files of ``folder`` and their entries: layer name -> density -> entry."""
-    sources = [page.load(f"{folder}/{f}") for f in LAYER_FILES]
+    sources = [page.load(f"{folder}/{f}") for f in files]
     by_layer: dict[str, dict[float, dict]] = {}
     for src in sources:
         for entry in src.rows("layers"):
@@ -36,8 +37,8 @@ def _shares(entries: dict[float, dict], method: str, floor: str = "ideal") -> st
     return slash(f2(share(entries[d], method, floor)) for d in TARGET_DENSITIES)
 
 
-def _layers_speedup(page: Page, folder: str) -> str:
-    sources, layers = layer_runs(page, folder)
+def _layers_speedup(page: Page, folder: str, files: tuple[str, ...] = LAYER_FILES) -> str:
+    sources, layers = layer_runs(page, folder, files)
     rows = []
     for entries in layers.values():
         sp = {d: e["speedup_vs_dense"] for d, e in entries.items()}
@@ -275,3 +276,10 @@ def select_h100(page: Page) -> str:
     header = ["dY (M x out)", "selection at d = " + " / ".join(dens(d) for d in densities) + ", us",
               "compaction alone, us", "`amax` over dY, us", f"one launch, d = {dens(densities[0])}, us"]
     return captioned(page, [src], table(header, rows, "lrrrr"))
+
+
+@block("layers_qwen_h200")
+def layers_qwen_h200(page: Page) -> str:
+    """Qwen2.5-0.5B's projections alone on an H200 (results/layers_h200/layers_qwen2.5-0.5b.json), as the
+    per-layer tables of kernels.md: why SEBP on its linears loses on `longest` batches."""
+    return _layers_speedup(page, "layers_h200", ("layers_qwen2.5-0.5b.json",))
