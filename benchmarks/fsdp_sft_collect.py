@@ -97,7 +97,21 @@ def _pair(files: dict[str, str], name: str) -> dict:
             "step_ratio_per_step": statistics.median(ratios["step_ms"]),
             "backward_ratio_per_step": statistics.median(ratios["backward_ms"]),
             "step_ratios": ratios["step_ms"], "backward_ratios": ratios["backward_ms"],
-            "loop_verdict": top["comparison"]["verdict"], "runs": runs}
+            "loop_verdict": top["comparison"]["verdict"], "loop_line_now": _loop_line_now(files, name, top, recs),
+            "runs": runs}
+
+
+def _loop_line_now(files: dict[str, str], name: str, top: dict, recs: dict[str, dict[int, dict]]) -> str:
+    """What ``finetune --compare`` prints for this pair with the code of today (sebp_probe.train.metrics), from
+    the runs' own summaries and metrics: the rules that decide its verdict changed after some pairs ran."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sebp_probe.tables import comparison_line
+    from sebp_probe.train.metrics import compare_runs, summarize_records
+
+    rows = {m: [recs[m][t] for t in sorted(recs[m])] for m in ("dense", "sebp")}
+    sums = {m: {**json.loads(files[f"{name}/{m}/summary.json"]), **summarize_records(rows[m])} for m in rows}
+    cmp = compare_runs(sums["dense"], sums["sebp"], rows["dense"], rows["sebp"])
+    return comparison_line(cmp, {"dense": {}, "sebp": {}})
 
 
 def _resume(files: dict[str, str]) -> dict:

@@ -140,22 +140,22 @@ def comparison_line(cmp: dict, runs: dict) -> str:
     verdict = cmp.get("verdict")
     n = t.get("timed_steps", 0)
     over = f"over {n} steps timed in both" if t.get("paired") else f"over each run's {n}+ timed steps"
+    if t.get("first_shapes_timed"):
+        over += ", a batch shape's first step included: with lengths this varied nearly every batch is one"
     parts = []
     if verdict == "same computation":
         noise = f" (measured step ratio x{t['step']['ratio']:.2f}: the timing's noise)" if "step" in t else ""
         parts.append(f"both runs computed the same thing: {cmp['same_computation']}; no speedup{noise}")
     elif verdict == "too few steps":
-        shapes = t.get("new_shape_steps", 0)
-        advice = (f"{shapes} steps met a batch shape for the first time (with lengths this varied almost every "
-                  "batch does): use --padding bucket or max_length, or --cuda-graphs (lengths rounded to "
-                  "--graph-bucket)" if shapes > n else "train more --max-steps")
         parts.append(f"only {n} steps timed in both runs (warm-up, compiles and first shapes left out): too few to "
-                     f"compare times; {advice}")
+                     "compare times; train more --max-steps")
     else:
         st, bw = t["step"], t["backward"]
         head = "within noise" if verdict == "within noise" else f"step x{st['ratio']:.2f}"
+        per_step = (f"; the steps' own ratios IQR {st['ratio_iqr'][0]:.2f}-{st['ratio_iqr'][1]:.2f}"
+                    if "ratio_iqr" in st and verdict != "within noise" else "")
         parts.append(f"{head} (step medians {over}: dense {_ms_iqr(st, 'dense')}, {_other_label(runs)} "
-                     f"{_ms_iqr(st, 'other')})")
+                     f"{_ms_iqr(st, 'other')}{per_step})")
         if verdict != "within noise":
             parts.append(f"backward x{bw['ratio']:.2f}")
     if "peak_mem_ratio" in cmp:

@@ -61,12 +61,30 @@ def _first_untimed(n: int) -> int:
     return min(10, max(1, n // 10)) if n > 1 else 0
 
 
-def timed_steps(records: list[dict]) -> dict[int, dict]:
+def timed_steps(records: list[dict], first_shapes: bool | None = None) -> dict[int, dict]:
     """Step -> train record of the steps that count in a run's times: not among its first steps, and not a step
-    the loop marked ``untimed`` (a compile, a CUDA-graph capture, a batch shape the GPU had not run yet)."""
+    the loop marked ``untimed`` (a compile, a CUDA-graph capture, a batch shape the GPU had not run yet), except
+    that with ``first_shapes`` a step whose only mark is its new shape counts (None: where the run's shapes
+    never settle, :func:`shapes_never_settle`)."""
     train = [r for r in records if r.get("type") == "train"]
     first = _first_untimed(len(train))
-    return {r["step"]: r for r in train[first:] if not r.get("untimed")}
+    if first_shapes is None:
+        first_shapes = shapes_never_settle(records)
+    counted = (None, "new shape") if first_shapes else (None,)
+    return {r["step"]: r for r in train[first:] if r.get("untimed") in counted}
+
+
+def shapes_never_settle(records: list[dict]) -> bool:
+    """Whether, past the warm-up steps, more steps met a batch shape for the first time than ran one met before,
+    and the two together are enough to compare (:data:`MIN_TIMED_STEPS`): lengths so varied (``longest`` padding
+    of SFT data) that a new shape's first step is what the run's steps are, not a warm-up. Such steps are then
+    timed: what they cost beyond a repeated shape's step (a kernel's first launch at that size, the allocator's
+    new blocks) recurs in every step of such a run. Compiles and CUDA-graph captures stay out."""
+    train = [r for r in records if r.get("type") == "train"]
+    rest = train[_first_untimed(len(train)):]
+    settled = sum(not r.get("untimed") for r in rest)
+    new = sum(r.get("untimed") == "new shape" for r in rest)
+    return new > settled and new + settled >= MIN_TIMED_STEPS
 
 
 def quartiles(vals: list[float]) -> tuple[float, float, float]:
@@ -88,6 +106,7 @@ def summarize_records(records: list[dict]) -> dict:
     if train:
         untimed = [r for r in train if r["step"] not in timed_by_step]
         out["timed_steps"] = len(timed)
+        out["first_shape_steps_timed"] = sum(r.get("untimed") == "new shape" for r in timed)
         out["untimed_steps"] = len(untimed)
         out["untimed_s"] = sum(r["step_ms"] for r in untimed) / 1e3
         compiled = [r for r in train if r.get("untimed") == "compile"]
@@ -127,26 +146,37 @@ def same_computation(summary: dict) -> str | None:
 
 
 def compare_timing(dense_records: list[dict], other_records: list[dict], paired: bool = True) -> dict:
-    """Step and backward time of two runs: the ratio of the medians (dense / other, > 1: the other is faster),
-    each run's median and interquartile range, and ``within_noise`` where either run's range holds the other's
-    median. ``paired`` (both runs drew the same batches in every step): over the steps timed in both
-    (:func:`timed_steps`), so that a step left out of one run is left out of the other; else each run's own."""
-    d, o = timed_steps(dense_records), timed_steps(other_records)
+    """Step and backward time of two runs: each run's median and interquartile range and the ratio dense / other
+    (> 1: the other is faster). ``paired``: the median of the steps' own ratios, with their interquartile range
+    (``ratio_iqr``), and ``within_noise`` where that range holds 1; else the ratio of the medians, and
+    ``within_noise`` where either run's range holds the other's median. ``paired`` (both runs drew the same batches in every step): over the steps timed in both
+    (:func:`timed_steps`), so that a step left out of one run is left out of the other; else each run's own.
+    Where either run's shapes never settle (:func:`shapes_never_settle`), both count their first-shape steps
+    (``first_shapes_timed``)."""
+    first_shapes = shapes_never_settle(dense_records) or shapes_never_settle(other_records)
+    d, o = timed_steps(dense_records, first_shapes), timed_steps(other_records, first_shapes)
     if paired:
         d_steps = o_steps = sorted(set(d) & set(o))
     else:
         d_steps, o_steps = sorted(d), sorted(o)
-    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired,
+    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired, "first_shapes_timed": first_shapes,
                  "new_shape_steps": len({r["step"] for r in (*dense_records, *other_records)
                                          if r.get("type") == "train" and r.get("untimed") == "new shape"})}
     if not out["timed_steps"]:
         return out
     for what in ("backward", "step"):
-        dq = quartiles([d[s][f"{what}_ms"] for s in d_steps])
-        oq = quartiles([o[s][f"{what}_ms"] for s in o_steps])
-        out[what] = {"dense_ms": dq[1], "dense_iqr": [dq[0], dq[2]], "other_ms": oq[1], "other_iqr": [oq[0], oq[2]],
-                     "ratio": dq[1] / oq[1] if oq[1] else None,
-                     "within_noise": dq[0] <= oq[1] <= dq[2] or oq[0] <= dq[1] <= oq[2]}
+        key = f"{what}_ms"
+        dq = quartiles([d[s][key] for s in d_steps])
+        oq = quartiles([o[s][key] for s in o_steps])
+        part = {"dense_ms": dq[1], "dense_iqr": [dq[0], dq[2]], "other_ms": oq[1], "other_iqr": [oq[0], oq[2]],
+                "ratio": dq[1] / oq[1] if oq[1] else None,
+                "within_noise": dq[0] <= oq[1] <= dq[2] or oq[0] <= dq[1] <= oq[2]}
+        if paired and all(o[s][key] for s in d_steps):
+            # the same batch in both runs: each step's own ratio, whose spread is the timing's, not the batches'
+            # (a step on a long batch and one on a short differ far more than the two methods do)
+            rq = quartiles([d[s][key] / o[s][key] for s in d_steps])
+            part.update(ratio=rq[1], ratio_iqr=[rq[0], rq[2]], within_noise=rq[0] <= 1.0 <= rq[2])
+        out[what] = part
     return out
 
 

@@ -101,14 +101,48 @@ def test_runs_on_different_layouts_compare_their_own_timed_steps():
     assert "over each run's" in comparison_line(cmp, {"dense": {}, "sebp": {}})
 
 
-def test_too_few_steps_because_every_batch_is_a_new_shape_says_what_helps():
-    """``longest`` padding of varied lengths (SFT data): nearly every batch a shape the GPU has not run, all left
-    out; more steps would not help, fewer shapes would."""
+def test_where_nearly_every_batch_is_a_new_shape_those_steps_are_timed_and_the_line_says_so():
+    """``longest`` padding of varied lengths (SFT data): nearly every batch a shape the GPU has not run. Left out,
+    nothing would be timed (the verdict was "too few steps" on every SFT run); a first shape's cost recurs in
+    every step of such a run, so those steps count, compiles still do not, and the headline says so."""
     n = 3 * MIN_TIMED_STEPS
-    shapes = {s: "new shape" for s in range(2, n + 1)}
+    shapes = {s: "new shape" for s in range(2, n + 1)} | {2: "compile"}
     d_recs, o_recs = _records([100.0] * n, untimed=shapes), _records([90.0] * n, untimed=shapes)
     cmp = compare_runs(_summary(d_recs), _summary(o_recs, "sebp", SEBP_ON_LAYERS), d_recs, o_recs)
-    assert cmp["verdict"] == "too few steps" and cmp["timing"]["new_shape_steps"] == n - 1
+    assert cmp["timing"]["first_shapes_timed"] is True and cmp["timing"]["timed_steps"] == n - 2
+    assert cmp["verdict"] == "faster" and cmp["speedup_step"] == pytest.approx(100 / 90)
+    assert cmp["timing"]["new_shape_steps"] == n - 2
     line = comparison_line(cmp, {"dense": {}, "sebp": {}})
-    assert "met a batch shape for the first time" in line and "--padding bucket or max_length" in line
-    assert "train more --max-steps" not in line
+    assert line.startswith("step x1.11") and "a batch shape's first step included" in line
+    s = summarize_records(d_recs)
+    assert s["timed_steps"] == n - 2 and s["first_shape_steps_timed"] == n - 2 and s["median_step_ms"] == 100.0
+    assert sorted(timed_steps(d_recs, first_shapes=False)) == []  # the rule alone leaves them out
+
+
+def test_a_few_new_shapes_among_settled_ones_stay_out_and_a_short_run_asks_for_more_steps():
+    recs = _records([100.0] * 20, untimed={s: "new shape" for s in (4, 6, 8)})
+    assert sorted(timed_steps(recs)) == [3, 5, 7] + list(range(9, 21))
+    assert summarize_records(recs)["first_shape_steps_timed"] == 0
+    short = _records([100.0] * 4, untimed={s: "new shape" for s in (2, 3, 4)})  # 3 steps past warm-up: too few
+    cmp = compare_runs(_summary(short), _summary(short, "sebp", SEBP_ON_LAYERS), short, short)
+    assert cmp["verdict"] == "too few steps" and cmp["timing"]["first_shapes_timed"] is False
+    assert "train more --max-steps" in comparison_line(cmp, {"dense": {}, "sebp": {}})
+
+
+def test_paired_runs_on_batches_of_varied_size_are_judged_by_each_steps_own_ratio():
+    """The same batches in both runs, their sizes spread the step times 100-400 ms: the runs' ranges overlap
+    whatever the methods do, so a pair is judged by each step's own ratio; 10% faster on every step is faster,
+    and a pair faster on half its steps and slower on the other half is within noise."""
+    sizes = [100.0 + 300.0 * ((7 * i) % 20) / 19 for i in range(30)]
+    d_recs, o_recs = _records(sizes), _records([t / 1.1 for t in sizes])
+    cmp = compare_runs(_summary(d_recs), _summary(o_recs, "sebp", SEBP_ON_LAYERS), d_recs, o_recs)
+    t = cmp["timing"]["step"]
+    assert t["dense_iqr"][0] <= t["other_ms"] <= t["dense_iqr"][1]  # the medians alone would say "within noise"
+    assert cmp["verdict"] == "faster" and cmp["speedup_step"] == pytest.approx(1.1)
+    assert t["ratio_iqr"] == pytest.approx([1.1, 1.1])
+    assert "the steps' own ratios IQR 1.10-1.10" in comparison_line(cmp, {"dense": {}, "sebp": {}})
+    mixed = _records([t / (1.2 if i % 2 else 0.85) for i, t in enumerate(sizes)])
+    cmp = compare_runs(_summary(d_recs), _summary(mixed, "sebp", SEBP_ON_LAYERS), d_recs, mixed)
+    assert cmp["verdict"] == "within noise" and "speedup_step" not in cmp
+    unpaired = compare_runs(_summary(d_recs), _summary(o_recs, "sebp", SEBP_ON_LAYERS), d_recs, o_recs, paired=False)
+    assert "ratio_iqr" not in unpaired["timing"]["step"] and unpaired["verdict"] == "within noise"
