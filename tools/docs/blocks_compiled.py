@@ -346,3 +346,35 @@ def label_checks_ab(page: Page) -> str:
         table(["case", "code", "entry ms", "against ms", "speed"], rows, "llrrl"),
         "One device call on a two-H200 machine, one case on each GPU at once, each run with its commit's packages "
         "(`benchmarks/ab_code.sh` with `ORDER` and `REVERSE=0`); compiled step ms, the mean of the batches' medians."]))
+
+
+@block("compiled_summary")
+def compiled_summary(page: Page) -> str:
+    """The README's table: per model and layout of the H200 runs that count the CCE head in the pick, each method
+    compiled (dense, dense + CCE, SEBP, all over the labelled rows), the fastest eager entry and the layout's
+    fastest entry; bold: the model's fastest, which `--padding auto` would train with."""
+    body, sources = [], []
+    for rel in (COMPILED[18], COMPILED[19]):
+        src, m = _model(page, rel)
+        sources.append(src)
+        rows = _rows(m)
+        pick = m["summary"]["all"]["auto_pick"]
+        mark = lambda r: "-" if r is None else (  # noqa: E731
+            f"**{f1(r['ms'])}**" if entry_key(r) == entry_key(pick) else f1(r["ms"]))
+        names = {"dense": "dense", "cce": "dense + CCE", "sebp": "SEBP"}
+        for layout in m["layouts_run"]:
+            here = [r for r in m["rows"] if r["layout"] == layout]
+            eager = min((r for r in here if r["timing"] == "eager"), key=lambda r: r["ms"])
+            best = min(here, key=lambda r: r["ms"])
+            body.append([f"{m['case']['name']} ({m['case']['batch']} x {m['case']['max_length']})", layout,
+                         f1(100 * m["layouts"][layout]["padding_share"]),
+                         *(mark(rows.get((layout, method, "labelled", "compiled"))) for method in names),
+                         f"{f1(eager['ms'])} ({names[eager['method']]})",
+                         f"{names[best['method']]}, {best['timing']}"])
+    header = ["model (batch x max length)", "layout", "padding %", "dense compiled", "dense + CCE compiled",
+              "SEBP compiled", "fastest eager", "fastest here"]
+    note = ("Step ms: forward + backward of one batch after compiling (each decoder layer, dynamic shapes; "
+            "compile seconds apart), each batch's median over repeats, averaged over 6 batches drawn from one "
+            "pool of SFT-length sequences; every entry computes the loss over the labelled rows only. Bold: "
+            "the model's fastest entry, which `--padding auto` would train with.")
+    return captioned(page, sources, table(header, body, "llrrrrrl") + "\n\n" + note)
