@@ -147,19 +147,20 @@ def same_computation(summary: dict) -> str | None:
 
 def compare_timing(dense_records: list[dict], other_records: list[dict], paired: bool = True) -> dict:
     """Step and backward time of two runs: each run's median and interquartile range and the ratio dense / other
-    (> 1: the other is faster). ``paired``: the median of the steps' own ratios, with their interquartile range
-    (``ratio_iqr``), and ``within_noise`` where that range holds 1; else the ratio of the medians, and
-    ``within_noise`` where either run's range holds the other's median. ``paired`` (both runs drew the same batches in every step): over the steps timed in both
-    (:func:`timed_steps`), so that a step left out of one run is left out of the other; else each run's own.
-    Where either run's shapes never settle (:func:`shapes_never_settle`), both count their first-shape steps
-    (``first_shapes_timed``)."""
+    (> 1: the other is faster). ``paired`` (both runs drew the same batches in every step): over the steps timed
+    in both (:func:`timed_steps`; a step left out of one run is left out of the other), the median of the steps'
+    own ratios with their interquartile range (``ratio_iqr``), and ``within_noise`` where that range holds 1;
+    else over each run's own timed steps, the ratio of the medians, and ``within_noise`` where either run's range
+    holds the other's median. Where either run's shapes never settle (:func:`shapes_never_settle`), both count
+    their first-shape steps (``first_shapes_timed``)."""
     first_shapes = shapes_never_settle(dense_records) or shapes_never_settle(other_records)
     d, o = timed_steps(dense_records, first_shapes), timed_steps(other_records, first_shapes)
     if paired:
         d_steps = o_steps = sorted(set(d) & set(o))
     else:
         d_steps, o_steps = sorted(d), sorted(o)
-    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired, "first_shapes_timed": first_shapes,
+    out: dict = {"timed_steps": min(len(d_steps), len(o_steps)), "paired": paired,
+                 "first_shapes_timed": first_shapes,
                  "new_shape_steps": len({r["step"] for r in (*dense_records, *other_records)
                                          if r.get("type") == "train" and r.get("untimed") == "new shape"})}
     if not out["timed_steps"]:
