@@ -71,7 +71,10 @@ def padding_table(choice: dict):
     title = "--padding auto: ms per batch (fwd+bwd" + (", CUDA-graph replays)" if choice.get("replays") else ")")
     if compiled:
         title += f"; run s: the run's {choice.get('micro_batches')} micro-batches x ms + compile s"
-    table = Table(title=title, box=box.SIMPLE_HEAD)
+    caption = None
+    if choice.get("processes", 1) > 1:  # what the run's wrapped, sharded steps take can rank otherwise
+        caption = f"timed in one of the run's {choice['processes']} processes, on the model before it is wrapped"
+    table = Table(title=title, caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
     cols = ["layout", *(("head",) if heads else ()), "padding %", *(("dense", "SEBP") if eager else ()),
             *(("dense\ncompiled", "SEBP\ncompiled", "compile s\ndense/SEBP", "run s\n(least)") if compiled else ()),
             "note"]

@@ -359,7 +359,9 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
     if acc.is_main_process:
         graphs = cfg.cuda_graphs or graphed_compile(cfg, acc)
         heads = auto_heads(model, first.task, head, acc.device, acc.num_processes)
-        payload = [choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads).to_dict()]
+        choice = choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads)
+        choice.processes = acc.num_processes
+        payload = [choice.to_dict()]
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 

@@ -71,6 +71,7 @@ class PaddingChoice:
     best_compiled: dict[str, bool] = field(default_factory=dict)
     micro_batches: int | None = None
     replays: bool = False  # the times are CUDA-graph replays of the step (--cuda-graphs), as the run steps
+    processes: int = 1  # the run's processes; past one, the times are of the main process alone, unwrapped
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +80,7 @@ class PaddingChoice:
     def from_dict(cls, d: dict) -> "PaddingChoice":
         return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
                    dict(d.get("best_head") or {}), bool(d.get("compiled", False)), dict(d.get("best_compiled") or {}),
-                   d.get("micro_batches"), bool(d.get("replays", False)))
+                   d.get("micro_batches"), bool(d.get("replays", False)), int(d.get("processes", 1)))
 
 
 def whole_run_s(steady_ms: float, micro_batches: int, compile_s: float = 0.0) -> float:

@@ -166,7 +166,7 @@ def test_auto_table_with_both_heads_marks_the_chosen_pair():
 def test_auto_table_shows_compiled_candidates_their_compile_seconds_and_run_cost():
     from rich.console import Console
 
-    from sebp_probe.train.strategy import pick
+    from sebp_probe.train.strategy import PaddingChoice, pick
     from sebp_probe.tables import padding_table
 
     table = [{"padding": "longest", "padding_share": 0.3, "dense_ms": 10.0, "sebp_ms": 9.0, "dense_compiled_ms": 5.0,
@@ -178,9 +178,16 @@ def test_auto_table_shows_compiled_candidates_their_compile_seconds_and_run_cost
     console.print(padding_table(choice))
     text = console.export_text()
     assert "100000 micro-batches" in text and "CUDA-graph replays" not in text
+    assert "processes" not in text  # one process: the times are the run's own
     console = Console(width=200, record=True)
     console.print(padding_table({**choice, "replays": True}))
     assert "ms per batch (fwd+bwd, CUDA-graph replays)" in console.export_text()
+    console = Console(width=200, record=True)  # FSDP or DDP: the main process timed the model before wrapping
+    console.print(padding_table({**choice, "processes": 2}))
+    assert "timed in one of the run's 2 processes, on the model before it is wrapped" in " ".join(
+        console.export_text().split())
+    assert PaddingChoice.from_dict({**choice, "processes": 2}).processes == 2
+    assert PaddingChoice.from_dict({k: v for k, v in choice.items() if k != "processes"}).processes == 1
     lines = {line.split()[0]: line.split() for line in text.splitlines() if line.strip()}
     assert lines["longest"][4:8] == ["5.0", "4.0", "60.0/75.5", "475.5"]  # 4 ms x 100000 / 1000 + 75.5
     assert lines["longest"][-3:] == ["chosen:", "SEBP", "compiled"]
