@@ -112,8 +112,8 @@ class FinetuneConfig:
     ``head``: ``labelled`` computes the loss without the rows no loss reaches where that is exact (the LM
     head and the last layer on labelled rows only; a BERT/RoBERTa classifier's last layer on its [CLS] rows;
     :mod:`sebp_probe.model.losses`), ``full`` the model's own loss, ``cce`` a causal LM's backbone and then
-    Cut-Cross-Entropy on the labelled rows (:mod:`sebp_probe.model.cce_head`). ``compile``: a ``torch.compile`` mode for the
-    training model (one of ``COMPILE_MODES``); the SEBP layers' backward compiles as ``sebp::`` custom ops
+    Cut-Cross-Entropy on the labelled rows (:mod:`sebp_probe.model.cce_head`). ``compile``: a ``torch.compile``
+    mode for the training model (one of ``COMPILE_MODES``); the SEBP layers' backward compiles as ``sebp::`` custom ops
     (:mod:`sebp_kernels.registry`); on a GPU, the modes that record CUDA graphs (``reduce-overhead``,
     ``max-autotune``) also time calibration as graph replays. ``compile_scope``: ``layers`` compiles each
     transformer layer in place (the layers share one compile; the embeddings, the head and the loss run eagerly:

@@ -280,8 +280,8 @@ def summarize(rows: list[dict], auto_methods: tuple[str, ...] = ("dense", "sebp"
     non-SEBP one (dense, Cut-Cross-Entropy or Liger: the bar SEBP must clear), the fastest of all, and what
     ``--padding auto`` would pick (among ``auto_methods``: dense or SEBP with the head that measured faster,
     and on a GPU the Cut-Cross-Entropy head too, which ``--padding auto`` times there, except as CUDA graphs; the
-    picks over ``all`` name their timing). Each row also gets its speedup over dense on its layout, head and timing, and over the
-    fastest non-SEBP entry of every timing."""
+    picks over ``all`` name their timing). Each row also gets its speedup over dense on its layout, head and
+    timing, and over the fastest non-SEBP entry of every timing."""
     out = {}
     for timing in (*TIMINGS, "all"):
         rs = [r for r in rows if timing in ("all", r["timing"])]

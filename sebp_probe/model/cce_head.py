@@ -5,7 +5,8 @@ rows of its last hidden state (the next token's label not -100, the same rows as
 :mod:`.heads`) go through ``cut_cross_entropy.linear_cross_entropy``, which computes the loss and its gradients
 without the logits in memory. On a GPU in bf16 or fp16 (the model's, or autocast's) its Triton kernels
 (``impl="cce"``), elsewhere its ``torch_compile`` implementation (on a CPU a check, not a speed). The same
-function is the whole-model benchmark's CCE entry (:mod:`sebp_probe.bench.bench_peers`), so what ``--padding auto`` times is what the bench timed.
+function is the whole-model benchmark's CCE entry (:mod:`sebp_probe.bench.bench_peers`), so what
+``--padding auto`` times is what the bench timed.
 
 Left to the caller: the package is optional (:func:`cce_problem` says why it cannot run), and its gradient
 filtering (``filter_eps``, on by default) skips the softmax entries below bf16's resolution in the backward.

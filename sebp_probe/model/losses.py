@@ -128,9 +128,9 @@ def set_head(model: torch.nn.Module, task: str, head: str, processes: int = 1, g
     CUDA graphs (it reads the labelled-row count on the host); in several processes a causal LM's labelled head
     goes through the model's own forward instead (:func:`~.heads.forward_kept_loss`: the output layer on the
     labelled positions, the last layer on every row; ``through_forward`` False: the model's own loss there, for
-    a caller that replaces the loss with the labelled-rows path itself). ``compiled``: the run compiles the whole step's loss on ``padding`` batches
-    (the run's layout; tests/probe/test_compile_graphs.py), the head with it, except where
-    :func:`compiled_head_problem` says."""
+    a caller that replaces the loss with the labelled-rows path itself). ``compiled``: the run compiles the whole
+    step's loss on ``padding`` batches (the run's layout; tests/probe/test_compile_graphs.py), the head with it,
+    except where :func:`compiled_head_problem` says."""
     if compiled and padding is None:
         raise ValueError("set_head(compiled=True) needs the run's padding")
     if processes > 1 and through_forward and head == "labelled" and not graphs and task == "causal-lm" \

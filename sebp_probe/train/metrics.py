@@ -66,12 +66,16 @@ def timed_steps(records: list[dict], first_shapes: bool | None = None) -> dict[i
     the loop marked ``untimed`` (a compile, a CUDA-graph capture, a batch shape the GPU had not run yet), except
     that with ``first_shapes`` a step whose only mark is its new shape counts (None: where the run's shapes
     never settle, :func:`shapes_never_settle`)."""
-    train = [r for r in records if r.get("type") == "train"]
-    first = _first_untimed(len(train))
     if first_shapes is None:
         first_shapes = shapes_never_settle(records)
     counted = (None, "new shape") if first_shapes else (None,)
-    return {r["step"]: r for r in train[first:] if r.get("untimed") in counted}
+    return {r["step"]: r for r in _past_warmup(records) if r.get("untimed") in counted}
+
+
+def _past_warmup(records: list[dict]) -> list[dict]:
+    """A run's train records after its first steps (:func:`_first_untimed`)."""
+    train = [r for r in records if r.get("type") == "train"]
+    return train[_first_untimed(len(train)):]
 
 
 def shapes_never_settle(records: list[dict]) -> bool:
@@ -80,8 +84,7 @@ def shapes_never_settle(records: list[dict]) -> bool:
     of SFT data) that a new shape's first step is what the run's steps are, not a warm-up. Such steps are then
     timed: what they cost beyond a repeated shape's step (a kernel's first launch at that size, the allocator's
     new blocks) recurs in every step of such a run. Compiles and CUDA-graph captures stay out."""
-    train = [r for r in records if r.get("type") == "train"]
-    rest = train[_first_untimed(len(train)):]
+    rest = _past_warmup(records)
     settled = sum(not r.get("untimed") for r in rest)
     new = sum(r.get("untimed") == "new shape" for r in rest)
     return new > settled and new + settled >= MIN_TIMED_STEPS
@@ -169,14 +172,15 @@ def compare_timing(dense_records: list[dict], other_records: list[dict], paired:
         key = f"{what}_ms"
         dq = quartiles([d[s][key] for s in d_steps])
         oq = quartiles([o[s][key] for s in o_steps])
-        part = {"dense_ms": dq[1], "dense_iqr": [dq[0], dq[2]], "other_ms": oq[1], "other_iqr": [oq[0], oq[2]],
-                "ratio": dq[1] / oq[1] if oq[1] else None,
-                "within_noise": dq[0] <= oq[1] <= dq[2] or oq[0] <= dq[1] <= oq[2]}
+        part = {"dense_ms": dq[1], "dense_iqr": [dq[0], dq[2]], "other_ms": oq[1], "other_iqr": [oq[0], oq[2]]}
         if paired and all(o[s][key] for s in d_steps):
             # the same batch in both runs: each step's own ratio, whose spread is the timing's, not the batches'
             # (a step on a long batch and one on a short differ far more than the two methods do)
             rq = quartiles([d[s][key] / o[s][key] for s in d_steps])
             part.update(ratio=rq[1], ratio_iqr=[rq[0], rq[2]], within_noise=rq[0] <= 1.0 <= rq[2])
+        else:
+            part.update(ratio=dq[1] / oq[1] if oq[1] else None,
+                        within_noise=dq[0] <= oq[1] <= dq[2] or oq[0] <= dq[1] <= oq[2])
         out[what] = part
     return out
 
