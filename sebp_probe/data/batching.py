@@ -18,6 +18,7 @@ with ``collate = collator(layout, pad_id, task, max_length, side)``; each packed
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -186,6 +187,12 @@ def seqlen_bound(longest: int) -> int:
     return max(16, 1 << max(int(longest) - 1, 0).bit_length())
 
 
+# SEBP_PACKED_SEQLEN=budget: every packed batch's max_seqlen is the bound of the row budget, one value for the
+# run, so that a compiled step never meets another (to compare with the default, ``bucket``: the longest
+# sequence's power of two, fewer idle blocks in the varlen kernel's grid)
+PACKED_SEQLEN = os.environ.get("SEBP_PACKED_SEQLEN", "bucket")
+
+
 class PackedCollator:
     """Packs a batch's token lists into rows of at most ``budget`` tokens (default ``max_length``) by
     :func:`pack_rows`, padded to the fullest row. The batch holds, with n sequences in layout order (row by
@@ -241,7 +248,7 @@ class PackedCollator:
         cu = torch.zeros(len(order) + 1, dtype=torch.int32)
         cu[1:] = seq_lens.cumsum(0)
         batch = {"input_ids": ids, "position_ids": pos, "sequence_ids": seq, "labels": labels, "cu_seqlens": cu,
-                 "flat_index": torch.cat(flat), "max_seqlen": seqlen_bound(int(seq_lens.max())),
+                 "flat_index": torch.cat(flat), "max_seqlen": seqlen_bound(self.budget if PACKED_SEQLEN == "budget" else int(seq_lens.max())),
                  "order": torch.tensor(order)}
         if causal:  # a row's position t predicts label t + 1; each sequence's first label is -100, the tail's too
             batch.update(target_counts(labels))
