@@ -14,8 +14,6 @@ CUDA-graph capture nothing is read or copied; the capture records whichever path
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .readback import ShareReader
@@ -27,23 +25,6 @@ from .registry import register
 DENSE_ABOVE = 0.85
 PROBE_EVERY = 16  # while dense, every PROBE_EVERY-th backward re-measures through the SEBP path
 OBSERVE_EVERY = 8  # while sparse, read the count back every OBSERVE_EVERY-th backward (host cost ~10 us)
-
-# A linear with fewer outputs than this keeps the dense backward on a GPU, at any density: its dY rows are so
-# narrow that cuBLAS's two GEMMs over every row cost about what the SEBP kernels spend finding and gathering the
-# active ones. H200, bf16, 4096 rows (results/layers_h200/layers_qwen2.5-0.5b.json): Qwen2.5-0.5B's 896->128
-# key/value projections took 20 us dense at every density, SEBP 1.09x faster at 1-5% active rows, 0.85x at
-# 20%, 0.59x at half. Every other shape measured there and in layers_llama-3.2-3b.json, layers_bert-base.json
-# (768 outputs and up) was 1.06x-1.65x faster with half the rows active.
-# SEBP_NARROW_OUT overrides it (0: no linear is kept dense by its width).
-NARROW_OUT = int(os.environ.get("SEBP_NARROW_OUT", "256"))
-
-
-def sparse_backward_can_pay(out_features: int, device: torch.device) -> bool:
-    """Whether an SEBP linear with ``out_features`` outputs, run on ``device``, takes the SEBP backward at all;
-    where not (a GPU, fewer than :data:`NARROW_OUT` outputs), :class:`~.modules.SEBPLinear` is ``F.linear``
-    with autograd's own backward, in eager code and in a compiled graph alike (Inductor then sees a plain
-    matmul). On the CPU every width goes through SEBP: the rule is the GPU kernels'."""
-    return device.type != "cuda" or out_features >= NARROW_OUT
 
 
 class RowDensity:

@@ -4,11 +4,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import SEBPConfig
-from .density import RowDensity, sparse_backward_can_pay
+from .density import RowDensity
 from .functional import sebp_linear
 from .registry import graph_key, name_module
 
@@ -87,8 +86,6 @@ class SEBPLinear(nn.Linear):
         return plain_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not sparse_backward_can_pay(self.out_features, x.device):  # too narrow to gain on a GPU
-            return F.linear(x, self.weight, self.bias)
         hint, pad, traced, rows = self._sebp_hint, self._sebp_pad_rows, None, None
         if pad is not None and self.sebp_config.mode == "exact":
             if torch.compiler.is_compiling():

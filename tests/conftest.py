@@ -11,10 +11,6 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# The tiny models' linears (32 outputs) are all narrower than the width below which an SEBP linear keeps the
-# dense backward on a GPU (sebp_kernels.density.NARROW_OUT): off here, so that the GPU tests run the SEBP
-# kernels on them; the tests of that rule set it themselves. The processes tests start inherit it.
-os.environ.setdefault("SEBP_NARROW_OUT", "0")
 
 
 # Set by `bootstrap.py test` for its xdist run: the tests that start several processes (marker multiprocess)

@@ -216,16 +216,13 @@ def sebp_patched(model, case: ModelCase, head: str, mode: str, norms: bool, acts
     The labelled head computes its LM head itself (a plain nn.Linear is what it reads), so that one stays."""
     from sebp_kernels import SEBPConfig, zero_rows
 
-    from ..model.patch import narrow_linears, pad_rows_summary, patch_sebp, unpatch_model
+    from ..model.patch import pad_rows_summary, patch_sebp, unpatch_model
 
     # decoders: every projection, and under the full head the LM head (its rows at label -100 get no gradient)
     targets = None if case.task == "classification" else \
         FAMILIES[case.arch].targets + (("lm_head",) if head == "full" else ())
     names = patch_sebp(model, SEBPConfig(mode), target_modules=targets, norms=norms, acts=acts, pad_rows=pad_rows)
     counts = {kind: len(names[kind]) for kind in ("linears", "norms", "acts")}
-    narrow = narrow_linears(model, names["linears"])
-    if narrow:  # patched, but kept dense by their width (sebp_kernels.density.NARROW_OUT)
-        counts["dense_by_width"] = len(narrow)
     zero_rows.enable(keep_dx)
     try:
         yield counts
@@ -526,8 +523,7 @@ def _row(key: tuple, rs: list[dict], padding: float, ref: list[dict] | None, ext
     """One entry's result; ``loss_gap``: the largest relative difference of its loss from dense's with the full
     head on the same batches (eager, else compiled; every entry computes the same loss: a check of the run, bf16
     rounding aside); ``extra``: the compiled timing's compile seconds, recompiles and graph breaks;
-    ``sebp_layers``: the SEBP kinds patched (linears, norms, acts; ``dense_by_width``: the linears among them
-    that keep the dense backward on this GPU, :func:`~sebp_probe.model.patch.narrow_linears`)."""
+    ``sebp_layers``: the SEBP kinds patched (linears, norms, acts)."""
     layout, method, head, timing = key
     peaks = [r["peak_gib"] for r in rs if r["peak_gib"] is not None]
     gaps = [abs(r["loss"] - d["loss"]) / max(abs(d["loss"]), 1e-12) for r, d in zip(rs, ref or [])
@@ -539,5 +535,4 @@ def _row(key: tuple, rs: list[dict], padding: float, ref: list[dict] | None, ext
             "peak_gib": round(max(peaks), 3) if peaks else None, "padding_share": padding,
             "loss_gap": float(f"{max(gaps):.3g}") if gaps else None,
             "per_batch_ms": [round(r["step_ms"], 3) for r in rs], **extra,
-            **({"sebp_layers": {k: sebp_layers[k] for k in ("linears", "norms", "acts", "dense_by_width")
-                                if k in sebp_layers}} if sebp_layers else {})}
+            **({"sebp_layers": {k: sebp_layers[k] for k in ("linears", "norms", "acts")}} if sebp_layers else {})}

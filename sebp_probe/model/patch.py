@@ -18,7 +18,6 @@ from torch import nn
 
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
-from sebp_kernels import density as row_density
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
@@ -203,20 +202,7 @@ def patch_model(
         pad = install_pad_rows(model)
         for name in patched:
             model.get_submodule(name)._sebp_pad_rows = pad
-    narrow = narrow_linears(model, patched)
-    if narrow:
-        kinds = sorted({_layer_kind(_logical_name(n)) for n in narrow})
-        note(f"{len(narrow)} of the {len(patched)} SEBP linears ({', '.join(kinds)}) have fewer than "
-             f"{row_density.NARROW_OUT} outputs: on a GPU they keep the dense backward, as fast there at any share "
-             "of active rows")
     return patched
-
-
-def narrow_linears(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """Those of the SEBP linears ``names`` of ``model`` that keep the dense backward where their weight is now:
-    on a GPU, fewer outputs than :data:`~sebp_kernels.density.NARROW_OUT`."""
-    layers = [(n, model.get_submodule(n)) for n in names]
-    return [n for n, m in layers if not row_density.sparse_backward_can_pay(m.out_features, m.weight.device)]
 
 
 def patch_sebp(model: nn.Module, config: SEBPConfig | None = None, *,
