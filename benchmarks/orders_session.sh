@@ -7,7 +7,8 @@
 #     sebp:labelled@SEBP_NARROW_OUT=0 sebp:labelled dense:labelled" OUT=/tmp/out bash benchmarks/orders_session.sh
 #
 # RUNS: entries `method:head`, each optionally followed by @VAR=value[,VAR=value] set for that run alone (an A/B
-# switch: SEBP_NARROW_OUT, SEBP_PACKED_SEQLEN, SEBP_FORWARD_ROWS). BATCHES: --model-batches (8); TAG: a prefix of
+# switch: SEBP_FORWARD_ROWS, SEBP_TRITON_OP). BATCHES: --model-batches (8); GRAPHS=1: --graphs (the compiled
+# layers replayed as CUDA graphs too); ARGS: more bench options for every run (--norms --acts); TAG: a prefix of
 # the file names. Each run writes $OUT/$TAG<case>_<layout>_<n>.json and its log (with TORCH_LOGS=recompiles: each
 # recompile and the guard that failed). Inductor's cache stays in the tree for the calls of one warm machine;
 # more than 8 files under $OUT go back as one archive, $OUT/orders.tgz.
@@ -29,10 +30,14 @@ for run in $RUNS; do
   envs=()
   [ "$entry" != "$run" ] && IFS=, read -r -a envs <<< "${run#*@}"
   name="$OUT/${TAG:-}${CASE}_${LAYOUT}_$n"
+  graphs=()
+  [ "${GRAPHS:-0}" = 1 ] && graphs=(--graphs)
+  read -r -a more <<< "${ARGS:-}"
+  graphs+=("${more[@]}")
   echo "$run: env ${envs[*]:-} python3 -m sebp_probe bench $CASE --scope model --compile default --layouts $LAYOUT" \
-    "--methods $entry --model-batches ${BATCHES:-8} -o $(basename "$name").json" >> "$OUT/${TAG:-}commands.txt"
+    "--methods $entry --model-batches ${BATCHES:-8} ${graphs[*]:-} -o $(basename "$name").json" >> "$OUT/${TAG:-}commands.txt"
   env "${envs[@]}" TORCH_LOGS=recompiles python3 -m sebp_probe bench "$CASE" --scope model --compile default \
-    --layouts "$LAYOUT" --methods "$entry" --model-batches "${BATCHES:-8}" -o "$name.json" > "$name.log" 2>&1
+    --layouts "$LAYOUT" --methods "$entry" --model-batches "${BATCHES:-8}" "${graphs[@]}" -o "$name.json" > "$name.log" 2>&1
   echo "$(date +%T) $run: $(grep -E "compiled \(|Error" "$name.log" | tail -2)"
 done
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then

@@ -150,17 +150,21 @@ def layout_indices(lengths: list[int], batch: int, seed: int) -> dict[str, list[
     return {name: batch_order(lay, lengths, batch, seed) for name, lay in LAYOUTS.items()}
 
 
-def layout_batches(case: ModelCase, items: list[dict], seed: int) -> dict[str, list[dict]]:
-    """CPU batches of each layout, collated as training collates them (right padding; a causal LM's batches
-    carry their labelled-row counts, so the labelled-rows head reads none from the device)."""
+def layout_batches(case: ModelCase, items: list[dict], seed: int, multiple: int = 1) -> dict[str, list[dict]]:
+    """CPU batches of each layout, collated as training collates them (right padding, the padded lengths a
+    multiple of ``multiple``; a causal LM's batches carry their labelled-row counts, so the labelled-rows head
+    reads none from the device)."""
     idx = layout_indices([len(it["input_ids"]) for it in items], case.batch, seed)
-    collate = {name: collator(lay, PAD_ID, case.task, case.max_length, counts=True) for name, lay in LAYOUTS.items()}
+    collate = {name: collator(lay, PAD_ID, case.task, case.max_length, multiple=multiple, counts=True)
+               for name, lay in LAYOUTS.items()}
     return {lay: [collate[lay]([items[i] for i in b]) for b in idx[lay]] for lay in LAYOUTS}
 
 
-def layout_padding(lengths: list[int], case: ModelCase, seed: int, packed_backend: str) -> dict[str, float]:
-    """Padding share of each layout on the pool's batches (packed by varlen: 0, one flattened row)."""
-    out = {lay: padding_share(lengths, case.batch, case.max_length, lay, seed) for lay in LAYOUTS}
+def layout_padding(lengths: list[int], case: ModelCase, seed: int, packed_backend: str,
+                   multiple: int = 1) -> dict[str, float]:
+    """Padding share of each layout on the pool's batches (packed by varlen: 0, one flattened row; padded lengths
+    a multiple of ``multiple``)."""
+    out = {lay: padding_share(lengths, case.batch, case.max_length, lay, seed, multiple=multiple) for lay in LAYOUTS}
     if packed_backend == "varlen":
         out.update({name: 0.0 for name, lay in LAYOUTS.items() if lay.packed})
     return {k: round(v, 4) for k, v in out.items()}

@@ -5,9 +5,11 @@ Timing ``compiled``: an entry's model (each of its layers, the scope below) or i
 dynamic=True)`` once per entry, after
 ``torch._dynamo.reset()``, so each entry compiles its own graphs and its ``compile_s`` is its own (Inductor's
 on-disk cache stays: an entry whose graph an earlier entry compiled, the same model on another padded layout,
-say, finds it there, as a second run of a user's job would), with torch.compile's own options for ``mode``: what
-a user's compile gets (``finetune``'s layers leave out one Inductor fusion whose size guards recompiled them
-under dynamic shapes, :func:`~sebp_probe.train.compiling.dynamic_options`). ``dynamic=True`` makes the batch and
+say, finds it there, as a second run of a user's job would), with the options ``finetune --compile`` gives its
+layers: ``mode``'s, less one Inductor fusion whose size guards recompiled a layer as batches crossed them
+(:func:`~sebp_probe.train.compiling.dynamic_options`); a compiled bench pads its batches to a multiple of
+:data:`~sebp_probe.data.batching.COMPILE_MULTIPLE`, as ``finetune --compile`` does (Inductor guards on that
+alignment). ``dynamic=True`` makes the batch and
 sequence sizes symbols from the first call on, so a layout's later batches (padded to another length, or packed into
 another token count) reuse the graphs (but for Dynamo's 0/1 specialization: a size that is 1 in the first batch
 and more in a later one recompiles once, as the rows of packed batches run under a mask can; varlen-packed
@@ -39,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..train.compiling import compile_layers, distinct_sizes, dynamo_counts, inductor_problem
+from ..train.compiling import compile_layers, distinct_sizes, dynamic_options, dynamo_counts, inductor_problem
 
 
 def compile_reason(device: torch.device, backend: str) -> str | None:
@@ -67,7 +69,7 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
     if scope not in SCOPES:
         raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     torch._dynamo.reset()
-    kw = dict(dynamic=True, backend=backend, **({"mode": mode} if backend == "inductor" else {}))
+    kw = dict(dynamic=True, backend=backend, **({"options": dynamic_options(mode)} if backend == "inductor" else {}))
     undo = None
     if scope == "layers":
         undo, compiled = compile_layers(model, **kw), step

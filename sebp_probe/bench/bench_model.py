@@ -46,6 +46,7 @@ from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, la
 from .bench_compile import compile_reason, compiled_steps
 from .bench_peers import cce_loss, cce_reason, liger_patch, liger_reason
 from ..config import GRAPHED_COMPILE_MODES
+from ..data.batching import COMPILE_MULTIPLE
 from ..families import FAMILIES
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss
@@ -283,13 +284,16 @@ def backward_breakdown(model, loss_fn: Callable[[], torch.Tensor], top: int = 0)
 # ---------------------------------------------------------------------------------------------- the benchmark
 
 
-def _pool(case: ModelCase, cfg, n_batches: int, seed: int, backend: str, pad_mask: bool) -> tuple[dict, dict]:
+def _pool(case: ModelCase, cfg, n_batches: int, seed: int, backend: str, pad_mask: bool,
+          multiple: int = 1) -> tuple[dict, dict]:
     """The pool's batches of each layout (CPU) and what the plan and the result say of them: lengths, batch
-    shapes, padding share and the backward FLOPs of each batch per head (for the limits)."""
+    shapes, padding share and the backward FLOPs of each batch per head (for the limits). ``multiple``: padded
+    lengths a multiple of it (a compiled bench's :data:`~sebp_probe.data.batching.COMPILE_MULTIPLE`, as
+    ``finetune --compile`` pads)."""
     lengths = sample_lengths(case.lengths, case.batch * n_batches, case.max_length, seed)
     items = make_items(case, lengths, cfg.vocab_size, seed)
-    batches = layout_batches(case, items, seed)
-    padding = layout_padding(lengths, case, seed, backend)
+    batches = layout_batches(case, items, seed, multiple)
+    padding = layout_padding(lengths, case, seed, backend, multiple)
     heads = ("full", "labelled")
     info = {"pool": {"seed": seed, "sequences": len(lengths), "batches": n_batches, "tokens": sum(lengths),
                      "lengths": lengths}, "packed_backend": backend, "layouts": {}}
@@ -334,7 +338,8 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
     check_selection(layouts, methods)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = model_config(case)
-    _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask)
+    _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask,
+                    COMPILE_MULTIPLE if compile else 1)
     for lay in info["layouts"].values():
         del lay["flops"]
     entries = plan_entries(case, graphs, dev, _peers(case, dev), compile is not None, None, layouts, methods,
@@ -397,7 +402,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     cuda = dev.type == "cuda"
     model = build_model(case, dtype, dev)
     backend = attention_backend(model)
-    batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask)
+    batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask, COMPILE_MULTIPLE if compile else 1)
     peers = _peers(case, dev)
     why_compile = compile_reason(dev, compile_backend) if compile is not None else None
     entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods,

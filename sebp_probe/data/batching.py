@@ -18,7 +18,6 @@ with ``collate = collator(layout, pad_id, task, max_length, side)``; each packed
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -106,6 +105,12 @@ def target_counts(labels: torch.Tensor) -> dict[str, int]:
     return {"n_targets": int(per_row.sum()), "max_row_targets": int(per_row.max()) if per_row.numel() else 0}
 
 
+def padded_length(longest: int, max_length: int, multiple: int) -> int:
+    """A padded batch's length: ``longest`` rounded up to a multiple of ``multiple``, but not past ``max_length``
+    (nor below ``longest``)."""
+    return max(longest, min(max_length, -(-longest // multiple) * multiple))
+
+
 class PadCollator:
     """Pads token lists into a batch: to ``max_length`` or the batch's longest, on the left or right; with
     ``multiple``, the longest rounded up to a multiple of it (at most ``max_length``): fewer batch shapes.
@@ -120,7 +125,7 @@ class PadCollator:
         L = self.max_length
         if self.padding != "max_length":
             longest = max(len(i["input_ids"]) for i in items)
-            L = max(longest, min(self.max_length, -(-longest // self.multiple) * self.multiple))
+            L = padded_length(longest, self.max_length, self.multiple)
         ids = torch.full((len(items), L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(items), L), dtype=torch.long)
         labels = torch.full((len(items), L), -100, dtype=torch.long) if self.task == "causal-lm" else None
@@ -182,16 +187,18 @@ def pack_rows(lens: Sequence[int], budget: int) -> list[list[int]]:
 def seqlen_bound(longest: int) -> int:
     """A packed batch's ``max_seqlen``: the power of two at or above ``longest`` (at least 16). The varlen
     kernel takes it as a bound (its grid covers that many rows per sequence, and the blocks past a sequence's
-    end do nothing), so the result is the same; a compiled step, which Dynamo specializes on this int (the
-    kernel takes a plain int), then compiles once per bucket instead of once per batch."""
+    end do nothing), so the result is the same. A compiled step takes it as a symbol (torch's varlen operator
+    declares it a SymInt): Llama-1B's packed batches of the bench's pool, in three buckets, recompiled no layer on
+    an H200 once the layers compiled without the size-guarded fusion
+    (results/layouts_compiled_h200/model_llama-3.2-1b-sft_cce_s39.json)."""
     return max(16, 1 << max(int(longest) - 1, 0).bit_length())
 
 
-# SEBP_PACKED_SEQLEN=budget: every packed batch's max_seqlen is the bound of the row budget, one value for the
-# run, so that a compiled step never meets another (to compare with the default, ``bucket``: the longest
-# sequence's power of two, fewer idle blocks in the varlen kernel's grid)
-PACKED_SEQLEN = os.environ.get("SEBP_PACKED_SEQLEN", "bucket")
-
+# Padded batches of a compiled run: lengths a multiple of this. Inductor specializes a graph compiled with dynamic
+# shapes on whether the sequence length is a multiple of 8 (its aligned loads, and the lookup of its compiled
+# code): on an H200 a Llama-1B and a Qwen2.5-0.5B layer compiled on `longest` batches recompiled at the first
+# batch whose length was not (TORCH_LOGS=recompiles, results/layouts_compiled_h200/raw/orders_s39.tgz).
+COMPILE_MULTIPLE = 8
 
 class PackedCollator:
     """Packs a batch's token lists into rows of at most ``budget`` tokens (default ``max_length``) by
@@ -248,7 +255,7 @@ class PackedCollator:
         cu = torch.zeros(len(order) + 1, dtype=torch.int32)
         cu[1:] = seq_lens.cumsum(0)
         batch = {"input_ids": ids, "position_ids": pos, "sequence_ids": seq, "labels": labels, "cu_seqlens": cu,
-                 "flat_index": torch.cat(flat), "max_seqlen": seqlen_bound(self.budget if PACKED_SEQLEN == "budget" else int(seq_lens.max())),
+                 "flat_index": torch.cat(flat), "max_seqlen": seqlen_bound(int(seq_lens.max())),
                  "order": torch.tensor(order)}
         if causal:  # a row's position t predicts label t + 1; each sequence's first label is -100, the tail's too
             batch.update(target_counts(labels))
@@ -274,10 +281,11 @@ def collator(layout: Layout, pad_id: int, task: str, max_length: int, side: str 
 
 
 def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout: str, seed: int = 0,
-                  budget: int | None = None) -> float:
+                  budget: int | None = None, multiple: int = 1) -> float:
     """Share of the token slots of an epoch (epoch 0 of ``seed``) that hold padding under ``layout`` (a name of
     :data:`~sebp_probe.layouts.LAYOUTS`), for examples of ``lens`` tokens (cut to ``max_length``, as tokenizing
-    does) in batches of ``batch_size``; ``budget``: the packed rows' (default ``max_length``)."""
+    does) in batches of ``batch_size``; ``budget``: the packed rows' (default ``max_length``); ``multiple``: padded
+    lengths rounded up to a multiple of it, as :class:`PadCollator` rounds them."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     lay = LAYOUTS[layout]
@@ -292,5 +300,5 @@ def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout:
             rows = pack_rows(bl, max_length if budget is None else budget)
             slots += len(rows) * max(sum(bl[i] for i in r) for r in rows)
         else:
-            slots += len(b) * (max_length if lay.pad_to == "max_length" else max(bl))
+            slots += len(b) * (max_length if lay.pad_to == "max_length" else padded_length(max(bl), max_length, multiple))
     return 1.0 - real / slots

@@ -10,7 +10,7 @@ import torch
 
 from .assets import AssetError, LoadedModel
 
-from .batching import LengthGroupedBatchSampler, PadCollator, collator, lengths
+from .batching import COMPILE_MULTIPLE, LengthGroupedBatchSampler, PadCollator, collator, lengths
 from ..config import FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from .mlm import MLMCollator
@@ -76,6 +76,12 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.n
 
 
+def pad_multiple(cfg: FinetuneConfig) -> int:
+    """What a run's padded lengths are a multiple of: CUDA graphs, ``graph_bucket`` (few batch shapes); a compiled
+    run, :data:`~.batching.COMPILE_MULTIPLE` (no length that recompiles); else 1."""
+    return cfg.graph_bucket if cfg.cuda_graphs else COMPILE_MULTIPLE if cfg.compile else 1
+
+
 def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
     """(train loader, eval loader, sampler) for ``cfg.data.padding`` (a layout of :data:`.layouts.LAYOUTS`, not
     ``auto``): the sampler has ``set_epoch``. Evaluation batches are padded as the layout pads (packed runs: to
@@ -84,7 +90,7 @@ def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):
     layout = LAYOUTS.get(cfg.data.padding)
     if layout is None:
         raise FinetuneError(f"padding {cfg.data.padding!r} is not a batch layout; 'auto' is resolved before training")
-    multiple = cfg.graph_bucket if cfg.cuda_graphs else 1  # graphs: few batch shapes
+    multiple = pad_multiple(cfg)
 
     def mlm(collate):
         return MLMCollator(collate, *data.mlm, seed=cfg.seed) if data.task == "mlm" else collate

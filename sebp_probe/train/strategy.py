@@ -48,7 +48,7 @@ from .graphs import replay_ms
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
 from ..model.packing import check_packable
-from ..data.train_data import TrainData, make_loaders, to_device
+from ..data.train_data import TrainData, make_loaders, pad_multiple, to_device
 
 SAMPLE_BATCHES = 3
 
@@ -267,7 +267,8 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     table = []
     with torch.random.fork_rng(devices=rng_devices(device)):
         for padding in LAYOUTS:
-            share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed), 4)
+            share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed,
+                                        multiple=pad_multiple(cfg)), 4)
             reason = _why_not(model, cfg, data.task, padding, graphs)
             if reason:
                 table.append({"padding": padding, "padding_share": share, "skipped": reason})

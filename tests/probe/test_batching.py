@@ -146,3 +146,26 @@ def test_seqlen_bound_is_the_power_of_two_at_or_above():
     from sebp_probe.data.batching import seqlen_bound
 
     assert [seqlen_bound(n) for n in (1, 16, 17, 1000, 1024, 1025, 2048)] == [16, 16, 32, 1024, 1024, 2048, 2048]
+
+
+def test_padded_lengths_round_up_to_the_multiple_within_max_length():
+    from sebp_probe.data.batching import PadCollator, padded_length
+
+    assert [padded_length(n, 30, 8) for n in (1, 8, 9, 23, 25, 30)] == [8, 8, 16, 24, 30, 30]
+    assert padded_length(13, 64, 1) == 13
+    items = [{"input_ids": list(range(3, 3 + n)), "label": 0} for n in (5, 11)]
+    assert PadCollator(0, "classification", "longest", 64, "right", 8)(items)["input_ids"].shape == (2, 16)
+    # the padding share counts the rounded lengths: 3 sequences of 10 padded to 16
+    assert padding_share([10] * 3, 3, 32, "longest", multiple=8) == pytest.approx(1 - 10 / 16)
+
+
+def test_compiled_runs_pad_to_the_compile_multiple():
+    from sebp_probe.config import FinetuneConfig
+    from sebp_probe.data.batching import COMPILE_MULTIPLE
+    from sebp_probe.data.train_data import pad_multiple
+
+    assert COMPILE_MULTIPLE == 8
+    assert pad_multiple(FinetuneConfig()) == 1
+    assert pad_multiple(FinetuneConfig(compile="default")) == COMPILE_MULTIPLE
+    graphs = FinetuneConfig(cuda_graphs=True, compile="default")
+    assert pad_multiple(graphs) == graphs.graph_bucket

@@ -124,6 +124,20 @@ def test_packed_encoders_by_varlen_count_per_sequence_pairs_in_both_directions()
         bench_cases.backward_flops(cfg, geo, "full", causal_kernel=False)]
 
 
+def test_a_compiled_bench_pads_its_batches_to_the_compile_multiple():
+    case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
+    cfg = bench_model.model_config(case)
+    plain, _ = bench_model._pool(case, cfg, 4, 0, "varlen", True)
+    batches, info = bench_model._pool(case, cfg, 4, 0, "varlen", True, multiple=8)
+    for layout in ("longest", "bucket"):
+        lens = [b["input_ids"].shape[1] for b in batches[layout]]
+        assert all(n % 8 == 0 or n == case.max_length for n in lens), lens
+        assert lens != [b["input_ids"].shape[1] for b in plain[layout]]  # some were not a multiple before
+    planned = bench_model.plan(case, n_batches=4, device="cpu", compile="default")["layouts"]["longest"]
+    assert planned["shapes"] == info["layouts"]["longest"]["shapes"]
+    assert planned["padding_share"] == info["layouts"]["longest"]["padding_share"]
+
+
 def test_layout_limits_and_summary():
     flops = [{"inactive": 1.0, "total": 4.0}, {"inactive": 1.0, "total": 2.0}]
     dense = [{"step_ms": 30.0, "forward_ms": 10.0, "backward_ms": 20.0}] * 2

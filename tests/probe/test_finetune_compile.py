@@ -12,6 +12,7 @@ from sebp_kernels import registry
 from sebp_probe.train import finetune as ft
 from sebp_probe.train import compiling, loop, rundir
 from sebp_probe.data.assets import LoadedModel
+from sebp_probe.data.batching import COMPILE_MULTIPLE
 from sebp_probe.config import DataConfig, FinetuneConfig
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import tiny_model
@@ -109,7 +110,7 @@ def test_layers_compile_once_for_batches_of_every_shape(tmp_path, monkeypatch, p
 
     monkeypatch.setattr(torch, "compile", compile_)
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
-    data = synthetic_data("causal-lm", n=64, n_eval=8, prompt=0.5)
+    data = synthetic_data("causal-lm", n=64, n_eval=8, prompt=0.5, max_len=44)
     dynamo.reset()
     try:
         run = _run(tmp_path, "run", lambda: tiny_model("llama"), task_data=data, method="dense", compile="default",
@@ -123,6 +124,7 @@ def test_layers_compile_once_for_batches_of_every_shape(tmp_path, monkeypatch, p
     slots = [r["rows"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["type"] == "train"]
     assert len(slots) == 6 and (len(set(slots)) > 1) == (padding == "longest")  # token slots a batch
+    assert all(n % (8 * COMPILE_MULTIPLE) == 0 for n in slots)  # a compiled run's lengths: a multiple of 8
 
 
 def test_a_model_without_a_layer_stack_compiles_whole_under_layers_scope(monkeypatch):
