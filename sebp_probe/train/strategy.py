@@ -268,7 +268,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     with torch.random.fork_rng(devices=rng_devices(device)):
         for padding in LAYOUTS:
             share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed,
-                                        multiple=pad_multiple(cfg)), 4)
+                                        multiple=pad_multiple(replace(cfg, compile=cfg.compile and "default"))), 4)
             reason = _why_not(model, cfg, data.task, padding, graphs)
             if reason:
                 table.append({"padding": padding, "padding_share": share, "skipped": reason})
