@@ -24,7 +24,12 @@ COMPILED = ("layouts_compiled_h100/model_llama-3.2-1b-sft_packed_layers.json",
             "layouts_compiled_h200/model_llama-3.2-1b-sft_longest_peers.json",
             "layouts_compiled_h200/model_qwen2.5-0.5b-sft_longest_peers.json",
             "layouts_compiled_h200/model_llama-3.2-1b-sft_cce.json",
-            "layouts_compiled_h200/model_qwen2.5-0.5b-sft_cce.json")
+            "layouts_compiled_h200/model_qwen2.5-0.5b-sft_cce.json",
+            "layouts_compiled_h200/model_llama-3.2-1b-sft_cce_s39.json",
+            "layouts_compiled_h200/model_qwen2.5-0.5b-sft_cce_s39.json",
+            "layouts_compiled_h200/model_llama-3.2-1b-sft_longest_orders.json",
+            "layouts_compiled_h200/model_bert-base_longest_orders.json",
+            "layouts_compiled_h200/model_bert-base_longest_orders_fused.json")
 # What the later runs of a layout changed, for the targets' lines (the first run of each has none)
 RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[5]: "the same, SEBP on the norms and activations too",
@@ -41,7 +46,13 @@ RUN_NOTES = {COMPILED[4]: "with the backward operators of sebp_kernels.library",
              COMPILED[16]: "two H200s of one machine, with Liger-Kernel, 2026-11-28",
              COMPILED[17]: "two H200s of one machine, with Liger-Kernel, 2026-11-28",
              COMPILED[18]: "an H200, `--padding auto` counting the Cut-Cross-Entropy head, 2026-11-28",
-             COMPILED[19]: "an H200, `--padding auto` counting the Cut-Cross-Entropy head, 2026-11-28"}
+             COMPILED[19]: "an H200, `--padding auto` counting the Cut-Cross-Entropy head, 2026-11-28",
+             COMPILED[20]: "the same, batches padded to a multiple of 8 and no size-guarded fusion, 2026-11-28",
+             COMPILED[21]: "the same, batches padded to a multiple of 8 and no size-guarded fusion, 2026-11-28",
+             COMPILED[22]: "the same code, the bench's default pool of 8 batches, each entry in its own process, "
+                           "dense / SEBP / SEBP / dense, 2026-11-28",
+             COMPILED[23]: "an H200, each entry in its own process, dense / SEBP / SEBP / dense, 2026-11-28",
+             COMPILED[24]: "the same, SEBP on the norms and activations too, 2026-11-28"}
 
 TRAINER = ("trainer_h100/trainer_final.json",)
 TRAINER_PF = "trainer_h200/trainer_pf.json"
@@ -121,7 +132,7 @@ def compiled_targets(page: Page) -> str:
     """The compiled targets, each read from the rows above: met or not."""
     models = {rel: _model(page, rel)[1] for rel in COMPILED}
     lines = []
-    for rel in (*COMPILED[:2], COMPILED[15], COMPILED[18], COMPILED[19]):
+    for rel in (*COMPILED[:2], COMPILED[15], COMPILED[18], COMPILED[19], COMPILED[20], COMPILED[21]):
         m = models[rel]
         s = m["summary"]["all"]
         cce = _rows(m)[("packed", "cce", "labelled", "compiled")]
@@ -131,8 +142,9 @@ def compiled_targets(page: Page) -> str:
                      f"{'met' if x >= 1.0 else '**not met**'}.")
     for rel, want in ((COMPILED[2], 1.25), (COMPILED[4], 1.25), (COMPILED[5], 1.25), (COMPILED[7], 1.25),
                       (COMPILED[9], 1.25), (COMPILED[11], 1.25), (COMPILED[13], 1.25), (COMPILED[14], 1.25),
-                      (COMPILED[16], 1.25), (COMPILED[18], 1.25), (COMPILED[3], 1.15),
-                      (COMPILED[6], 1.15), (COMPILED[8], 1.15), (COMPILED[10], 1.15), (COMPILED[12], 1.15)):
+                      (COMPILED[16], 1.25), (COMPILED[18], 1.25), (COMPILED[20], 1.25), (COMPILED[22], 1.25),
+                      (COMPILED[3], 1.15), (COMPILED[6], 1.15), (COMPILED[8], 1.15), (COMPILED[10], 1.15),
+                      (COMPILED[12], 1.15), (COMPILED[23], 1.15), (COMPILED[24], 1.15)):
         m = models[rel]  # every padded layout each file ran, each ratio within one run
         for layout in (x for x in m["layouts_run"] if x != "packed"):
             got = {h: _ratio(m, layout, h, "sebp", "dense") for h in ("full", "labelled")}
@@ -146,7 +158,7 @@ def compiled_targets(page: Page) -> str:
                          f"{heads}: target >= {times(want)} {'met' if best >= want else '**not met**'}.")
     first = max(r["compile_s"] for rel in (COMPILED[0], COMPILED[2], COMPILED[4], COMPILED[5], COMPILED[7],
                                            COMPILED[9], COMPILED[11], COMPILED[13], COMPILED[14], COMPILED[15],
-                                           COMPILED[16], COMPILED[18])
+                                           COMPILED[16], COMPILED[18], COMPILED[20], COMPILED[22])
                 for r in models[rel]["rows"]
                 if r["timing"] == "compiled")
     lines.append(f"- llama-3.2-1b-sft first compile: {f1(first)} s at most per entry, over all of its runs "
@@ -354,7 +366,7 @@ def compiled_summary(page: Page) -> str:
     compiled (dense, dense + CCE, SEBP, all over the labelled rows), the fastest eager entry and the layout's
     fastest entry; bold: the model's fastest, which `--padding auto` would train with."""
     body, sources = [], []
-    for rel in (COMPILED[18], COMPILED[19]):
+    for rel in (COMPILED[20], COMPILED[21]):
         src, m = _model(page, rel)
         sources.append(src)
         rows = _rows(m)
