@@ -30,14 +30,12 @@ for run in $RUNS; do
   envs=()
   [ "$entry" != "$run" ] && IFS=, read -r -a envs <<< "${run#*@}"
   name="$OUT/${TAG:-}${CASE}_${LAYOUT}_$n"
-  graphs=()
-  [ "${GRAPHS:-0}" = 1 ] && graphs=(--graphs)
-  read -r -a more <<< "${ARGS:-}"
-  graphs+=("${more[@]}")
+  read -r -a extra <<< "${ARGS:-}"
+  [ "${GRAPHS:-0}" = 1 ] && extra+=(--graphs)
   echo "$run: env ${envs[*]:-} python3 -m sebp_probe bench $CASE --scope model --compile default --layouts $LAYOUT" \
-    "--methods $entry --model-batches ${BATCHES:-8} ${graphs[*]:-} -o $(basename "$name").json" >> "$OUT/${TAG:-}commands.txt"
+    "--methods $entry --model-batches ${BATCHES:-8} ${extra[*]:-} -o $(basename "$name").json" >> "$OUT/${TAG:-}commands.txt"
   env "${envs[@]}" TORCH_LOGS=recompiles python3 -m sebp_probe bench "$CASE" --scope model --compile default \
-    --layouts "$LAYOUT" --methods "$entry" --model-batches "${BATCHES:-8}" "${graphs[@]}" -o "$name.json" > "$name.log" 2>&1
+    --layouts "$LAYOUT" --methods "$entry" --model-batches "${BATCHES:-8}" "${extra[@]}" -o "$name.json" > "$name.log" 2>&1
   echo "$(date +%T) $run: $(grep -E "compiled \(|Error" "$name.log" | tail -2)"
 done
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then

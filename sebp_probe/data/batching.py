@@ -200,6 +200,7 @@ def seqlen_bound(longest: int) -> int:
 # batch whose length was not (TORCH_LOGS=recompiles, results/layouts_compiled_h200/raw/orders_s39.tgz).
 COMPILE_MULTIPLE = 8
 
+
 class PackedCollator:
     """Packs a batch's token lists into rows of at most ``budget`` tokens (default ``max_length``) by
     :func:`pack_rows`, padded to the fullest row. The batch holds, with n sequences in layout order (row by
@@ -300,5 +301,6 @@ def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout:
             rows = pack_rows(bl, max_length if budget is None else budget)
             slots += len(rows) * max(sum(bl[i] for i in r) for r in rows)
         else:
-            slots += len(b) * (max_length if lay.pad_to == "max_length" else padded_length(max(bl), max_length, multiple))
+            longest = max_length if lay.pad_to == "max_length" else padded_length(max(bl), max_length, multiple)
+            slots += len(b) * longest
     return 1.0 - real / slots
