@@ -182,13 +182,17 @@ class _Linear(torch.autograd.Function):
         return (if_wanted(dx, nx), if_wanted(dw, nw), if_wanted(db, nb)) + (None,) * 9
 
 
-def _over_rows(x: Tensor, weight: Tensor, pad: tuple | None) -> bool:
+def _over_rows(x: Tensor, weight: Tensor, pad: tuple | None, row_bound: int | None = None) -> bool:
     """Whether a compiled layer given its padding rows calls the forward operator (which may compute the real
     rows alone) rather than tracing ``F.linear``: not with SEBP_FORWARD_ROWS=0, nor where the shape can never pay
-    (:func:`~.forward_rows.could_pay`). Asked by the caller in the graph being traced, where a symbolic row count
-    becomes a guard: inside the autograd Function's forward Dynamo traces a subgraph, and there (torch 2.11 and
-    2.13) comparing that count with the float multiply-add line failed the compile."""
-    return pad is not None and FORWARD_ROWS and bool(could_pay(x.numel() // x.shape[-1], *weight.shape[::-1]))
+    (:func:`~.forward_rows.could_pay`) at ``row_bound`` rows, the most a batch of the run has
+    (:attr:`~.pad_rows.PadRows.row_bound`; the operator itself decides each batch whether it pays). Without a
+    bound it asks at this batch's rows: a symbolic row count then becomes a guard, and a batch on the other side
+    of :data:`~.forward_rows.MIN_ROWS` compiles the layer again. Asked by the caller in the graph being traced:
+    inside the autograd Function's forward Dynamo traces a subgraph, and there (torch 2.11 and 2.13) comparing
+    that count with the float multiply-add line failed the compile."""
+    rows = x.numel() // x.shape[-1] if row_bound is None else row_bound
+    return pad is not None and FORWARD_ROWS and bool(could_pay(rows, *weight.shape[::-1]))
 
 
 def _grads_traced(dy, x, weight, need_dx, need_dw, need_db, eps):
@@ -259,6 +263,7 @@ def sebp_linear(
     _key: int | torch.Tensor | None = None,
     _pad: tuple | None = None,
     _rows: tuple | None = None,
+    _row_bound: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
@@ -276,7 +281,9 @@ def sebp_linear(
     come as the hint, :meth:`~.pad_rows.PadRows.bind`). ``_rows``: eagerly, the (perm, count) of the real-token
     rows the forward computes alone where that pays, and a recent share of real rows
     (:meth:`~.pad_rows.PadRows.forward_rows`; compiled, the forward reads them
-    from ``_pad`` when it runs).
+    from ``_pad`` when it runs). ``_row_bound``: compiled, the most rows a batch of the run has
+    (:attr:`~.pad_rows.PadRows.row_bound`), with which the layer decides whether to call the forward operator
+    at all (:func:`_over_rows`); None: each batch's rows decide (a guard).
 
     Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
     autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
@@ -291,16 +298,16 @@ def sebp_linear(
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows)
-    return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows)
+            return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows, _row_bound)
+    return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows, _row_bound)
 
 
-def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None):
+def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None, row_bound=None):
     if torch.compiler.is_compiling():
         eps = _traced_eps(config, x, weight)
         if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
             return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad, eps=eps,
-                                 over_rows=_over_rows(x, weight, pad))
+                                 over_rows=_over_rows(x, weight, pad, row_bound))
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
             return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key, eps=eps)

@@ -86,15 +86,16 @@ class SEBPLinear(nn.Linear):
         return plain_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hint, pad, traced, rows = self._sebp_hint, self._sebp_pad_rows, None, None
+        hint, pad, traced, rows, bound = self._sebp_hint, self._sebp_pad_rows, None, None, None
         if pad is not None and self.sebp_config.mode == "exact":
             if torch.compiler.is_compiling():
                 traced = pad.traced()  # inputs of the graph, taken by its forward and backward operators
+                bound = pad.row_bound
             else:
                 hint = pad.bind(hint, x.shape, self)
                 rows = pad.forward_rows(x.shape)  # the forward over the real-token rows alone, once checked
         return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
-                           _key=graph_key(self), _pad=traced, _rows=rows)
+                           _key=graph_key(self), _pad=traced, _rows=rows, _row_bound=bound)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

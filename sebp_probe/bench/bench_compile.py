@@ -61,8 +61,8 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
     per-batch times of ``timer(model, loss_fn)`` (as eager entries are timed) and ``{compile_s, recompiles,
     graph_breaks, compiled_graphs, compile_scope}`` (``compiled_graphs``: those the first step compiled, one
     per piece between breaks). ``scope``: ``layers`` compiles each layer of the model's stack
-    (:func:`compile_layers`), the embeddings, head and loss left eager, ``step`` the whole step function; the
-    model is as it was after the call. ``graphs``: ``graphs(model, batch) -> timing``, called on each batch after
+    (:func:`compile_layers`, told the pool's most rows a batch), the embeddings, head and loss left eager,
+    ``step`` the whole step function; the model is as it was after the call. ``graphs``: ``graphs(model, batch) -> timing``, called on each batch after
     the compiled steps while the layers are still compiled (timing ``compiled_graphs``: the compiled layers
     replayed as CUDA graphs, ``layers`` scope only); its timings and the graphs Dynamo compiled meanwhile
     come in the stats as ``graph_runs`` and ``graph_recompiles``."""
@@ -72,7 +72,8 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
     kw = dict(dynamic=True, backend=backend, **({"options": dynamic_options(mode)} if backend == "inductor" else {}))
     undo = None
     if scope == "layers":
-        undo, compiled = compile_layers(model, **kw), step
+        bound = max(b["input_ids"].numel() for b in batches)  # the most rows a batch of the pool has
+        undo, compiled = compile_layers(model, row_bound=bound, **kw), step
     else:
         compiled = distinct_sizes(torch.compile(step, **kw))
     try:

@@ -379,10 +379,19 @@ def _compiled_layers(trainer, fallback, kwargs: dict) -> Callable[[], None] | No
     """Each layer of the trainer's model compiled in place with the trainer's compile settings (``kwargs``)
     (:func:`~sebp_probe.train.compiling.compile_stack`; a layer call that fails to compile says so in one line,
     ``fallback``, and runs eagerly); what undoes it, or None where the model has no layer stack sebp-probe
-    knows."""
+    knows. Under TRL's SFTTrainer, whose ``max_length`` truncates every sequence, the layers know a batch's most
+    rows (:func:`_row_bound`)."""
     from ..train.compiling import compile_stack
 
-    return compile_stack(trainer.model, fallback, **kwargs)
+    return compile_stack(trainer.model, fallback, row_bound=_row_bound(trainer.args), **kwargs)
+
+
+def _row_bound(args) -> int | None:
+    """The most rows (sequences x length) of a training batch where the arguments bound it: a per-device batch
+    size and a ``max_length`` (TRL's SFTConfig truncates to it); None elsewhere (transformers' own arguments
+    name no length)."""
+    length = getattr(args, "max_length", None)
+    return args.per_device_train_batch_size * length if isinstance(length, int) and length > 0 else None
 
 
 def _compile_kwargs(trainer) -> dict:

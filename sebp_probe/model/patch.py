@@ -277,6 +277,15 @@ def pad_rows_of(model: nn.Module) -> PadRows | None:
     return vars(_backbone(_unwrapped(model))).get("_sebp_pad_rows")
 
 
+def bound_pad_rows(model: nn.Module, rows: int | None) -> None:
+    """Tell ``model``'s padding rows (if it has them) the most rows a batch of this run has (batch size x max
+    length; None: not known), so that its compiled SEBP layers decide once whether their forward over the real
+    rows could ever pay, not at a guard on each batch's rows (:attr:`~sebp_kernels.pad_rows.PadRows.row_bound`)."""
+    pad = pad_rows_of(model)
+    if pad is not None:
+        pad.row_bound = rows
+
+
 def pad_rows_summary(model: nn.Module) -> dict | None:
     """Whether ``model``'s padding rows passed their check (``state``: on / off / checking), how many linear
     backwards took them (``taken``) and how many linears select their own rows instead (``own``: their dY was

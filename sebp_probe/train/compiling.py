@@ -18,6 +18,7 @@ from sebp_kernels.registry import keys_as_inputs
 
 from ..families import layer_stack, unwrapped
 from ..model.last_layer import computes_kept_rows
+from ..model.patch import bound_pad_rows
 from ..notes import note
 
 _PROBED: dict[str, str | None] = {}  # device type -> why Inductor cannot run there (None: it can)
@@ -117,7 +118,8 @@ class Fallback:
             undo()
 
 
-def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **kw) -> Callable[[], None]:
+def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, row_bound: int | None = None,
+                   **kw) -> Callable[[], None]:
     """Each layer of ``model``'s stack (:func:`~sebp_probe.families.layer_stack`) compiled in place with the
     ``torch.compile`` options ``kw`` (PyTorch's regional compilation); returns what undoes it. The layers share
     their code, so Dynamo traces one and the others reuse its graphs (their parameters are the graphs' inputs,
@@ -130,11 +132,15 @@ def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **k
     eagerly in eval mode or without gradients (an evaluation, a ``generate``: compiled, they would add graphs of
     their own, as :func:`evaluating_eagerly` says, toward the recompile limit the training shares). Sizes stay apart
     (:func:`distinct_sizes`). ``fallback``: a layer call that fails to compile runs eagerly, with its one line
-    (:meth:`Fallback.guard`). ValueError where the model has no layer stack sebp-probe knows."""
+    (:meth:`Fallback.guard`). ``row_bound``: the most rows (batch size x length) a batch of the run has, for
+    the SEBP layers' padding rows (:func:`~sebp_probe.model.patch.bound_pad_rows`: no recompile where batches
+    cross the size at which their forward over the real rows pays); None: not known. ValueError where the model
+    has no layer stack sebp-probe knows."""
     layers = layer_stack(model)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no layer stack to compile layer by layer")
     keys_as_inputs(layers)  # SEBP layers name themselves by a tensor input, not a constant per layer
+    bound_pad_rows(model, row_bound)
     for layer in layers:
         layer.compile(**kw)
         compiled = distinct_sizes(layer._compiled_call_impl)
@@ -150,6 +156,7 @@ def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, **k
 
     def undo() -> None:
         keys_as_inputs(layers, on=False)
+        bound_pad_rows(model, None)
         for layer in layers:
             layer._compiled_call_impl = None
 
@@ -201,10 +208,11 @@ def dynamic_options(mode: str | None) -> dict:
 
 
 def compile_layers_or_eager(model: torch.nn.Module, mode: str, device: torch.device,
-                            one_shape: bool = False) -> str | None:
+                            one_shape: bool = False, row_bound: int | None = None) -> str | None:
     """``--compile-scope layers``: each layer of the training model's stack compiled in place with ``mode``
     (:func:`compile_layers`; a layer call that fails to compile logs one line, and every layer runs eagerly
-    from then on), with dynamic shapes unless every batch has ``one_shape``. Returns ``"layers"``;
+    from then on), with dynamic shapes unless every batch has ``one_shape``, and the batches' ``row_bound``
+    (:func:`compile_layers`). Returns ``"layers"``;
     ``"model"`` where the model has no layer stack sebp-probe knows (the caller compiles the whole model
     instead); None, with one logged line, where Inductor cannot run."""
     if layer_stack(training_layers(model)) is None:
@@ -212,7 +220,8 @@ def compile_layers_or_eager(model: torch.nn.Module, mode: str, device: torch.dev
     if cannot_compile(mode, device):
         return None
     fallback = Fallback(mode)
-    fallback._undo.append(compile_stack(model, fallback, **layer_compile_options(mode, one_shape)))
+    fallback._undo.append(compile_stack(model, fallback, row_bound=row_bound,
+                                        **layer_compile_options(mode, one_shape)))
     return "layers"
 
 

@@ -208,7 +208,8 @@ class Run:
             ready_to_compile(model, cfg.data.padding, self.acc.autocast)
         if not compiles_whole(model, cfg.compile_scope):
             scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
-                                            LAYOUTS[cfg.data.padding].one_shape)
+                                            LAYOUTS[cfg.data.padding].one_shape,
+                                            cfg.data.batch_size * cfg.data.max_length)  # a micro-batch's most rows
             self.compile_scope = scope or "eager"
             return batch_loss
         if cfg.cuda_graphs:  # the graphs replay each layer compiled; a whole compiled model was never tried there

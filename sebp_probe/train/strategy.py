@@ -166,7 +166,7 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
 
 def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast, reps: int,
                  mode: str, scope: str = "layers", one_shape: bool = False,
-                 replays: bool = False) -> tuple[float, float] | str:
+                 replays: bool = False, row_bound: int | None = None) -> tuple[float, float] | str:
     """A layout's compiled milliseconds per batch over an epoch (as :func:`_layout_ms`: per token slot times
     the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched), compiled as
     the run would (``scope``: ``layers``, each layer of its stack in place, :func:`compile_stack`, with
@@ -174,11 +174,12 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
     ``torch.compile(batch_loss)``), Dynamo's caches reset first; on each batch one
     first call (a compile or recompile, and one step: its time past the batch's median counts as compile
     seconds), then ``reps`` timed calls, or (``replays``: ``--cuda-graphs``, which replays the compiled layers)
-    ``reps`` replays of the step captured as CUDA graphs, as the run will step. Why it did not compile instead,
-    where it did not."""
+    ``reps`` replays of the step captured as CUDA graphs, as the run will step; ``row_bound``: the run's most
+    rows a batch (:func:`~.compiling.compile_layers`). Why it did not compile instead, where it did not."""
     torch._dynamo.reset()
     fallback = Fallback(mode)
-    undo = compile_stack(model, fallback, **layer_compile_options(mode, one_shape)) if scope == "layers" else None
+    undo = compile_stack(model, fallback, row_bound=row_bound, **layer_compile_options(mode, one_shape)) \
+        if scope == "layers" else None
     step = batch_loss if undo is not None else compile_fn(batch_loss, mode, device, fallback=fallback)
     per_slot, compile_s = [], 0.0
     try:
@@ -198,11 +199,12 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
 
 def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: float, device, autocast, reps: int,
                    mode: str, methods: tuple[str, ...], patch, unpatch, scope: str = "layers",
-                   replays: bool = False) -> None:
+                   replays: bool = False, row_bound: int | None = None) -> None:
     """Add the compiled candidates of ``row`` (a layout and head) to it: ``{method}_compiled_ms`` and
     ``_compile_s``, or ``compiled_skipped``: why they were not timed. ``scope``: the run's --compile-scope
     (under ``layers`` the head runs eagerly, so nothing about it keeps a compiled step from running);
-    ``replays``: timed as CUDA-graph replays of the compiled layers (``--cuda-graphs``)."""
+    ``replays``: timed as CUDA-graph replays of the compiled layers (``--cuda-graphs``); ``row_bound``: the
+    run's most rows a batch, as its layers will be compiled with it."""
     why = compiled_head_problem(task, padding) if head_of(model) == "labelled" and compiles_whole(model, scope) \
         else None
     if why:
@@ -212,7 +214,7 @@ def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: fl
     for method in methods:
         with _as(method, patch, unpatch):
             got = _compiled_ms(model, batches, slots, device, autocast, reps, mode, scope,
-                               LAYOUTS[padding].one_shape, replays)
+                               LAYOUTS[padding].one_shape, replays, row_bound)
         if isinstance(got, str):
             row["compiled_skipped"] = got
             return
@@ -298,7 +300,8 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                     row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
                 if mode:
                     _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
-                                   timed, patch, unpatch, cfg.compile_scope, replays)
+                                   timed, patch, unpatch, cfg.compile_scope, replays,
+                                   row_bound=cfg.data.batch_size * cfg.data.max_length)
                 table.append(row)
         model.zero_grad(set_to_none=True)
     if mode:

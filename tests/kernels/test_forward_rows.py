@@ -97,6 +97,20 @@ def test_a_shape_that_could_never_pay_is_told_apart_from_the_shapes_alone():
         assert could_pay(rows, n_in, n_out) or not pays(rows, n_in, n_out, share)
 
 
+def test_a_compiled_layer_told_the_most_rows_of_a_batch_decides_by_them(monkeypatch):
+    """functional._over_rows: told the run's most rows a batch, a compiled layer asks could_pay at them (the
+    operator decides each batch itself), whatever this batch's rows; not told, at this batch's rows; never
+    without padding rows."""
+    from sebp_kernels.functional import _over_rows
+
+    monkeypatch.setattr(forward_rows, "MIN_ROWS", 30)
+    monkeypatch.setattr(forward_rows, "MIN_SKIPPED", 0.0)
+    x, w, pad = torch.empty(3, 9, 64), torch.empty(32, 64), (None, None, None)
+    assert not _over_rows(x, w, pad) and _over_rows(x, w, pad, 36)  # 27 rows, under the line of 30
+    assert not _over_rows(x, w, pad, 20) and not _over_rows(x, w, None, 36)
+    assert _over_rows(torch.empty(3, 12, 64), w, pad)
+
+
 def test_the_kernel_reads_w_transposed_only_within_32_bit_offsets():
     """Wᵀ as a strided view: unit column stride, and the largest offset (rows x row stride) under 2**31, which
     a column slice of a wide matrix can pass while its own size stays under it."""

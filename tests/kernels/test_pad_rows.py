@@ -409,6 +409,48 @@ else:
         monkeypatch.setattr(forward_rows, "MIN_ROWS", 4096)  # the product's line: the tiny batches are below it
         _check_compiled_layers("llama", "cpu", torch.float32, "triton", 1e-5, 1e-4, forward_rows=False)
 
+    def test_interp_compiled_layers_told_the_most_rows_compile_once_across_the_forward_line():
+        """Batches on both sides of the row count at which the forward over real rows can pay: told the run's
+        most rows, the layers call the forward operator at every size (it decides per batch) and compile once;
+        not told, the batch under the line compiles them again (a guard on its row count)."""
+        first, last, calls = _graphs_over_min_rows(36)
+        assert first > 0 and last == first and calls > 0
+        first, last, _ = _graphs_over_min_rows(None)
+        assert last > first
+        first, last, calls = _graphs_over_min_rows(20)  # a bound under the line: F.linear traced, never the operator
+        assert last == first and calls == 0
+
+
+def _graphs_over_min_rows(row_bound) -> tuple[int, int, int]:
+    """A tiny Llama's layers compiled (``row_bound`` given to :func:`compile_layers`), the padding rows checked on
+    a batch of 33 rows, then batches of 27 and 36 rows with the forward's line (MIN_ROWS) at 30: (graphs after
+    the first batch, graphs after the last, calls of the forward operator). Each step's gradients are dense's."""
+    from sebp_kernels import forward_rows, functional
+    from sebp_probe.train.compiling import compile_layers, dynamo_counts
+    from tests.tiny_models import padded_batch
+
+    dense, model, pad = _dense_and_patched("llama", "cpu", torch.float32, "triton")
+    dense.train(), model.train()
+    batches = [padded_batch("llama", lengths, seed=i) for i, lengths in enumerate(((11, 4, 7), (9, 3, 5), (12, 5, 9)))]
+    calls, real = [], functional.linear_maybe_over_rows
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forward_rows, "MIN_ROWS", 30)
+        mp.setattr(functional, "linear_maybe_over_rows", lambda *a: calls.append(1) or real(*a))
+        undo = compile_layers(model, backend="aot_eager", dynamic=True, row_bound=row_bound)
+        try:
+            assert pad.row_bound == row_bound
+            _same_step(model, dense, batches[0], 1e-5, 1e-4)
+            first = dynamo_counts()[0]
+            for batch in batches[1:]:
+                _same_step(model, dense, batch, 1e-5, 1e-4)
+            assert pad.state == ON
+            return first, dynamo_counts()[0], len(calls)
+        finally:
+            undo()
+            assert pad.row_bound is None
+            torch._dynamo.reset()
+
 
 def test_a_verdict_is_read_for_a_checkpoint_and_restored_on_resume():
     """pad_rows_verdict / restore_pad_rows: on or off is kept (a resumed run does not check again, which would

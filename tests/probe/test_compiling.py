@@ -36,6 +36,18 @@ def _goes_on_eagerly(tmp_path, needle: str, make_model=lambda: tiny_model("bert"
     assert _losses(tmp_path / "compiled" / "metrics.jsonl") == _losses(tmp_path / "eager" / "metrics.jsonl")
 
 
+def test_a_compiled_run_tells_its_layers_the_most_rows_of_a_batch(tmp_path, monkeypatch):
+    """finetune --compile (by layers): the layers compile knowing a micro-batch's most rows, batch size x max
+    length, with which the SEBP linears decide once whether their forward over the real rows could pay
+    (sebp_kernels.functional._over_rows) instead of guarding on each batch's rows."""
+    bounds = []
+    monkeypatch.setattr(compiling, "cannot_compile", lambda mode, device: False)
+    monkeypatch.setattr(compiling, "compile_layers",
+                        lambda model, fallback=None, row_bound=None, **kw: bounds.append(row_bound) or (lambda: None))
+    out = _run(tmp_path, "bound", compile="default", data=DataConfig(max_length=24, batch_size=8, padding="longest"))
+    assert out["status"] == "completed" and bounds and set(bounds) == {8 * 24}
+
+
 @pytest.mark.slow
 def test_no_c_compiler_trains_eagerly(tmp_path, monkeypatch):
     # Inductor's own patch (monkeypatch's undo left its config without the key: later compiles in the process

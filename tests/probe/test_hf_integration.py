@@ -176,3 +176,15 @@ def test_training_steps_run_without_cudnn_attention_and_undo_takes_it_back(tmp_p
     assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
     handle.undo()
     assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)
+
+
+def test_the_layers_know_a_batch_s_most_rows_where_the_arguments_bound_it():
+    """Compiled under a trainer, the layers know a batch's most rows where the arguments bound every sequence's
+    length (TRL's SFTConfig.max_length truncates to it); transformers' own arguments name none."""
+    from types import SimpleNamespace
+
+    from sebp_probe.integrations.hf import _row_bound
+
+    assert _row_bound(SimpleNamespace(per_device_train_batch_size=4, max_length=512)) == 2048
+    assert _row_bound(SimpleNamespace(per_device_train_batch_size=4, max_length=None)) is None
+    assert _row_bound(SimpleNamespace(per_device_train_batch_size=4)) is None
