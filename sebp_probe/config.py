@@ -228,6 +228,12 @@ class FinetuneConfig:
             if self.compile == COMPILE_AUTO and self.data.padding != "auto":
                 raise ValueError("--compile auto chooses by timing, which --padding auto does: add --padding auto, "
                                  "or give a compile mode")
+            if self.compile in GRAPHED_COMPILE_MODES and self.precision != "fp32":
+                raise ValueError(f"--compile {self.compile} records CUDA graphs itself, and under autocast that "
+                                 f"failed in this training step (bf16, torch 2.11: an output of its graphs was read "
+                                 f"after they had overwritten it); with --{self.precision} use --compile default "
+                                 f"--cuda-graphs (sebp-probe replays the compiled layers as graphs) or --compile "
+                                 f"max-autotune-no-cudagraphs")
             if self.cuda_graphs and (self.compile in GRAPHED_COMPILE_MODES or self.compile == COMPILE_AUTO
                                      or self.compile_scope != "layers"):
                 raise ValueError(f"--cuda-graphs replays the step with each layer compiled (--compile default or "

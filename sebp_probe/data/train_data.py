@@ -11,7 +11,7 @@ import torch
 from .assets import AssetError, LoadedModel
 
 from .batching import COMPILE_MULTIPLE, LengthGroupedBatchSampler, PadCollator, collator, lengths
-from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
+from ..config import FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from .mlm import MLMCollator
 from .textdata import BUNDLED_DATASETS, load_text_data, padding_side, tokenize
@@ -78,13 +78,8 @@ class EpochSampler(torch.utils.data.Sampler):
 
 def pad_multiple(cfg: FinetuneConfig) -> int:
     """What a run's padded lengths are a multiple of: CUDA graphs, ``graph_bucket`` (few batch shapes); a compiled
-    run, :data:`~.batching.COMPILE_MULTIPLE` (no length that recompiles), but for the compile modes that record
-    CUDA graphs themselves (their runs keep the batches they had: with them, bf16 and two micro-batches a step
-    padded to one length, a GPU test failed reading an output that Inductor's graphs had overwritten; not yet
-    understood); else 1."""
-    if cfg.cuda_graphs:
-        return cfg.graph_bucket
-    return COMPILE_MULTIPLE if cfg.compile and cfg.compile not in GRAPHED_COMPILE_MODES else 1
+    run, :data:`~.batching.COMPILE_MULTIPLE` (no length that recompiles); else 1."""
+    return cfg.graph_bucket if cfg.cuda_graphs else COMPILE_MULTIPLE if cfg.compile else 1
 
 
 def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):

@@ -267,7 +267,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     mode, replays = _timings(model, cfg, device, graphs)
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
     table = []
-    multiple = pad_multiple(replace(cfg, compile=cfg.compile and "default"))  # that of the batches timed below
+    multiple = pad_multiple(cfg)  # that of the batches timed below
     with torch.random.fork_rng(devices=rng_devices(device)):
         for padding in LAYOUTS:
             share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed,

@@ -168,6 +168,6 @@ def test_compiled_runs_pad_to_the_compile_multiple():
     assert pad_multiple(FinetuneConfig()) == 1
     assert pad_multiple(FinetuneConfig(compile="default")) == COMPILE_MULTIPLE
     assert pad_multiple(FinetuneConfig(compile="max-autotune-no-cudagraphs")) == COMPILE_MULTIPLE
-    assert pad_multiple(FinetuneConfig(compile="reduce-overhead")) == 1  # records CUDA graphs itself
+    assert pad_multiple(FinetuneConfig(compile="reduce-overhead")) == COMPILE_MULTIPLE
     graphs = FinetuneConfig(cuda_graphs=True, compile="default")
     assert pad_multiple(graphs) == graphs.graph_bucket

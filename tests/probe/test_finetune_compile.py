@@ -175,12 +175,12 @@ def test_compiled_packed_causal_lm_trains_with_the_labelled_head_as_the_eager_on
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compiled_finetune_with_cuda_graphs_trains_as_the_eager_one(tmp_path, monkeypatch, precision):
+def test_compiled_finetune_with_cuda_graphs_trains_as_the_eager_one(tmp_path, monkeypatch):
     """reduce-overhead on a GPU: the Triton kernels recorded into Inductor's CUDA graphs, calibration timed as
-    graph replays, and the losses of the eager run (bf16: up to rounding)."""
-    _compiled_run_matches_eager(tmp_path, monkeypatch, "reduce-overhead", 1e-4 if precision == "fp32" else 2e-2,
-                                precision=precision, grad_accum=2)
+    graph replays, and the losses of the eager run. Under bf16 autocast the same run failed on torch 2.11 (dense
+    too, either scope, one micro-batch or two: an output of Inductor's graphs read after they had overwritten it),
+    so the config refuses that pair (test_bad_compile_settings_are_refused)."""
+    _compiled_run_matches_eager(tmp_path, monkeypatch, "reduce-overhead", 1e-4, grad_accum=2)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -193,6 +193,11 @@ def test_compiled_finetune_with_cuda_graphs_trains_as_the_eager_one(tmp_path, mo
      "--compile default with --compile-scope model does not go with it$"),
     (dict(compile="auto", cuda_graphs=True, data=DataConfig(padding="auto")),
      "--compile auto with --compile-scope layers does not go with it$"),
+    (dict(compile="reduce-overhead", precision="bf16", data=DataConfig(padding="max_length")),
+     "--compile reduce-overhead records CUDA graphs itself, and under autocast that failed .* with --bf16 use "
+     "--compile default --cuda-graphs"),
+    (dict(compile="max-autotune", precision="fp16", data=DataConfig(padding="max_length")),
+     "--compile max-autotune records CUDA graphs itself.* with --fp16 use"),
 ])
 def test_bad_compile_settings_are_refused(kw, needle):
     with pytest.raises(ValueError, match=needle):
