@@ -136,7 +136,7 @@ def _dw_tile(
                      o_mask[:, None] & i_mask[None, :], pid_s, n_split)
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT"])
+@triton.jit(do_not_specialize=["M", "SPLIT", "count_ptr"])
 def _dw_kernel(
     dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
     M, N_OUT, N_IN, SPLIT,
@@ -175,7 +175,7 @@ def _db_cols(
         _store_split(db_ptr, cols, part_ptr, cols, N, ticket_ptr, pid, tl.sum(acc, axis=0), c_mask, pid_s, n_split)
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT"])
+@triton.jit(do_not_specialize=["M", "SPLIT", "count_ptr"])
 def _db_kernel(
     dy_ptr, db_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
     M, N, SPLIT, stride_m, stride_n,

@@ -181,7 +181,7 @@ def _dx_program(
                      mask=in_m[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit(do_not_specialize=["FILL", "EXTRA", "M"])
+@triton.jit(do_not_specialize=["FILL", "EXTRA", "M", "count_ptr"])
 def _dx_kernel(
     dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, bias_ptr, FILL, EXTRA,
     M, N, K,

@@ -24,7 +24,7 @@ from .tuning import LEVELS, cdiv, few_rows, gemm_config
 
 
 @triton.jit(do_not_specialize=["M", "DW_SPLIT", "DB_SPLIT", "DW_TILES", "N_DW", "N_DX", "DX_FILL",
-                               "DX_EXTRA"])
+                               "DX_EXTRA", "DB_COLS", "count_ptr"])
 def _grads_kernel(
     dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, dx_part_ptr, perm_ptr, count_ptr,
     ticket_ptr, dirty_ptr, zt_ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS,

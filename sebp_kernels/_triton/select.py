@@ -73,7 +73,7 @@ def _row_flags_kernel(
     tl.store(block_count_ptr + pid, tl.sum(active, axis=0))
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "count_ptr"])
 def _compact_kernel(
     flags_ptr, block_count_ptr, perm_ptr, count_ptr,
     M,

@@ -144,3 +144,23 @@ def test_plans_start_afresh_past_their_limit(monkeypatch):
     assert plans.get("a") is None and plans.get("b") is None and plans.get("c") == 3
     fl.launch_planned((1,), 0, 1, (buf, 32, 0.5), {"B": 16})  # its entry went too: the JIT path again
     assert fn.jit_launches == 2
+
+
+def test_what_changes_between_layers_and_batches_is_not_specialised():
+    """The kernels' row count and the integers that follow from it, the row count's pointer (its alignment
+    differs between the padding's count and a layer's own) and the fused kernel's bias column blocks (not
+    divisible by 16 for some widths) are declared do_not_specialize: Triton compiles no kernel anew for them in
+    the middle of a run (4.7 s at a Llama-1B run's ninth step on an H200, before)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter does not specialise")
+    from sebp_kernels._triton import dw, dx, grads, select
+
+    def loose(kernel):
+        return {p.name for p in kernel.params if p.do_not_specialize}
+
+    assert {"M", "DW_SPLIT", "DB_SPLIT", "N_DW", "N_DX", "DB_COLS", "count_ptr"} <= loose(grads._grads_kernel)
+    assert {"M", "count_ptr"} <= loose(dx._dx_kernel) & loose(dw._dw_kernel) & loose(dw._db_kernel)
+    assert {"M", "count_ptr"} <= loose(select._compact_kernel)
+    assert "N_IN" not in loose(grads._grads_kernel)  # feature sizes, fixed per layer, stay specialised
