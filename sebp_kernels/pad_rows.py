@@ -64,7 +64,7 @@ class PadRows:
         self.density = None  # the share of real rows of a recent batch (read without a sync), None before one
         self._reader = ShareReader()  # that share in flight
         self._layers = {}  # id(linear) -> [linear, non-zero rows, real rows] (device counters) while checking
-        # the most rows a batch of the run can have (batch size x max length), set by what makes the batches, or
+        # the most rows a batch of the run can have (batch size x longest length), set by what makes the batches, or
         # None: a compiled layer decides with it, once, whether its forward over the real rows could pay
         # (sebp_kernels.functional._over_rows), instead of guarding on each batch's row count (a recompile)
         self.row_bound = None

@@ -10,7 +10,7 @@ import torch
 
 from .assets import AssetError, LoadedModel
 
-from .batching import COMPILE_MULTIPLE, LengthGroupedBatchSampler, PadCollator, collator, lengths
+from .batching import COMPILE_MULTIPLE, LengthGroupedBatchSampler, PadCollator, collator, lengths, padded_length
 from ..config import FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from .mlm import MLMCollator
@@ -80,6 +80,18 @@ def pad_multiple(cfg: FinetuneConfig) -> int:
     """What a run's padded lengths are a multiple of: CUDA graphs, ``graph_bucket`` (few batch shapes); a compiled
     run, :data:`~.batching.COMPILE_MULTIPLE` (no length that recompiles); else 1."""
     return cfg.graph_bucket if cfg.cuda_graphs else COMPILE_MULTIPLE if cfg.compile else 1
+
+
+def most_rows(cfg: FinetuneConfig, data: TrainData, padding: str | None = None) -> int:
+    """The most rows (sequences x length) a training micro-batch of ``padding`` (the run's by default) can have:
+    the batch size times ``max_length`` where every batch has one shape, else times the longest training
+    example as its batches pad it (at most ``max_length``). What a compiled run tells its layers
+    (:func:`~sebp_probe.train.compiling.compile_layers`): a bound as loose as ``max_length`` would have short
+    texts (tweets under a max length of 128) call an SEBP forward operator that never pays on their batches."""
+    if LAYOUTS[padding or cfg.data.padding].one_shape:
+        return cfg.data.batch_size * cfg.data.max_length
+    longest = min(max(lengths(data.train), default=1), cfg.data.max_length)
+    return cfg.data.batch_size * padded_length(longest, cfg.data.max_length, pad_multiple(cfg))
 
 
 def make_loaders(cfg: FinetuneConfig, data: TrainData, pin: bool = False):

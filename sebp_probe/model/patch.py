@@ -278,9 +278,9 @@ def pad_rows_of(model: nn.Module) -> PadRows | None:
 
 
 def bound_pad_rows(model: nn.Module, rows: int | None) -> None:
-    """Tell ``model``'s padding rows (if it has them) the most rows a batch of this run has (batch size x max
-    length; None: not known), so that its compiled SEBP layers decide once whether their forward over the real
-    rows could ever pay, not at a guard on each batch's rows (:attr:`~sebp_kernels.pad_rows.PadRows.row_bound`)."""
+    """Tell ``model``'s padding rows (if it has them) the most rows a batch of this run has (batch size x the
+    longest length; None: not known), so that its compiled SEBP layers decide once whether their forward over the
+    real rows could ever pay, not at a guard on each batch's rows (:attr:`~sebp_kernels.pad_rows.PadRows.row_bound`)."""
     pad = pad_rows_of(model)
     if pad is not None:
         pad.row_bound = rows

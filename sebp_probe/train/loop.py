@@ -33,7 +33,7 @@ from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_record
 from ..model.patch import find_targets, pad_rows_of, pad_rows_own, pad_rows_summary, pad_rows_verdict, \
     patched_activations, restore_pad_rows
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
-from ..data.train_data import TrainData, first_batches, make_loaders
+from ..data.train_data import TrainData, first_batches, make_loaders, most_rows
 from .train_step import UNTIMED, MicroBatches, StepTally, StopRequest, untimed_reason
 
 Event = Callable[[str, dict], None]
@@ -208,8 +208,7 @@ class Run:
             ready_to_compile(model, cfg.data.padding, self.acc.autocast)
         if not compiles_whole(model, cfg.compile_scope):
             scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
-                                            LAYOUTS[cfg.data.padding].one_shape,
-                                            cfg.data.batch_size * cfg.data.max_length)  # a micro-batch's most rows
+                                            LAYOUTS[cfg.data.padding].one_shape, most_rows(cfg, self.data))
             self.compile_scope = scope or "eager"
             return batch_loss
         if cfg.cuda_graphs:  # the graphs replay each layer compiled; a whole compiled model was never tried there

@@ -48,7 +48,7 @@ from .graphs import replay_ms
 from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
 from ..model.packing import check_packable
-from ..data.train_data import TrainData, make_loaders, pad_multiple, to_device
+from ..data.train_data import TrainData, make_loaders, most_rows, pad_multiple, to_device
 
 SAMPLE_BATCHES = 3
 
@@ -301,7 +301,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                 if mode:
                     _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
                                    timed, patch, unpatch, cfg.compile_scope, replays,
-                                   row_bound=cfg.data.batch_size * cfg.data.max_length)
+                                   row_bound=most_rows(cfg, data, padding))
                 table.append(row)
         model.zero_grad(set_to_none=True)
     if mode:

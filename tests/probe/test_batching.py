@@ -159,6 +159,23 @@ def test_padded_lengths_round_up_to_the_multiple_within_max_length():
     assert padding_share([10] * 3, 3, 32, "longest", multiple=8) == pytest.approx(1 - 10 / 16)
 
 
+def test_a_run_s_most_rows_come_from_its_longest_example_as_padded():
+    """most_rows: batch size x the longest training example, padded as the run pads (a multiple of 8 when
+    compiled) and at most max_length; batch size x max_length where every batch has that shape."""
+    from sebp_probe.config import DataConfig, FinetuneConfig
+    from sebp_probe.data.train_data import most_rows
+    from tests.convergence.finetune_helpers import synthetic_data
+
+    data = synthetic_data("classification", n=40, max_len=21, min_len=21)  # every example 21 tokens
+    cfg = lambda padding, **kw: FinetuneConfig(data=DataConfig(max_length=128, batch_size=8, padding=padding), **kw)  # noqa: E731
+    assert most_rows(cfg("longest"), data) == 8 * 21
+    assert most_rows(cfg("longest", compile="default"), data) == 8 * 24
+    assert most_rows(cfg("max_length", compile="default"), data) == 8 * 128
+    assert most_rows(cfg("auto", compile="default"), data, "bucket") == 8 * 24
+    short = FinetuneConfig(data=DataConfig(max_length=16, batch_size=8, padding="longest"), compile="default")
+    assert most_rows(short, data) == 8 * 16  # truncated to max_length
+
+
 def test_compiled_runs_pad_to_the_compile_multiple():
     from sebp_probe.config import FinetuneConfig
     from sebp_probe.data.batching import COMPILE_MULTIPLE

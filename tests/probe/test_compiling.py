@@ -9,7 +9,8 @@ import torch._dynamo as dynamo
 
 from sebp_probe.train import compiling
 from sebp_probe.config import DataConfig
-from tests.convergence.finetune_helpers import isolated_accelerate  # noqa: F401
+from sebp_probe.data.batching import padded_length
+from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.probe.test_finetune_compile import _losses, _run
 from tests.tiny_models import tiny_model
 
@@ -37,15 +38,18 @@ def _goes_on_eagerly(tmp_path, needle: str, make_model=lambda: tiny_model("bert"
 
 
 def test_a_compiled_run_tells_its_layers_the_most_rows_of_a_batch(tmp_path, monkeypatch):
-    """finetune --compile (by layers): the layers compile knowing a micro-batch's most rows, batch size x max
-    length, with which the SEBP linears decide once whether their forward over the real rows could pay
+    """finetune --compile (by layers): the layers compile knowing a micro-batch's most rows, batch size x its
+    longest example as padded (a multiple of 8 here, at most max length), with which the SEBP linears decide once whether their forward over the real rows could pay
     (sebp_kernels.functional._over_rows) instead of guarding on each batch's rows."""
     bounds = []
     monkeypatch.setattr(compiling, "cannot_compile", lambda mode, device: False)
     monkeypatch.setattr(compiling, "compile_layers",
                         lambda model, fallback=None, row_bound=None, **kw: bounds.append(row_bound) or (lambda: None))
-    out = _run(tmp_path, "bound", compile="default", data=DataConfig(max_length=24, batch_size=8, padding="longest"))
-    assert out["status"] == "completed" and bounds and set(bounds) == {8 * 24}
+    data = synthetic_data("classification", n=40, n_eval=8, max_len=13)  # examples up to 13 tokens
+    out = _run(tmp_path, "bound", task_data=data, compile="default",
+               data=DataConfig(max_length=64, batch_size=8, padding="longest"))
+    longest = max(len(x["input_ids"]) for x in data.train)
+    assert out["status"] == "completed" and bounds and set(bounds) == {8 * padded_length(longest, 64, 8)}
 
 
 @pytest.mark.slow
