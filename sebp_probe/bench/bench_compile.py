@@ -62,8 +62,9 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
     graph_breaks, compiled_graphs, compile_scope}`` (``compiled_graphs``: those the first step compiled, one
     per piece between breaks). ``scope``: ``layers`` compiles each layer of the model's stack
     (:func:`compile_layers`, told the pool's most rows a batch), the embeddings, head and loss left eager,
-    ``step`` the whole step function; the model is as it was after the call. ``graphs``: ``graphs(model, batch) -> timing``, called on each batch after
-    the compiled steps while the layers are still compiled (timing ``compiled_graphs``: the compiled layers
+    ``step`` the whole step function; the model is as it was after the call. ``graphs``:
+    ``graphs(model, batch) -> timing``, called on each batch after the compiled steps while the layers are still
+    compiled (timing ``compiled_graphs``: the compiled layers
     replayed as CUDA graphs, ``layers`` scope only); its timings and the graphs Dynamo compiled meanwhile
     come in the stats as ``graph_runs`` and ``graph_recompiles``."""
     if scope not in SCOPES:

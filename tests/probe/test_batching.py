@@ -167,7 +167,10 @@ def test_a_run_s_most_rows_come_from_its_longest_example_as_padded():
     from tests.convergence.finetune_helpers import synthetic_data
 
     data = synthetic_data("classification", n=40, max_len=21, min_len=21)  # every example 21 tokens
-    cfg = lambda padding, **kw: FinetuneConfig(data=DataConfig(max_length=128, batch_size=8, padding=padding), **kw)  # noqa: E731
+
+    def cfg(padding, **kw):
+        return FinetuneConfig(data=DataConfig(max_length=128, batch_size=8, padding=padding), **kw)
+
     assert most_rows(cfg("longest"), data) == 8 * 21
     assert most_rows(cfg("longest", compile="default"), data) == 8 * 24
     assert most_rows(cfg("max_length", compile="default"), data) == 8 * 128

@@ -39,8 +39,9 @@ def _goes_on_eagerly(tmp_path, needle: str, make_model=lambda: tiny_model("bert"
 
 def test_a_compiled_run_tells_its_layers_the_most_rows_of_a_batch(tmp_path, monkeypatch):
     """finetune --compile (by layers): the layers compile knowing a micro-batch's most rows, batch size x its
-    longest example as padded (a multiple of 8 here, at most max length), with which the SEBP linears decide once whether their forward over the real rows could pay
-    (sebp_kernels.functional._over_rows) instead of guarding on each batch's rows."""
+    longest example as padded (a multiple of 8 here, at most max length), with which the SEBP linears decide
+    once whether their forward over the real rows could pay (sebp_kernels.functional._over_rows) instead of
+    guarding on each batch's rows."""
     bounds = []
     monkeypatch.setattr(compiling, "cannot_compile", lambda mode, device: False)
     monkeypatch.setattr(compiling, "compile_layers",
