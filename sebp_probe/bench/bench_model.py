@@ -285,11 +285,11 @@ def backward_breakdown(model, loss_fn: Callable[[], torch.Tensor], top: int = 0)
 
 
 def _pool(case: ModelCase, cfg, n_batches: int, seed: int, backend: str, pad_mask: bool,
-          multiple: int = 1) -> tuple[dict, dict]:
+          compiled: bool = False) -> tuple[dict, dict]:
     """The pool's batches of each layout (CPU) and what the plan and the result say of them: lengths, batch
-    shapes, padding share and the backward FLOPs of each batch per head (for the limits). ``multiple``: padded
-    lengths a multiple of it (a compiled bench's :data:`~sebp_probe.data.batching.COMPILE_MULTIPLE`, as
-    ``finetune --compile`` pads)."""
+    shapes, padding share and the backward FLOPs of each batch per head (for the limits). ``compiled``: padded
+    lengths a multiple of :data:`~sebp_probe.data.batching.COMPILE_MULTIPLE`, as ``finetune --compile`` pads."""
+    multiple = COMPILE_MULTIPLE if compiled else 1
     lengths = sample_lengths(case.lengths, case.batch * n_batches, case.max_length, seed)
     items = make_items(case, lengths, cfg.vocab_size, seed)
     batches = layout_batches(case, items, seed, multiple)
@@ -338,8 +338,7 @@ def plan(case: ModelCase, n_batches: int = 8, graphs: bool = False, pad_mask: bo
     check_selection(layouts, methods)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = model_config(case)
-    _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask,
-                    COMPILE_MULTIPLE if compile else 1)
+    _, info = _pool(case, cfg, n_batches, seed, packed_backend(cfg, dev, dtype), pad_mask, bool(compile))
     for lay in info["layouts"].values():
         del lay["flops"]
     entries = plan_entries(case, graphs, dev, _peers(case, dev), compile is not None, None, layouts, methods,
@@ -402,7 +401,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     cuda = dev.type == "cuda"
     model = build_model(case, dtype, dev)
     backend = attention_backend(model)
-    batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask, COMPILE_MULTIPLE if compile else 1)
+    batches, info = _pool(case, model.config, n_batches, seed, backend, pad_mask, bool(compile))
     peers = _peers(case, dev)
     why_compile = compile_reason(dev, compile_backend) if compile is not None else None
     entries = plan_entries(case, graphs, dev, peers, compile is not None, why_compile, layouts, methods,

@@ -128,7 +128,7 @@ def test_a_compiled_bench_pads_its_batches_to_the_compile_multiple():
     case = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
     cfg = bench_model.model_config(case)
     plain, _ = bench_model._pool(case, cfg, 4, 0, "varlen", True)
-    batches, info = bench_model._pool(case, cfg, 4, 0, "varlen", True, multiple=8)
+    batches, info = bench_model._pool(case, cfg, 4, 0, "varlen", True, compiled=True)
     for layout in ("longest", "bucket"):
         lens = [b["input_ids"].shape[1] for b in batches[layout]]
         assert all(n % 8 == 0 or n == case.max_length for n in lens), lens
