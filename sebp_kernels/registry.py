@@ -16,11 +16,17 @@ switches a model's modules (and the row hints they hold) to their key as a 0-d C
 an input of the graph: layers of one class then share one compiled graph (and Inductor skips its CUDA graphs,
 which take no CPU input).
 
+Inductor counts a CPU input as not 16-byte aligned, and counts every output of an operator with such an input
+as not aligned either: the fused kernels that read an SEBP operator's dX (a GELU backward, a norm backward) then
+lose their vectorised loads. :func:`keys_as_inputs` therefore tells Inductor that 0-d CPU tensors are aligned
+(:func:`cpu_scalars_aligned`): no Triton kernel takes their pointer.
+
 This module imports none of the modules that use it.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 
 import torch
@@ -68,6 +74,8 @@ def keys_as_inputs(model, on: bool = True) -> int:
     """Whether the SEBP objects of ``model`` carry their key into compiled graphs as a tensor input (``on``)
     or as a constant (the default); returns how many it set. The objects: its SEBP modules, and what its
     modules hold that has a key of its own (the row hints of SEBP activations), each once."""
+    if on:
+        cpu_scalars_aligned()
     seen: set[int] = set()
     for m in model.modules():
         for obj in (m, *vars(m).values()):
@@ -75,6 +83,31 @@ def keys_as_inputs(model, on: bool = True) -> int:
                 seen.add(id(obj))
                 obj._sebp_key_input = on
     return len(seen)
+
+
+def cpu_scalars_aligned() -> bool:
+    """Make Inductor count a 0-d CPU tensor input as 16-byte aligned (see the module docstring), once; False where
+    this torch has no such hook (its Inductor decides alignment elsewhere). Only the graph's record of unaligned
+    buffers changes: Inductor checks and copies unaligned inputs at run time on the GPU only. SEBP_KEYS_ALIGNED=0
+    leaves Inductor's rule alone (to compare; Inductor's cache keeps code compiled either way under the same key)."""
+    if os.environ.get("SEBP_KEYS_ALIGNED", "1") == "0":
+        return False
+    try:
+        from torch._inductor import graph
+    except ImportError:
+        return False
+    orig = getattr(graph, "should_assume_input_aligned", None)
+    if orig is None:
+        return False
+    if getattr(orig, "sebp_cpu_scalars", False):
+        return True
+
+    def should_assume_input_aligned(example) -> bool:
+        return orig(example) or (example.device.type == "cpu" and example.dim() == 0)
+
+    should_assume_input_aligned.sebp_cpu_scalars = True
+    graph.should_assume_input_aligned = should_assume_input_aligned
+    return True
 
 
 def lookup(key: int | Tensor):

@@ -273,3 +273,52 @@ def test_a_functional_call_with_its_own_state_and_hint_compiles_and_uses_them(mo
     assert len(seen) == 2 and all(s is state and h is hint for s, h in seen)
     twin = copy.deepcopy(state)
     assert twin.key != state.key and registry.lookup(twin.key) is twin
+
+
+def test_keys_as_inputs_make_inductor_count_cpu_scalars_aligned():
+    """A key tensor is a 0-d CPU input: Inductor must not count it unaligned (which taints the outputs of every op
+    it goes into); other CPU tensors are left as Inductor decides."""
+    from torch._inductor import graph, utils
+
+    lin = SEBPLinear(4, 4)
+    assert registry.keys_as_inputs(lin) == 1 and registry.cpu_scalars_aligned()
+    assert graph.should_assume_input_aligned(torch.tensor(3))
+    assert graph.should_assume_input_aligned(torch.zeros(4)) == utils.should_assume_input_aligned(torch.zeros(4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hooked", [True, False])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_sebp_ops_outputs_count_as_aligned(hooked, device, monkeypatch):
+    """With the keys as inputs, Inductor's code takes an SEBP op's outputs as aligned (the kernels that read dX keep
+    their vectorised loads); with Inductor's own rule (the control) the 0-d key made them all unaligned. On the CPU
+    Inductor counts every input unaligned, so there the test gives it its GPU rule (tensors aligned, the key not)."""
+    import re
+
+    from torch._inductor import graph, utils
+    from torch._inductor.utils import run_and_get_code
+
+    if device == "cpu":
+        monkeypatch.setattr(graph, "should_assume_input_aligned", lambda t: t.device.type != "cpu" or t.dim() > 0)
+    else:
+        monkeypatch.setattr(graph, "should_assume_input_aligned", utils.should_assume_input_aligned)
+    if hooked:
+        assert registry.cpu_scalars_aligned()
+    torch.manual_seed(0)
+    model = nn.Sequential(SEBPLinear(16, 32), nn.GELU(), SEBPLinear(32, 16)).to(device)
+    for m in model.modules():
+        m._sebp_key_input = hasattr(m, "_sebp_key_t")  # keys_as_inputs without installing the hook
+    x = torch.randn(4, 8, 16, requires_grad=True, device=device)
+    dynamo.reset()
+    try:  # compiled afresh: a cached graph of the other case would bring that case's code
+        with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(model, backend="inductor")
+            _, code = run_and_get_code(lambda: compiled(x).sum().backward())
+    finally:
+        dynamo.reset()
+    code = "\n".join(code)
+    assert code.count("torch.ops.sebp.linear_backward.default(") == 2
+    unaligned = re.findall(r"is assumed to be not aligned", "\n".join(
+        line for line in code.splitlines() if "torch.ops.sebp." in line))
+    assert (len(unaligned) == 0) if hooked else (len(unaligned) >= 3)
