@@ -21,6 +21,7 @@ from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
+from .embed_rows import patch_embeddings, unpatch_embeddings
 from ..notes import note
 
 # Output heads: left dense by "all-linear" unless named explicitly.
@@ -163,7 +164,8 @@ def patch_model(
 
     ``pad_rows``: the SEBP linears take the rows of a batch's padding from its attention mask instead of
     selecting them, once a first backward has checked that those rows get no gradient
-    (:mod:`sebp_kernels.pad_rows`; exact mode only).
+    (:mod:`sebp_kernels.pad_rows`; exact mode only), and the model's embeddings then leave those rows out of
+    their backward (:mod:`sebp_kernels.embedding`).
     """
     if config is not None and not isinstance(config, SEBPConfig):
         raise PatchError(f"config must be an SEBPConfig, got {type(config).__name__}")
@@ -202,6 +204,7 @@ def patch_model(
         pad = install_pad_rows(model)
         for name in patched:
             model.get_submodule(name)._sebp_pad_rows = pad
+        patch_embeddings(model, pad)
     return patched
 
 
@@ -357,6 +360,7 @@ def unpatch_model(model: nn.Module) -> list[str]:
     (:func:`patch_activations`); return their names."""
     acts = unpatch_activations(model)
     remove_pad_rows(model)
+    unpatch_embeddings(model)
     names = [n for n, m in model.named_modules() if isinstance(m, (SEBPLinear, SEBPNorm))]
     for name in names:
         m = model.get_submodule(name)
