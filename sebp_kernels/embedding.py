@@ -50,8 +50,9 @@ def real_rows(pad, ids: Tensor) -> Tensor | None:
     an embedding of ``ids``: only once its check found no gradient on the padding (``on``), only where ``ids``
     are the batch's tokens (batch, seq), never inside ``torch.compile`` (where the pre-hook names no rows);
     else None."""
-    if (not ROWS or pad is None or pad.state != ON or pad.real is None or tuple(ids.shape) != pad.shape
-            or torch.compiler.is_compiling()):
+    if torch.compiler.is_compiling():  # first: traced, reading the check's state would guard on it
+        return None
+    if not ROWS or pad is None or pad.state != ON or pad.real is None or tuple(ids.shape) != pad.shape:
         return None
     return pad.real
 

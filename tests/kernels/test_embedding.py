@@ -80,3 +80,25 @@ def test_patch_model_gives_the_plain_embeddings_the_rows_and_unpatch_takes_them_
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     unpatch_model(model)
     assert not any("forward" in vars(m) or "_sebp_pad_rows" in vars(m) for m in embeddings)
+
+
+def test_traced_embeddings_read_nothing_of_the_check():
+    """Inside torch.compile the embedding is the plain lookup, decided before the check's state is read: its
+    verdict changing compiles nothing again."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    pad = PadRows()
+    pad.set(torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    weight = torch.randn(5, 2, requires_grad=True)
+    counter = CompileCounter()
+    dynamo.reset()
+    try:
+        fn = torch.compile(lambda ids: sebp_embedding(ids, weight, None, real_rows(pad, ids)), backend=counter)
+        ids = torch.ones(2, 3, dtype=torch.long)
+        fn(ids).sum().backward()
+        pad.state = ON
+        fn(ids).sum().backward()
+    finally:
+        dynamo.reset()
+    assert counter.frame_count == 1
