@@ -3,8 +3,8 @@
 An ``nn.Embedding``'s backward adds each row of dL/dY into the weight row its token names. In a padded batch
 whose padding rows get no gradient (what :mod:`.pad_rows` checks on the linears' dL/dY: the residual stream
 carries those same rows down to the embeddings) the padding rows add zeros, and PyTorch's kernel still walks
-them: below 3072 tokens it goes through them a chunk after another on a few dozen SMs, 50-90 us a table for a
-BERT-base `longest` batch of 2112 tokens on an H200, while it skips the rows of its ``padding_idx`` at a
+them: below 3072 tokens it goes through them a chunk after another on a few dozen SMs, 50-110 us a table for
+2112 tokens of BERT-base's width on an H200, while it skips the rows of its ``padding_idx`` at a
 fraction of that. :func:`sebp_embedding` hands the padding rows to that skip: in the backward each of them
 names one more row of the table, which the kernel is told is the one to skip, so the result is the same sum over
 the real rows (each weight row's sum keeps its order; only zeros are left out). SEBP_EMBEDDING_ROWS=0 leaves
