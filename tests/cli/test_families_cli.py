@@ -96,7 +96,8 @@ def test_a_family_without_an_entry_runs_with_one_line_per_fallback(tmp_path):
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_moe_trains_as_dense_with_sebp_on_its_experts_and_the_routers_loss(model_type, tmp_path):
     """SEBP kept on (--always-sebp) on batches padded to the maximum length, the routers' load-balancing loss on:
-    the experts run the SEBP backward, the labelled-rows head gives way to the model's own loss (one note), and the loss is dense's."""
+    the experts run the SEBP backward, the labelled-rows head gives way to the model's own loss (one note), and the
+    loss is dense's."""
     from transformers import AutoConfig
 
     model = _save(model_type, tmp_path / "model")
