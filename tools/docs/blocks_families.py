@@ -29,7 +29,10 @@ def families(page: Page) -> str:
         packed = "-" if not f.packed else "causal LM" if f.block == "decoder" else "classifier"
         norms = ("RMSNorm" if f.rms_norms else "-") if f.block == "decoder" else "LayerNorm"
         acts = "SwiGLU" if f.gated_mlps else "GELU" if f.gelu_mlps else "-"
-        rows.append([f.name, f"`{model_type}`", ", ".join(f"`{t}`" for t in f.targets), head, packed, norms, acts])
+        targets = ", ".join(f"`{t}`" for t in f.targets)
+        if f.experts:  # the fused experts come with the projections; the router stays dense
+            targets += "; the experts' fused `gate_up_proj`, `down_proj` (router dense)"
+        rows.append([f.name, f"`{model_type}`", targets, head, packed, norms, acts])
     rows.append(["any other", "", "every `nn.Linear` but the output head (one note)", "- (one note)",
                  "- (bucket, one note)", "LayerNorm", "-"])
     return table(["family", "model type", "SEBP targets (default)", "`--head labelled`", "`--padding packed`",
