@@ -155,10 +155,11 @@ def caption(page: Page, *sources: Source) -> str:
     for setting, group in groups.items():
         links = ", ".join(dict.fromkeys(page.link(s.rel) for s in group))
         lines.append(f"*Measured on {setting} → {links}.*")
-    commands = dict.fromkeys(f"{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}"
-                             for s in sources)
-    body = html.escape("\n".join(commands), quote=False).replace("\n", "<br>")
-    return "\n".join(lines) + f"\n<details><summary>Command</summary><pre>{body}</pre></details>"
+    esc = lambda lines: html.escape("\n".join(dict.fromkeys(lines)), quote=False).replace("\n", "<br>")  # noqa: E731
+    ran = esc(f"{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}" for s in sources)
+    again = esc(s.data["reproduce"] for s in sources if s.data.get("reproduce"))
+    body = f"To run it again:<pre>{again}</pre>As it ran:<pre>{ran}</pre>" if again else f"<pre>{ran}</pre>"
+    return "\n".join(lines) + f"\n<details><summary>Command</summary>{body}</details>"
 
 
 def table(header: list[str], rows: list[list[str]], align: str) -> str:
