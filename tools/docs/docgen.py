@@ -120,10 +120,11 @@ def entry_key(r: dict) -> tuple:
 # ------------------------------------------------------------------------------------- shared formatting
 
 def command(text: str) -> str:
-    """The recorded command as a reader runs it: output paths of the device machine become ``OUT/<name>``, a
-    bare script path gets its ``python``, and the probes recorded under ``scripts/`` are named where they are
+    """The recorded command as a reader runs it: output paths of the device machine (and the per-run folders
+    results/ had before its family files) become ``OUT/<name>``, a bare script path gets its ``python``, and the probes recorded under ``scripts/`` are named where they are
     now, ``benchmarks/``."""
-    words = [("OUT/" + w.rsplit("/", 1)[-1]) if w.startswith("/") else
+    words = [("OUT/" + re.sub(r"^s\d+[a-z]?_", "", w.rsplit("/", 1)[-1]))  # a run's number is no part of it
+             if w.startswith("/") or (w.startswith("results/") and "/" in w[8:]) else
              "benchmarks/" + w[len("scripts/"):] if w.startswith("scripts/") else w for w in text.split()]
     if words and words[0].endswith(".py"):
         words.insert(0, "python")
@@ -158,7 +159,9 @@ def caption(page: Page, *sources: Source) -> str:
     esc = lambda lines: html.escape("\n".join(dict.fromkeys(lines)), quote=False).replace("\n", "<br>")  # noqa: E731
     ran = esc(f"{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}" for s in sources)
     again = esc(s.data["reproduce"] for s in sources if s.data.get("reproduce"))
-    body = f"To run it again:<pre>{again}</pre>As it ran:<pre>{ran}</pre>" if again else f"<pre>{ran}</pre>"
+    merged = any(w in ran for w in (".tgz", "_session.sh", "_collect.py"))  # gathered from run archives since gone
+    body = (f"<pre>{again}</pre>" if merged else f"To run it again:<pre>{again}</pre>As it ran:<pre>{ran}</pre>"
+            ) if again else f"<pre>{ran}</pre>"
     return "\n".join(lines) + f"\n<details><summary>Command</summary>{body}</details>"
 
 
