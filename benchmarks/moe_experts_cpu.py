@@ -11,7 +11,8 @@ Writes one JSON: device, versions, date, command, and per padding share and entr
 the extremes of the forward and backward milliseconds, and of each round's backward over dense's in that round.
 
 Usage: python benchmarks/moe_experts_cpu.py [--hidden 256] [--intermediate 512] [--experts 8] [--top-k 2]
-       [--batch 8] [--length 128] [--padding 0,0.5] [--reps 21] [--output results/moe_experts.json]
+       [--batch 8] [--length 128] [--padding 0,0.5] [--reps 21] [--output OUT.json]
+       then: python tools/docs/make_docs.py --add moe_experts.json cpu OUT.json
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--padding", default="0,0.5")
     ap.add_argument("--reps", type=int, default=21)
-    ap.add_argument("--output", default="results/moe_experts.json")
+    ap.add_argument("--output", default="moe_experts_cpu.json")
     args = ap.parse_args()
     import transformers
 
