@@ -10,6 +10,7 @@ from rich.console import Console
 
 from .config import COMPILE_MODES, padding_help
 from .layouts import PADDED
+from .cli_grad_stats import grad_stats_cmd
 from .outputs import check_output_file
 from .tables import (batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary,
                      print_note)
@@ -599,6 +600,9 @@ def heatmap_cmd(
         console.print(f"{pic.name}: eps {e.eps:.3g} ({'knee at 1e%.2f' % e.knee if e.knee_found else e.reason})",
                       highlight=False, soft_wrap=True)
     console.print(f"heatmap written to {path}", highlight=False, soft_wrap=True)
+
+
+app.command("grad-stats")(one_line_errors(grad_stats_cmd))  # a finetune --probe-every run's statistics
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m sebp_probe`

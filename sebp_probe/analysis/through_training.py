@@ -233,18 +233,19 @@ def plot_series(data: dict, path, title: str | None = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
     steps = data["steps"]
     for i, (t, s) in enumerate(data["types"].items()):
         colour = f"C{i % 10}"
         for key, style in ((share_key(0.9), "-"), (share_key(0.99), "--")):
             ys = [np.nan if v is None else 100 * v for v in s[key]]
-            ax.plot(steps, ys, style, color=colour, marker=".", label=f"{t} ({key[5:]}%)")
+            ax.plot(steps, ys, style, color=colour, marker=".", label=t if style == "-" else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("active rows holding 90% / 99%\nof the squared norm (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="solid 90%, dashed 99%",
+              title_fontsize=7)
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
