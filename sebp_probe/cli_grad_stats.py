@@ -45,24 +45,30 @@ def tidy(folder: Path, records: list[dict]) -> dict:
     from .analysis.through_training import SHARES, share_key
 
     cfg, summary = read_json(folder / RUN_CONFIG) or {}, read_json(folder / SUMMARY) or {}
-    rows = []
+    keys = [share_key(q) for q in SHARES] + ["knee"]
+
+    def row(step: int, e: dict, **where) -> dict:
+        out = {"step": step, **where, "rows": e["rows"]}
+        out.update({f"{k}_share": v for k, v in (e.get("causes") or {}).items()})
+        out.update({k: e.get(k) for k in keys})
+        if e.get("nonfinite_rows"):
+            out["nonfinite_rows"] = e["nonfinite_rows"]
+        return out
+
+    rows, layer_rows = [], []
     for r in records:
         if r.get("type") != RECORD:
             continue
-        for t, e in r["types"].items():
-            row = {"step": r["step"], "layer_type": t, "layers": e["layers"], "rows": e["rows"]}
-            row.update({f"{k}_share": v for k, v in (e.get("causes") or {}).items()})
-            row.update({k: e.get(k) for k in [share_key(q) for q in SHARES] + ["knee"]})
-            if e.get("nonfinite_rows"):
-                row["nonfinite_rows"] = e["nonfinite_rows"]
-            rows.append(row)
+        rows += [row(r["step"], e, layer_type=t, layers=e["layers"]) for t, e in r["types"].items()]
+        layer_rows += [row(r["step"], e, layer=name, eps=e.get("eps")) for name, e in r["layers"].items()]
     run_cfg = cfg.get("config", {})
     return {"device": summary.get("device") or cfg.get("device"), "versions": cfg.get("versions"),
             "date": cfg.get("created"), "command": cfg.get("tool", "sebp-probe finetune"), "config": run_cfg,
             "final_eval": summary.get("final_eval"), "status": summary.get("status"),
             "note": "rows_NN: share of a layer type's active rows (mean over its layers) that holds NN% of the "
                     "squared norm of dL/dY, a row's magnitude being its largest |dL/dY|; knee: the same share at "
-                    "the knee of the cumulative-energy curve", "rows": rows}
+                    "the knee of the cumulative-energy curve; rows: per layer type, layer_rows: per layer",
+            "rows": rows, "layer_rows": layer_rows}
 
 
 def _table(data: dict) -> Table:
