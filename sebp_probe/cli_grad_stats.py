@@ -120,7 +120,9 @@ def grad_stats_cmd(
     if data.get("nonfinite_steps"):
         console.print(f"non-finite gradients at step(s) {', '.join(map(str, data['nonfinite_steps']))}",
                       highlight=False)
-    path = plot_series(data, output, f"{folder}: dL/dY concentration through training")
+    cfg = (read_json(folder / RUN_CONFIG) or {}).get("config", {})
+    what = f"{cfg.get('model', folder.name)} on {cfg.get('data', {}).get('dataset', '?')}" if cfg else folder.name
+    path = plot_series(data, output, f"{what}: dL/dY concentration through training")
     console.print(f"figure written to {path}", highlight=False, soft_wrap=True)
     if as_json:
         Path(as_json).write_text(json.dumps(tidy(folder, records), indent=1) + "\n")
