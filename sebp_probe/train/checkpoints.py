@@ -51,7 +51,8 @@ def save_checkpoint(run, step: int, calib: dict | None, model) -> Path:
     run.acc.wait_for_everyone()
     return path
 
-def restore(self) -> dict | None:
+
+def restore(run) -> dict | None:
     """The state of the last complete checkpoint (None: none, start afresh), the metrics cut back to its
     step; says which checkpoint it took and which incomplete ones it passed over."""
     from .rundir import partial_checkpoints
