@@ -10,6 +10,7 @@ from rich.console import Console
 
 from .config import COMPILE_MODES, padding_help
 from .layouts import PADDED
+from .cli_grad_stats import grad_stats_cmd
 from .outputs import check_output_file
 from .tables import (batch_progress, bench_tables, console, finetune_progress, print_analysis, print_finetune_summary,
                      print_note)
@@ -183,6 +184,10 @@ def finetune_cmd(
     lora_r: int = typer.Option(8, "--lora-r"),
     eval_steps: int = typer.Option(None, "--eval-steps", help="Evaluate every N steps (default: steps // 4, "
                                    "at least 1) and at the last step."),
+    probe_every: int = typer.Option(None, "--probe-every", help="Gradient statistics of analyze on the backward "
+                                    "of step 1 and every Nth step after it (rows by cause, rows holding 90/99% "
+                                    "of the energy): metrics.jsonl, summary.json; `sebp-probe grad-stats RUN_DIR` "
+                                    "draws them."),
     save_steps: int = typer.Option(None, "--save-steps", help="Checkpoint every N steps (default: at the end, "
                                    "and on Ctrl-C/SIGTERM)."),
     output_dir: str = typer.Option("runs/finetune", "--output-dir", "-o"),
@@ -225,7 +230,7 @@ def finetune_cmd(
         deterministic=deterministic,
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
         grad_accum=grad_accum, precision="bf16" if bf16 else "fp16" if fp16 else "fp32", lora=lora, lora_r=lora_r,
-        eval_steps=eval_steps, eval_samples=eval_samples, save_steps=save_steps, seed=seed)
+        eval_steps=eval_steps, probe_every=probe_every, eval_samples=eval_samples, save_steps=save_steps, seed=seed)
     progress, on_event = finetune_progress(err_console if as_json else console)
     with progress:
         summary = finetune(cfg, resume=resume, overwrite=overwrite, on_event=on_event)
@@ -595,6 +600,9 @@ def heatmap_cmd(
         console.print(f"{pic.name}: eps {e.eps:.3g} ({'knee at 1e%.2f' % e.knee if e.knee_found else e.reason})",
                       highlight=False, soft_wrap=True)
     console.print(f"heatmap written to {path}", highlight=False, soft_wrap=True)
+
+
+app.command("grad-stats")(one_line_errors(grad_stats_cmd))  # a finetune --probe-every run's statistics
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m sebp_probe`

@@ -125,6 +125,8 @@ class FinetuneConfig:
     deterministic implementation stops the run at its first call, in one line).
     Length: ``max_steps`` optimizer steps, or ``epochs`` (default: ``DEFAULT_MAX_STEPS`` steps).
     ``eval_steps``/``save_steps``: None means 4 evaluations per run and a checkpoint at the end only.
+    ``probe_every``: the gradient statistics of ``analyze`` on every Nth step's own backward
+    (:mod:`~sebp_probe.train.probe_steps`).
     """
 
     model: str = "minilm"
@@ -164,6 +166,7 @@ class FinetuneConfig:
     lora_r: int = 8
     lora_alpha: int = 16
     eval_steps: int | None = None
+    probe_every: int | None = None
     eval_samples: int | None = 1000
     save_steps: int | None = None
     save_total_limit: int = 2
@@ -206,6 +209,11 @@ class FinetuneConfig:
             if value is not None:
                 _pos_int(value, what)
         _pos_int(self.save_total_limit, "save total limit")
+        if self.probe_every is not None:
+            _pos_int(self.probe_every, "--probe-every")
+            if self.cuda_graphs:
+                raise ValueError("--probe-every analyses a step's own backward, which CUDA-graph replays run "
+                                 "without hooks: leave out --cuda-graphs")
         _pos_int(self.calib_batches, "calibration batches", 0)
         _pos_int(self.lora_r, "LoRA rank")
         if not self.lora_alpha > 0:

@@ -63,6 +63,7 @@ from ..model.sdpa import without_cudnn_attention
 from ..model.cce_head import cce_loss
 from ..model.losses import HEADS, ROWS_HEADS, _task_of, set_head, use_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
+from .grad_stats import GradStatsCallback, add_grad_stats  # noqa: F401  (gradient statistics: exported here)
 
 log = logging.getLogger(__name__)
 _HANDLE = "_sebp_handle"  # on the trainer: the handle of the call that changed it

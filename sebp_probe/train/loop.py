@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -30,9 +29,10 @@ from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from ..model.losses import ROWS_HEADS, batch_loss, calls_backbone, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
-from ..model.patch import find_targets, pad_rows_of, pad_rows_own, pad_rows_summary, pad_rows_verdict, \
-    patched_activations, restore_pad_rows
-from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
+from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations, restore_pad_rows
+from .checkpoints import restore, save_checkpoint, save_model
+from .probe_steps import StepProbe, probe_summary
+from .rundir import METRICS, MODEL_DIR, SUMMARY, device_name, read_json, write_json
 from ..data.train_data import TrainData, first_batches, make_loaders, most_rows
 from .train_step import UNTIMED, MicroBatches, StepTally, StopRequest, untimed_reason
 
@@ -144,7 +144,7 @@ class Run:
 
         set_seed(self.cfg.seed)
         loaded = self.load_fn()
-        model = loaded.model
+        model, self.tokenizer = loaded.model, loaded.tokenizer  # the tokenizer goes into the checkpoints
         if self.cfg.lora:
             model = wrap_lora(model, loaded.task, self.cfg)
         model.to(self.acc.device)
@@ -231,72 +231,10 @@ class Run:
                 fh.write(json.dumps(rec) + "\n")
 
     def _save_checkpoint(self, step: int, calib: dict | None, model) -> Path:
-        """Write the checkpoint of ``step`` atomically: into ``.partial-step-N``, its state file last, then
-        renamed to ``step-N``; a write cut short never looks like a checkpoint. The state file keeps, besides
-        the SEBP layers, each process's padding-row verdict and the linears that select their own rows
-        (:func:`restore_pad_rows`)."""
-        from accelerate.utils import gather_object
-
-        from .rundir import PARTIAL
-
-        mine = [pad_rows_verdict(model), pad_rows_own(model)]  # the verdict first: it may decide the own rows
-        pairs = gather_object([mine]) if self.acc.num_processes > 1 else [mine]
-        verdicts, owns = [p[0] for p in pairs], [p[1] for p in pairs]
-
-        path = self.dir / CHECKPOINTS / f"step-{step:06d}"
-        tmp = path.with_name(PARTIAL + path.name)
-        if self.main:  # every process writes its shards into the folder (FSDP): it exists before they start
-            if tmp.exists():  # left by a write cut short at this step: start it afresh
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp))
-        self.acc.wait_for_everyone()  # every process's shards are written before the state file marks it complete
-        if self.main:
-            layers = (calib or {}).get("layers", {})
-            write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib, "pad_rows": verdicts,
-                                      "pad_rows_own": owns})
-            if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
-                shutil.rmtree(path)
-            tmp.rename(path)
-            for old in list_checkpoints(self.dir)[: -self.cfg.save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
-        return path
+        return save_checkpoint(self, step, calib, model)
 
     def _restore(self) -> dict | None:
-        """The state of the last complete checkpoint (None: none, start afresh), the metrics cut back to its
-        step; says which checkpoint it took and which incomplete ones it passed over."""
-        from .rundir import partial_checkpoints
-
-        ckpts, partial = list_checkpoints(self.dir), partial_checkpoints(self.dir)
-        skipped = f"; passed over incomplete {', '.join(p.name for p in partial)} (a write cut short)" \
-            if partial else ""
-        if not ckpts:
-            self.emit("note", {"run": self.method, "text": f"{self.method}: no complete checkpoint in "
-                               f"{self.dir / CHECKPOINTS}: starting from step 0{skipped}"})
-            if self.main:
-                (self.dir / METRICS).unlink(missing_ok=True)
-            return None
-        state = read_json(ckpts[-1] / STATE)
-        state["path"] = str(ckpts[-1])
-        self.emit("note", {"run": self.method, "text": f"{self.method}: resuming from {ckpts[-1]} (step "
-                           f"{state['step']}){skipped}"})
-        kept = []
-        if (self.dir / METRICS).exists():
-            for line in (self.dir / METRICS).read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a kill
-                if rec.get("step", 0) <= state["step"]:
-                    kept.append(rec)
-        self.records = kept
-        if self.main:
-            tmp = self.dir / (METRICS + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            tmp.replace(self.dir / METRICS)
-        return state
+        return restore(self)
 
     # -- the loop
 
@@ -336,6 +274,7 @@ class Run:
         (evaluation, checkpoint, the end) the GPU is waited for, so that no GPU work is left out of the steps'
         times or counted in them twice."""
         t = self._prepare(model)
+        self.probe = self._probe(t.model, loaded.task)
         p = _Progress(step=self._resume_state(state), last_ckpt=state["path"] if state else None)
         self.emit("start", {"run": self.method, "total": t.total, "step": p.step, "resumed": state is not None,
                             "patched": len((calib or {}).get("layers", {})),
@@ -402,13 +341,15 @@ class Run:
         t_step = time.perf_counter()
         before = (len(micro.graphs), dynamo_counts()[0] if cfg.compile else 0)  # graphs captured, compiled
         with label_checks.deferred() as checks:  # the labelled-rows head's label checks stay on the device
-            tally = micro.run(batches, t.model, t.loss_fn)
+            with self.probe.step(p.step + 1) as around:  # --probe-every: this step's own backward analysed
+                tally = micro.run(batches, t.model, t.loss_fn, around)
             untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
                                       tally.new_shape and dev.type == "cuda")
             mean_loss, untimed = self._reduce_loss(tally.loss_sum / cfg.grad_accum, untimed)  # the step's one wait
             checks.check()  # a bad label raises here, before the optimizer step
         stopping = self._stop_agreed(stop)
         if not math.isfinite(mean_loss):
+            self._probe_record(p.step + 1)  # its statistics, non-finite rows and all
             p.diverged(mean_loss)
             return False
         lr = self._optimizer_step(t, p.step)
@@ -419,6 +360,7 @@ class Run:
             sync(dev)
         rec = self._step_record(p, tally, mean_loss, lr, t_step, micro, untimed)
         self._log(rec)
+        self._probe_record(p.step)
         live = self._vs_dense_backward()
         self.emit("step", {"run": self.method, **rec, **({"vs_dense_backward": live} if live else {}),
                            "total": t.total})
@@ -434,6 +376,19 @@ class Run:
         if saving:
             p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
         return True
+
+    def _probe(self, model, task: str | None) -> StepProbe:
+        cfg, acc = self.cfg, self.acc
+        if cfg.probe_every and cfg.compile:
+            self.emit("note", {"run": self.method, "text": f"{self.method}: --probe-every: the probed steps run "
+                               "eagerly (hooks do not enter compiled graphs); the steps in between run compiled"})
+        return StepProbe(cfg.probe_every, acc.unwrap_model(model), task, bool(cfg.compile),
+                         (lambda x: acc.reduce(x, "sum")) if acc.num_processes > 1 else None, acc.device)
+
+    def _probe_record(self, step: int) -> None:
+        rec = self.probe.take(step)
+        if rec is not None:
+            self._log(rec)
 
     def _reduce_loss(self, loss: torch.Tensor, untimed: str | None) -> tuple[float, str | None]:
         """The step's loss averaged over the processes, and why the step is untimed on any of them: a process
@@ -508,6 +463,9 @@ class Run:
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,
                                   "scope": self.compile_scope}
+        grad_stats = probe_summary(self.records, cfg.probe_every)
+        if grad_stats:
+            summary["grad_stats"] = grad_stats
         if p.error:
             summary["error"] = p.error
         if self.main:
@@ -529,33 +487,4 @@ class Run:
         return statistics.median(self.dense_steps[s] for s, _ in mine) / own if own else None
 
     def _save_model(self, model, loaded: LoadedModel) -> None:
-        """The fine-tuned model as a plain Hugging Face model: LoRA merged, SEBP layers back to nn.Linear."""
-        from ..model.patch import unpatch_model
-
-        from accelerate.utils import DistributedType
-
-        self.acc.wait_for_everyone()
-        sharded = self.acc.distributed_type == DistributedType.FSDP
-        state_dict = self.acc.get_state_dict(model) if sharded else None  # gathered: every rank takes part
-        plain = self.acc.unwrap_model(model)
-        if self.cfg.lora and sharded:  # the shards cannot merge in place: merge the gathered weights
-            from .lora_merge import lora_scalings, merge_lora_state
-
-            scalings = lora_scalings(plain)
-            state_dict = merge_lora_state(state_dict, scalings) if self.main else None
-            plain = plain.get_base_model()
-        elif self.cfg.lora:
-            plain = plain.merge_and_unload()
-        unpatch_model(plain)
-        if self.main:
-            from transformers.utils import logging as hf_logging
-
-            target = self.dir / MODEL_DIR
-            hf_logging.disable_progress_bar()
-            try:
-                plain.save_pretrained(target, state_dict=state_dict, safe_serialization=True)
-            finally:
-                hf_logging.enable_progress_bar()
-            if loaded.tokenizer is not None and hasattr(loaded.tokenizer, "save_pretrained"):
-                loaded.tokenizer.save_pretrained(target)
-        self.acc.wait_for_everyone()
+        save_model(self, model, loaded)

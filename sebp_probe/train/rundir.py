@@ -28,11 +28,11 @@ OWN_ENTRIES = (RUN_CONFIG, METRICS, SUMMARY, CHECKPOINTS, MODEL_DIR, "dense", "s
                "loss.png", "eval.png")
 # A resumed run must be the same run: every setting must match except these.
 RESUMABLE_CHANGES = ("output_dir", "eval_steps", "save_steps", "save_total_limit", "compile",
-                     "compile_scope", "deterministic", "sebp_first")  # the same math
+                     "compile_scope", "deterministic", "sebp_first", "probe_every")  # the same math
 # Settings added after runs were first written: a run config without one ran with this value.
 ADDED_SETTINGS = {"sebp_norms": False, "sebp_acts": False, "cuda_graphs": False, "graph_bucket": 32,
                   "compile": None, "sebp_first": False, "reuse": 0.9,
-                  "head": "full"}
+                  "head": "full", "probe_every": None}
 
 
 def read_json(path: Path) -> dict | None:

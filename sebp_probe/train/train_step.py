@@ -85,8 +85,10 @@ class MicroBatches:
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # one memory pool for all of them
         self.seen_shapes: set = set()  # batch shapes this run has stepped on
 
-    def run(self, batches: Iterator, model: torch.nn.Module, loss_fn: Callable) -> StepTally:
-        """Forward and backward of the step's micro-batches, drawn from ``batches`` ((epoch, batch) pairs)."""
+    def run(self, batches: Iterator, model: torch.nn.Module, loss_fn: Callable,
+            around: Callable[[dict], contextlib.AbstractContextManager] | None = None) -> StepTally:
+        """Forward and backward of the step's micro-batches, drawn from ``batches`` ((epoch, batch) pairs);
+        ``around(batch)``: a context each eager micro-batch runs in (the gradient probe's)."""
         dev = self.acc.device
         tally = StepTally(torch.zeros((), device=dev), torch.zeros((), device=dev),
                           torch.zeros((), dtype=torch.long, device=dev))
@@ -97,7 +99,8 @@ class MicroBatches:
             if self.cuda_graphs:
                 self._replay(tally, model, batch, key)
             else:
-                self._eager(tally, model, batch, loss_fn, last=i == self.accum - 1)
+                with around(batch) if around is not None else contextlib.nullcontext():
+                    self._eager(tally, model, batch, loss_fn, last=i == self.accum - 1)
         return tally
 
     def close(self) -> None:

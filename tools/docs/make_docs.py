@@ -31,6 +31,7 @@ import blocks_families  # noqa: E402,F401  (registers its blocks)
 import blocks_kernels  # noqa: E402,F401
 import blocks_compiled  # noqa: E402,F401
 import blocks_results  # noqa: E402,F401
+import blocks_grad_stats  # noqa: E402,F401
 from docgen import FROM_CODE, GENERATORS, MARKER, ROOT, DocsError, Page, add_run, pages, render  # noqa: E402,F401
 
 

@@ -1,0 +1,252 @@
+"""Gradient statistics through training: what one step's backward holds, step after step.
+
+The collector of ``analyze`` (:mod:`sebp_probe.analysis.hooks`) runs on a training step's own backward; this
+module turns what it gathered into one record per probed step, per layer and per layer type:
+
+* rows by cause (:mod:`sebp_probe.analysis.causes`: padding, label-less, other zero, near zero, active), eps
+  from the step's own histogram (:func:`~sebp_probe.analysis.knee.detect_eps`);
+* how concentrated the active rows are: the share of them that holds 50 / 90 / 99% of the squared norm, and
+  the knee of that cumulative-energy curve (kneed, concave: the share of rows past which rows add little
+  energy, the per-layer top-N a sampled backward would keep).
+
+A row's magnitude is what the collector buckets, its largest |dL/dY| (the quantity eps and top-N compare), so
+its energy here is that maximum squared: the histograms (8 buckets per octave) are weighted by the mean square
+of each bucket (magnitudes log-uniform inside it), the rows sorted largest first. Where padding rows are not
+all zero, the real rows come from the octave histograms (coarser: one bucket per octave).
+
+Counts of several processes add up before any of this (:meth:`StepCounts.pack`): a reduced record is the
+record of all processes' rows together.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .analyze import by_layer_type
+from .causes import CAUSES, LABEL_LESS, PADDING
+from .hooks import N_GROUPS, GradientStats
+from .knee import N_FINE, N_OCTAVE, OCTAVE_SHIFT, FINE_SHIFT, bucket_edges, detect_eps, lower_edges, octave_histogram
+
+RECORD = "grad_stats"  # the ``type`` of a probed step's line in metrics.jsonl
+SHARES = (0.5, 0.9, 0.99)  # energy shares whose row shares a record holds
+KNEE_POINTS = 201  # the cumulative-energy curve is sampled at this many row shares for kneed
+
+
+def share_key(q: float) -> str:
+    """``rows_90`` for 0.9: the record key of the share of active rows holding ``q`` of the energy."""
+    return f"rows_{round(q * 100):d}"
+
+
+@dataclass
+class StepCounts:
+    """One probed step's raw counts, per layer (all micro-batches together): rows, non-finite rows, the fine
+    histogram of the rows' max |g| and each row group's octave histogram."""
+
+    names: list[str]
+    rows: np.ndarray  # (L,)
+    nonfinite: np.ndarray  # (L,)
+    fine: np.ndarray  # (L, N_FINE)
+    groups: np.ndarray  # (L, N_GROUPS, N_OCTAVE)
+
+    _WIDTH = 2 + N_FINE + N_GROUPS * N_OCTAVE
+
+    def pack(self) -> np.ndarray:
+        """(L, width) int64: what an all-reduce (a sum) over processes takes, in one tensor."""
+        n = len(self.names)
+        return np.concatenate([self.rows[:, None], self.nonfinite[:, None], self.fine,
+                               self.groups.reshape(n, -1)], axis=1).astype(np.int64)
+
+    @classmethod
+    def unpack(cls, names: list[str], packed: np.ndarray) -> "StepCounts":
+        p = np.asarray(packed, dtype=np.int64)
+        return cls(list(names), p[:, 0], p[:, 1], p[:, 2:2 + N_FINE],
+                   p[:, 2 + N_FINE:].reshape(len(names), N_GROUPS, N_OCTAVE))
+
+
+def step_counts(stats: GradientStats) -> StepCounts:
+    """The collector's batches (a step's micro-batches) summed per layer."""
+    names = list(stats.layers)
+    rows, nonfinite, groups = [], [], []
+    for layer in stats.layers.values():
+        rows.append(int(np.sum(layer.rows)))
+        nonfinite.append(int(np.sum(layer.nonfinite_rows)))
+        g = layer.group_octaves_seen()
+        groups.append(g.sum(axis=0) if len(g) else np.zeros((N_GROUPS, N_OCTAVE), dtype=np.int64))
+    fine = np.stack([np.asarray(layer.row_hist, dtype=np.int64) for layer in stats.layers.values()])
+    return StepCounts(names, np.asarray(rows, dtype=np.int64), np.asarray(nonfinite, dtype=np.int64), fine,
+                      np.stack(groups).astype(np.int64))
+
+
+def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """(finite, mean square) per bucket: whether the bucket holds finite non-zero values, and the mean of m**2
+    for m log-uniform between its edges."""
+    hi = bucket_edges(shift)
+    lo = lower_edges(hi)
+    finite = np.isfinite(hi) & (lo > 0) & np.isfinite(lo)
+    finite[0] = False
+    energy = np.zeros_like(hi)
+    h, lw = hi[finite], lo[finite]
+    energy[finite] = (h * h - lw * lw) / (2.0 * np.log(h / lw))
+    return finite, energy
+
+
+_ENERGY = {s: _bucket_energy(s) for s in (FINE_SHIFT, OCTAVE_SHIFT)}
+
+
+def energy_curve(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0):
+    """(rows, energy): the cumulative rows and squared-norm energy over a magnitude histogram's buckets above
+    ``eps``, the largest magnitudes first, both starting at 0; None without such rows."""
+    finite, energy = _ENERGY[shift]
+    keep = finite & (bucket_edges(shift) > eps) & (np.asarray(counts) > 0)
+    idx = np.nonzero(keep)[0][::-1]
+    if not len(idx):
+        return None
+    c = np.asarray(counts, dtype=np.float64)[idx]
+    return np.r_[0.0, np.cumsum(c)], np.r_[0.0, np.cumsum(c * energy[idx])]
+
+
+def _rows_for(rows: np.ndarray, energy: np.ndarray, q: float) -> float:
+    """Rows (interpolated inside a bucket, whose rows count as equal) holding share ``q`` of the energy."""
+    target = q * energy[-1]
+    k = int(np.searchsorted(energy, target, side="left"))
+    k = min(max(k, 1), len(energy) - 1)
+    step = energy[k] - energy[k - 1]
+    frac = (target - energy[k - 1]) / step if step > 0 else 1.0
+    return float(rows[k - 1] + frac * (rows[k] - rows[k - 1]))
+
+
+def concave_knee(x: np.ndarray, y: np.ndarray) -> float | None:
+    """x of the knee of an increasing concave curve (kneed, point of maximum curvature); None without one."""
+    from kneed import KneeLocator
+
+    if len(x) < 3 or np.ptp(y) <= 0 or np.ptp(x) <= 0:
+        return None
+    knee = KneeLocator(x, y, S=1.0, curve="concave", direction="increasing").knee
+    return None if knee is None else float(knee)
+
+
+def concentration(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0) -> dict | None:
+    """Of the rows above ``eps`` of a magnitude histogram: the share holding each of :data:`SHARES` of the
+    squared norm, and the knee of the cumulative-energy curve (``knee``: share of rows; ``knee_rows``)."""
+    curve = energy_curve(counts, shift, eps)
+    if curve is None:
+        return None
+    rows, energy = curve
+    total = rows[-1]
+    out: dict = {share_key(q): float(_rows_for(rows, energy, q) / total) for q in SHARES}
+    x = np.linspace(0.0, 1.0, KNEE_POINTS)
+    y = np.interp(x * total, rows, energy) / energy[-1]
+    knee = concave_knee(x, y)
+    out["knee"] = knee
+    out["knee_rows"] = None if knee is None else int(math.ceil(knee * total))
+    return out
+
+
+def layer_record(c: StepCounts, i: int, min_gap_decades: float = 1.0) -> dict:
+    """One layer's entry of a probed step: rows, rows by cause (shares), eps and the concentration."""
+    rows = int(c.rows[i])
+    if rows == 0:
+        return {"rows": 0}
+    fine = c.fine[i]
+    octaves = octave_histogram(fine)
+    pad, label_less = c.groups[i, PADDING - 1], c.groups[i, LABEL_LESS - 1]
+    entry: dict = {"rows": rows}
+    if c.nonfinite[i]:  # no energy to speak of: the counts say how many rows, the run decides what to do
+        entry["nonfinite_rows"] = int(c.nonfinite[i])
+        return entry
+    eps = detect_eps(fine, min_gap_decades=min_gap_decades).eps
+    real = octaves - pad
+    active = int(real[1:][bucket_edges(OCTAVE_SHIFT)[1:] > eps].sum())
+    by = {"padding": int(pad.sum()), "label_less": int(label_less[0]),
+          "other_zero": int(octaves[0] - pad[0] - label_less[0]),
+          "near_zero": int(real[1:].sum()) - active, "active": active}
+    entry["eps"] = eps
+    entry["causes"] = {k: v / rows for k, v in by.items()}
+    if pad[1:].sum() == 0:  # every padding row is zero: the fine histogram's non-zero rows are all real
+        conc, entry["resolution"] = concentration(fine, FINE_SHIFT, eps), "fine"
+    else:
+        conc, entry["resolution"] = concentration(real, OCTAVE_SHIFT, eps), "octave"
+    if conc is not None:
+        entry.update(conc)
+    return entry
+
+
+def _type_entry(entries: list[dict]) -> dict:
+    """A layer type: the mean of its layers' shares (layers without active rows left out of the
+    concentration), the sum of their rows and non-finite rows."""
+    live = [e for e in entries if e.get("causes")]
+    out: dict = {"layers": len(entries), "rows": sum(e["rows"] for e in entries)}
+    bad = sum(e.get("nonfinite_rows", 0) for e in entries)
+    if bad:
+        out["nonfinite_rows"] = bad
+    if live:
+        out["causes"] = {k: float(np.mean([e["causes"][k] for e in live])) for k in CAUSES}
+    for key in [share_key(q) for q in SHARES] + ["knee"]:
+        vals = [e[key] for e in live if e.get(key) is not None]
+        if vals:
+            out[key] = float(np.mean(vals))
+    return out
+
+
+def step_record(c: StepCounts, step: int, min_gap_decades: float = 1.0) -> dict:
+    """The metrics.jsonl line of a probed step (``type`` :data:`RECORD`): per layer and per layer type."""
+    layers = {name: layer_record(c, i, min_gap_decades) for i, name in enumerate(c.names)}
+    rec = {"type": RECORD, "step": step, "layers": layers,
+           "types": {t: _type_entry(es) for t, es in by_layer_type(layers).items()}}
+    bad = int(c.nonfinite.sum())
+    if bad:
+        rec["nonfinite_rows"] = bad
+    return rec
+
+
+def series(records: list[dict]) -> dict:
+    """The probed steps of a run's records as series per layer type: ``{"steps": [...], "types": {type: {key:
+    [...]}}}``, a value None where a step had none (a layer type without active rows, non-finite rows)."""
+    probes = [r for r in records if r.get("type") == RECORD]
+    steps = [r["step"] for r in probes]
+    keys = [share_key(q) for q in SHARES] + ["knee"]
+    types: dict[str, dict] = {}
+    for r in probes:
+        for t in r["types"]:
+            types.setdefault(t, {})
+    for t, out in types.items():
+        for k in keys:
+            out[k] = [r["types"].get(t, {}).get(k) for r in probes]
+        for cause in CAUSES:
+            out[cause] = [r["types"].get(t, {}).get("causes", {}).get(cause) for r in probes]
+    out = {"steps": steps, "types": types}
+    bad = [r["step"] for r in probes if r.get("nonfinite_rows")]
+    if bad:
+        out["nonfinite_steps"] = bad
+    return out
+
+
+def plot_series(data: dict, path, title: str | None = None):
+    """The figure of a run's probes: per layer type, the share of active rows holding 90% (solid) and 99%
+    (dashed) of the squared norm of dL/dY, over the steps."""
+    from .plots import save_figure
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
+    steps = data["steps"]
+    for i, (t, s) in enumerate(data["types"].items()):
+        colour = f"C{i % 10}"
+        for key, style in ((share_key(0.9), "-"), (share_key(0.99), "--")):
+            ys = [np.nan if v is None else 100 * v for v in s[key]]
+            ax.plot(steps, ys, style, color=colour, marker=".", label=t if style == "-" else None)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("active rows holding 90% / 99%\nof the squared norm (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="solid 90%, dashed 99%",
+              title_fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -1,0 +1,125 @@
+"""Gradient statistics through training in a Hugging Face ``Trainer`` or TRL ``SFTTrainer``: what
+``finetune --probe-every`` records, logged through the trainer's own ``log`` (so ``report_to`` sends it to
+TensorBoard, W&B or whatever the user set).
+
+    from sebp_probe.integrations.hf import add_grad_stats
+
+    stats = add_grad_stats(trainer, every=10)   # with or without apply_sebp(trainer)
+    trainer.train()                              # logs grad_stats/<layer type>/rows_90 ... every 10 steps
+
+Steps 1, every + 1, ... are probed: their micro-batches run through the collector of ``analyze``
+(:class:`~sebp_probe.analysis.hooks.GradientStatsCollector`), the trainer's ``training_step`` wrapped for that
+step only (each call is one micro-batch's forward and backward, whose rows it groups by cause), eagerly under
+``torch_compile`` (the compiled graphs run no hooks added after tracing). Under DDP every process all-reduces
+its counts (a sum) and logs the same record; the trainer's loggers write from the main process. Per layer type
+the log holds the rows by cause (shares of its rows) and the share of active rows holding 50/90/99% of the
+squared norm of dL/dY and the knee (:mod:`sebp_probe.analysis.through_training`); ``records`` keeps the whole
+records, per layer too.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from ..analysis.causes import CAUSES, grouper
+from ..analysis.hooks import GradientStatsCollector
+from ..analysis.through_training import SHARES, StepCounts, share_key, step_counts, step_record
+from ..train.compiling import evaluating_eagerly
+
+PREFIX = "grad_stats"
+
+
+def log_values(record: dict) -> dict[str, float]:
+    """A step record as the flat scalars a trainer logs: ``grad_stats/<layer type>/<key>``."""
+    out: dict[str, float] = {}
+    for t, e in record["types"].items():
+        for cause in CAUSES:
+            if cause in e.get("causes", {}):
+                out[f"{PREFIX}/{t}/{cause}"] = float(e["causes"][cause])
+        for key in [share_key(q) for q in SHARES] + ["knee"]:
+            if e.get(key) is not None:
+                out[f"{PREFIX}/{t}/{key}"] = float(e[key])
+    if record.get("nonfinite_rows"):
+        out[f"{PREFIX}/nonfinite_rows"] = float(record["nonfinite_rows"])
+    return out
+
+
+def _all_reduce(counts: StepCounts, device) -> StepCounts:
+    """The counts summed over the processes of the default group (as they are with one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return counts
+    t = torch.from_numpy(counts.pack()).to(device)
+    dist.all_reduce(t)
+    return StepCounts.unpack(counts.names, t.cpu().numpy().astype(np.int64))
+
+
+class GradStatsCallback(TrainerCallback):
+    """The callback :func:`add_grad_stats` adds; ``records``: the records of the probed steps so far."""
+
+    def __init__(self, trainer, every: int = 10, task: str | None = None):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        self.trainer, self.every, self.task = trainer, every, task
+        self.records: list[dict] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._collector: GradientStatsCollector | None = None
+        self._pending: dict | None = None
+
+    def due(self, step: int) -> bool:
+        """Is optimizer step ``step`` (1-based) probed?"""
+        return (step - 1) % self.every == 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.due(state.global_step + 1):
+            return
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        groups = grouper(model, self.task)
+        stack = contextlib.ExitStack()
+        stack.enter_context(evaluating_eagerly(bool(getattr(args, "torch_compile", False))))
+        collector = stack.enter_context(GradientStatsCollector(model))
+        had = "training_step" in vars(trainer)
+        own, previous = trainer.training_step, vars(trainer).get("training_step")
+
+        def training_step(model, inputs, *a, **kw):
+            with collector.batch(inputs.get("attention_mask"), groups(inputs)):
+                return own(model, inputs, *a, **kw)
+
+        trainer.training_step = training_step
+        stack.callback(lambda: setattr(trainer, "training_step", previous) if had
+                       else vars(trainer).pop("training_step", None))
+        self._stack, self._collector = stack, collector
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """The step's backwards are done: hooks off, counts reduced over the processes, the record made."""
+        if self._stack is None:
+            return
+        self._stack.close()
+        counts = step_counts(self._collector.stats())
+        self._stack = self._collector = None
+        self._pending = step_record(_all_reduce(counts, args.device), state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._pending is None:
+            return
+        record, self._pending = self._pending, None
+        self.records.append(record)
+        self.trainer.log(log_values(record))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._stack is not None:  # a run stopped inside a probed step
+            self._stack.close()
+            self._stack = self._collector = None
+
+
+def add_grad_stats(trainer, every: int = 10, task: str | None = None) -> GradStatsCallback:
+    """Add the gradient statistics of every ``every``-th step to ``trainer``'s logs; ``task`` (classification,
+    causal-lm, mlm) says which rows are label-less (default: from the batches' labels)."""
+    callback = GradStatsCallback(trainer, every, task)
+    trainer.add_callback(callback)
+    return callback

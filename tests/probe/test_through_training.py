@@ -1,0 +1,140 @@
+"""Gradient statistics through training: the concentration from the histograms against the sorted rows, a
+probed step's record against the gradients captured on the same backward, the sum over processes, and the
+bad inputs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sebp_probe.analysis.heatmap import capture_output_grads
+from sebp_probe.analysis.knee import fine_histogram
+from sebp_probe.analysis.through_training import StepCounts, concave_knee, concentration, series, step_record
+from sebp_probe.config import FinetuneConfig
+from sebp_probe.train.probe_steps import StepProbe
+from tests.tiny_models import padded_batch, tiny_model
+
+
+def _exact(mags: np.ndarray) -> dict:
+    """The reference: rows sorted by magnitude, largest first; the share of them holding q of sum(m**2), the
+    cumulative energy interpolated between whole rows."""
+    e = np.sort(np.asarray(mags, dtype=np.float64) ** 2)[::-1]
+    cum = np.r_[0.0, np.cumsum(e) / e.sum()]
+    rows = np.arange(len(e) + 1)
+    out = {f"rows_{round(q * 100)}": np.interp(q, cum, rows) / len(e) for q in (0.5, 0.9, 0.99)}
+    x = np.linspace(0, 1, 201)
+    out["knee"] = concave_knee(x, np.interp(x * len(e), rows, cum))
+    return out
+
+
+@pytest.mark.parametrize("sigma", [0.3, 1.0, 2.5])
+def test_concentration_from_the_histogram_matches_the_sorted_rows(sigma):
+    mags = np.exp(np.random.default_rng(1).normal(-9, sigma, 4000)).astype(np.float32)
+    got, want = concentration(fine_histogram(mags)), _exact(mags)
+    for key in ("rows_50", "rows_90", "rows_99"):
+        assert got[key] == pytest.approx(want[key], abs=0.01), key
+    assert got["knee"] == pytest.approx(want["knee"], abs=0.03)
+    assert got["knee_rows"] == math.ceil(got["knee"] * len(mags))
+
+
+def test_concentration_leaves_out_rows_at_or_below_eps_and_zero_rows():
+    big, small = np.full(10, 1.0, np.float32), np.full(990, 2.0 ** -20, np.float32)
+    hist = fine_histogram(np.r_[big, small, np.zeros(50, np.float32)])
+    assert concentration(hist, eps=2.0 ** -10)["rows_99"] == pytest.approx(0.99, abs=0.011)  # 10 equal rows
+    assert concentration(hist)["rows_90"] == pytest.approx(9 / 1000, abs=1e-3)  # the 990 add ~1e-9 of the energy
+    assert concentration(fine_histogram(np.zeros(5, np.float32))) is None
+
+
+def _probe_step(model, batches, probe):
+    with probe.step(1) as around:
+        for b in batches:
+            with around(b):
+                model(**b).loss.backward()
+    return probe.take(1)
+
+
+def test_a_probed_step_records_what_its_own_backward_held():
+    model = tiny_model("bert")
+    batch = padded_batch("bert", lengths=(11, 4, 7, 9))
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layer." in n]
+    probe = StepProbe(1, model, "classification", False, None)
+    with capture_output_grads(model, names) as grads:
+        rec = _probe_step(model, [batch], probe)
+    assert rec["type"] == "grad_stats" and rec["step"] == 1 and set(rec["layers"]) == set(names)
+    real = batch["attention_mask"].reshape(-1).bool()
+    for name in names:
+        g = grads[name].reshape(-1, grads[name].shape[-1])
+        entry = rec["layers"][name]
+        assert entry["rows"] == g.shape[0]
+        row_max = g.abs().amax(dim=1)
+        if g.shape[0] == real.numel():  # one row per token
+            assert entry["causes"]["padding"] == pytest.approx((~real).sum().item() / g.shape[0])
+            live = row_max[real & (row_max > entry["eps"])]
+        else:
+            live = row_max[row_max > entry["eps"]]
+        assert entry["causes"]["active"] * g.shape[0] == pytest.approx(len(live))
+        want = _exact(live.numpy())
+        for key in ("rows_90", "rows_99"):
+            assert entry[key] == pytest.approx(want[key], abs=0.03), (name, key)
+    q = [e for n, e in rec["layers"].items() if n.endswith("query")]
+    assert rec["types"]["attention.self.query"]["rows_90"] == pytest.approx(np.mean([e["rows_90"] for e in q]))
+    assert not any(m._forward_hooks for m in model.modules())  # the hooks are gone after the step
+
+
+def test_the_sum_over_processes_is_the_record_of_all_their_rows():
+    """What the all-reduce computes: the packed counts of two processes' batches, summed, give the record of
+    one step that ran both batches."""
+    model = tiny_model("bert")
+    a, b = padded_batch("bert", (11, 4, 7), seed=1), padded_batch("bert", (5, 12, 3), seed=2)
+    counts = []
+
+    class Keep(StepProbe):
+        def take(self, step):
+            counts.append(self._counts)
+            return super().take(step)
+
+    for batch in (a, b):
+        model.zero_grad()
+        _probe_step(model, [batch], Keep(1, model, "classification", False, None))
+    both = _probe_step(model, [a, b], StepProbe(1, model, "classification", False, None))
+    summed = StepCounts.unpack(counts[0].names, counts[0].pack() + counts[1].pack())
+    assert step_record(summed, 1) == both
+    reduced = StepProbe(1, model, "classification", False, lambda t: t * 2, torch.device("cpu"))
+    doubled = _probe_step(model, [a], reduced)  # a "reduce" that doubles every count: shares unchanged
+    assert doubled["types"]["attention.self.query"]["rows"] == 2 * step_record(counts[0], 1)["types"][
+        "attention.self.query"]["rows"]
+
+
+def test_non_finite_rows_are_recorded_as_such():
+    model = tiny_model("bert")
+    batch = padded_batch("bert")
+    layer = model.bert.encoder.layer[0].attention.self.query
+
+    def poison(module, args, out):
+        out.register_hook(lambda g: g * float("nan"))
+
+    layer.register_forward_hook(poison)
+    rec = _probe_step(model, [batch], StepProbe(1, model, "classification", False, None))
+    name = "bert.encoder.layer.0.attention.self.query"
+    assert rec["layers"][name]["nonfinite_rows"] == rec["layers"][name]["rows"] and "rows_90" not in rec["layers"][name]
+    assert rec["nonfinite_rows"] >= rec["layers"][name]["rows"]
+    assert series([rec])["nonfinite_steps"] == [1]
+
+
+def test_only_every_nth_step_is_probed():
+    probe = StepProbe(10, tiny_model("bert"), "classification", False, None)
+    assert [s for s in range(1, 32) if probe.due(s)] == [1, 11, 21, 31]
+    assert not StepProbe(None, None, None, False, None).due(1)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_probe_every_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="--probe-every must be an integer >= 1"):
+        FinetuneConfig(probe_every=bad)
+
+
+def test_probe_every_refuses_cuda_graphs():
+    with pytest.raises(ValueError, match="CUDA-graph replays"):
+        FinetuneConfig(probe_every=5, cuda_graphs=True)
