@@ -16,6 +16,18 @@ def unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
+def weight_view(w: torch.Tensor) -> torch.Tensor:
+    """A 2-D weight (out, in) as the backward kernels read it: ``w`` itself with unit column stride, or the
+    transposed view of a contiguous (in, out) one (a ``Conv1D``'s, :class:`~.modules.SEBPConv1D`), which the dX
+    loop reads through its strides as the forward over rows reads W (every offset below ``in * out``, 32-bit
+    where the weight has fewer than 2**31 elements); else a contiguous copy."""
+    if w.stride(1) == 1 or w.shape[1] == 1:
+        return w
+    if w.stride(0) == 1 and w.stride(1) == w.shape[0] and w.numel() < 2**31:
+        return w
+    return w.contiguous()
+
+
 def records_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an op on ``tensors`` (grad mode on and one of them requires grad). When it
     will not, the SEBP ops run their plain forward alone: no autograd Function (host time on every call, in

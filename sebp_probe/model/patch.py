@@ -1,4 +1,5 @@
-"""Swap nn.Linear modules of a model for SEBPLinear in place, sharing their Parameters.
+"""Swap nn.Linear modules (and transformers' Conv1D, :mod:`.linears`) of a model for SEBPLinear in place, sharing
+their Parameters.
 
 Target matching (peft style): a pattern matches a module name exactly, as a dotted suffix
 (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``), or as a regex (``re.fullmatch``). The special
@@ -16,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
+from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
 from .embed_rows import patch_embeddings, unpatch_embeddings
+from .linears import is_linear, to_sebp
 from ..notes import note
 
 # Output heads: left dense by "all-linear" unless named explicitly.
@@ -63,8 +65,8 @@ def _as_list(patterns: Iterable[str] | str | None) -> list[str]:
 
 
 def _is_plain_linear(m: nn.Module) -> bool:
-    """A linear that targets can name: plain, or already swapped (SEBP, ReSprop), so patching is repeatable."""
-    return type(m) is nn.Linear or isinstance(m, (SEBPLinear, ReSpropLinear))
+    """A linear that targets can name (:func:`.linears.is_linear`: nn.Linear or Conv1D, plain or swapped)."""
+    return is_linear(m)
 
 
 def _as_config(value: SEBPConfig | Mapping, where: str) -> SEBPConfig:
@@ -128,8 +130,8 @@ def find_targets(
     if filter_fn is not None:
         chosen = [n for n in chosen if filter_fn(modules[n], _logical_name(n))]
     if not explicit and not chosen and not excludes and filter_fn is None:
-        raise PatchError("this model has no nn.Linear layer but its output head (SEBP swaps nn.Linear layers); "
-                         "name the layers with --targets")
+        raise PatchError("this model has no nn.Linear layer but its output head (SEBP swaps nn.Linear and Conv1D "
+                         "layers); name the layers with --targets")
     return chosen
 
 
@@ -198,7 +200,7 @@ def patch_model(
         if isinstance(module, SEBPLinear):
             module.sebp_config = cfg
         else:
-            _set_submodule(model, name, SEBPLinear.from_linear(module, cfg))
+            _set_submodule(model, name, to_sebp(module, cfg))
         patched.append(name)
     if pad_rows and patched:
         pad = install_pad_rows(model)
