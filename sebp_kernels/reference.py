@@ -73,6 +73,11 @@ def select_rows(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
     return row_activity(dy, config).nonzero().squeeze(1)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The bias gradient's accumulation dtype: fp32, fp64 for fp64 (an fp32 sum cost fp64 gradients 1e-7)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def backward_over_rows(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -98,7 +103,7 @@ def backward_over_rows(
     if need_dw:
         dw = dy_a.t() @ x.index_select(0, rows)
     if need_db:
-        db = dy_a.sum(0, dtype=torch.float32).to(dy.dtype)
+        db = dy_a.sum(0, dtype=_acc(dy.dtype)).to(dy.dtype)
     return dx, dw, db
 
 
@@ -112,7 +117,7 @@ def dense_products(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The three backward products of ``Y = X Wᵀ + b`` over all rows of 2-D ``dy``; None where not needed."""
     return (dy @ weight if need_dx else None, dy.t() @ x if need_dw else None,
-            dy.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else None)
+            dy.sum(0, dtype=_acc(dy.dtype)).to(dy.dtype) if need_db else None)
 
 
 def sebp_backward_torch(
