@@ -32,3 +32,18 @@ def to_sebp(m: nn.Module, config: SEBPConfig) -> SEBPLinear:
     """The SEBP module of a plain ``nn.Linear`` or ``Conv1D`` (:class:`~sebp_kernels.SEBPConv1D`), holding its
     Parameters."""
     return SEBPConv1D.from_conv1d(m, config) if is_conv1d(m) else SEBPLinear.from_linear(m, config)
+
+
+def left_dense(model: nn.Module, chosen: list[str]) -> dict[str, str]:
+    """Module name -> class name of the modules of ``model`` that hold a matrix of their own (a parameter of two
+    or more dimensions; not an embedding) outside the ``chosen`` layers: what stays dense besides embeddings
+    and norms (an output head, a projection SEBP does not know, fused experts). The modules inside a peft
+    wrapper of a chosen base layer (its adapters) count as chosen."""
+    roots = {n.removesuffix(".base_layer") for n in chosen}
+    out = {}
+    for name, m in model.named_modules():
+        if name in roots or any(name.startswith(r + ".") for r in roots) or isinstance(m, nn.Embedding):
+            continue
+        if any(p.dim() >= 2 for p in m.parameters(recurse=False)):
+            out[name] = type(m).__name__
+    return out

@@ -23,7 +23,7 @@ from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
 from .embed_rows import patch_embeddings, unpatch_embeddings
-from .linears import is_linear, to_sebp
+from .linears import is_linear, left_dense, to_sebp
 from ..notes import note
 
 # Output heads: left dense by "all-linear" unless named explicitly.
@@ -124,7 +124,9 @@ def find_targets(
         what = f"model type {model_type(model)!r} has no entry" if family is None else \
             f"none of the {family.name} projections is in this model"
         kinds = sorted({_layer_kind(_logical_name(n)) for n in chosen})
-        note(f"{what}: SEBP targets every linear but the output head ({', '.join(kinds)}); choose with --targets")
+        dense = sorted({f"{_layer_kind(n)} ({t})" for n, t in left_dense(model, chosen).items()})
+        note(f"{what}: SEBP targets every linear but the output head ({', '.join(kinds)}); left dense: "
+             f"{', '.join(dense) or 'none'}; choose with --targets")
     chosen = [n for n in chosen if not any(name_matches(_logical_name(n), p) or name_matches(n, p)
                                            for p in excludes)]
     if filter_fn is not None:

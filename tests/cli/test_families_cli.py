@@ -78,7 +78,7 @@ def test_a_family_without_an_entry_runs_with_one_line_per_fallback(tmp_path):
     assert analyze.exit_code == 0, analyze.output
     assert _notes(analyze) == ["note: model type 'opt' has no entry: SEBP targets every linear but the output head "
                                "(fc1, fc2, self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, "
-                               "self_attn.v_proj); choose with --targets"]
+                               "self_attn.v_proj); left dense: lm_head (Linear); choose with --targets"]
     assert finetune.exit_code == 0, finetune.output
     summary = json.loads(finetune.stdout)
     assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5 and summary["runs"]["sebp"]["padding"] == "bucket"
