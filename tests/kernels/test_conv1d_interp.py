@@ -71,3 +71,36 @@ else:
         torch.testing.assert_close(dx_b, dx_a, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw_b, dw_a.t(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(db_b, db_a, rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("model_type,task", [("gpt2", "causal-lm"), ("albert", "classification")])
+    def test_a_patched_model_takes_its_padding_rows_and_trains_as_dense(model_type, task):
+        """GPT-2's Conv1D layers and ALBERT's shared ones (each called 3 times a forward) on the Triton backward
+        with the padding rows' check: it passes, the linears take the rows, the gradients are dense's."""
+        import copy
+
+        from sebp_probe.model.patch import pad_rows_summary, patch_sebp
+        from tests.tiny_models import family_model
+
+        dense = family_model(model_type, task)
+        sebp = copy.deepcopy(dense)
+        patch_sebp(sebp, SEBPConfig("exact", backend="triton"), norms=True)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 120, (4, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 7:] = mask[3, 4:] = 0
+        labels = torch.tensor([0, 2, 1, 1]) if task == "classification" else ids.masked_fill(mask == 0, -100)
+        batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        out = []
+        for model in (dense, sebp):
+            for _ in range(3):  # the check, then batches that take the rows
+                model.zero_grad(set_to_none=True)
+                loss = model(**batch).loss
+                loss.backward()
+            out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        summary = pad_rows_summary(sebp)
+        assert summary["state"] == "on" and summary["taken"] > 0
+        (l_d, g_d), (l_s, g_s) = out
+        torch.testing.assert_close(l_s, l_d, rtol=1e-6, atol=0)
+        assert g_d.keys() == g_s.keys()
+        for k in g_d:
+            torch.testing.assert_close(g_s[k], g_d[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
