@@ -48,8 +48,8 @@ def capture_output_grads(model: nn.Module, names: list[str]):
 
 
 def match_layers(model: nn.Module, pattern: str) -> list[str]:
-    """Logical names of the linear layers (nn.Linear, Conv1D) matching a glob (``*.11.*.query``), an exact name, a dotted
-    suffix or a regex. Raises ValueError when none matches."""
+    """Logical names of the linear layers (nn.Linear, Conv1D) matching a glob (``*.11.*.query``), an exact name,
+    a dotted suffix or a regex. Raises ValueError when none matches."""
     names = [_logical_name(n) for n, m in model.named_modules() if is_linear(m)]
     hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) or name_matches(n, pattern)]
     if not hits:
