@@ -1,5 +1,5 @@
 """Write a Llama model with random weights (seed 0) and a tokenizer to a directory, for the GPU fine-tuning runs
-of benchmarks/fsdp_session.sh and benchmarks/compare_session.sh (the device machine has no hub access).
+of benchmarks/gpu_suite.py (steps fsdp*, compare; the device machine has no hub access).
 
 Shapes: ``1b`` (default), sebp_probe.bench.bench_cases' Llama-3.2-1B; ``small``, a ~120M Llama (12 layers of 768).
 The vocabulary is the tokenizer's: the bundled MiniLM's (30522 word pieces), so that the bundled tweets
@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: E402
 
-from sebp_probe.bench.bench_cases import _LLAMA_1B  # noqa: E402
+from sebp_probe.bench.bench_cases import MODEL_CASES  # noqa: E402
 
 
-SHAPES = {"1b": _LLAMA_1B,
+SHAPES = {"1b": MODEL_CASES["llama-3.2-1b-sft"].config,
           "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                         intermediate_size=2048, tie_word_embeddings=False)}
 

@@ -1,5 +1,5 @@
-"""Merge the runs of benchmarks/orders_session.sh (one whole-model bench entry per process, in the order given,
-A B B A) into one bench result that the docs read as any other.
+"""Merge the runs of ``benchmarks/gpu_suite.py compiled-longest`` (one whole-model bench entry per process, in
+the order given, A B B A) into one bench result that the docs read as any other.
 
 Each entry (layout, method, head, timing) gets the mean over its runs: of the step time (``ms``), of the forward
 and backward, and batch by batch (``per_batch_ms``); its largest peak memory and recompile count; the compile

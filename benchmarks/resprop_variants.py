@@ -18,6 +18,7 @@ call time; the product itself has no such option):
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -52,7 +53,8 @@ def sampled_keep(generator: torch.Generator):
     """A ``keep_mask`` replacement: row i kept with probability q_i = min(1, c s_i) (s_i its norm, c set so
     that the q_i add up to the kept count), its D scaled by 1 / q_i in place; non-finite rows always kept."""
     def keep_mask(d2: torch.Tensor, active: torch.Tensor, reuse: float) -> torch.Tensor:
-        scores = R._scores(d2, active)  # +inf non-finite, -1 inactive
+        scores = R.row_norms(d2)  # ranked as keep_mask ranks: +inf non-finite, -1 inactive
+        scores = scores.masked_fill(~torch.isfinite(scores), math.inf).masked_fill(~active, -1.0)
         finite = torch.isfinite(scores)
         s = scores.clamp_min(0).masked_fill(~finite, 0)
         k = R.kept_count(reuse, active).to(torch.float32)

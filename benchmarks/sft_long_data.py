@@ -1,5 +1,5 @@
 """Write SFT-length instruction pairs made of the bundled tweets, for GPU runs that need long sequences
-(benchmarks/fsdp_session.sh): the tweets alone are 20-60 tokens, so their batches leave little for SEBP.
+(benchmarks/gpu_suite.py step fsdp): the tweets alone are 20-60 tokens, so their batches leave little for SEBP.
 
 Each example's length in tokens (of the given tokenizer) follows the whole-model benchmark's ``sft``
 distribution (:func:`sebp_probe.bench.bench_cases.sample_lengths`: log-normal, median 300 at 2048, up to 2048): the
@@ -17,15 +17,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sebp_probe.bench.bench_cases import sample_lengths  # noqa: E402
-from sebp_probe.data.textdata import _tweets_rows  # noqa: E402
+from sebp_probe.config import DataConfig  # noqa: E402
+from sebp_probe.data.textdata import load_text_data  # noqa: E402
 
 HEAD = "Classify the sentiment of each tweet below as negative, neutral or positive, one word per tweet.\n"
 
 
 def examples(tok, n: int, max_length: int, seed: int) -> list[dict]:
     """``n`` prompt/response pairs whose token counts follow the ``sft`` lengths (each at least one tweet)."""
-    rows, _ = _tweets_rows("train")
-    texts = [(" ".join(r["text"].split()), r["sentiment"]) for r in rows]
+    data = load_text_data(DataConfig(dataset="tweets"), "classification")  # the bundled tweets' training split
+    texts = [(" ".join(e["text"].split()), data.label_names[e["label"]]) for e in data.examples]
     cost = [len(tok(f"Tweet {i % 100}: {t}\n", add_special_tokens=False)["input_ids"]) + 2
             for i, (t, _) in enumerate(texts)]  # the tweet's line and its answer word
     out, at = [], 0

@@ -16,7 +16,7 @@ Memory: a chunk holds ``chunk_rows x V`` logits (on the torch path in fp32, plus
 under autocast); the default keeps that working set near ``CHUNK_BYTES`` (320 MiB) and splits the rows in
 equal chunks: 4096 labelled rows of V = 128256 or 151936 in bf16 on the kernel's path run in 4 chunks of 1024.
 Chunk sizes from 512 to 1408 rows were timed on an H100 (``benchmarks/head_bench.py --extra-chunks``, under
-results/head_h100/): at 1408 rows the Qwen2.5-0.5B-shaped step's peak memory was above Cut-Cross-Entropy's,
+results/head.json; 512 and 704: b1e36a5:results/head_h100/head_qwen_chunks.json in git history): at 1408 rows the Qwen2.5-0.5B-shaped step's peak memory was above Cut-Cross-Entropy's,
 at 832 its head ran 1.2x slower than at 1024.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from . import label_checks
 
 CHUNK_BYTES = 320 * 2**20  # the per-chunk working set the default chunk size aims at
 _ROW_MULTIPLE = 128  # chunks of whole 128-row tiles (on an H100, 832 rows a chunk ran the head 1.2x slower
-#                       than 1024 or 1408: results/head_h100/head.json)
+#                       than 1024 or 1408: results/head.json)
 
 
 def default_chunk_rows(vocab: int, compute_dtype: torch.dtype, fused: bool = False) -> int:

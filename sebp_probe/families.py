@@ -74,7 +74,9 @@ class Family:
     classifier's token 0; ``position_offset``: positions count from ``pad_token_id + 1``. ``mlm``: the
     masked-LM head's transform before its decoder. ``logit_softcap``: the LM head applies
     ``config.final_logit_softcapping``; ``logit_divisor``: the config field the logits are divided by.
-    ``liger``: Liger-Kernel's ``apply_liger_kernel_to_<model_type>`` runs in the whole-model benchmark."""
+    ``liger``: Liger-Kernel's ``apply_liger_kernel_to_<model_type>`` runs in the whole-model benchmark.
+    ``experts``: mixture-of-experts classes whose experts are fused 3-D parameters (``gate_up_proj``,
+    ``down_proj``), which get the SEBP experts backward with the linears (:mod:`.model.experts`)."""
 
     name: str
     targets: tuple[str, ...]
@@ -94,6 +96,7 @@ class Family:
     logit_softcap: bool = False
     logit_divisor: str | None = None
     liger: bool = False
+    experts: tuple[str, ...] = ()
 
 
 def _decoder(name: str, prefix: str, **kw) -> Family:
@@ -124,6 +127,9 @@ FAMILIES: dict[str, Family] = {
     # OLMo-2's RMSNorm casts after the weight, not before: other bits than the SEBP norm's in half precision
     "olmo2": _decoder("OLMo-2", "Olmo2", qk_norm="full", norms_at="post", rms_norms=()),
     "granite": _decoder("Granite", "Granite", logit_divisor="logits_scaling"),
+    # mixtures of experts: the router (mlp.gate) stays dense, the fused experts take their routed rows' backward
+    "mixtral": _decoder("Mixtral", "Mixtral", targets=_LLAMA_TARGETS[:4], gated_mlps=(), experts=("MixtralExperts",)),
+    "qwen3_moe": _decoder("Qwen3-MoE", "Qwen3Moe", qk_norm="head", experts=("Qwen3MoeExperts",)),
     "bert": _encoder("BERT", "Bert", ("bert", "pooler"), mlm=_bert_mlm),
     "roberta": _encoder("RoBERTa", "Roberta", ("classifier",), position_offset=True, mlm=_roberta_mlm),
     "electra": _encoder("ELECTRA", "Electra", ("classifier",), mlm=_electra_mlm),

@@ -69,6 +69,7 @@ def padded_batch(arch: str, lengths=(11, 4, 7), side: str = "right", seed: int =
 FAMILY_TASKS = {
     "llama": "causal-lm", "mistral": "causal-lm", "qwen2": "causal-lm", "qwen3": "causal-lm", "phi3": "causal-lm",
     "gemma2": "causal-lm", "gemma3_text": "causal-lm", "olmo2": "causal-lm", "granite": "causal-lm",
+    "mixtral": "causal-lm", "qwen3_moe": "causal-lm",
     "bert": "classification", "roberta": "classification", "electra": "classification",
     "distilbert": "classification", "modernbert": "classification", "deberta-v2": "classification",
     "gpt2": "causal-lm", "albert": "classification",
@@ -77,7 +78,8 @@ FAMILY_TASKS = {
 
 def family_config(model_type: str, vocab_size: int = 120, pad: int = 0, cls: int = 1, sep: int = 2):
     """A tiny config of ``model_type`` (2 layers, width 32, no dropout) whose family-specific parts are on: sliding
-    windows shorter than a sequence, logit softcaps, Granite's multipliers, DeBERTa-v3's relative attention."""
+    windows shorter than a sequence, logit softcaps, Granite's multipliers, DeBERTa-v3's relative attention, the
+    mixtures of experts' top-2 routing over 4 experts (Qwen3-MoE: its first layer a dense MLP)."""
     from transformers import AutoConfig
 
     ids = dict(pad_token_id=pad, bos_token_id=cls, eos_token_id=sep)
@@ -93,6 +95,9 @@ def family_config(model_type: str, vocab_size: int = 120, pad: int = 0, cls: int
                        attn_logit_softcapping=0.05),
         "gemma3_text": dict(dec, head_dim=8, sliding_window=6, query_pre_attn_scalar=8,
                             layer_types=["sliding_attention", "full_attention"]),
+        "mixtral": dict(dec, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": dict(dec, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                          mlp_only_layers=[0], norm_topk_prob=True),
         "granite": dict(dec, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
                         embedding_multiplier=2.0),
         "bert": dict(common, **no_drop, pad_token_id=pad),

@@ -11,7 +11,7 @@ Two small kernels, no host sync:
    order) at the back. The number of active rows ``k`` goes to a one-element device tensor.
 
 Measured on an H100 (2026-11-22, ``results/tuning/select_one_vs_two_launches_h100.txt`` and
-``results/select_h100/select_probe.json``), two one-launch variants were slower than these two launches at
+``results/kernels.json``, run select), two one-launch variants were slower than these two launches at
 every BERT-base and Llama-3.2-3B shape: each block finding its offset by a decoupled look-back over earlier blocks
 (6-13 us more), and the last block to finish compacting all rows alone (1-60 us more). The compact pass
 costs 4.8-5.8 us alone and 2.1-3.2 us after the flags pass, whatever its ``ROWS`` (128-1024).

@@ -25,7 +25,7 @@ Scope: by default (``layers``) each layer of the model's stack compiles in place
 and the loss stay eager: the layers share their code (and SEBP layers carry their registry keys as tensor
 inputs of the graph, :func:`sebp_kernels.registry.keys_as_inputs`), so Dynamo and Inductor compile one layer's graphs and every layer runs them (PyTorch's
 "regional compilation"). On an H100 that took 19-27 s for a 1B decoder where the whole step took minutes
-(results/layouts_compiled_h100). ``step`` compiles the whole step function instead, so Inductor sees the
+(results/model_compiled.json). ``step`` compiles the whole step function instead, so Inductor sees the
 model, its head and the loss as one program (the model's own head's logits and cross-entropy fused too).
 
 SEBP under compile: the entry patches what ``--norms`` and ``--acts`` ask for, by default the linears only.

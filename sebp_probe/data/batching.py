@@ -190,14 +190,14 @@ def seqlen_bound(longest: int) -> int:
     end do nothing), so the result is the same. A compiled step takes it as a symbol (torch's varlen operator
     declares it a SymInt): Llama-1B's packed batches of the bench's pool, in three buckets, recompiled no layer on
     an H200 once the layers compiled without the size-guarded fusion
-    (results/layouts_compiled_h200/model_llama-3.2-1b-sft_cce_s39.json)."""
+    (results/model_compiled.json, run llama-3.2-1b-sft_cce)."""
     return max(16, 1 << max(int(longest) - 1, 0).bit_length())
 
 
 # Padded batches of a compiled run: lengths a multiple of this. Inductor specializes a graph compiled with dynamic
 # shapes on whether the sequence length is a multiple of 8 (its aligned loads, and the lookup of its compiled
 # code): on an H200 a Llama-1B and a Qwen2.5-0.5B layer compiled on `longest` batches recompiled at the first
-# batch whose length was not (TORCH_LOGS=recompiles, results/layouts_compiled_h200/raw/orders_s39.tgz).
+# batch whose length was not (TORCH_LOGS=recompiles, git show b1e36a5:results/layouts_compiled_h200/raw/orders_s39.tgz).
 COMPILE_MULTIPLE = 8
 
 

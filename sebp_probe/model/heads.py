@@ -89,6 +89,9 @@ def resolve_head(model: nn.Module, task: str) -> _Head:
             else:
                 raise HeadError(f"{type(lm).__name__} transforms its logits ({name} = {value}); the head path "
                                 "computes a plain linear head only")
+    if task == "causal-lm" and getattr(cfg, "output_router_logits", False):
+        raise HeadError(f"{type(lm).__name__} adds its routers' load-balancing loss (output_router_logits), over "
+                        "every row's routing; the head path computes the labelled rows' loss only")
     backbone = getattr(lm, "base_model", None)
     decoder = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if backbone is None or backbone is lm or type(decoder) is not nn.Linear:

@@ -284,12 +284,13 @@ def _decoder_forward(layer, family: Family, kept: KeptRows, additive: bool, hidd
     if drop_attn is not None:
         out = drop_attn(out)
     h = kept.of(hidden_states) + (out if scale is None else out * scale)
+    mlp = layer.mlp if not family.experts else lambda x: layer.mlp(x[None])[0]  # an MoE block takes (B, T, H)
     if family.norms_at == "pre":
-        m = layer.mlp(layer.post_attention_layernorm(h))
+        m = mlp(layer.post_attention_layernorm(h))
     elif family.norms_at == "sandwich":
-        m = layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        m = layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(h)))
     else:
-        m = layer.post_feedforward_layernorm(layer.mlp(h))
+        m = layer.post_feedforward_layernorm(mlp(h))
     if drop_mlp is not None:
         m = drop_mlp(m)
     h = h + (m if scale is None else m * scale)

@@ -33,7 +33,7 @@ ROWS_HEADS = ("labelled", "cce")  # the heads that call the backbone themselves,
 # The labelled-rows head runs the last layer's position-wise work on the labelled rows too (:mod:`.last_layer`).
 # Under compile that layer runs eagerly; turning this off (the last layer compiled on every row) was timed on
 # packed Qwen2.5-0.5B and Llama-3.2-1B and stayed within the runs' noise (docs/benchmarks.md; the experiment's
-# script flips this: results/layouts_compiled_h100/raw/session10_kept_ab.sh).
+# script flips this: git show b1e36a5:results/layouts_compiled_h100/raw/session10_kept_ab.sh).
 KEPT_ROWS_LAST_LAYER = True
 _ATTR = "_sebp_head_task"
 _THROUGH_FORWARD = "causal-lm:forward"  # _ATTR's value for the labelled head through the model's own forward

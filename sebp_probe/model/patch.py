@@ -23,6 +23,7 @@ from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
 from .embed_rows import patch_embeddings, unpatch_embeddings
+from .experts import patch_experts, unpatch_experts
 from .linears import is_linear, left_dense, to_sebp
 from ..notes import note
 
@@ -170,6 +171,9 @@ def patch_model(
     selecting them, once a first backward has checked that those rows get no gradient
     (:mod:`sebp_kernels.pad_rows`; exact mode only), and the model's embeddings then leave those rows out of
     their backward (:mod:`sebp_kernels.embedding`).
+
+    Without ``target_modules``, a mixture-of-experts family's fused experts get the SEBP experts backward too
+    (:mod:`.experts`; not among the names returned, see :func:`~.experts.patched_experts`).
     """
     if config is not None and not isinstance(config, SEBPConfig):
         raise PatchError(f"config must be an SEBPConfig, got {type(config).__name__}")
@@ -204,6 +208,8 @@ def patch_model(
         else:
             _set_submodule(model, name, to_sebp(module, cfg))
         patched.append(name)
+    if target_modules is None and patched:  # the family's default: its fused experts with its projections
+        patch_experts(model, family_of(model), note)
     if pad_rows and patched:
         pad = install_pad_rows(model)
         for name in patched:
@@ -361,8 +367,8 @@ def remove_pad_rows(model: nn.Module) -> None:
 def unpatch_model(model: nn.Module) -> list[str]:
     """Put plain nn.Linear modules (same Parameters) back in place of every SEBPLinear, the original norm
     modules in place of every SEBPNorm (:func:`patch_norms`), and the original activations into the MLPs
-    (:func:`patch_activations`); return their names."""
-    acts = unpatch_activations(model)
+    (:func:`patch_activations`) and their own forward into the experts (:mod:`.experts`); return their names."""
+    acts = unpatch_activations(model) + unpatch_experts(model)
     remove_pad_rows(model)
     unpatch_embeddings(model)
     names = [n for n, m in model.named_modules() if isinstance(m, (SEBPLinear, SEBPNorm))]

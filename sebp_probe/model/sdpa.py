@@ -2,7 +2,7 @@
 
 PyTorch's ``scaled_dot_product_attention`` may pick cuDNN's attention on a GPU such as the H100. cuDNN builds an
 execution plan on the host for each new input shape, and padded training batches change shape with nearly
-every step. Measured on an H100 (docs/trainer.md, results/trainer_h100/): two profiled steps of plain
+every step. Measured on an H100 (docs/trainer.md, results/trainer.json): two profiled steps of plain
 SFTTrainer spent 0.99 s of host time in cuDNN's attention forward and 1.2 s in its backward, against 0.33 s of
 GPU time, and the same trainer without cuDNN's attention stepped 1.5x faster. Flash, memory-efficient or math
 attention compute the same, without a plan per shape.

@@ -55,7 +55,7 @@ def make_optimizer(params: list, cfg: FinetuneConfig) -> torch.optim.Optimizer:
     Hugging Face's ``Trainer`` uses by default; the same update rule as the default multi-tensor one. On the GPU
     the multi-tensor one took 6-7 ms of host time a step for BERT-base, longer than the GPU needed for it
     (torch.profiler over training steps); on the CPU it took several times the fused one's time for MiniLM's
-    22.7M parameters (``benchmarks/adamw_cpu.py``). A torch without the fused kernel for these parameters
+    22.7M parameters (results/tuning/adamw_cpu.json). A torch without the fused kernel for these parameters
     gets the default."""
     if params and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params):
         try:

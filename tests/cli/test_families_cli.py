@@ -112,3 +112,32 @@ def test_the_default_command_and_sebp_on_every_projection_train_as_dense(model_t
     suffixes = {t.rsplit(".", 1)[-1] for t in FAMILIES[model_type].targets}
     assert {n.rsplit(".", 1)[-1] for n in layers} == suffixes
     assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_trains_as_dense_with_sebp_on_its_experts_and_the_routers_loss(model_type, tmp_path):
+    """SEBP kept on (--always-sebp) on batches padded to the maximum length, the routers' load-balancing loss on:
+    the experts run the SEBP backward, the labelled-rows head gives way to the model's own loss (one note), and the
+    loss is dense's."""
+    from transformers import AutoConfig
+
+    model = _save(model_type, tmp_path / "model")
+    cfg = AutoConfig.from_pretrained(model)
+    cfg.output_router_logits = True
+    cfg.save_pretrained(model)
+    sizes = [*SIZES[:-1], "64"]  # tweets padded to 64 tokens: rows enough without gradient for SEBP
+    finetune = CliRunner().invoke(app, ["finetune", model, "tweets", *sizes, "--compare", "--max-steps", "2",
+                                        "--eval-samples", "8", "--padding", "max_length", "--always-sebp",
+                                        "-o", str(tmp_path / "run"), "--json"])
+    assert finetune.exit_code == 0, finetune.output
+    summary = json.loads(finetune.stdout)
+    assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5
+    assert summary["runs"]["sebp"]["calibration"]["layers"]  # SEBP ran, the experts with the projections
+    notes = _notes(finetune)
+    name = FAMILIES[model_type].name
+    assert f"note: {name}: SEBP runs on the fused experts (mlp.experts: gate_up_proj and down_proj, backward over " \
+           "their routed rows whose dL/dY is not zero) beside the projections; the router (mlp.gate) stays dense" \
+           in notes, notes
+    assert any(n.startswith("note: --head labelled runs as --head full") and "output_router_logits" in n
+               for n in notes), notes

@@ -76,7 +76,7 @@ def test_no_rows_is_f_linear_itself():
 
 
 def test_it_pays_on_large_batches_with_padding_only():
-    """The line drawn from the H100 probe (results/fwd_rows_h100/fwd_rows_probe.json): Llama-3.2-1B's and
+    """The line drawn from the H100 probe (results/kernels.json, run forward_rows): Llama-3.2-1B's and
     Qwen2.5-0.5B's projections over 8192 rows half real, not their all-real batches, not Qwen's 896->128 k/v,
     not BERT-base's 2112-row batches."""
     assert pays(8192, 2048, 2048, 0.5) and pays(8192, 2048, 512, 0.5) and pays(8192, 896, 896, 0.5)

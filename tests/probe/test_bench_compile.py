@@ -183,28 +183,6 @@ def test_tables_show_compiled_rows_in_80_columns(capsys, monkeypatch):
     assert "…" not in raw and max(len(line) for line in raw.splitlines() if not line.startswith(prose)) <= 80
 
 
-def test_docs_table_renders_compiled_rows(tmp_path, monkeypatch):
-    """The full table gets compiled and compile-seconds columns where a result has compiled rows; results
-    without them render as before (the committed ones: tests/probe/test_docs.py)."""
-    load_benchmark("make_docs", folder="tools/docs")  # puts tools/docs/ on the path, imports the block modules
-    blocks, docgen = sys.modules["blocks_results"], sys.modules["docgen"]
-    row = dict(layout="packed", head="full", padding_share=0.0, peak_gib=1.0, loss_gap=0.0)
-    rows = [dict(row, method="dense", timing="eager", ms=30.0, vs_dense_same_layout=1.0),
-            dict(row, method="dense", timing="compiled", ms=20.0, compile_s=41.5, recompiles=0,
-                 vs_dense_same_layout=1.0),
-            dict(row, method="cce", head="labelled", timing="compiled", ms=16.0, compile_s=37.0, recompiles=0,
-                 vs_dense_same_layout=None)]
-    model = {"case": {"name": "tiny", "batch": 4, "max_length": 64}, "rows": rows}
-    (tmp_path / "results" / "x").mkdir(parents=True)
-    (tmp_path / "results" / "x" / "m.json").write_text(json.dumps(
-        {"command": "sebp-probe bench", "environment": {"gpu": "H100", "date": "today"}, "models": [model]}))
-    monkeypatch.setattr(blocks, "LAYOUT_FILES", ("x/m.json",))
-    text = blocks.layouts_full(docgen.Page(tmp_path, tmp_path / "docs" / "benchmarks.md"))
-    assert "| compiled ms | compile s |" in text
-    assert "| packed | dense | full | 30.0 | - | 20.0 | 41.5 |" in text
-    assert "| packed | cce | labelled | - | - | 16.0 | 37.0 |" in text
-
-
 @pytest.mark.parametrize("sebp", ["dense", "linears", "fused"])
 def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(sebp):
     """``--compile-scope layers``: the stack's layers share one compile (fewer graphs than layers), a sequence

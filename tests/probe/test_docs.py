@@ -44,7 +44,8 @@ def test_unknown_block_fails_clearly(make_docs, tmp_path, capsys):
 
 
 def test_stale_block_is_named_then_rewritten(make_docs, tmp_path, capsys):
-    shutil.copytree(ROOT / "results" / "norms_h100", tmp_path / "results" / "norms_h100")
+    (tmp_path / "results").mkdir()
+    shutil.copy(ROOT / "results" / "kernels.json", tmp_path / "results" / "kernels.json")
     page = _page(tmp_path, "# t\n\n<!-- BEGIN generated:norms_h100 -->\n| old | table |\n"
                            "<!-- END generated:norms_h100 -->\n\nafter\n")
     assert make_docs.main(["--check", "--root", str(tmp_path)]) == 1
@@ -55,7 +56,8 @@ def test_stale_block_is_named_then_rewritten(make_docs, tmp_path, capsys):
     assert make_docs.main(["--root", str(tmp_path)]) == 0
     text = page.read_text()
     assert "| old | table |" not in text and text.endswith("\n\nafter\n") and text.startswith("# t\n\n")
-    assert "norm_bench.py" in text and "(../results/norms_h100/norm_bench.json)" in text  # caption and link
+    assert "norm_bench.py" in text and "(../results/kernels.json)" in text  # caption and link
+    assert "<details><summary>Command</summary>" in text  # the command folded under the conditions line
     assert make_docs.main(["--check", "--root", str(tmp_path)]) == 0
 
 
@@ -65,7 +67,7 @@ def test_unpaired_markers_and_missing_results_fail(make_docs, tmp_path, capsys):
     assert "no matching END" in capsys.readouterr().err
     _page(tmp_path, "<!-- BEGIN generated:norms_h100 -->\n<!-- END generated:norms_h100 -->\n")
     assert make_docs.main(["--check", "--root", str(tmp_path)]) == 1
-    assert "results/norms_h100/norm_bench.json does not exist" in capsys.readouterr().err
+    assert "results/kernels.json does not exist" in capsys.readouterr().err
 
 
 def test_captions_name_gpu_versions_date_and_command(make_docs):
@@ -85,30 +87,51 @@ def test_captions_name_gpu_versions_date_and_command(make_docs):
             assert "`" in line and "results/" in line, (name, line)
 
 def _command(path: Path) -> str | None:
-    """The command a result file records: ``command`` at the top of a JSON or in its ``environment``, or a
+    """The command a tuning file records: ``command`` at the top of a JSON or in its ``environment``, or a
     ``.txt`` header line naming the script."""
     if path.suffix == ".json":
         doc = json.loads(path.read_text())
         return doc.get("command") or (doc.get("environment") or {}).get("command")
-    if path.suffix == ".txt":
-        return next((line for line in path.read_text().splitlines()[:6] if ".py" in line), None)
-    return None
+    return next((line for line in path.read_text().splitlines()[:6] if ".py" in line), None)
 
 
 def test_every_result_is_in_the_readme_with_the_command_that_made_it():
-    """results/README.md lists every folder (and every tuning file), and every file there records its command:
-    a figure is drawn from the JSON beside it, raw/ folders hold the run files that the README describes."""
+    """results/README.md lists every family file (and the tuning folder); every run of a family records its
+    command, its date and where it was first committed, and every tuning sweep its command."""
     readme = (ROOT / "results" / "README.md").read_text()
     rows = [line.split(" | ")[0] for line in readme.splitlines() if line.startswith("| `")]
     listed = {name for row in rows for name in re.findall(r"`([\w.-]+)/?`", row)}
-    folders = {p.name for p in (ROOT / "results").iterdir() if p.is_dir()}
-    tuning = {p.name for p in (ROOT / "results" / "tuning").iterdir()}
-    assert folders | tuning <= listed, (folders | tuning) - listed
-    for path in sorted((ROOT / "results").rglob("*")):
-        rel = path.relative_to(ROOT / "results")
-        if path.is_dir() or path.name == "README.md" or "raw" in rel.parts:
-            continue
-        if path.suffix == ".png":
-            assert path.with_suffix(".json").exists(), rel
-            continue
-        assert _command(path), f"results/{rel} records no command"
+    found = {p.name for p in (ROOT / "results").iterdir() if p.name != "README.md"}
+    assert found == listed, found ^ listed
+    for path in sorted((ROOT / "results").glob("*.json")):
+        runs = json.loads(path.read_text())["runs"]
+        assert runs, path.name
+        for name, run in runs.items():
+            src = make_docs_source(path.name, run)
+            assert run.get("command") or src.env().get("command"), f"{path.name}#{name} records no command"
+            assert re.match(r"20\d\d-\d\d-\d\d", str(src.env().get("date", ""))), f"{path.name}#{name}: no date"
+            assert run.get("recorded_in"), f"{path.name}#{name}: no commit"
+    for path in sorted((ROOT / "results" / "tuning").iterdir()):
+        assert _command(path), f"results/tuning/{path.name} records no command"
+
+
+def make_docs_source(rel: str, data: dict):
+    sys.path.insert(0, str(ROOT / "tools" / "docs"))
+    try:
+        from docgen import Source
+    finally:
+        sys.path.pop(0)
+    return Source(rel, data)
+
+
+def test_add_puts_a_run_into_a_family_and_refuses_one_without_a_command(make_docs, tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    run = {"command": "python benchmarks/norm_bench.py OUT.json", "environment": {"date": "2026-12-01", "torch": "2"},
+           "rows": [1]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    args = ["--root", str(tmp_path), "--add", "kernels.json", "norms"]
+    assert make_docs.main([*args, str(tmp_path / "run.json")]) == 0
+    assert json.loads((tmp_path / "results" / "kernels.json").read_text())["runs"]["norms"] == run
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    assert make_docs.main([*args, str(tmp_path / "bad.json")]) == 1
+    assert "records no command" in capsys.readouterr().err

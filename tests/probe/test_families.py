@@ -16,6 +16,7 @@ from sebp_probe.data.batching import PackedCollator, PadCollator
 from sebp_probe.families import FAMILIES, family_of
 from sebp_probe.model.losses import batch_loss, set_head
 from sebp_probe.model.packing import check_packable
+from sebp_probe.model.experts import patched_experts
 from sebp_probe.model.patch import patch_sebp, patched_activations
 from tests.tiny_models import FAMILY_TASKS, family_model
 
@@ -29,8 +30,9 @@ def _pad(model_type: str) -> int:
 
 
 def _dtype(model_type: str) -> torch.dtype:
-    """fp64, but fp32 for Gemma 2: its eager attention adds the fp64 mask's minimum twice, -inf, and NaN."""
-    return torch.float32 if model_type == "gemma2" else torch.float64
+    """fp64, but fp32 for Gemma 2 (its eager attention adds the fp64 mask's minimum twice, -inf, and NaN) and the
+    mixtures of experts (their experts' default grouped_mm takes fp32, bf16 and fp16 only)."""
+    return torch.float32 if model_type == "gemma2" or FAMILIES[model_type].experts else torch.float64
 
 
 def _rtol(model) -> float:
@@ -94,6 +96,7 @@ def test_sebp_with_norms_and_activations_equals_dense(model_type, task):
     rms = [m for m in sebp.modules() if isinstance(m, SEBPNorm) and m.kind == "rms"]
     assert bool(rms) == bool(family.rms_norms)
     assert bool(patched_activations(sebp)) == bool(family.gated_mlps or family.gelu_mlps)
+    assert bool(patched_experts(sebp)) == bool(family.experts)
     _assert_same(want, _loss_and_grads(sebp, lambda: sebp(**batch).loss), _rtol(sebp))
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/orders_collect.py: the runs of orders_session.sh, one entry each, merged into one bench result."""
+"""benchmarks/orders_collect.py: the runs of gpu_suite.py compiled-longest, one entry each, merged into one bench result."""
 import importlib.util
 import json
 from pathlib import Path

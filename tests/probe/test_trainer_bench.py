@@ -43,22 +43,18 @@ def test_tiny_bench_writes_its_json(bench, tmp_path, isolated):
         assert all(abs(a - b) <= 1e-4 * max(1.0, a) for a, b in zip(plain["loss"], cce["loss"]))
 
 
-def test_gpu_session_script_names_the_bench_variants(bench):
-    """benchmarks/trainer_session.sh parses, and every variant its steps ask for is one the bench knows."""
-    import re
-    import shutil
-    import subprocess
-    from pathlib import Path
+def test_gpu_suite_asks_only_for_variants_the_bench_knows(bench, tmp_path):
+    """benchmarks/gpu_suite.py's trainer step: every variant it asks for is one the bench knows, and it merges the
+    compiled variants, each timed in a process of its own, into one JSON."""
+    from tests.helpers import load_benchmark
 
-    script = Path(bench.__file__).with_name("trainer_session.sh")
-    if shutil.which("bash"):
-        subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
-    groups = re.findall(r"--variants (\S+)", text) + re.findall(r"\$\{VARIANTS:-([^}]+)\}", text)
-    asked = [v.removesuffix("-nocudnn") for group in groups if not group.startswith('"$') for v in group.split(",")]
-    assert "liger+sebp+compile" in asked
-    assert {"plain", "sebp", "plain+compile", "sebp+compile", "liger", "liger+sebp"} <= set(asked)
-    assert set(asked) <= set(bench.VARIANTS)
+    suite = load_benchmark("gpu_suite")
+    jobs = suite.STEPS["trainer"].jobs(tmp_path, "h100")
+    asked = [job.argv[job.argv.index("--variants") + 1] for job in jobs if "--variants" in job.argv]
+    variants = [v.removesuffix("-nocudnn") for group in asked for v in group.split(",")]
+    assert {"plain", "sebp", "liger", "liger+sebp", "sebp+compile", "liger+compile"} <= set(variants)
+    assert set(variants) <= set(bench.VARIANTS)
+    assert "--merge" in jobs[-1].argv and jobs[-1].add == ("trainer.json", "compiled_h100")
 
 
 def test_merge_puts_runs_side_by_side_and_refuses_what_does_not_compare(bench, tmp_path):

@@ -7,15 +7,15 @@ from docgen import (Page, Source, block, captioned, dens, f1, f2, f3, short_gpu,
 
 # ----------------------------------------------------------------------------------- per-layer benchmark
 
-LAYER_FILES = ("layers_bert-base.json", "layers_llama-3.2-3b.json")
+LAYER_FILES = ("bert-base", "llama-3.2-3b")
 TARGET_DENSITIES = (0.1, 0.2, 0.5)  # the densities whose shares the summaries count
 GOAL = 0.9  # the share of the ideal's speedup that the summaries count points against
 
 
 def layer_runs(page: Page, folder: str, files: tuple[str, ...] = LAYER_FILES
                ) -> tuple[list[Source], dict[str, dict[float, dict]]]:
-    """The per-layer bench files of ``folder`` and their entries: layer name -> density -> entry."""
-    sources = [page.load(f"{folder}/{f}") for f in files]
+    """The per-layer bench runs of ``folder`` (the GPU: ``h100``, ``h200``) and their entries: layer name -> density -> entry."""
+    sources = [page.load(f"layers.json#{folder}_{f}") for f in files]
     by_layer: dict[str, dict[float, dict]] = {}
     for src in sources:
         for entry in src.rows("layers"):
@@ -83,27 +83,27 @@ def _points(layers: dict[str, dict[float, dict]], method: str, floor: str = "ide
 
 @block("layers_speedup_h100")
 def layers_speedup_h100(page: Page) -> str:
-    return _layers_speedup(page, "layers_h100")
+    return _layers_speedup(page, "h100")
 
 
 @block("layers_share_h100")
 def layers_share_h100(page: Page) -> str:
-    return _layers_share(page, "layers_h100")
+    return _layers_share(page, "h100")
 
 
 @block("layers_share_h200")
 def layers_share_h200(page: Page) -> str:
-    return _layers_share(page, "layers_h200")
+    return _layers_share(page, "h200")
 
 
 @block("layers_kept_h100")
 def layers_kept_h100(page: Page) -> str:
-    return _layers_kept(page, "layers_h100")
+    return _layers_kept(page, "h100")
 
 
 @block("layers_summary")
 def layers_summary(page: Page) -> str:
-    (s100, h100), (s200, h200) = layer_runs(page, "layers_h100"), layer_runs(page, "layers_h200")
+    (s100, h100), (s200, h200) = layer_runs(page, "h100"), layer_runs(page, "h200")
 
     def pair(fn) -> str:
         return f"{fn(h100)} on the H100, {fn(h200)} on the H200"
@@ -138,7 +138,7 @@ def layers_summary(page: Page) -> str:
 
 @block("dw_alone_h100")
 def dw_alone_h100(page: Page) -> str:
-    src = page.load("dw_alone_h100/dw_tma_probe.json")
+    src = page.load("kernels.json#dw_alone")
     by_shape: dict[str, dict[float, dict]] = {}
     for r in src.rows():
         by_shape.setdefault(r["shape"], {})[r["density"]] = r
@@ -156,7 +156,7 @@ def dw_alone_h100(page: Page) -> str:
 
 # ------------------------------------------------------------------------------------------ read-hide
 
-READ_HIDE = ("read_hide_h100/read_hide_probe.json", "read_hide_h200/read_hide_probe.json")
+READ_HIDE = ("kernels.json#read_hide_h100", "kernels.json#read_hide_h200")
 
 
 def _by_shape(rows: list[dict]) -> dict[str, dict[float, dict]]:
@@ -211,7 +211,7 @@ def read_hide_summary(page: Page) -> str:
 
 @block("norms_h100")
 def norms_h100(page: Page) -> str:
-    src = page.load("norms_h100/norm_bench.json")
+    src = page.load("kernels.json#norms")
     by_norm: dict[str, list[dict]] = {}
     for r in src.rows():
         by_norm.setdefault(r["layer"], []).append(r)
@@ -229,7 +229,7 @@ def norms_h100(page: Page) -> str:
 
 @block("acts")
 def acts(page: Page) -> str:
-    srcs = [page.load("acts_h100/act_bench.json"), page.load("acts_h200/act_bench.json")]
+    srcs = [page.load("kernels.json#acts_h100"), page.load("kernels.json#acts_h200")]
     rows = []
     for src in srcs:
         gpu = short_gpu(src.env()["gpu"])
@@ -249,7 +249,7 @@ def acts(page: Page) -> str:
 
 @block("smem_h100")
 def smem_h100(page: Page) -> str:
-    src = page.load("smem_h100/smem_probe.json")
+    src = page.load("kernels.json#smem")
     per_dtype = src.data["bytes"]
     dtypes = list(per_dtype)
     kernels = list(per_dtype[dtypes[0]])
@@ -262,7 +262,7 @@ def smem_h100(page: Page) -> str:
 
 @block("select_h100")
 def select_h100(page: Page) -> str:
-    src = page.load("select_h100/select_probe.json")
+    src = page.load("kernels.json#select")
     by_shape: dict[tuple, dict[float, dict]] = {}
     for r in src.rows("results"):
         by_shape.setdefault((r["m"], r["n"]), {})[r["density"]] = r["us"]
@@ -282,4 +282,4 @@ def select_h100(page: Page) -> str:
 def layers_qwen_h200(page: Page) -> str:
     """Qwen2.5-0.5B's projections alone on an H200 (results/layers_h200/layers_qwen2.5-0.5b.json), as the
     per-layer tables of kernels.md: why SEBP on its linears loses on `longest` batches."""
-    return _layers_speedup(page, "layers_h200", ("layers_qwen2.5-0.5b.json",))
+    return _layers_speedup(page, "h200", ("qwen2.5-0.5b",))

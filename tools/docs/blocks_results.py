@@ -2,23 +2,14 @@
 head against its peers, fine-tuning on the CPU, gradient reuse."""
 from __future__ import annotations
 
-from docgen import Page, Source, block, captioned, entry_key, f1, f2, f3, span, table, times
+from docgen import Page, Source, block, captioned, entry_key, f1, f2, f3, short_gpu, span, table, times
 
 # The main tables: each model with the SEBP that pays on it (BERT-base: the linears alone, finetune's default;
 # the decoders: with the norms and activations as well, --sebp-norms --sebp-acts).
-LAYOUT_FILES = ("layouts_h100/model_bert-base.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json",
-                "layouts_fused_h100/model_qwen2.5-0.5b-sft.json", "layouts_fused_h100/model_mistral-1b-sft.json")
-LINEARS_ONLY = {"bert-base": "layouts_h100/model_bert-base.json",
-                "llama-3.2-1b-sft": "layouts_h100/model_llama-3.2-1b-sft.json"}  # SEBP on the linears alone
-FUSED = {"bert-base": "layouts_fused_h100/model_bert-base.json",
-         "llama-3.2-1b-sft": "layouts_fused_h100/model_llama-3.2-1b-sft.json"}  # and on the norms and activations
-# BERT-base `longest` with each SEBP variant (one run: the same code), the last with its rows selected
-BERT_VARIANTS = (("linears", "layouts_h100/model_bert-base.json"),
-                 ("linears + norms", "pad_rows_h100/model_bert-base_norms.json"),
-                 ("linears + norms + activations", "layouts_fused_h100/model_bert-base.json"),
-                 ("linears + norms + activations, rows selected", "pad_rows_h100/model_bert-base_select.json"))
-HEAD = "head_h100/head.json"
-FINETUNE_CPU = "finetune_cpu/finetune_cpu.json"
+LAYOUT_FILES = ("model_eager.json#bert-base_linears", "model_eager.json#llama-3.2-1b-sft_fused",
+                "model_eager.json#qwen2.5-0.5b-sft_fused", "model_eager.json#mistral-1b-sft_fused")
+HEAD = "head.json#labelled"
+FINETUNE_CPU = "finetune.json#cpu"
 
 
 # ------------------------------------------------------------------------------ whole model, every layout
@@ -86,110 +77,6 @@ def layouts_trim(page: Page) -> str:
     return captioned(page, sources, table(header, body, "llrrrrrr"))
 
 
-@block("layouts_full")
-def layouts_full(page: Page) -> str:
-    """Every entry of every model: layout, method, head, eager, graphs and (where measured) compiled ms with the
-    compile seconds, peak memory."""
-    parts = []
-    for src, m in _models(page):
-        by_timing: dict[str, dict] = {}
-        for r in m["rows"]:
-            by_timing.setdefault(r["timing"], {})[(r["layout"], r["method"], r["head"])] = r
-        compiled = "compiled" in by_timing
-        body = []
-        for key in dict.fromkeys((r["layout"], r["method"], r["head"]) for r in m["rows"]):
-            e, g, c = (by_timing.get(t, {}).get(key) for t in ("eager", "graphs", "compiled"))
-            first = e or g or c
-            comp = [f1(c["ms"]) if c else "-", f1(c["compile_s"]) if c else "-"] if compiled else []
-            body.append([*key, f1(e["ms"]) if e else "-", f1(g["ms"]) if g else "-", *comp,
-                         f2(e["peak_gib"]) if e else "-",
-                         times(first["vs_dense_same_layout"]) if first.get("vs_dense_same_layout") else "-"])
-        header = ["layout", "method", "head", "eager ms", "graphs ms", *(["compiled ms", "compile s"] if compiled
-                                                                          else []), "peak GiB",
-                  "vs dense, same layout"]
-        align = "lll" + "r" * (len(header) - 3)
-        parts.append(f"**{_case(m)}**\n\n" + captioned(page, [src], table(header, body, align)))
-    return "\n\n".join(parts)
-
-
-@block("layouts_limits")
-def layouts_limits(page: Page) -> str:
-    """SEBP against the limit of each layout (the step without the backward GEMMs of the inactive rows)."""
-    parts = []
-    for src, m in _models(page):
-        body = [[r["layout"], r["head"], r["timing"], f1(100 * r["inactive_share"]), f1(r["dense_ms"]),
-                 f1(r["sebp_ms"]), f1(r["limit_ms"]), times(r["sebp_speedup"]), times(r["limit_speedup"]),
-                 f2(r["sebp_of_limit"])] for r in m["limits"]]
-        header = ["layout", "head", "timing", "inactive %", "dense ms", "SEBP ms", "limit ms", "SEBP x",
-                  "limit x", "share of limit"]
-        parts.append(f"**{_case(m)}**\n\n" + captioned(page, [src], table(header, body, "lllrrrrrrr")))
-    return "\n\n".join(parts)
-
-
-@block("layouts_verdict")
-def layouts_verdict(page: Page) -> str:
-    """Per model: the fastest dense entry, the fastest entry, and the best SEBP gain on a layout that is not
-    reordered or packed (the mixed-length batches SEBP is for)."""
-    lines = []
-    for _, m in _models(page):
-        rows = m["rows"]
-        dense = min((r for r in rows if r["method"] == "dense"), key=lambda r: r["ms"])
-        fastest = min(rows, key=lambda r: r["ms"])
-        mixed = [r for r in rows if r["method"] == "sebp" and r["layout"] == "longest"]
-        gain = max(mixed, key=lambda r: r["vs_dense_same_layout"])
-        who = "SEBP" if fastest["method"] == "sebp" else fastest["method"]
-        lines.append(f"- **{m['case']['name']}**: the fastest dense entry is {dense['layout']} "
-                     f"({_variant(dense)}), {f1(dense['ms'])} ms; the fastest of all is {who} on "
-                     f"{fastest['layout']} ({_variant(fastest)}), {f1(fastest['ms'])} ms. On `longest` "
-                     f"(batches neither reordered nor packed) SEBP is {times(gain['vs_dense_same_layout'])} "
-                     f"dense's step ({_variant(gain)}).")
-    return "\n".join(lines)
-
-
-@block("layouts_fused_gain")
-def layouts_fused_gain(page: Page) -> str:
-    """SEBP on the linears alone against SEBP with the norms and activations as well, each next to the dense
-    entry of its own run: same layout, head and timing."""
-    body, sources = [], []
-    for name, plain_rel in LINEARS_ONLY.items():
-        plain_src, fused_src = page.load(plain_rel), page.load(FUSED[name])
-        sources += [plain_src, fused_src]
-        plain = {entry_key(r): r for mm in plain_src.rows("models") for r in mm["rows"]}
-        for m in fused_src.rows("models"):
-            for r in m["rows"]:
-                key = (r["layout"], "sebp", r["head"], r["timing"])
-                if r["method"] != "dense" or key not in plain:
-                    continue
-                fused = next(x for x in m["rows"] if entry_key(x) == key)
-                old_dense = plain[(r["layout"], "dense", r["head"], r["timing"])]
-                body.append([name, r["layout"], _variant(r), times(plain[key]["vs_dense_same_layout"]),
-                             times(fused["vs_dense_same_layout"]), f"{f1(old_dense['ms'])} / {f1(r['ms'])}"])
-    header = ["model", "layout", "timing", "SEBP linears: x dense", "SEBP linears + norms + activations: x dense",
-              "dense ms (each run)"]
-    return captioned(page, sources, table(header, body, "lllrrr"))
-
-
-@block("bert_variants")
-def bert_variants(page: Page) -> str:
-    """BERT-base on `longest` as CUDA graphs (model's own head): dense against each SEBP variant, with its
-    share of the limit."""
-    body, sources = [], []
-    for what, rel in BERT_VARIANTS:
-        src = page.load(rel)
-        sources.append(src)
-        for m in src.rows("models"):
-            pick = lambda method: next(r for r in m["rows"]  # noqa: E731
-                                       if entry_key(r) == ("longest", method, "full", "graphs"))
-            dense, sebp = pick("dense"), pick("sebp")
-            limit = next(r for r in m["limits"] if (r["layout"], r["head"], r["timing"]) == ("longest", "full",
-                                                                                              "graphs"))
-            rows = "selected by each layer" if m.get("pad_rows") is False else "padding rows from the mask"
-            body.append([what, rows, f2(dense["ms"]), f2(sebp["ms"]), times(sebp["vs_dense_same_layout"]),
-                         f2(limit["limit_ms"]), f2(limit["sebp_of_limit"])])
-    header = ["SEBP on", "inactive rows", "dense ms", "SEBP ms", "SEBP x dense", "limit ms", "share of limit"]
-    return captioned(page, sources, table(header, body, "llrrrrr"))
-
-
 # ------------------------------------------------------------------------------------ the labelled head
 
 HEAD_METHODS = {"hf": "full head (model's own loss)", "gather": "gather labelled rows, then plain CE",
@@ -242,24 +129,6 @@ def head_h100(page: Page) -> str:
     return captioned(page, [src], table(header, body, "llrrrr") + "\n\n" + note)
 
 
-@block("head_chunks")
-def head_chunks(page: Page) -> str:
-    """The labelled-rows head at other chunk sizes than its default, on the decoders (same run as the head
-    table)."""
-    src = page.load(HEAD)
-    rows = [r for r in src.rows("results") if "ms" in r and r["method"].split("@")[0] in ("ours", "ours+last_layer")]
-    body = []
-    for shape in dict.fromkeys(r["shape"] for r in rows if r["scope"] == "head"):
-        mine = {(r["scope"], r["method"]): r for r in rows if r["shape"] == shape}
-        for tag in ("", *sorted({"@" + m.split("@")[1] for _, m in mine if "@" in m}, key=lambda t: int(t[1:]))):
-            head, step = mine[("head", "ours" + tag)], mine[("model", "ours+last_layer" + tag)]
-            body.append([shape, tag[1:] or "default", f2(head["ms"]), f2(head["peak_gib"]), f1(step["ms"]),
-                         f2(step["peak_gib"])])
-    header = ["shape", "rows a chunk", "head alone: ms", "head alone: peak GiB", "step (+ last layer): ms",
-              "step: peak GiB"]
-    return captioned(page, [src], table(header, body, "llrrrr"))
-
-
 # ------------------------------------------------------------------------------------ fine-tuning, CPU
 
 @block("finetune_cpu")
@@ -303,7 +172,7 @@ def finetune_cpu_auto(page: Page) -> str:
 
 # ------------------------------------------------------------------------------------ gradient reuse
 
-RESPROP_CPU = "resprop_cpu/resprop_cpu.json"
+RESPROP_CPU = "resprop.json#cpu"
 
 
 def _reuse_runs(src, what: dict[str, str] | None = None) -> tuple[list[str], list[list[str]]]:
@@ -350,27 +219,10 @@ def resprop_cpu(page: Page) -> str:
     return captioned(page, [src], table(header, body, "llll") + "\n\n" + note)
 
 
-RESPROP_VARIANTS = "resprop_cpu/variants.json"
-VARIANT_WHAT = {
-    "dense": "-",
-    "sample": "P: one sample of the last step (the product's rule); the largest rows of dY - P",
-    "mean": "P: the last step's dY averaged over its samples; the largest rows of dY - P",
-    "fitted": "P: one sample, scaled by its least-squares fit to this step's dY (0 to 1); the largest rows",
-    "none": "no P (no reuse): the largest rows of dY itself",
-    "sampled": "no P: rows drawn with probability in proportion to their norm, scaled by 1 / probability "
-               "(unbiased)",
-}
 
 
-@block("resprop_variants")
-def resprop_variants(page: Page) -> str:
-    """The reuse-0.9 ablations of benchmarks/resprop_variants.py against dense, in one run."""
-    src = page.load(RESPROP_VARIANTS)
-    header, body = _reuse_runs(src, VARIANT_WHAT)
-    return captioned(page, [src], table(header, body, "lllll") + "\n\n" + _reuse_settings(src))
 
-
-RESPROP_GPU = "resprop_h100/resprop.json"
+RESPROP_GPU = "resprop.json#gpu"
 
 
 @block("resprop_h100")
@@ -389,39 +241,10 @@ def resprop_h100(page: Page) -> str:
     return captioned(page, [src], table(header, body, "lrrrr") + "\n\n" + note)
 
 
-RESPROP_PROFILE = "resprop_h100/resprop_profile.json"
 
 
-@block("resprop_profile")
-def resprop_profile(page: Page) -> str:
-    """Where the profiled backward's GPU time goes per run, and the most any change to the projections' backward
-    could give: dense's time with its projection GEMMs (its cuBLAS GEMMs less the LM head's, the GEMMs that stay
-    on cuBLAS under exact SEBP) taken out."""
-    src = page.load(RESPROP_PROFILE)
-    runs = src.data["variants"]
-    kinds = ["gemm", "sebp", "elementwise/other", "reduction", "attention"]
-    names = {"dense": "dense", "sebp_exact": "SEBP (exact)"}
-    body = [[names.get(n, n.replace("resprop_", "reuse ")), f1(r["backward_ms"]), f1(r["breakdown"]["total_ms"]),
-             *(f1(r["breakdown"]["by_kind_ms"].get(k, 0.0)) for k in kinds)] for n, r in runs.items()]
-    header = ["backward", "wall ms", "GPU kernels ms", "cuBLAS GEMMs", "SEBP kernels", "elementwise / other",
-              "reductions", "attention"]
-    dense = runs["dense"]["breakdown"]
-    head = runs["sebp_exact"]["breakdown"]["by_kind_ms"]["gemm"]
-    proj = dense["by_kind_ms"]["gemm"] - head
-    rest = dense["total_ms"] - proj
-    sebp = runs["sebp_exact"]["breakdown"]["by_kind_ms"]["sebp"]
-    budget = dense["total_ms"] / 1.5 - rest
-    note = (f"Kernel times summed over the profiled steps' backward, per step. The projections' GEMMs take "
-            f"{f1(proj)} ms of dense's {f1(dense['total_ms'])} ms ({f1(dense['by_kind_ms']['gemm'])} ms of cuBLAS "
-            f"GEMMs less the LM head's {f1(head)} ms, which stay on cuBLAS under SEBP); with them at no cost the "
-            f"backward would still take {f1(rest)} ms of kernels: at most {times(dense['total_ms'] / rest)} dense. "
-            f"For 1.5x, the reuse path of all projections would have to fit in {f1(budget)} ms; exact SEBP's "
-            f"projection kernels take {f1(sebp)} ms, and a tenth of them (reuse 0.9's kept rows, if time scaled with "
-            f"rows) is already {f1(sebp / 10)} ms, before D = dY - P is formed and ranked, which reads all of dY.")
-    return captioned(page, [src], table(header, body, "lrrrrrrr") + "\n\n" + note)
 
-
-FSDP = "fsdp_h200/fsdp.json"
+FSDP = "fsdp.json#one_vs_two"
 
 
 @block("fsdp_h200")
@@ -451,68 +274,39 @@ def fsdp_h200(page: Page) -> str:
     return captioned(page, [src], table(header, body, "lllrrlrr") + "\n\n" + note)
 
 
-FSDP_SFT = "fsdp_sft_h100/fsdp_sft.json"
-
-
-def _second_over_first(pairs: dict, method: str) -> float:
-    """``method``'s compiled (whole model) median step in the first place of its process over its step in the
-    second."""
-    runs = [pairs[n]["runs"][method] for n in ("pair_dense-first", "pair_sebp-first")]
-    ms = {r["place"]: r["step_ms"] for r in runs}
-    return ms[1] / ms[2]
+FSDP_SFT = "fsdp.json#sft_compiled"
 
 
 @block("fsdp_sft_h100")
 def fsdp_sft_h100(page: Page) -> str:
-    """FSDP2 on two GPUs on SFT-length batches: compiled and eager pairs, by place in the process."""
+    """FSDP2 on two GPUs on SFT-length batches, each layer compiled: each pair's runs, dense and SEBP in both
+    orders, and SEBP's speedup over both orders together."""
     src = page.load(FSDP_SFT)
     d = src.data
     body = []
     for p in d["pairs"].values():
         for method, r in sorted(p["runs"].items(), key=lambda kv: kv[1]["place"]):
-            sebp = f"{r['sebp_layers']} of {r['sebp_layers'] + r['dense_layers']}" if method == "sebp" else "-"
-            body.append([p["label"], method, str(r["place"]), sebp, f"{p['timed_steps']} of {p['steps']}",
-                         f1(r["step_ms"]),
-                         f1(r["backward_ms"]), f1(r["peak_mem_gib_rank0"]), f3(r["eval_loss"]),
-                         f3(p["max_abs_loss_gap"])])
-    header = ["pair", "method", "run in its process", "projections on SEBP", "steps timed of run", "median step ms",
-              "median backward ms", "peak GiB (rank 0)", "held-out loss", "largest loss gap in the pair"]
-    paired = "; ".join(f"{p['label']}: step {times(p['step_ratio_per_step'])}, backward "
-                       f"{times(p['backward_ratio_per_step'])}" for p in d["pairs"].values())
-    places = "; ".join(f"{k}: dense / SEBP on the same step {times(v['step_ratio'])}, backward "
-                       f"{times(v['backward_ratio'])}, "
-                       f"SEBP's peak memory {v['peak_mem_ratio']:.3f} of dense's" for k, v in d["by_place"].items())
+            body.append([short_gpu(p["device"]), p["label"].rsplit(", ", 1)[-1], method, str(r["place"]),
+                         f"{p['timed_steps']} of {p['steps']}", f1(r["step_ms"]), f1(r["backward_ms"]),
+                         f1(r["peak_mem_gib_rank0"]), f3(r["eval_loss"])])
+    header = ["GPUs", "order", "method", "run in its process", "steps timed", "median step ms",
+              "median backward ms", "peak GiB (rank 0)", "held-out loss"]
     both = "; ".join(f"{k}: step {times(v['step_ratio'])} ({times(min(v['step_ratio_by_order']))}-"
-                     f"{times(max(v['step_ratio_by_order']))} by order; over steps alone the median's 95% bootstrap "
-                     f"interval is {times(v['step_ratio_ci95_over_steps'][0])}-"
-                     f"{times(v['step_ratio_ci95_over_steps'][1])}), backward {times(v['backward_ratio'])} "
-                     f"({v['steps']} "
-                     f"steps), SEBP's peak memory at most {v['peak_mem_ratio_max']:.4f} of dense's"
-                     for k, v in d["both_orders"].items())
-    dates = ", ".join(sorted({p["date"][:10] for p in d["pairs"].values()}))
-    b = d["before"]
-    second = ", ".join(f"{m} {times(_second_over_first(b['pairs'], m))}" for m in ("dense", "sebp"))
-    second_now = ", ".join(f"{m} {times(_second_over_first(d['pairs'], m))}" for m in ("dense", "sebp"))
+                     f"{times(max(v['step_ratio_by_order']))} by order), backward {times(v['backward_ratio'])}, "
+                     f"SEBP's peak memory {v['peak_mem_ratio_max']:.4f} of dense's" for k, v in d["both_orders"].items())
     r = d["resume"]
     note = (f"{d['model']}; {d['data']}; {d['attention']}. FSDP2 through `accelerate launch --use_fsdp "
-            f"--fsdp_version 2`, full shard, each decoder layer a unit; pairs run {dates}; `compiled`: "
-            f"`--compile-scope model`, `compiled by layers`: `--compile-scope layers`. Medians over the steps after "
-            f"the third that no run of the pair compiled in (by layers: on either process; the whole-model pairs "
-            f"ran before the processes agreed on that). Dense / SEBP on the same step, the median over those "
-            f"steps: {paired}. **Both orders together: {both}.** Same place in the process: {places}. A "
-            f"compiled (whole model) run's median step, second "
-            f"place over first: {second_now}; measured {b['date'][:10]}, when {b['attention']}: {second}.\n\n"
-            f"Resume (exact SEBP, eager, 16 steps, {d['environment']['date_resume_fsdp1'][:10]}): killed by "
-            f"SIGTERM, resumed from step {r['resumed_from_step']}; "
-            f"against the run uninterrupted the losses differ by at most {r['max_abs_loss_gap_after_resume']:.3f} "
-            f"after the resume and by {r['max_abs_loss_gap_before_kill']:.3f} before the kill, where both ran the "
-            f"same code from the same start (steps {', '.join(map(str, r['identical_steps'][:4]))} identical). "
-            f"FSDP1 (`--fsdp_version 1`): {d['fsdp1']['status']}, {d['fsdp1']['steps']} steps with SEBP on "
-            f"{d['fsdp1']['sebp_layers']} projections. A resume by one process: `{d['resume_other_process_count']}`.")
-    return captioned(page, [src], table(header, body, "llllrrrrrr") + "\n\n" + note)
+            f"--fsdp_version 2`, full shard, each decoder layer a unit, `--compile default` (each layer). Medians over "
+            f"the steps after the third that neither process compiled in. **SEBP over dense, both orders together: "
+            f"{both}.** Resume (exact SEBP, eager, 16 steps): killed by SIGTERM, resumed from step "
+            f"{r['resumed_from_step']}; against the uninterrupted run the losses differ by at most "
+            f"{r['max_abs_loss_gap_after_resume']:.3f} after the resume and {r['max_abs_loss_gap_before_kill']:.3f} "
+            f"before the kill (`--deterministic` makes them equal: [fine-tuning](finetune.md)). FSDP1 "
+            f"(`--fsdp_version 1`): {d['fsdp1']['status']}.")
+    return captioned(page, [src], table(header, body, "llllrrrrr") + "\n\n" + note)
 
 
-FSDP_DET = "fsdp_det_h200/determinism.json"
+FSDP_DET = "fsdp.json#deterministic"
 
 
 @block("fsdp_det_h200")
@@ -540,7 +334,7 @@ def fsdp_det_h200(page: Page) -> str:
     return captioned(page, [src], table(header, body, "lrrrl") + "\n\n" + note)
 
 
-COMPARE = "compare_h100/compare.json"
+COMPARE = "finetune.json#compare"
 
 
 def _ms_range(part: dict, who: str) -> str:
@@ -572,7 +366,7 @@ def compare_h100(page: Page) -> str:
 def _example(page: Page, name: str, sections: tuple[tuple[str, str | None], ...]) -> str:
     """The command and the parts of its output from each ``(first line's start, line after the part's start)``
     (``None``: to the end), "..." between them."""
-    src = page.load(f"examples/{name}.json")
+    src = page.load(f"examples.json#{name}")
     lines = [line.rstrip() for line in src.data["stdout"].splitlines()]
     parts = []
     for first, after in sections:
@@ -596,26 +390,3 @@ def example_finetune(page: Page) -> str:
 
 
 # the same commands re-run after the SEBP kernels took row counts unspecialised (the llama run cut by its limit)
-RECHECK = (("recheck_h100/model_bert-base_linears.json", "layouts_h100/model_bert-base.json"),
-           ("recheck_h100/model_llama-3.2-1b-sft_cut.json", "layouts_fused_h100/model_llama-3.2-1b-sft.json"))
-
-
-@block("layouts_recheck")
-def layouts_recheck(page: Page) -> str:
-    """Per model and timing (eager, CUDA graphs): the re-run's step time over the committed one's, entry by entry
-    (same layout, method and head), for the layouts the re-run measured."""
-    body, sources = [], []
-    for new_rel, old_rel in RECHECK:
-        new, old = page.load(new_rel), page.load(old_rel)
-        sources.append(new)
-        (m,), (o,) = new.rows("models"), old.rows("models")
-        before = {entry_key(r): r["ms"] for r in o["rows"]}
-        layouts = sorted({r["layout"] for r in m["rows"]}, key=m["layouts_run"].index)
-        for timing in ("eager", "graphs"):
-            ratios = [r["ms"] / before[entry_key(r)] for r in m["rows"]
-                      if r["timing"] == timing and entry_key(r) in before]
-            if ratios:
-                body.append([_case(m), ", ".join(layouts) + ("" if m["complete"] else " (cut by its time limit)"),
-                             timing, str(len(ratios)), span(ratios)])
-    return captioned(page, sources, table(["model", "layouts re-run", "timing", "entries", "re-run / committed"],
-                                          body, "lllrr"))

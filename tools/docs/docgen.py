@@ -8,6 +8,7 @@ date and the command that the JSON file records. Standard library only.
 """
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -70,22 +71,45 @@ class Page:
         self._cache: dict[str, Source] = {}
 
     def load(self, rel: str) -> Source:
-        """The JSON file ``results/<rel>``."""
+        """One run of a results file: ``FAMILY.json#RUN`` is the run ``RUN`` of ``results/FAMILY.json`` (its
+        ``runs``); a plain ``rel`` is the whole JSON file ``results/<rel>``."""
         if rel not in self._cache:
-            path = self.root / "results" / rel
+            name, _, run = rel.partition("#")
+            path = self.root / "results" / name
             try:
                 data = json.loads(path.read_text())
             except FileNotFoundError:
-                raise DocsError(f"results/{rel} does not exist") from None
+                raise DocsError(f"results/{name} does not exist") from None
             except json.JSONDecodeError as err:
-                raise DocsError(f"results/{rel} is not valid JSON: {err}") from None
+                raise DocsError(f"results/{name} is not valid JSON: {err}") from None
+            if run:
+                if run not in data.get("runs", {}):
+                    raise DocsError(f"results/{name} has no run {run!r}")
+                data = data["runs"][run]
             self._cache[rel] = Source(rel, data)
         return self._cache[rel]
 
     def link(self, rel: str) -> str:
-        """A markdown link from this page to ``results/<rel>``."""
+        """A markdown link from this page to ``results/<rel>`` (its file, for a run of a family)."""
+        rel = rel.partition("#")[0]
         target = os.path.relpath(self.root / "results" / rel, self.doc.parent)
         return f"[`results/{rel}`]({Path(target).as_posix()})"
+
+
+def add_run(root: Path, family: str, run: str, path: Path) -> None:
+    """Put the measurement JSON at ``path`` into ``results/<family>`` as run ``run`` (a new family file if there
+    is none); the run must record its command and its environment's date, as every table's caption reads them."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DocsError(f"{path}: not a readable JSON file ({err})") from None
+    src = Source(run, data)
+    if not (data.get("command") or src.env().get("command")) or not src.env().get("date"):
+        raise DocsError(f"{path}: records no command or no date; a results run needs both")
+    target = root / "results" / family
+    doc = json.loads(target.read_text()) if target.exists() else {"family": target.stem, "runs": {}}
+    doc["runs"][run] = data
+    target.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def entry_key(r: dict) -> tuple:
@@ -96,10 +120,11 @@ def entry_key(r: dict) -> tuple:
 # ------------------------------------------------------------------------------------- shared formatting
 
 def command(text: str) -> str:
-    """The recorded command as a reader runs it: output paths of the device machine become ``OUT/<name>``, a
-    bare script path gets its ``python``, and the probes recorded under ``scripts/`` are named where they are
+    """The recorded command as a reader runs it: output paths of the device machine (and the per-run folders
+    results/ had before its family files) become ``OUT/<name>``, a bare script path gets its ``python``, and the probes recorded under ``scripts/`` are named where they are
     now, ``benchmarks/``."""
-    words = [("OUT/" + w.rsplit("/", 1)[-1]) if w.startswith("/") else
+    words = [("OUT/" + re.sub(r"^s\d+[a-z]?_", "", w.rsplit("/", 1)[-1]))  # a run's number is no part of it
+             if w.startswith("/") or (w.startswith("results/") and "/" in w[8:]) else
              "benchmarks/" + w[len("scripts/"):] if w.startswith("scripts/") else w for w in text.split()]
     if words and words[0].endswith(".py"):
         words.insert(0, "python")
@@ -122,16 +147,22 @@ def _switches(src: Source) -> str:
 
 
 def caption(page: Page, *sources: Source) -> str:
-    """The caption line(s) of a table: for each GPU / versions / date, the commands and the files they wrote."""
+    """The caption of a table: one conditions line per GPU / versions / date, naming the results file(s), then
+    the commands that wrote them folded away in a ``<details>`` block."""
     groups: dict[str, list[Source]] = {}
     for src in sources:
         groups.setdefault(_setting(src), []).append(src)
     lines = []
     for setting, group in groups.items():
-        runs = "; ".join(f"`{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}` → "
-                         f"{page.link(s.rel)}" for s in group)
-        lines.append(f"*Measured on {setting}: {runs}.*")
-    return "\n\n".join(lines)
+        links = ", ".join(dict.fromkeys(page.link(s.rel) for s in group))
+        lines.append(f"*Measured on {setting} → {links}.*")
+    esc = lambda lines: html.escape("\n".join(dict.fromkeys(lines)), quote=False).replace("\n", "<br>")  # noqa: E731
+    ran = esc(f"{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}" for s in sources)
+    again = esc(s.data["reproduce"] for s in sources if s.data.get("reproduce"))
+    merged = any(w in ran for w in (".tgz", "_session.sh", "_collect.py"))  # gathered from run archives since gone
+    body = (f"<pre>{again}</pre>" if merged else f"To run it again:<pre>{again}</pre>As it ran:<pre>{ran}</pre>"
+            ) if again else f"<pre>{ran}</pre>"
+    return "\n".join(lines) + f"\n<details><summary>Command</summary>{body}</details>"
 
 
 def table(header: list[str], rows: list[list[str]], align: str) -> str:
