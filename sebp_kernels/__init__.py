@@ -8,7 +8,7 @@ from .activations import RowHint, sebp_gelu, sebp_swiglu
 from .config import SEBPConfig
 from .functional import SEBPLinearFunction, sebp_linear
 from .linear_ce import linear_cross_entropy
-from .modules import SEBPLinear
+from .modules import SEBPConv1D, SEBPLinear
 from .norms import SEBPNorm, norm_kind, sebp_layer_norm, sebp_rms_norm
 from .reference import backward_over_rows, select_rows, sebp_backward_torch
 from .resprop import ReSpropLinear, ReSpropState, ReuseDrop, resprop_grads, resprop_linear, reuse_drop
@@ -19,6 +19,7 @@ __all__ = [
     "sebp_swiglu",
     "SEBPConfig",
     "SEBPLinear",
+    "SEBPConv1D",
     "SEBPNorm",
     "norm_kind",
     "sebp_layer_norm",

@@ -45,9 +45,10 @@ def _triton_parts():
 
 
 def _wt_view_ok(weight: Tensor) -> bool:
-    """Whether the kernel can read ``weight``ᵀ as a strided view: unit column stride, and every offset it forms
-    (32-bit) within range."""
-    return weight.stride(1) == 1 and (weight.shape[0] - 1) * weight.stride(0) + weight.shape[1] < 2**31
+    """Whether the kernel can read ``weight``ᵀ as a strided view: unit stride in one of its dimensions (a
+    ``Conv1D``'s transposed weight has it in the other), and every offset it forms (32-bit) within range."""
+    last = (weight.shape[0] - 1) * weight.stride(0) + (weight.shape[1] - 1) * weight.stride(1)
+    return 1 in weight.stride() and last < 2**31 - 1
 
 
 def linear_over_rows(x: Tensor, weight: Tensor, bias: Tensor | None, perm: Tensor, count: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
-"""SEBPLinear: an nn.Linear whose backward skips inactive rows of dL/dY."""
+"""SEBPLinear: an nn.Linear whose backward skips inactive rows of dL/dY; SEBPConv1D: the same over a weight
+stored transposed, as transformers' ``Conv1D`` (GPT-2) keeps it."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,8 +21,9 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_load_state_dict_post_hooks")
 
 
-def _take_over(new: nn.Module, old: nn.Module) -> None:
-    """Give ``new`` the training mode, hooks and extra attributes (e.g. accelerate's ``_hf_hook``) of ``old``."""
+def _take_over(new: nn.Module, old: nn.Module, skip: tuple[str, ...] = ("sebp_config",)) -> None:
+    """Give ``new`` the training mode, hooks and extra attributes (e.g. accelerate's ``_hf_hook``) of ``old``,
+    but those named in ``skip``."""
     new.train(old.training)
     for name in _HOOK_DICTS:
         if hasattr(old, name):
@@ -30,7 +32,7 @@ def _take_over(new: nn.Module, old: nn.Module) -> None:
         if key in vars(old):
             setattr(new, key, vars(old)[key])
     for key, value in vars(old).items():
-        if not key.startswith("_") and key not in vars(new) and key != "sebp_config":
+        if not key.startswith("_") and key not in vars(new) and key not in skip:
             setattr(new, key, value)
 
 
@@ -85,6 +87,10 @@ class SEBPLinear(nn.Linear):
         """A plain nn.Linear holding the same Parameters."""
         return plain_linear(self)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it, (out, in)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hint, pad, traced, rows, bound = self._sebp_hint, self._sebp_pad_rows, None, None, None
         if pad is not None and self.sebp_config.mode == "exact":
@@ -94,10 +100,43 @@ class SEBPLinear(nn.Linear):
             else:
                 hint = pad.bind(hint, x.shape, self)
                 rows = pad.forward_rows(x.shape)  # the forward over the real-token rows alone, once checked
-        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
+        return sebp_linear(x, self.kernel_weight(), self.bias, self.sebp_config, self._sebp_density, hint,
                            _key=graph_key(self), _pad=traced, _rows=rows, _row_bound=bound)
 
     def extra_repr(self) -> str:
         c = self.sebp_config
         detail = {"exact": "", "threshold": f", eps={c.eps:g}", "topk": f", top_n={c.top_n}"}[c.mode]
         return f"{super().extra_repr()}, mode={c.mode}{detail}"
+
+
+class SEBPConv1D(SEBPLinear):
+    """:class:`SEBPLinear` over a weight stored (in, out), ``y = x @ W + b``: the layout of transformers'
+    ``Conv1D`` (GPT-2's attention and MLP). The kernels get the transposed view ``Wᵀ`` (out, in; no copy in the
+    forward; the backward's kernels read it strided where they can), so the SEBP gradients are those of the
+    SEBP linear; autograd hands dW back transposed to the (in, out) Parameter. Build it with
+    :meth:`from_conv1d`, which shares the module's Parameters; :meth:`to_linear` gives that module back."""
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, config: SEBPConfig | None = None) -> "SEBPConv1D":
+        """An SEBPConv1D holding *the same* Parameter objects as ``conv`` (keys and data pointers unchanged):
+        any module whose ``weight`` is (in, out) and ``bias`` None or (out,), applied as ``x @ weight + bias``
+        (the caller vouches for that; sebp_kernels knows no transformers class)."""
+        w, b = getattr(conv, "weight", None), getattr(conv, "bias", None)
+        if isinstance(conv, SEBPLinear) or not isinstance(w, nn.Parameter) or w.dim() != 2 or (
+                b is not None and tuple(b.shape) != (w.shape[1],)):
+            raise TypeError(f"expected a Conv1D-like module (weight (in, out), bias (out,)), got "
+                            f"{type(conv).__name__}")
+        new = with_parameters_of(conv, lambda: cls(w.shape[0], w.shape[1], bias=b is not None, config=config))
+        new.__dict__["_sebp_plain"] = conv  # not a submodule: no state_dict key, not in named_modules
+        return new
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it: the (out, in) view of the stored (in, out) one."""
+        return self.weight.t()
+
+    def to_linear(self) -> nn.Module:
+        """The module this was built from, holding this one's Parameters, mode and hooks."""
+        plain = self.__dict__["_sebp_plain"]
+        plain.weight, plain.bias = self.weight, self.bias
+        _take_over(plain, self, skip=("sebp_config", "in_features", "out_features"))
+        return plain

@@ -16,6 +16,18 @@ def unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
+def weight_view(w: torch.Tensor) -> torch.Tensor:
+    """A 2-D weight (out, in) as the backward kernels read it: ``w`` itself with unit column stride, or the
+    transposed view of a contiguous (in, out) one (a ``Conv1D``'s, :class:`~.modules.SEBPConv1D`), which the dX
+    loop reads through its strides as the forward over rows reads W (every offset below ``in * out``, 32-bit
+    where the weight has fewer than 2**31 elements); else a contiguous copy."""
+    if w.stride(1) == 1 or w.shape[1] == 1:
+        return w
+    if w.stride(0) == 1 and w.stride(1) == w.shape[0] and w.numel() < 2**31:
+        return w
+    return w.contiguous()
+
+
 def records_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an op on ``tensors`` (grad mode on and one of them requires grad). When it
     will not, the SEBP ops run their plain forward alone: no autograd Function (host time on every call, in
@@ -61,6 +73,11 @@ def select_rows(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
     return row_activity(dy, config).nonzero().squeeze(1)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The bias gradient's accumulation dtype: fp32, fp64 for fp64 (an fp32 sum cost fp64 gradients 1e-7)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def backward_over_rows(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -86,7 +103,7 @@ def backward_over_rows(
     if need_dw:
         dw = dy_a.t() @ x.index_select(0, rows)
     if need_db:
-        db = dy_a.sum(0, dtype=torch.float32).to(dy.dtype)
+        db = dy_a.sum(0, dtype=_acc(dy.dtype)).to(dy.dtype)
     return dx, dw, db
 
 
@@ -100,7 +117,7 @@ def dense_products(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The three backward products of ``Y = X Wᵀ + b`` over all rows of 2-D ``dy``; None where not needed."""
     return (dy @ weight if need_dx else None, dy.t() @ x if need_dw else None,
-            dy.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else None)
+            dy.sum(0, dtype=_acc(dy.dtype)).to(dy.dtype) if need_db else None)
 
 
 def sebp_backward_torch(

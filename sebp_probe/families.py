@@ -139,6 +139,14 @@ FAMILIES: dict[str, Family] = {
     # fused Wqkv and Wi (GeGLU: no SEBP activation); the [CLS]-rows layer with classifier_pooling 'cls' only
     "modernbert": Family("ModernBERT", ("attn.Wqkv", "attn.Wo", "mlp.Wi", "mlp.Wo"), "ModernBertEncoderLayer",
                          "modernbert", mlm=_modernbert_mlm),
+    # Conv1D projections (weight stored (in, out): SEBPConv1D); learned absolute positions, restarted per packed
+    # sequence by position_ids; no kept-rows last layer (its block is not Llama's), GELU-new MLP, LayerNorms
+    "gpt2": Family("GPT-2", ("c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"), layers="h", packed=True),
+    # one layer group applied num_hidden_layers times: each call of a shared linear has its own backward rows;
+    # the pooler reads token 0 inside AlbertModel's forward (no packed rows), its layer is no BERT layer
+    "albert": Family("ALBERT", ("embedding_hidden_mapping_in", "attention.query", "attention.key",
+                                "attention.value", "attention.dense", "ffn", "ffn_output"),
+                     layers="encoder.albert_layer_groups"),
     # disentangled attention reads relative positions of every query: its last layer runs whole
     "deberta-v2": Family("DeBERTa-v2/v3", ("query_proj", "key_proj", "value_proj", "attention.output.dense",
                                            "intermediate.dense", "output.dense"),

@@ -72,6 +72,7 @@ FAMILY_TASKS = {
     "mixtral": "causal-lm", "qwen3_moe": "causal-lm",
     "bert": "classification", "roberta": "classification", "electra": "classification",
     "distilbert": "classification", "modernbert": "classification", "deberta-v2": "classification",
+    "gpt2": "causal-lm", "albert": "classification",
 }
 
 
@@ -110,6 +111,11 @@ def family_config(model_type: str, vocab_size: int = 120, pad: int = 0, cls: int
         "deberta-v2": dict(common, **no_drop, pad_token_id=pad, relative_attention=True, pos_att_type=["p2c", "c2p"],
                            position_biased_input=False, max_relative_positions=-1, position_buckets=16,
                            norm_rel_ebd="layer_norm", share_att_key=True),
+        "gpt2": dict(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_inner=40, n_positions=128,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids),
+        # 3 applications of its one shared layer group
+        "albert": dict(common, **no_drop, num_hidden_layers=3, embedding_size=24, classifier_dropout_prob=0.0,
+                       pad_token_id=pad),
         "opt": dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=40,
                     word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0, **ids),
     }[model_type]

@@ -13,7 +13,7 @@ import torch
 
 from ..config import SEBPConfig
 from ..density import RowDensity
-from ..reference import dense_products, sebp_backward_torch, unit_col_stride
+from ..reference import dense_products, sebp_backward_torch, unit_col_stride, weight_view
 from .grads import grads_rows
 from .select import _sm_count, select_rows_device
 
@@ -93,8 +93,9 @@ def sebp_backward_triton(
         return None, None, None
     if not supported(dy, x if need_dw else None, weight):
         return sebp_backward_torch(dy, x, weight, config, need_dx, need_dw, need_db)
-    # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1.
-    dy, weight = unit_col_stride(dy), unit_col_stride(weight)
+    # The kernels index columns with 32-bit offsets times the column stride: keep that stride 1 (a Conv1D's
+    # transposed weight is read through its strides, :func:`~..reference.weight_view`).
+    dy, weight = unit_col_stride(dy), weight_view(weight)
     x = unit_col_stride(x) if x is not None else None
     if config.mode != "exact":
         state = None  # elsewhere the skipped rows are not zero: only the SEBP path gives the SEBP gradients

@@ -17,6 +17,7 @@ from torch import nn
 from .analyze import AnalyzeSettings, Progress, _to_device, collect, load_assets, padding_info, resolve_device
 from .knee import EpsResult, detect_eps
 from ..notes import collect_notes, note
+from ..model.linears import is_linear
 from ..model.patch import _logical_name, name_matches
 
 
@@ -36,7 +37,7 @@ def capture_output_grads(model: nn.Module, names: list[str]):
 
     try:
         for name in names:
-            real = name if isinstance(modules.get(name), nn.Linear) else f"{name}.base_layer"
+            real = name if is_linear(modules.get(name)) else f"{name}.base_layer"
             if real not in modules:
                 raise ValueError(f"layer {name!r} is not in this model")
             handles.append(modules[real].register_forward_hook(partial(on_forward, name)))
@@ -47,9 +48,9 @@ def capture_output_grads(model: nn.Module, names: list[str]):
 
 
 def match_layers(model: nn.Module, pattern: str) -> list[str]:
-    """Logical names of the nn.Linear layers matching a glob (``*.11.*.query``), an exact name, a dotted
-    suffix or a regex. Raises ValueError when none matches."""
-    names = [_logical_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """Logical names of the linear layers (nn.Linear, Conv1D) matching a glob (``*.11.*.query``), an exact name,
+    a dotted suffix or a regex. Raises ValueError when none matches."""
+    names = [_logical_name(n) for n, m in model.named_modules() if is_linear(m)]
     hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) or name_matches(n, pattern)]
     if not hits:
         sample = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")

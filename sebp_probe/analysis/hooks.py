@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT, octave_histogram
+from ..model.linears import features
 from ..model.patch import _logical_name, find_targets
 
 _ABS_MASK = 0x7FFFFFFF
@@ -350,7 +351,7 @@ class GradientStatsCollector:
         self._modules = {_logical_name(n): model.get_submodule(n) for n in real}
         self.names = list(self._modules)
         self._layers = {
-            n: LayerStats(n, m.in_features, m.out_features) for n, m in self._modules.items()
+            n: LayerStats(n, *features(m)) for n, m in self._modules.items()
         }
         self._handles: list = []
         self._pending: list[tuple[int, GradCall]] | None = None  # torch-path calls of the open batch

@@ -37,6 +37,8 @@ from torch import nn
 
 from sebp_kernels import SEBPConfig
 
+from ..model.linears import features, is_linear
+
 SCHEMA = "sebp-probe/report"
 SCHEMA_VERSION = 2
 REQUIRED = {1: ("model", "dataset", "padding", "global", "layers"),
@@ -113,11 +115,12 @@ def load_report(path: str | os.PathLike) -> dict:
 
 
 def linear_name(modules: dict[str, nn.Module], name: str) -> str | None:
-    """The name of the nn.Linear that a report's layer name (of the plain model) stands for in a model: the
-    name itself, or inside a peft wrapper (``base_model.model.`` prefix, ``.base_layer`` suffix)."""
+    """The name of the linear (nn.Linear, Conv1D) that a report's layer name (of the plain model) stands for in a
+    model: the name itself, or inside a peft wrapper (``base_model.model.`` prefix, ``.base_layer`` suffix)."""
     for prefix in ("", "base_model.model."):
         for suffix in (".base_layer", ""):
-            if isinstance(modules.get(f"{prefix}{name}{suffix}"), nn.Linear):
+            m = modules.get(f"{prefix}{name}{suffix}")
+            if m is not None and is_linear(m):
                 return f"{prefix}{name}{suffix}"
     return None
 
@@ -144,9 +147,10 @@ def check_report_for_model(report: dict, model: nn.Module) -> None:
         if m is None:
             raise ReportError(f"the report was made for {label}: this model has no linear layer {name!r}")
         shape = entry.get("stats", {}).get("shape")
-        if shape is not None and list(shape) != [m.in_features, m.out_features]:
-            raise ReportError(f"the report was made for {label}: layer {name!r} is {m.in_features}x"
-                              f"{m.out_features} here, {shape[0]}x{shape[1]} in the report")
+        have = list(features(m))
+        if shape is not None and list(shape) != have:
+            raise ReportError(f"the report was made for {label}: layer {name!r} is {have[0]}x{have[1]} here, "
+                              f"{shape[0]}x{shape[1]} in the report")
 
 
 def layer_configs_from_report(

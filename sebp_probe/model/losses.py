@@ -26,7 +26,7 @@ from .cce_head import cce_loss, cce_problem
 from .heads import HeadError, forward_kept_loss, head_loss, resolve_head, takes_logits_to_keep
 from .last_layer import install_kept_rows, kept_rows_family
 from ..notes import note
-from .packing import attention_backend, enable_varlen, packed_call, packed_forward, unwrap
+from .packing import CAUSAL_LMS, attention_backend, enable_varlen, packed_call, packed_forward, unwrap
 
 HEADS = ("labelled", "full", "cce")
 ROWS_HEADS = ("labelled", "cce")  # the heads that call the backbone themselves, on the labelled rows
@@ -72,7 +72,7 @@ def no_cache(model: torch.nn.Module) -> dict:
     """``use_cache=False`` for a causal LM: training and held-out losses never read a KV cache, and the one
     transformers builds by default costs memory and, under ``torch.compile``, a recompile per layer (its
     guards read each layer's cache state)."""
-    return {"use_cache": False} if type(unwrap(model)).__name__.endswith("ForCausalLM") else {}
+    return {"use_cache": False} if type(unwrap(model)).__name__.endswith(CAUSAL_LMS) else {}
 
 
 def _task_of(model: torch.nn.Module) -> str:

@@ -68,13 +68,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
+CAUSAL_LMS = ("ForCausalLM", "LMHeadModel")  # the class names of causal LMs (GPT-2's is GPT2LMHeadModel)
+
+
 def _kind(base: torch.nn.Module) -> str:
     family, name = family_of(base), type(base).__name__
-    if family is not None and family.packed and family.block == "decoder" and name.endswith("ForCausalLM"):
+    # a packed family without a first-token module is a decoder family (Llama-like, or GPT-2)
+    if family is not None and family.packed and not family.first_token and name.endswith(CAUSAL_LMS):
         return "decoder"
     if family is not None and family.packed and family.first_token and name.endswith("ForSequenceClassification"):
         return "encoder"
-    decoders = names(lambda f: f.packed and f.block == "decoder")
+    decoders = names(lambda f: f.packed and not f.first_token)
     encoders = names(lambda f: f.packed and f.first_token)
     raise PackingError(f"padding 'packed' runs exactly only on {', '.join(decoders)} causal LMs and "
                        f"{', '.join(encoders)} classifiers, not {name}; {OTHER_LAYOUTS}")

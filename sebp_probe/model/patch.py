@@ -1,4 +1,5 @@
-"""Swap nn.Linear modules of a model for SEBPLinear in place, sharing their Parameters.
+"""Swap nn.Linear modules (and transformers' Conv1D, :mod:`.linears`) of a model for SEBPLinear in place, sharing
+their Parameters.
 
 Target matching (peft style): a pattern matches a module name exactly, as a dotted suffix
 (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``), or as a regex (``re.fullmatch``). The special
@@ -16,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
+from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
 from .embed_rows import patch_embeddings, unpatch_embeddings
 from .experts import patch_experts, unpatch_experts
+from .linears import is_linear, left_dense, to_sebp
 from ..notes import note
 
 # Output heads: left dense by "all-linear" unless named explicitly.
@@ -64,8 +66,8 @@ def _as_list(patterns: Iterable[str] | str | None) -> list[str]:
 
 
 def _is_plain_linear(m: nn.Module) -> bool:
-    """A linear that targets can name: plain, or already swapped (SEBP, ReSprop), so patching is repeatable."""
-    return type(m) is nn.Linear or isinstance(m, (SEBPLinear, ReSpropLinear))
+    """A linear that targets can name (:func:`.linears.is_linear`: nn.Linear or Conv1D, plain or swapped)."""
+    return is_linear(m)
 
 
 def _as_config(value: SEBPConfig | Mapping, where: str) -> SEBPConfig:
@@ -123,14 +125,16 @@ def find_targets(
         what = f"model type {model_type(model)!r} has no entry" if family is None else \
             f"none of the {family.name} projections is in this model"
         kinds = sorted({_layer_kind(_logical_name(n)) for n in chosen})
-        note(f"{what}: SEBP targets every linear but the output head ({', '.join(kinds)}); choose with --targets")
+        dense = sorted({f"{_layer_kind(n)} ({t})" for n, t in left_dense(model, chosen).items()})
+        note(f"{what}: SEBP targets every linear but the output head ({', '.join(kinds)}); left dense: "
+             f"{', '.join(dense) or 'none'}; choose with --targets")
     chosen = [n for n in chosen if not any(name_matches(_logical_name(n), p) or name_matches(n, p)
                                            for p in excludes)]
     if filter_fn is not None:
         chosen = [n for n in chosen if filter_fn(modules[n], _logical_name(n))]
     if not explicit and not chosen and not excludes and filter_fn is None:
-        raise PatchError("this model has no nn.Linear layer but its output head (SEBP swaps nn.Linear layers); "
-                         "name the layers with --targets")
+        raise PatchError("this model has no nn.Linear layer but its output head (SEBP swaps nn.Linear and Conv1D "
+                         "layers); name the layers with --targets")
     return chosen
 
 
@@ -202,7 +206,7 @@ def patch_model(
         if isinstance(module, SEBPLinear):
             module.sebp_config = cfg
         else:
-            _set_submodule(model, name, SEBPLinear.from_linear(module, cfg))
+            _set_submodule(model, name, to_sebp(module, cfg))
         patched.append(name)
     if target_modules is None and patched:  # the family's default: its fused experts with its projections
         patch_experts(model, family_of(model), note)

@@ -40,6 +40,10 @@ def patch_resprop(
     its P, so patching twice is a no-op."""
     check_reuse(reuse)
     names = find_targets(model, targets, exclude)
+    other = [n for n in names if not isinstance(model.get_submodule(n), nn.Linear)]
+    if other:  # checked before any swap: nothing patched half-way
+        raise PatchError(f"layer {other[0]!r} is a {type(model.get_submodule(other[0])).__name__}: gradient reuse "
+                         "takes nn.Linear layers only")
     for name in names:
         module = model.get_submodule(name)
         if isinstance(module, SEBPLinear):

@@ -78,7 +78,7 @@ def test_a_family_without_an_entry_runs_with_one_line_per_fallback(tmp_path):
     assert analyze.exit_code == 0, analyze.output
     assert _notes(analyze) == ["note: model type 'opt' has no entry: SEBP targets every linear but the output head "
                                "(fc1, fc2, self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, "
-                               "self_attn.v_proj); choose with --targets"]
+                               "self_attn.v_proj); left dense: lm_head (Linear); choose with --targets"]
     assert finetune.exit_code == 0, finetune.output
     summary = json.loads(finetune.stdout)
     assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5 and summary["runs"]["sebp"]["padding"] == "bucket"
@@ -90,6 +90,28 @@ def test_a_family_without_an_entry_runs_with_one_line_per_fallback(tmp_path):
     assert "note: --head labelled runs as --head full (the model's own loss): model type 'opt' has no entry in " \
            "sebp-probe's model families" in notes
     assert not any("target_modules" in n or "backend=" in n for n in notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gpt2", "albert"])
+def test_the_default_command_and_sebp_on_every_projection_train_as_dense(model_type, tmp_path):
+    """GPT-2's Conv1D projections and ALBERT's shared layers: the default command (`--padding auto`), and SEBP
+    kept on every projection of the entry on padded batches (`--always-sebp`: calibration keeps none of these
+    tiny layers), both exact."""
+    model, runner = _save(model_type, tmp_path / "model"), CliRunner()
+    common = ["finetune", model, "tweets", "--max-samples", "24", "--batch-size", "8", "--compare",
+              "--max-steps", "2", "--eval-samples", "8", "--json"]
+    default = runner.invoke(app, [*common, "--max-length", "24", "-o", str(tmp_path / "default")])
+    assert default.exit_code == 0, default.output
+    assert json.loads(default.stdout)["comparison"]["max_abs_loss_gap"] <= 1e-5
+    forced = runner.invoke(app, [*common, "--max-length", "64", "--padding", "max_length", "--always-sebp", "-o",
+                                 str(tmp_path / "forced")])
+    assert forced.exit_code == 0, forced.output
+    summary = json.loads(forced.stdout)
+    layers = summary["runs"]["sebp"]["calibration"]["layers"]
+    suffixes = {t.rsplit(".", 1)[-1] for t in FAMILIES[model_type].targets}
+    assert {n.rsplit(".", 1)[-1] for n in layers} == suffixes
+    assert summary["comparison"]["max_abs_loss_gap"] <= 1e-5
 
 
 @pytest.mark.slow

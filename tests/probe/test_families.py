@@ -177,9 +177,29 @@ def test_a_family_without_an_entry_falls_back_in_one_line_each(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"--head labelled runs as --head full (the model's own loss): {why}",
                      "model type 'opt' has no entry: SEBP targets every linear but the output head (fc1, fc2, "
-                     "self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, self_attn.v_proj); choose with "
-                     "--targets"]
+                     "self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, self_attn.v_proj); left dense: "
+                     "lm_head (Linear); choose with --targets"]
     _assert_same(want, _loss_and_grads(sebp, lambda: batch_loss(sebp, batch)), _rtol(sebp))
+
+
+def test_the_fallback_note_names_every_matrix_left_dense(caplog):
+    """A module SEBP cannot swap (here fused experts, a 3-D parameter) is named with its type beside the head."""
+    from torch import nn
+
+    from sebp_probe.model.patch import find_targets
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = nn.Parameter(torch.zeros(4, 32, 80))
+
+    model = family_model("opt", "causal-lm")
+    for layer in model.model.decoder.layers:
+        layer.experts = Experts()
+    with caplog.at_level(logging.WARNING, logger="sebp_probe"):
+        names = find_targets(model)
+    assert len(names) == 12
+    assert "left dense: experts (Experts), lm_head (Linear); choose with --targets" in caplog.records[0].getMessage()
 
 
 def test_a_classifier_that_pools_every_row_keeps_its_own_loss():

@@ -26,14 +26,15 @@ def families(page: Page) -> str:
                 head += ", logit softcap"
             if f.logit_divisor:
                 head += f", `{f.logit_divisor}`"
-        packed = "-" if not f.packed else "causal LM" if f.block == "decoder" else "classifier"
+        packed = "-" if not f.packed else "classifier" if f.first_token else "causal LM"
         norms = ("RMSNorm" if f.rms_norms else "-") if f.block == "decoder" else "LayerNorm"
         acts = "SwiGLU" if f.gated_mlps else "GELU" if f.gelu_mlps else "-"
         targets = ", ".join(f"`{t}`" for t in f.targets)
         if f.experts:  # the fused experts come with the projections; the router stays dense
             targets += "; the experts' fused `gate_up_proj`, `down_proj` (router dense)"
         rows.append([f.name, f"`{model_type}`", targets, head, packed, norms, acts])
-    rows.append(["any other", "", "every `nn.Linear` but the output head (one note)", "- (one note)",
+    rows.append(["any other", "", "every `nn.Linear` and `Conv1D` but the output head (one note, naming what "
+                 "stays dense)", "- (one note)",
                  "- (bucket, one note)", "LayerNorm", "-"])
     return table(["family", "model type", "SEBP targets (default)", "`--head labelled`", "`--padding packed`",
                   "`--sebp-norms`", "`--sebp-acts`"], rows, "lllllll")
