@@ -16,7 +16,8 @@ from .cli_common import (EXIT_ERROR, EXIT_INTERRUPTED, _DATA_HELP, _DEVICE, _LAB
 from .cli_finetune import finetune_cmd
 from .layouts import PADDED
 from .outputs import check_output_file
-from .tables import batch_progress, console, print_analysis, print_note
+from .tables import batch_progress, console, print_note
+from .tables_analysis import print_analysis
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "UserError", "app", "main"]
 
