@@ -75,16 +75,16 @@ def finetune_cmd(
     targets: str = typer.Option(None, "--targets", rich_help_panel=METHOD, help="Comma-separated "
                                 "layers/patterns to patch (default: attention + MLP projections); 'all-linear' "
                                 "works."),
-    dense_fallback: float = typer.Option(0.9, "--dense-fallback", rich_help_panel=METHOD, help="Layers with "
-                                         "more active rows than this share run dense."),
-    always_sebp: bool = typer.Option(False, "--always-sebp", rich_help_panel=METHOD, help="Keep SEBP even where "
-                                     "calibration measures it slower than dense."),
     sebp_acts: bool = typer.Option(False, "--sebp-acts", rich_help_panel=METHOD, help="Also run the MLP "
                                    "activations (SwiGLU, GELU) as SEBP activations (exact; the linears before "
                                    "them skip their row selection)."),
     sebp_norms: bool = typer.Option(False, "--sebp-norms", rich_help_panel=METHOD, help="Also give the "
                                     "LayerNorms/RMSNorms the SEBP backward (exact; calibrated together with the "
                                     "linear layers)."),
+    dense_fallback: float = typer.Option(0.9, "--dense-fallback", rich_help_panel=METHOD, help="Layers with "
+                                         "more active rows than this share run dense."),
+    always_sebp: bool = typer.Option(False, "--always-sebp", rich_help_panel=METHOD, help="Keep SEBP even where "
+                                     "calibration measures it slower than dense."),
     # Speed
     bf16: bool = typer.Option(False, "--bf16", rich_help_panel=SPEED, help="bfloat16 autocast."),
     fp16: bool = typer.Option(False, "--fp16", rich_help_panel=SPEED, help="float16 autocast with loss scaling "
