@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +21,10 @@ class SEBPConfig:
     top_n:   the row capacity of ``topk`` mode (> 0).
     backend: ``torch`` (gather/GEMM/scatter), ``triton`` (fused GPU kernels) or ``auto`` (triton on CUDA
              when available, else torch).
+    triton_op: inside ``torch.compile``, the backward is a ``torch.library.triton_op`` whose kernels the
+             compiled graph launches itself (no Python call a layer; :mod:`sebp_kernels._triton.traced`):
+             exact and threshold modes on the Triton kernels only, without the density fallback, row hints or
+             padding rows. Off: the operator ``sebp::linear_backward``. Eager runs ignore it.
 
     Rows holding NaN or Inf are active in every mode, so a diverging run is never hidden.
     """
@@ -30,6 +33,7 @@ class SEBPConfig:
     eps: float = 0.0
     top_n: int | None = None
     backend: Backend = "auto"
+    triton_op: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -45,12 +49,14 @@ class SEBPConfig:
                 raise TypeError(f"top_n must be an integer, got {type(self.top_n).__name__}")
             if self.top_n <= 0:
                 raise ValueError(f"top_n (N) must be > 0, got {self.top_n}")
+        if not isinstance(self.triton_op, bool):
+            raise TypeError(f"triton_op must be True or False, got {type(self.triton_op).__name__}")
         if self.mode == "topk" and self.top_n is None:
             raise ValueError("topk mode needs top_n (N > 0)")
         object.__setattr__(self, "_op_key", _op_key(self))
 
     def __reduce__(self):  # copies and pickles are built afresh: the op key is this process's own
-        return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend))
+        return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend, self.triton_op))
 
     @property
     def op_key(self) -> int:
@@ -61,14 +67,17 @@ class SEBPConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "SEBPConfig":
         """Build from a plain dict (the per-layer settings of a report); unknown keys are an error."""
-        allowed = {"mode", "eps", "top_n", "backend"}
+        allowed = {"mode", "eps", "top_n", "backend", "triton_op"}
         extra = set(d) - allowed
         if extra:
             raise ValueError(f"unknown SEBP setting(s) {sorted(extra)}; allowed: {sorted(allowed)}")
         return cls(**d)
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "eps": float(self.eps), "top_n": self.top_n, "backend": self.backend}
+        """The settings as a plain dict (``triton_op`` only where set, so the records of runs without it read
+        as before)."""
+        d = {"mode": self.mode, "eps": float(self.eps), "top_n": self.top_n, "backend": self.backend}
+        return {**d, "triton_op": True} if self.triton_op else d
 
 
 _KEY_OF_VALUES: dict[tuple, int] = {}
@@ -76,16 +85,10 @@ CONFIG_OF_KEY: dict[int, SEBPConfig] = {}  # -key -> the first config made with 
 
 
 def _op_key(config: SEBPConfig) -> int:
-    values = (config.mode, float(config.eps), config.top_n, config.backend)
+    values = (config.mode, float(config.eps), config.top_n, config.backend, config.triton_op)
     key = _KEY_OF_VALUES.get(values)
     if key is None:
         key = _KEY_OF_VALUES[values] = -(len(_KEY_OF_VALUES) + 1)
         CONFIG_OF_KEY[key] = config
     return key
 
-
-def switches() -> dict[str, str]:
-    """The ``SEBP_*`` environment variables set in this process, for a run's record of what it ran with: the
-    switches of the compiled path, each read once at import where it acts (SEBP_FORWARD_ROWS=0, every forward
-    on all rows: .pad_rows; SEBP_TRITON_OP=1, the triton_op backward: .functional)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("SEBP_")}

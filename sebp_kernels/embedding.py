@@ -7,20 +7,15 @@ them: below 3072 tokens it goes through them a chunk after another on a few doze
 2112 tokens of BERT-base's width on an H200, while it skips the rows of its ``padding_idx`` at a
 fraction of that. :func:`sebp_embedding` hands the padding rows to that skip: in the backward each of them
 names one more row of the table, which the kernel is told is the one to skip, so the result is the same sum over
-the real rows (each weight row's sum keeps its order; only zeros are left out). SEBP_EMBEDDING_ROWS=0 leaves
-every embedding to PyTorch (to compare).
+the real rows (each weight row's sum keeps its order; only zeros are left out).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .pad_rows import ON
-
-ROWS = os.environ.get("SEBP_EMBEDDING_ROWS", "1") != "0"
 
 
 class _Embedding(torch.autograd.Function):
@@ -52,7 +47,7 @@ def real_rows(pad, ids: Tensor) -> Tensor | None:
     else None."""
     if torch.compiler.is_compiling():  # first: traced, reading the check's state would guard on it
         return None
-    if not ROWS or pad is None or pad.state != ON or pad.real is None or tuple(ids.shape) != pad.shape:
+    if pad is None or pad.state != ON or pad.real is None or tuple(ids.shape) != pad.shape:
         return None
     return pad.real
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Optional
 
 import torch
@@ -28,7 +27,7 @@ from .config import SEBPConfig
 from .density import RowDensity
 from .forward_rows import could_pay, linear_maybe_over_rows
 from .library import plain_op
-from .pad_rows import FORWARD_ROWS, bind_traced, forward_rows_traced
+from .pad_rows import bind_traced, forward_rows_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
 
@@ -184,7 +183,7 @@ class _Linear(torch.autograd.Function):
 
 def _over_rows(x: Tensor, weight: Tensor, pad: tuple | None, row_bound: int | None = None) -> bool:
     """Whether a compiled layer given its padding rows calls the forward operator (which may compute the real
-    rows alone) rather than tracing ``F.linear``: not with SEBP_FORWARD_ROWS=0, nor where the shape can never pay
+    rows alone) rather than tracing ``F.linear``: not where the shape can never pay
     (:func:`~.forward_rows.could_pay`) at ``row_bound`` rows, the most a batch of the run has
     (:attr:`~.pad_rows.PadRows.row_bound`; the operator itself decides each batch whether it pays). Without a
     bound it asks at this batch's rows: a symbolic row count then becomes a guard, and a batch on the other side
@@ -192,7 +191,7 @@ def _over_rows(x: Tensor, weight: Tensor, pad: tuple | None, row_bound: int | No
     inside the autograd Function's forward Dynamo traces a subgraph, and there (torch 2.11 and 2.13) comparing
     that count with the float multiply-add line failed the compile."""
     rows = x.numel() // x.shape[-1] if row_bound is None else row_bound
-    return pad is not None and FORWARD_ROWS and bool(could_pay(rows, *weight.shape[::-1]))
+    return pad is not None and bool(could_pay(rows, *weight.shape[::-1]))
 
 
 def _grads_traced(dy, x, weight, need_dx, need_dw, need_db, eps):
@@ -206,7 +205,7 @@ def _grads_traced(dy, x, weight, need_dx, need_dw, need_db, eps):
 
 def triton_op_available() -> bool:
     """Whether the ``triton_op`` backward can run here: triton imports, and torch has ``torch.library.triton_op``
-    (2.6 and later). Asked once, at import."""
+    (2.6 and later)."""
     try:
         importlib.import_module(f"{__package__}._triton.traced")
     except ImportError:
@@ -214,8 +213,9 @@ def triton_op_available() -> bool:
     return True
 
 
-# SEBP_TRITON_OP=1: a compiled SEBP linear's backward is the triton_op (see _traced_eps), not the operator
-TRITON_OP = os.environ.get("SEBP_TRITON_OP", "0") == "1" and triton_op_available()
+@functools.lru_cache(maxsize=1)
+def _triton_op_here() -> bool:
+    return triton_op_available()
 
 
 @torch.compiler.assume_constant_result
@@ -231,12 +231,14 @@ def _kernels_take(dtype: torch.dtype, device: torch.device, weight_dtype: torch.
 
 def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float]:
     """The threshold a compiled layer's ``triton_op`` backward selects rows with (0.0: exact), or None where the
-    layer keeps the operator :func:`linear_backward`: top-N selection, the torch backend, inputs the kernels do
-    not take (dtype, device, no rows). Read when the graph is traced: Dynamo guards on the config and the sizes
-    it read."""
-    if not TRITON_OP or config.mode == "topk" or config.backend == "torch" or x.dim() < 2:
+    layer keeps the operator :func:`linear_backward`: ``config.triton_op`` off, top-N selection, the torch
+    backend, inputs the kernels do not take (dtype, device, no rows), a torch without ``triton_op``. Read when
+    the graph is traced: Dynamo guards on the config and the sizes it read."""
+    if not config.triton_op or config.mode == "topk" or config.backend == "torch" or x.dim() < 2:
         return None
-    if x.numel() == 0 or weight.numel() == 0 or not _kernels_take(x.dtype, x.device, weight.dtype, weight.device):
+    if x.numel() == 0 or weight.numel() == 0 or not _triton_op_here():
+        return None
+    if not _kernels_take(x.dtype, x.device, weight.dtype, weight.device):
         return None
     return 0.0 if config.mode == "exact" else float(config.eps)
 
@@ -260,34 +262,52 @@ def sebp_linear(
     config: SEBPConfig | None = None,
     state: RowDensity | None = None,
     hint=None,
-    _key: int | torch.Tensor | None = None,
-    _pad: tuple | None = None,
-    _rows: tuple | None = None,
-    _row_bound: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
 
-    ``state``: the layer's :class:`~sebp_kernels.density.RowDensity` (kept across steps), which lets the
-    Triton backward in exact mode take the dense GEMMs while nearly all rows are active; None: always SEBP.
-    ``hint``: a :class:`~sebp_kernels.activations.RowHint` through which the backward that writes dL/dY (an
-    SEBP activation) names its rows that can be non-zero; the Triton backward in exact mode then skips its
-    selection pass.
+    The forward is ``F.linear``'s. The backward computes dX, dW and db over the rows of dL/dY that
+    ``config`` calls active (all leading dimensions flattened into rows); a product whose input needs no
+    gradient is skipped. Under autocast the inputs are cast the way autocast casts ``F.linear`` (fp32 master
+    weights get fp32 gradients). Where autograd records nothing (``torch.no_grad()``, nothing requiring grad)
+    it is ``F.linear`` itself.
 
-    ``_key``: the :func:`.registry.register` key of the SEBPLinear calling this (or its
+    Args:
+        x: the input, ``(..., in_features)``.
+        weight: the weight, ``(out_features, in_features)``.
+        bias: the bias, ``(out_features,)``, or None.
+        config: how the backward picks its active rows (:class:`~sebp_kernels.config.SEBPConfig`);
+            None: exact mode, every row with a non-zero element.
+        state: the layer's :class:`~sebp_kernels.density.RowDensity`, kept across steps, with which the
+            Triton backward in exact mode takes the dense GEMMs while nearly all rows are active; None:
+            always SEBP.
+        hint: a :class:`~sebp_kernels.activations.RowHint` through which the backward that writes dL/dY (an
+            SEBP activation) names the rows that can be non-zero; the Triton backward in exact mode then
+            skips its selection pass. None: the backward selects.
+
+    Returns:
+        ``x @ weight.T + bias``, of shape ``(..., out_features)``.
+    """
+    return linear_for_layer(x, weight, bias, config, state, hint)
+
+
+def linear_for_layer(x: Tensor, weight: Tensor, bias: Optional[Tensor], config: SEBPConfig | None,
+                     state: RowDensity | None = None, hint=None, key: int | Tensor | None = None,
+                     pad: tuple | None = None, rows: tuple | None = None, row_bound: int | None = None,
+                     forward_rows: bool = True) -> Tensor:
+    """:func:`sebp_linear` with what an :class:`~sebp_kernels.modules.SEBPLinear` adds (internal).
+
+    ``key``: the :func:`.registry.register` key of the SEBPLinear calling this (or its
     :func:`~.registry.key_tensor`, see :func:`~.registry.keys_as_inputs`); inside ``torch.compile`` the layer
     then runs :func:`traced_linear` (one graph, no break): ``F.linear`` traced, and the backward as the
     operator ``sebp::linear_backward`` (:mod:`.library`), which reads that layer's settings, state and hint.
-    ``_pad``: that layer's padding rows of this forward inside ``torch.compile`` (graph inputs; eagerly they
-    come as the hint, :meth:`~.pad_rows.PadRows.bind`). ``_rows``: eagerly, the (perm, count) of the real-token
+    ``pad``: that layer's padding rows of this forward inside ``torch.compile`` (graph inputs; eagerly they
+    come as the hint, :meth:`~.pad_rows.PadRows.bind`). ``rows``: eagerly, the (perm, count) of the real-token
     rows the forward computes alone where that pays, and a recent share of real rows
-    (:meth:`~.pad_rows.PadRows.forward_rows`; compiled, the forward reads them
-    from ``_pad`` when it runs). ``_row_bound``: compiled, the most rows a batch of the run has
-    (:attr:`~.pad_rows.PadRows.row_bound`), with which the layer decides whether to call the forward operator
-    at all (:func:`_over_rows`); None: each batch's rows decide (a guard).
-
-    Under autocast the inputs are cast the way autocast casts ``F.linear`` (the casts are recorded by
-    autograd, so fp32 master weights get fp32 gradients), then the Function runs in that dtype. Where
-    autograd records nothing (``torch.no_grad()``, nothing requiring grad) it is ``F.linear`` itself.
+    (:meth:`~.pad_rows.PadRows.forward_rows`; compiled, the forward reads them from ``pad`` when it runs).
+    ``row_bound``: compiled, the most rows a batch of the run has (:attr:`~.pad_rows.PadRows.row_bound`), with
+    which the layer decides whether to call the forward operator at all (:func:`_over_rows`); None: each
+    batch's rows decide (a guard). ``forward_rows``: compiled, False keeps the forward on every row
+    (:attr:`~.pad_rows.PadRows.forward_real_rows`).
     """
     if not records_grad(x, weight, bias):
         return F.linear(x, weight, bias)
@@ -298,16 +318,16 @@ def sebp_linear(
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows, _row_bound)
-    return _apply(x, weight, bias, config, state, hint, _key, _pad, _rows, _row_bound)
+            return _apply(x, weight, bias, config, state, hint, key, pad, rows, row_bound, forward_rows)
+    return _apply(x, weight, bias, config, state, hint, key, pad, rows, row_bound, forward_rows)
 
 
-def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None, row_bound=None):
+def _apply(x, weight, bias, config, state, hint, key, pad=None, rows=None, row_bound=None, forward_rows=True):
     if torch.compiler.is_compiling():
         eps = _traced_eps(config, x, weight)
         if key is not None:  # an SEBPLinear: its settings, density state and hint, read when the backward runs
             return traced_linear(x, weight, bias, *registry.op_keys(key, 0), pad=pad, eps=eps,
-                                 over_rows=_over_rows(x, weight, pad, row_bound))
+                                 over_rows=forward_rows and _over_rows(x, weight, pad, row_bound))
         state_key, hint_key = getattr(state, "key", 0), getattr(hint, "key", 0)
         if (state is None or state_key) and (hint is None or hint_key):  # a functional call: its own objects
             return traced_linear(x, weight, bias, None, config.op_key, state_key, hint_key, eps=eps)

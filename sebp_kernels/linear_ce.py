@@ -88,19 +88,33 @@ def linear_cross_entropy(
     chunk_rows: int | None = None,
     labelled: int | None = None,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ignore_index=..., label_smoothing=...,
-    reduction=...)`` computed over the labelled rows only, ``chunk_rows`` rows at a time.
+    """``F.cross_entropy(F.linear(hidden, weight, bias), labels, ...)`` over the labelled rows only, a chunk of
+    rows at a time (the logits of all rows are never held at once).
 
-    hidden (..., d) and labels (...) are flattened to rows. ``reduction`` is ``"mean"`` (over the labelled
-    rows, like F.cross_entropy) or ``"sum"``. With no labelled row the loss is 0 and every gradient is zero
-    (F.cross_entropy's mean gives NaN there). Under ``torch.autocast`` the products run in the autocast dtype
-    (fp32 accumulation) and the softmax and loss in fp32, like the autocast dense path; the loss is fp32 (fp64
-    for fp64 inputs). A weight that needs no gradient (frozen, LoRA) costs no dW product; a weight shared with
-    the input embeddings gets the sum of both gradients through autograd as usual.
-    ``chunk_rows``: default :func:`default_chunk_rows` at most, the rows split in equal chunks
-    (:func:`balanced_chunk_rows`); smaller lowers the peak memory, larger runs fewer and bigger products.
-    ``labelled``: how many labels are not ``ignore_index``, when the caller knows it (a Python int): no host
-    sync, and no graph break under ``torch.compile`` (see :func:`labelled_rows`).
+    With no labelled row the loss is 0 and every gradient is zero (F.cross_entropy's mean gives NaN there).
+    Under ``torch.autocast`` the products run in the autocast dtype (fp32 accumulation) and the softmax and
+    loss in fp32, like the autocast dense path. A weight that needs no gradient (frozen, LoRA) costs no dW
+    product; a weight shared with the input embeddings gets the sum of both gradients through autograd as usual.
+
+    Args:
+        hidden: the hidden states, ``(..., d)``, flattened to rows.
+        weight: the output layer's weight, ``(V, d)``.
+        labels: the target of each row, ``(...)`` (the leading shape of ``hidden``).
+        bias: the output layer's bias, ``(V,)``, or None.
+        ignore_index: the label of rows without a target (left out).
+        label_smoothing: as in ``F.cross_entropy``, in [0, 1].
+        reduction: ``"mean"`` (over the labelled rows, like F.cross_entropy) or ``"sum"``.
+        chunk_rows: rows per chunk; None: at most :func:`default_chunk_rows`, the rows split in equal chunks
+            (:func:`balanced_chunk_rows`). Smaller lowers the peak memory, larger runs fewer, bigger products.
+        labelled: how many labels are not ``ignore_index``, when the caller knows it (a Python int): no host
+            sync, and no graph break under ``torch.compile`` (see :func:`labelled_rows`); None: counted.
+
+    Returns:
+        The loss, a 0-d tensor: fp32 (fp64 for fp64 inputs).
+
+    Raises:
+        ValueError: an unknown ``reduction``, ``label_smoothing`` outside [0, 1], ``chunk_rows`` < 1, or shapes
+            of ``hidden``, ``weight`` and ``labels`` that do not match.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")

@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import SEBPConfig
 from .density import RowDensity
-from .functional import sebp_linear
+from .functional import linear_for_layer
 from .registry import graph_key, name_module
 
 
@@ -92,16 +92,16 @@ class SEBPLinear(nn.Linear):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hint, pad, traced, rows, bound = self._sebp_hint, self._sebp_pad_rows, None, None, None
+        hint, pad, traced, rows, bound, fwd = self._sebp_hint, self._sebp_pad_rows, None, None, None, True
         if pad is not None and self.sebp_config.mode == "exact":
             if torch.compiler.is_compiling():
                 traced = pad.traced()  # inputs of the graph, taken by its forward and backward operators
-                bound = pad.row_bound
+                bound, fwd = pad.row_bound, pad.forward_real_rows
             else:
                 hint = pad.bind(hint, x.shape, self)
                 rows = pad.forward_rows(x.shape)  # the forward over the real-token rows alone, once checked
-        return sebp_linear(x, self.kernel_weight(), self.bias, self.sebp_config, self._sebp_density, hint,
-                           _key=graph_key(self), _pad=traced, _rows=rows, _row_bound=bound)
+        return linear_for_layer(x, self.kernel_weight(), self.bias, self.sebp_config, self._sebp_density, hint,
+                                key=graph_key(self), pad=traced, rows=rows, row_bound=bound, forward_rows=fwd)
 
     def extra_repr(self) -> str:
         c = self.sebp_config

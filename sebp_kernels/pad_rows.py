@@ -32,7 +32,6 @@ is traced (the whole model compiled) it names no rows.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -40,8 +39,6 @@ import torch
 from .readback import ShareReader
 
 CHECKING, ON, OFF = "checking", "on", "off"
-# SEBP_FORWARD_ROWS=0 keeps every forward over all rows (to compare; see sebp_kernels.forward_rows)
-FORWARD_ROWS = os.environ.get("SEBP_FORWARD_ROWS", "1") != "0"
 # A linear whose dY had at most this share of the real-token rows non-zero while checked selects its own rows.
 OWN_BELOW = 0.5
 
@@ -51,9 +48,12 @@ class PadRows:
 
     ``set(mask)`` before each forward (a forward pre-hook of the model does it); an SEBP linear's forward
     calls :meth:`bind` and keeps what it returns as its row hint. ``state``: "checking", "on" or "off";
-    ``taken`` counts the backwards that used the rows."""
+    ``taken`` counts the backwards that used the rows. ``forward_real_rows``: once "on", an SEBP linear's forward
+    may compute the real-token rows alone (:mod:`~sebp_kernels.forward_rows`); False keeps every forward on
+    all rows (the backward still takes the padding rows)."""
 
-    def __init__(self):
+    def __init__(self, forward_real_rows: bool = True):
+        self.forward_real_rows = forward_real_rows
         self.state = CHECKING
         self.rows = None  # (perm, count, real-token flags) of the batch set last
         self.real = None  # the flags as (batch, seq)
@@ -207,7 +207,7 @@ def forward_rows_traced(pad: PadRows | None, x_shape: tuple, perm, count, real):
     """(perm, count, a recent real-row share) for the forward of a compiled SEBP linear whose layer passed on
     the rows of its batch (:meth:`PadRows.traced`), read when the forward runs, as :meth:`PadRows.forward_rows`
     decides eagerly; or None."""
-    if not FORWARD_ROWS or pad is None or pad.state != ON or tuple(x_shape[:-1]) != tuple(real.shape):
+    if pad is None or not pad.forward_real_rows or pad.state != ON or tuple(x_shape[:-1]) != tuple(real.shape):
         return None
     return perm, count, pad.density
 

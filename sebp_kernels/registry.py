@@ -26,7 +26,6 @@ This module imports none of the modules that use it.
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 
 import torch
@@ -88,10 +87,7 @@ def keys_as_inputs(model, on: bool = True) -> int:
 def cpu_scalars_aligned() -> bool:
     """Make Inductor count a 0-d CPU tensor input as 16-byte aligned (see the module docstring), once; False where
     this torch has no such hook (its Inductor decides alignment elsewhere). Only the graph's record of unaligned
-    buffers changes: Inductor checks and copies unaligned inputs at run time on the GPU only. SEBP_KEYS_ALIGNED=0
-    leaves Inductor's rule alone (to compare; Inductor's cache keeps code compiled either way under the same key)."""
-    if os.environ.get("SEBP_KEYS_ALIGNED", "1") == "0":
-        return False
+    buffers changes: Inductor checks and copies unaligned inputs at run time on the GPU only."""
     try:
         from torch._inductor import graph
     except ImportError:

@@ -7,18 +7,16 @@ shapes) go to the torch reference, so this function is always safe to call.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ..config import SEBPConfig
 from ..density import RowDensity
+from ..interpret import INTERPRET
 from ..reference import dense_products, sebp_backward_torch, unit_col_stride, weight_view
 from .grads import grads_rows
 from .select import _sm_count, select_rows_device
 
-# Read when the kernels were decorated: under TRITON_INTERPRET=1 they run on CPU tensors.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -14,13 +14,12 @@ gradient with the weight (dL/dh) and with the hidden states (dL/dW) by cuBLAS.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ..interpret import INTERPRET
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 4096  # columns per step of a row's loop (a row of 128k logits: 32 steps)
 

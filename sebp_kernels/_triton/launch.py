@@ -30,13 +30,13 @@ Llama-3.2-1B shape on SFT batches compiled ``_grads_kernel`` once more at its ni
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 
 import torch
 from triton.runtime.errors import OutOfResources
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ..interpret import INTERPRET
+
 # Numbers of launch plans (see FastLaunch.launch_planned): never reused, even across threads (the autograd
 # engine runs each device's backward on its own thread; next() on a count is atomic under the GIL).
 plan_ids = itertools.count()

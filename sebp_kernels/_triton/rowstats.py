@@ -23,16 +23,14 @@ sampled rows, one per non-zero element plus one for the zeros. Row offsets are i
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..interpret import INTERPRET
 from .launch import FastLaunch
 
-# Read when the kernel is decorated: under TRITON_INTERPRET=1 it runs on CPU tensors.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Columns of ``stats``: three scalars, then the row histogram. The kernel spells these (and the float32
 # bits of +Inf, 0x7F800000, and of the canonical NaN, 0x7FC00000) as literals: every global constexpr a

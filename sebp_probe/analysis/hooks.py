@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,6 +45,8 @@ from functools import partial
 import numpy as np
 import torch
 from torch import nn
+
+from sebp_kernels.interpret import INTERPRET
 
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT, octave_histogram
 from ..model.linears import features
@@ -63,7 +64,6 @@ ROW_GROUPS = ("padding", "label_less")
 N_GROUPS = len(ROW_GROUPS)
 _GROUPS_AT = _N_SCALARS + N_FINE
 _WIDTH = _GROUPS_AT + N_GROUPS * N_OCTAVE
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton then runs on CPU tensors
 
 
 @dataclass
@@ -200,7 +200,7 @@ def _rowstats():
     try:
         from sebp_kernels._triton import rowstats
     except Exception as exc:  # no triton, or one that fails to initialise: the torch path still works
-        if torch.cuda.is_available() or _INTERPRET:
+        if torch.cuda.is_available() or INTERPRET:
             warnings.warn(f"Triton row statistics unavailable ({exc!r}); the collector uses torch ops",
                           RuntimeWarning, stacklevel=3)
         return None
@@ -211,7 +211,7 @@ def _rowstats():
 
 def _kernel_for(grad2d: torch.Tensor):
     """The rowstats module when its kernel handles this 2-D gradient, else None (torch path)."""
-    if not (grad2d.is_cuda or _INTERPRET):
+    if not (grad2d.is_cuda or INTERPRET):
         return None
     mod = _rowstats()
     return mod if mod is not None and mod.supported(grad2d) else None

@@ -178,7 +178,24 @@ def detect_eps(
     gap_floor: float = 1e-3,
     smooth_decades: float = 0.1,
 ) -> EpsResult:
-    """The noise threshold of a magnitude histogram (see the module docstring for the method)."""
+    """The noise threshold of a magnitude histogram: the knee above the gap between noise and signal.
+
+    See the module docstring for the method and its fallback (eps 0.0, exact mode, with a reason).
+
+    Args:
+        counts: the histogram's counts, one per bucket (non-negative); bucket 0 holds exact zeros.
+        edges: the upper edge of each bucket; None: the fine float32 buckets of :func:`bucket_edges`.
+        min_gap_decades: the narrowest gap between noise and signal, in decades of magnitude, that counts.
+        gap_floor: the smoothed density counts as empty below this share of its peak.
+        smooth_decades: the width of the Gaussian that smooths the density, in decades (0: none).
+
+    Returns:
+        An :class:`EpsResult`: eps, whether a knee was found (else why not), the knee, the gap and the share
+        of non-zero values at or below eps.
+
+    Raises:
+        ValueError: counts that are negative or NaN, or settings out of range.
+    """
     if min_gap_decades <= 0 or gap_floor <= 0 or smooth_decades < 0:
         raise ValueError("min_gap_decades and gap_floor must be > 0 and smooth_decades >= 0")
     counts = np.asarray(counts, dtype=np.float64)

@@ -43,8 +43,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sebp_kernels.config import switches
-
 DENSITIES: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -198,7 +196,6 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "sebp_env": switches(),  # the SEBP_* switches this run had set
     }
 
 

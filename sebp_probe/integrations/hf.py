@@ -126,22 +126,41 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
                fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
                backend: str = "auto", keep_cudnn_attention: bool = False,
                compile_scope: str = "layers") -> SEBPTrainer:
-    """Apply SEBP to ``trainer`` (a ``transformers.Trainer`` or ``trl.SFTTrainer``, before ``train()``) and return
-    a handle whose :meth:`SEBPTrainer.undo` takes it back (see the module docstring).
+    """Apply SEBP to a Hugging Face ``Trainer`` or TRL ``SFTTrainer``, in place, before ``train()``.
 
-    ``report``: an ``analyze`` report (path or dict) giving each layer's setting; otherwise ``targets`` (names,
-    suffixes or regexes; default the attention and MLP projections) run exact SEBP. ``head``: ``labelled``,
-    ``cce`` (a causal LM's backbone, then Cut-Cross-Entropy on the labelled rows) or ``full`` (the trainer's own
-    loss). ``calibrate``: measure on the first ``calib_batches`` batches of the
-    trainer's training data which candidates pay (``dense_fallback``: a layer with a larger share of active
-    rows stays dense; ``fallback_if_slower``: SEBP measured slower than dense leaves the model dense); False
-    patches every candidate. ``norms``/``acts``: the norms and MLP activations get the SEBP backward too.
-    ``backend``: the SEBP kernels (``auto``, ``triton`` or ``torch``). ``keep_cudnn_attention``: leave sdpa's
-    choice of kernel alone (by default a GPU's training steps run it without cuDNN's attention; see the module
-    docstring). ``compile_scope`` (under ``torch_compile=True``, with the labelled-rows head): ``layers``
-    compiles each layer of the model's stack in place and runs the rest of the labelled-rows loss eagerly
-    (one layer's compile, not the model's), ``loss`` compiles that loss as a whole. Calling it again on the same
+    The trainer's model gets the SEBP layers that pay on its own first batches, and its training loss the
+    chosen head; the trainer's own loop then trains (see the module docstring). Calling it again on the same
     trainer returns the first call's handle.
+
+    Args:
+        trainer: a ``transformers.Trainer`` or ``trl.SFTTrainer``, not yet trained.
+        report: an ``analyze`` report (a path or the loaded dict) giving each layer's setting; None: the
+            ``targets`` run exact SEBP.
+        targets: layer names, suffixes or regexes to patch; None: the model family's attention and MLP
+            projections.
+        head: ``labelled`` (the loss over the labelled rows: LM head and last layer there, where exact),
+            ``cce`` (a causal LM's backbone, then Cut-Cross-Entropy on the labelled rows) or ``full`` (the
+            trainer's own loss).
+        calibrate: measure on the first ``calib_batches`` batches of the trainer's training data which
+            candidates pay; False patches every candidate.
+        calib_batches: batches calibration measures on (>= 1).
+        dense_fallback: a layer whose share of active rows is larger stays dense.
+        fallback_if_slower: a model whose SEBP step calibration measures slower than dense stays dense.
+        norms: the LayerNorms/RMSNorms get the SEBP backward too.
+        acts: the MLP activations (SwiGLU, GELU) get the SEBP backward too.
+        backend: the SEBP kernels: ``auto``, ``triton`` or ``torch``.
+        keep_cudnn_attention: leave sdpa's choice of kernel alone (by default a GPU's training steps run it
+            without cuDNN's attention; see the module docstring).
+        compile_scope: under ``torch_compile=True`` with the labelled-rows head, ``layers`` compiles each layer
+            of the model's stack in place and runs the rest of the loss eagerly (one layer's compile, not the
+            model's); ``loss`` compiles that loss as a whole.
+
+    Returns:
+        An :class:`SEBPTrainer`: whether SEBP was applied (and why not), the head the loss runs, the
+        calibration; its :meth:`SEBPTrainer.undo` restores the plain model and loss.
+
+    Raises:
+        ValueError: an unknown ``head`` or ``compile_scope``, or ``calib_batches`` < 1.
     """
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")

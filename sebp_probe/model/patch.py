@@ -8,7 +8,6 @@ pattern ``"all-linear"`` matches every nn.Linear except the output head. A peft 
 """
 from __future__ import annotations
 
-import os
 import re
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -19,6 +18,7 @@ from torch import nn
 
 from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
+from sebp_kernels.interpret import triton_runs_on
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
 from ..families import Family, family_of, model_type, unwrapped
@@ -159,21 +159,39 @@ def patch_model(
     filter_fn: FilterFn | None = None,
     layer_configs: Mapping[str, SEBPConfig | Mapping] | None = None,
     pad_rows: bool = True,
+    forward_rows: bool = True,
 ) -> list[str]:
-    """Swap matching nn.Linear modules of ``model`` for SEBPLinear, in place; return their names.
+    """Swap matching nn.Linear modules of ``model`` for SEBPLinear, in place.
 
-    ``config`` applies to every patched layer; ``layer_configs`` (module name -> SEBPConfig or dict with
-    mode/eps/top_n) overrides it per layer, and only the layers it names are patched when no
-    ``target_modules`` is given. Parameters are shared, so state_dict keys, data pointers and an optimizer
-    built before patching stay valid. Patching an already patched layer only updates its config.
-
-    ``pad_rows``: the SEBP linears take the rows of a batch's padding from its attention mask instead of
-    selecting them, once a first backward has checked that those rows get no gradient
-    (:mod:`sebp_kernels.pad_rows`; exact mode only), and the model's embeddings then leave those rows out of
-    their backward (:mod:`sebp_kernels.embedding`).
+    Parameters are shared, so state_dict keys, data pointers and an optimizer built before patching stay
+    valid. Patching an already patched layer only updates its config. :func:`unpatch_model` undoes it.
 
     Without ``target_modules``, a mixture-of-experts family's fused experts get the SEBP experts backward too
     (:mod:`.experts`; not among the names returned, see :func:`~.experts.patched_experts`).
+
+    Args:
+        model: the model to patch (a Hugging Face model, a peft wrapper or any nn.Module).
+        config: the settings of every patched layer (:class:`~sebp_kernels.config.SEBPConfig`); None: exact mode.
+        target_modules: module name patterns to patch (a name, a suffix such as ``"q_proj"``, ``"all-linear"``, or a list);
+            None: the model family's default targets, or the layers ``layer_configs`` names.
+        exclude_modules: module name patterns left out of the targets.
+        filter_fn: ``filter_fn(module, name)``, False leaves that layer out.
+        layer_configs: module name -> SEBPConfig or a dict with mode/eps/top_n (a report's per-layer
+            settings), overriding ``config`` per layer; with no ``target_modules``, only these layers are patched.
+        pad_rows: the SEBP linears take the rows of a batch's padding from its attention mask instead of
+            selecting them, once a first backward has checked that those rows get no gradient
+            (:mod:`sebp_kernels.pad_rows`; exact mode only), and the model's embeddings then leave those rows
+            out of their backward (:mod:`sebp_kernels.embedding`).
+        forward_rows: with ``pad_rows``, once checked, a linear's forward may compute the real-token rows alone
+            where that pays (:mod:`sebp_kernels.forward_rows`); False keeps every forward on all rows (for a
+            model that reads padding rows through a path without gradient).
+
+    Returns:
+        The names of the patched layers, in module order.
+
+    Raises:
+        PatchError: a config that is not an SEBPConfig, or per-layer settings naming a layer that is missing,
+            not an nn.Linear, or left out by the targets.
     """
     if config is not None and not isinstance(config, SEBPConfig):
         raise PatchError(f"config must be an SEBPConfig, got {type(config).__name__}")
@@ -211,7 +229,7 @@ def patch_model(
     if target_modules is None and patched:  # the family's default: its fused experts with its projections
         patch_experts(model, family_of(model), note)
     if pad_rows and patched:
-        pad = install_pad_rows(model)
+        pad = install_pad_rows(model, forward_rows)
         for name in patched:
             model.get_submodule(name)._sebp_pad_rows = pad
         patch_embeddings(model, pad)
@@ -221,13 +239,13 @@ def patch_model(
 def patch_sebp(model: nn.Module, config: SEBPConfig | None = None, *,
                target_modules: Iterable[str] | str | None = None,
                layer_configs: Mapping[str, SEBPConfig | Mapping] | None = None, norms: bool = False,
-               acts: bool = False, pad_rows: bool = True) -> dict[str, list[str]]:
+               acts: bool = False, pad_rows: bool = True, forward_rows: bool = True) -> dict[str, list[str]]:
     """Everything SEBP puts into ``model``, in the order it needs: the linears (:func:`patch_model`; none when
     ``layer_configs`` is given but empty), the MLP activations (:func:`patch_activations`, which hand their
     rows to the SEBP linears present), the norms (:func:`patch_norms`). Returns the names patched now, by
     kind ("linears", "acts", "norms")."""
     linears = [] if layer_configs is not None and not layer_configs else patch_model(
-        model, config, target_modules, layer_configs=layer_configs, pad_rows=pad_rows)
+        model, config, target_modules, layer_configs=layer_configs, pad_rows=pad_rows, forward_rows=forward_rows)
     return {"linears": linears, "acts": patch_activations(model) if acts else [],
             "norms": patch_norms(model) if norms else []}
 
@@ -244,7 +262,7 @@ def _backbone(model: nn.Module) -> nn.Module:
 def _triton_backward_on(device: torch.device) -> bool:
     """Whether the SEBP linears' backward on ``device`` can be the Triton one (which takes rows): a GPU, or
     the CPU under the Triton interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_runs_on(device)
 
 
 def _pad_rows_hook(module, args, kwargs):
@@ -266,13 +284,15 @@ def _pad_rows_hook(module, args, kwargs):
         pad.clear()
 
 
-def install_pad_rows(model: nn.Module) -> PadRows:
+def install_pad_rows(model: nn.Module, forward_rows: bool = True) -> PadRows:
     """The :class:`~sebp_kernels.pad_rows.PadRows` of ``model``, with the forward pre-hook on its backbone
-    that sets it from each batch's attention mask. One made before (and its check's verdict) is kept."""
+    that sets it from each batch's attention mask. One made before (and its check's verdict) is kept, given
+    ``forward_rows`` (:attr:`~sebp_kernels.pad_rows.PadRows.forward_real_rows`)."""
     base = _backbone(model)
     pad = vars(base).get("_sebp_pad_rows")
     if pad is None:
         pad = base._sebp_pad_rows = PadRows()
+    pad.forward_real_rows = forward_rows
     if _pad_rows_hook not in base._forward_pre_hooks.values():
         base.register_forward_pre_hook(_pad_rows_hook, with_kwargs=True)
     return pad

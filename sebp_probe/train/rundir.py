@@ -205,16 +205,14 @@ def partial_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def versions() -> dict:
-    """Package versions, and the SEBP_* switches the run had set (:func:`sebp_kernels.config.switches`)."""
+    """Package versions."""
     import accelerate
     import transformers
-
-    from sebp_kernels.config import switches
 
     from .._version import __version__
 
     v = {"sebp_probe": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-         "accelerate": accelerate.__version__, "python": platform.python_version(), "sebp_env": switches()}
+         "accelerate": accelerate.__version__, "python": platform.python_version()}
     try:
         import triton
 

@@ -171,14 +171,16 @@ def test_config_rejects_bad_values(kwargs, err):
         SEBPConfig(**kwargs)
 
 
-def test_a_run_records_the_sebp_switches_it_had_set(monkeypatch):
-    from sebp_kernels.config import switches
-    from sebp_probe.train.rundir import versions
+def test_the_triton_op_setting_travels_with_the_config():
+    import copy
+    import pickle
 
-    monkeypatch.setenv("SEBP_TRITON_OP", "1")
-    monkeypatch.delenv("SEBP_FORWARD_ROWS", raising=False)
-    assert switches()["SEBP_TRITON_OP"] == "1" and "SEBP_FORWARD_ROWS" not in switches()
-    assert versions()["sebp_env"] == switches()
+    on = SEBPConfig("threshold", eps=0.5, triton_op=True)
+    assert on.to_dict()["triton_op"] is True and "triton_op" not in SEBPConfig().to_dict()  # old records unchanged
+    assert SEBPConfig.from_dict(on.to_dict()) == on and pickle.loads(pickle.dumps(on)) == copy.copy(on) == on
+    assert on.op_key != SEBPConfig("threshold", eps=0.5).op_key  # a compiled graph tells them apart
+    with pytest.raises(TypeError, match="triton_op"):
+        SEBPConfig(triton_op=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -168,6 +168,23 @@ def test_other_row_counts_and_an_activation_hint_come_first():
     assert bound.take(torch.zeros(12, 5))[1].tolist() == [9]  # the same rows flattened
 
 
+def test_a_patch_without_forward_rows_keeps_every_forward_on_all_rows():
+    """``patch_model(forward_rows=False)``: once the check is on, the backward still takes the padding rows,
+    and the forward computes every row (no real-token rows handed to it); a later patch may turn it back on."""
+    from sebp_kernels import SEBPConfig
+    from sebp_probe import patch_model
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("bert")
+    patch_model(model, SEBPConfig("exact"), forward_rows=False)
+    pad = model.base_model._sebp_pad_rows
+    pad.set(_mask())
+    pad.state = ON
+    assert pad.forward_rows((3, 4, 8)) is None and pad.bind(None, (3, 4, 8)) is not None
+    patch_model(model, SEBPConfig("exact"))
+    assert model.base_model._sebp_pad_rows is pad and pad.forward_rows((3, 4, 8))[1].tolist() == [9]
+
+
 def test_patch_model_hooks_the_backbone_and_unpatch_removes_it(monkeypatch):
     from sebp_kernels import SEBPConfig
     from sebp_probe import patch_model, unpatch_model

@@ -1,19 +1,17 @@
 """The SEBP linear's backward as a triton_op (sebp_kernels._triton.traced), which a compiled SEBP linear takes
-with SEBP_TRITON_OP=1: against the torch reference under the interpreter (row counts below their bucket, bias,
+with ``SEBPConfig(triton_op=True)``: against the torch reference under the interpreter (row counts below their bucket, bias,
 frozen weight, threshold); traced on the CPU into its kernel launches, with a graph per row-count bucket; and
 compiled by Inductor on a GPU against dense."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from sebp_kernels import SEBPConfig, functional, registry
+from sebp_kernels.interpret import INTERPRET
 from sebp_kernels.modules import SEBPLinear
 from tests.helpers import interpreter_suite
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 from sebp_kernels._triton import traced  # noqa: E402
 from sebp_kernels.reference import sebp_backward_torch  # noqa: E402
@@ -24,11 +22,11 @@ def test_row_counts_are_planned_for_their_power_of_two():
         [256, 256, 512, 512, 512, 1024, 4096, 8192]
 
 
-def _stack(device="cpu", dtype=torch.float32, width=24, layers=3):
+def _stack(device="cpu", dtype=torch.float32, width=24, layers=3, triton_op=True):
     torch.manual_seed(0)
     linears = [torch.nn.Linear(width, width, bias=i == 1).to(device, dtype) for i in range(layers)]
     dense = torch.nn.Sequential(*linears)
-    sebp = torch.nn.Sequential(*[SEBPLinear.from_linear(lin, SEBPConfig("exact")) for lin in linears])
+    sebp = torch.nn.Sequential(*[SEBPLinear.from_linear(lin, SEBPConfig("exact", triton_op=triton_op)) for lin in linears])
     registry.keys_as_inputs(sebp)
     return sebp, dense
 
@@ -45,8 +43,7 @@ def _counting(compiles: list):
 
 @pytest.fixture
 def triton_op(monkeypatch):
-    """The compiled SEBP linears take the triton_op (on the CPU too: no GPU to ask for)."""
-    monkeypatch.setattr(functional, "TRITON_OP", True)
+    """The compiled SEBP linears of :func:`_stack` take the triton_op on the CPU too (no GPU to ask for)."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(functional, "_traced_eps", lambda config, x, weight: 0.0)
 
@@ -75,9 +72,8 @@ def test_a_compiled_sebp_linear_launches_the_kernels_from_the_graph_a_graph_per_
     assert code.count("triton_kernel_wrapper_functional(") == 3 * 3 and "sebp.linear_backward" not in code
 
 
-def test_without_the_switch_the_compiled_backward_is_the_operator(monkeypatch):
-    monkeypatch.setattr(functional, "TRITON_OP", False)
-    sebp, _ = _stack()
+def test_without_the_setting_the_compiled_backward_is_the_operator():
+    sebp, _ = _stack(triton_op=False)
     graphs = []
     torch.compile(sebp, dynamic=False, backend=_counting(graphs))(torch.randn(30, 24, requires_grad=True)).sum() \
         .backward()  # the operator runs the torch path on the CPU
@@ -85,24 +81,27 @@ def test_without_the_switch_the_compiled_backward_is_the_operator(monkeypatch):
 
 
 @pytest.mark.parametrize("mode,backend", [("topk", "auto"), ("exact", "torch")])
-def test_layers_the_kernels_do_not_serve_keep_the_operator(monkeypatch, mode, backend):
-    monkeypatch.setattr(functional, "TRITON_OP", True)
-    cfg = SEBPConfig(mode, top_n=4, backend=backend) if mode == "topk" else SEBPConfig(mode, backend=backend)
+def test_layers_the_kernels_do_not_serve_keep_the_operator(mode, backend):
+    cfg = SEBPConfig(mode, top_n=4, backend=backend, triton_op=True)
     assert functional._traced_eps(cfg, torch.zeros(2, 4), torch.zeros(4, 4)) is None
 
 
-def test_a_torch_without_triton_op_has_no_switch(monkeypatch):
+def test_a_torch_without_triton_op_keeps_the_operator(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "sebp_kernels._triton.traced", None)  # its import fails
     assert not functional.triton_op_available()
+    functional._triton_op_here.cache_clear()
+    try:
+        assert functional._traced_eps(SEBPConfig(triton_op=True), torch.zeros(2, 4), torch.zeros(4, 4)) is None
+    finally:
+        functional._triton_op_here.cache_clear()
 
 
-def test_the_switch_is_off_by_default_and_the_cpu_keeps_the_operator(monkeypatch):
+def test_the_setting_is_off_by_default_and_the_cpu_keeps_the_operator():
     assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(2, 4), torch.zeros(4, 4)) is None
     if not INTERPRET:  # (the interpreter's kernels take CPU tensors: its suite checks them below)
-        monkeypatch.setattr(functional, "TRITON_OP", True)
-        assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(2, 4), torch.zeros(4, 4)) is None
+        assert functional._traced_eps(SEBPConfig(triton_op=True), torch.zeros(2, 4), torch.zeros(4, 4)) is None
 
 
 def _reference(dy, x, weight, need, eps):
@@ -112,17 +111,16 @@ def _reference(dy, x, weight, need, eps):
 
 if INTERPRET:
     @pytest.mark.parametrize("shape", [(6, 4), (2, 3, 4), (2, 3, 5, 4)])
-    def test_layers_of_any_leading_shape_take_the_kernels(monkeypatch, shape):
+    def test_layers_of_any_leading_shape_take_the_kernels(shape):
         """A model's linears see (batch, seq, features): the check is on the rows, not on x as it comes."""
-        monkeypatch.setattr(functional, "TRITON_OP", True)
-        weight = torch.zeros(5, 4)
-        assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(shape), weight) == 0.0
-        assert functional._traced_eps(SEBPConfig("threshold", eps=0.25), torch.zeros(shape), weight) == 0.25
-        assert functional._traced_eps(SEBPConfig("exact"), torch.zeros(shape, dtype=torch.float64), weight) is None
+        weight, on = torch.zeros(5, 4), SEBPConfig("exact", triton_op=True)
+        assert functional._traced_eps(on, torch.zeros(shape), weight) == 0.0
+        assert functional._traced_eps(SEBPConfig("threshold", eps=0.25, triton_op=True), torch.zeros(shape),
+                                      weight) == 0.25
+        assert functional._traced_eps(on, torch.zeros(shape, dtype=torch.float64), weight) is None
 
-    def test_dynamo_reads_the_choice_without_a_graph_break(monkeypatch):
-        monkeypatch.setattr(functional, "TRITON_OP", True)
-        cfg = SEBPConfig("threshold", eps=0.5)
+    def test_dynamo_reads_the_choice_without_a_graph_break():
+        cfg = SEBPConfig("threshold", eps=0.5, triton_op=True)
 
         def f(x, w):
             return x * functional._traced_eps(cfg, x, w)
@@ -158,7 +156,6 @@ else:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_inductor_compiled_sebp_linears_equal_dense_across_buckets(monkeypatch, dtype):
-    monkeypatch.setattr(functional, "TRITON_OP", True)
     traced_calls = []
     real = functional._grads_traced
     monkeypatch.setattr(functional, "_grads_traced", lambda *a: traced_calls.append(1) or real(*a))

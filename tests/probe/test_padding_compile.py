@@ -9,7 +9,7 @@ import torch._dynamo as dynamo
 
 from sebp_probe.train import compiling, strategy
 from sebp_probe.train import finetune as ft
-from sebp_probe.cli import _compile_setting
+from sebp_probe.cli_finetune import _compile_setting
 from sebp_probe.config import DataConfig, FinetuneConfig
 from sebp_probe.model.losses import set_head
 from sebp_probe.train.strategy import PaddingChoice, choose_padding, pick, whole_run_s
