@@ -131,6 +131,9 @@ def finetune_cmd(
                                          "this share run dense."),
     always_sebp: bool = typer.Option(False, "--always-sebp", help="Keep SEBP even where calibration measures "
                                      "it slower than dense."),
+    calib_budget: float = typer.Option(0.05, "--calib-budget", metavar="FRACTION", help="--padding auto times "
+                                       "the layouts in at most this share (0-1] of the run's estimated time; a "
+                                       "run too short for one pass of each takes the least padding untimed."),
     sebp_acts: bool = typer.Option(False, "--sebp-acts", help="Also run the MLP activations (SwiGLU, GELU) as "
                                    "SEBP activations (exact; the linears before them skip their row selection)."),
     sebp_norms: bool = typer.Option(False, "--sebp-norms", help="Also give the LayerNorms/RMSNorms the SEBP "
@@ -220,7 +223,7 @@ def finetune_cmd(
         mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
+        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, calib_budget=calib_budget, sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
         compile=_compile_setting(compile_mode, padding, cuda_graphs), compile_scope=compile_scope,
         deterministic=deterministic,
         max_steps=max_steps, epochs=epochs, lr=lr, warmup_ratio=warmup_ratio,
