@@ -93,7 +93,7 @@ def padding_table(choice: dict):
     if choice.get("budget_s") is not None:
         spent = f"{choice['spent_s']:.1f} s of " if choice.get("spent_s") is not None else ""
         captions.append(f"timing: {spent}a {choice['budget_s']:.1f} s budget (of the run's estimated "
-                        f"{choice['run_estimate_s']:.1f} s); ms: median over interleaved rounds (least-most)")
+                        f"{choice['run_estimate_s']:.1f} s); ms: median over interleaved rounds (-/+ the passes' spread: 1.48 x median absolute deviation)")
     table = Table(title=title, caption="\n".join(captions) or None, caption_justify="left", box=box.SIMPLE_HEAD)
     slots = any("slots" in r for r in rows)
     cols = ["layout", *(("head",) if heads else ()), "padding %", *(("tokens\n/batch",) if slots else ()),
@@ -104,7 +104,7 @@ def padding_table(choice: dict):
         table.add_column(col, justify="left" if col in ("layout", "head", "note") else "right")
     fmt = lambda r, k, f="{:.1f}": f.format(r[k]) if k in r else "-"  # noqa: E731
 
-    def timed(r: dict, k: str) -> str:  # the median and, where rounds were timed, their least and most
+    def timed(r: dict, k: str) -> str:  # the median and, where rounds were timed, -/+ its spread
         spread = r.get(k.replace("_ms", "_spread"))
         return fmt(r, k) + (f" ({spread[0]:.1f}-{spread[1]:.1f})" if spread and k in r else "")
 

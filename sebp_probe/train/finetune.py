@@ -98,11 +98,13 @@ def _check_some_rows_active(model, cfg: FinetuneConfig, data: TrainData, cands: 
 
 
 def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = False, on_event: Event | None = None,
-             load_fn: Callable[[], LoadedModel] | None = None, data: TrainData | None = None) -> dict:
+             load_fn: Callable[[], LoadedModel] | None = None, data: TrainData | None = None,
+             padding_timer: Timer = wall_timer) -> dict:
     """Train ``cfg.method`` (or dense then SEBP with ``cfg.compare``), write the output directory, and return
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
-    configs and synthetic batches). Every note of the run (:mod:`.notes`: the data's, a family's fallbacks,
-    the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
+    configs and synthetic batches); ``padding_timer`` times ``--padding auto``'s passes (tests pass one that
+    returns chosen times; :data:`~.layout_prior.Timer`). Every note of the run (:mod:`.notes`: the data's, a
+    family's fallbacks, the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
     cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
     (``max_length``); ``cfg.deterministic`` runs it under :func:`~.determinism.deterministic`. Raises
     FinetuneError for bad input, a diverged run included (and an op that has no deterministic implementation
@@ -114,13 +116,14 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     try:
         with collect_notes(lambda text: emit("note", {"text": text})) as notes, attention, \
                 deterministic(cfg.deterministic):
-            return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
+            return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes, padding_timer)
     except NotDeterministic as e:
         raise FinetuneError(str(e)) from None
 
 
 def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
-              load_fn: Callable[[], LoadedModel] | None, data: TrainData | None, notes: list[str]) -> dict:
+              load_fn: Callable[[], LoadedModel] | None, data: TrainData | None, notes: list[str],
+              padding_timer: Timer = wall_timer) -> dict:
     """Check the settings, load the first model, data and report, choose the layout; only then write the
     output directory, run the plan and summarize it."""
     acc = _accelerator(cfg)
@@ -147,7 +150,7 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
     choice = None
     if cfg.data.padding == "auto":
         choice = _padding_choice(cfg, first, data, report_layers, acc, out if resuming else None,
-                                 say=lambda text: emit("calibrating", {"text": text}))
+                                 say=lambda text: emit("calibrating", {"text": text}), timer=padding_timer)
         emit("padding", choice.to_dict())
     del first
     plan = _run_plan(cfg, choice)

@@ -69,24 +69,28 @@ def plan_timing(pass_ms: Sequence[float], extra: Sequence[int], budget_ms: float
     return TimingPlan(nb, r, chosen)
 
 
+MAD_SIGMA = 1.4826  # a median absolute deviation times this is a normal spread's standard deviation
+
+
 def estimate(per_batch: list[list[float]], mean_slots: float) -> tuple[float, float, float]:
-    """(median, least, most) milliseconds per batch over an epoch of a candidate timed in rounds
-    (``per_batch[round][batch]``: milliseconds per token slot): the median is the mean over the batches of each
-    batch's median over the rounds, the spread each round's own mean over the batches; times ``mean_slots``."""
-    batches = list(zip(*per_batch))
-    median = statistics.fmean(statistics.median(b) for b in batches) * mean_slots
-    rounds = [statistics.fmean(r) * mean_slots for r in per_batch]
-    return median, min(rounds), max(rounds)
+    """(median, low, high) milliseconds per batch over an epoch of a candidate timed in rounds
+    (``per_batch[round][batch]``: milliseconds per token slot), times ``mean_slots``: the median of every
+    pass's time per slot (a pass a neighbour's burst slowed moves it little, fewer than half of them not at
+    all), and that -/+ its spread, the passes' median absolute deviation from it (times :data:`MAD_SIGMA`)."""
+    passes = [t for r in per_batch for t in r]
+    median = statistics.median(passes)
+    dev = MAD_SIGMA * statistics.median(abs(t - median) for t in passes)
+    return median * mean_slots, (median - dev) * mean_slots, (median + dev) * mean_slots
 
 
 def within_noise(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
-    """Are two (median, least, most) times apart by no more than their spread: the gap of the medians at most
+    """Are two (median, low, high) times apart by no more than their spread: the gap of the medians at most
     half the wider of the two ranges?"""
     return abs(a[0] - b[0]) <= max(a[2] - a[1], b[2] - b[1]) / 2
 
 
 def noise_aware(entries: Sequence[tuple[tuple[float, float, float], tuple]]) -> int:
-    """Index of the entry to take of ``entries`` ((median, least, most) cost, prior key: the lesser preferred):
+    """Index of the entry to take of ``entries`` ((median, low, high) cost, prior key: the lesser preferred):
     the fastest by its median, unless an entry the prior prefers is within noise of it (:func:`within_noise`):
     then the most preferred of those."""
     fastest = min(range(len(entries)), key=lambda i: entries[i][0][0])

@@ -368,9 +368,10 @@ def _time_eager(model, cfg: FinetuneConfig, task: str, rows: dict, layouts: dict
                 unpatch_model) -> dict:
     """Time the eager candidates ((layout, head, method), in the prior's order) the budget affords, in
     interleaved rounds: every candidate on each of its batches, one warm-up round, then the timed rounds; each
-    candidate's median and spread (``{method}_ms``, ``{method}_spread``: least and most over the rounds) go into
-    its row. The budget is ``cfg.calib_budget`` of the run's estimated time: the first pass (the prior's first
-    candidate) x the run's ``micro`` batches. Returns what the choice records of it."""
+    candidate's median and spread (``{method}_ms``, ``{method}_spread``: median -/+ spread,
+    :func:`~.layout_prior.estimate`) go into its row. The budget is ``cfg.calib_budget`` of the run's estimated
+    time: the first pass (the prior's first candidate) x the run's ``micro`` batches; the warm-up round's own
+    times then say how many timed rounds (and candidates) it holds. Returns what the choice records of it."""
     keys = [(p, h, m) for p in layouts for h in heads for m in methods]
     first_key = keys[0]
     b0 = batches[first_key[0]][0]
@@ -422,26 +423,53 @@ def _time_eager(model, cfg: FinetuneConfig, task: str, rows: dict, layouts: dict
             rows[(p, h)].update({f"{m}_ms": round(ms, 3) for m, ms in t.items()})
             say(f"--padding auto: {_name((p, h, None))}: " + ", ".join(f"{m} {ms:.1f} ms" for m, ms in t.items()))
         return {**out, "spent_s": round(spent / 1e3, 3)}
+    def one_round(key: tuple) -> list[float]:  # each of the candidate's batches once: ms per token slot
+        nonlocal spent
+        p, h, m = key
+        if h:
+            use_head(model, task, h)
+        times = []
+        with _as(m, patches.get((p, h)), unpatch):
+            for b in batches[p][:plan.batches]:
+                ms = timer(key, b, lambda b=b: _timed_pass(model, b, device, autocast))
+                spent += ms
+                times.append(ms / b["input_ids"].numel())
+        return times
+
+    # the warm-up round: each candidate, while the budget holds its estimate (scaled as those before it ran)
+    round_ms, scale = {}, 1.0
+    for key in timed:
+        est = per_slot * layouts[key[0]]["slots"] * plan.batches * scale
+        if spent + est > budget_ms and len(round_ms) >= 2:
+            rows[key[:2]].setdefault("not_timed", []).append(key[2])
+            continue
+        got = one_round(key)
+        round_ms[key] = sum(t * b["input_ids"].numel() for t, b in zip(got, batches[key[0]]))
+        scale = max(scale, round_ms[key] / est * scale)
+    timed = list(round_ms)
+    rounds = plan.rounds
+    while len(timed) > 2 and spent + sum(round_ms[k] for k in timed) > budget_ms:  # fewer, as the prior orders
+        dropped = timed.pop()
+        rows[dropped[:2]].setdefault("not_timed", []).append(dropped[2])
+    say(f"--padding auto: round 0/{rounds} (warm-up) done, {spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
     per_slot_ms: dict[tuple, list[list[float]]] = {k: [] for k in timed}
-    for i in range(plan.rounds + 1):  # the first round is the warm-up
+    for i in range(1, rounds + 1):
+        if spent + sum(round_ms[k] for k in timed) > budget_ms:  # slower than the first pass said
+            say(f"--padding auto: the budget is spent after {i - 1} of {rounds} timed rounds")
+            break
         for key in timed:
-            p, h, m = key
-            if h:
-                use_head(model, task, h)
-            times = []
-            with _as(m, patches.get((p, h)), unpatch):
-                for b in batches[p][:plan.batches]:
-                    ms = timer(key, b, lambda b=b: _timed_pass(model, b, device, autocast))
-                    spent += ms
-                    times.append(ms / b["input_ids"].numel())
-            if i:
-                per_slot_ms[key].append(times)
-        say(f"--padding auto: round {i}/{plan.rounds}{' (warm-up)' if not i else ''} done, "
-            f"{spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
+            per_slot_ms[key].append(one_round(key))
+        say(f"--padding auto: round {i}/{rounds} done, {spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
+    if not all(per_slot_ms.values()):
+        why = "the budget ran out in the warm-up round"
+        for key in timed:
+            rows[key[:2]].setdefault("not_timed", []).append(key[2])
+        say(f"--padding auto: {why}; the prior's pick, untimed")
+        return {**out, "untimed": why, "spent_s": round(spent / 1e3, 3)}
     for key, ts in per_slot_ms.items():
         med, lo, hi = estimate(ts, layouts[key[0]]["slots"])
         rows[key[:2]].update({f"{key[2]}_ms": round(med, 3), f"{key[2]}_spread": [round(lo, 3), round(hi, 3)]})
-        say(f"--padding auto: {_name(key)}: {med:.1f} ms a batch (rounds {lo:.1f}-{hi:.1f})")
+        say(f"--padding auto: {_name(key)}: {med:.1f} ms a batch (spread {lo:.1f}-{hi:.1f}, {len(ts)} rounds)")
     return {**out, "spent_s": round(spent / 1e3, 3)}
 
 
