@@ -165,3 +165,38 @@ def test_compare_under_auto_trains_both_halves_on_one_choice(tmp_path):
     assert runs["dense"]["head"] == runs["sebp"]["head"]
     assert [k for k, _ in events].count("padding") == 1
     assert s["comparison"]["timing"]["paired"] and s["comparison"]["max_abs_loss_gap"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_without_a_terminal_the_log_says_each_phase_in_plain_lines(tmp_path):
+    """typer's CliRunner is not a terminal (as a run redirected to a file): --padding auto's phases and the
+    training's progress come as plain lines, and the final table says an SEBP run that patched nothing."""
+    from typer.testing import CliRunner
+
+    from sebp_probe.cli import app
+    from tests.cli.test_finetune_cli import _tiny_bert
+
+    model = _tiny_bert(tmp_path / "bert")
+    r = CliRunner().invoke(app, ["finetune", model, "tweets", "--max-steps", "2", "--max-samples", "64",
+                                 "--batch-size", "8", "--max-length", "32", "--eval-samples", "16",
+                                 "-o", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "--padding auto: prior, mean token slots per batch:" in out and "--padding auto: first pass" in out
+    assert "--padding auto: too short a run to time the layouts" in out and "--padding auto: chose" in out
+    assert "sebp: training from step 0 to 2" in out and "sebp step 2/2: loss" in out
+
+
+def test_the_final_table_says_where_an_approximate_run_kept_every_layer_dense(tmp_path, capsys):
+    from sebp_probe.tables import print_finetune_summary
+
+    cfg = FinetuneConfig(model="tiny", data=DataConfig(padding="longest"), mode="topk", top_n=4,
+                         output_dir=str(tmp_path))
+    run = {"status": "completed", "method": "sebp", "steps": 2,
+           "calibration": {"layers": {}, "fallback_reason": "SEBP measured slower than dense"}}
+    summary = ft._overall_summary(cfg, [("sebp", cfg)], None, {"sebp": run}, {"sebp": []}, tmp_path, [])
+    assert summary["kept_dense"].endswith("; the approximate --mode topk was not applied")
+    print_finetune_summary(summary)
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("sebp: SEBP ran on 0 layers (SEBP measured slower than dense); the approximate --mode topk was not "
+            "applied: it trained exactly as dense") in text
