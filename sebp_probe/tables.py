@@ -93,7 +93,8 @@ def padding_table(choice: dict):
     if choice.get("budget_s") is not None:
         spent = f"{choice['spent_s']:.1f} s of " if choice.get("spent_s") is not None else ""
         captions.append(f"timing: {spent}a {choice['budget_s']:.1f} s budget (of the run's estimated "
-                        f"{choice['run_estimate_s']:.1f} s); ms: median over interleaved rounds (-/+ the passes' spread: 1.48 x median absolute deviation)")
+                        f"{choice['run_estimate_s']:.1f} s); ms: median over interleaved rounds (the passes' "
+                        "spread: 1.48 x their median absolute deviation)")
     table = Table(title=title, caption="\n".join(captions) or None, caption_justify="left", box=box.SIMPLE_HEAD)
     slots = any("slots" in r for r in rows)
     cols = ["layout", *(("head",) if heads else ()), "padding %", *(("tokens\n/batch",) if slots else ()),

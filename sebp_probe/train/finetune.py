@@ -104,8 +104,8 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
     configs and synthetic batches); ``padding_timer`` times ``--padding auto``'s passes (tests pass one that
     returns chosen times; :data:`~.layout_prior.Timer`). Every note of the run (:mod:`.notes`: the data's, a
-    family's fallbacks, the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
-    cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
+    family's fallbacks, the checkpoint resumed from) is one ``note`` event and a line of the summary's
+    ``notes``. sdpa runs without cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
     (``max_length``); ``cfg.deterministic`` runs it under :func:`~.determinism.deterministic`. Raises
     FinetuneError for bad input, a diverged run included (and an op that has no deterministic implementation
     under ``--deterministic``)."""

@@ -26,6 +26,12 @@ def wall_timer(key: tuple, batch: dict, run: Callable[[], float]) -> float:
     return run()
 
 
+def describe(key: tuple) -> str:
+    """A candidate (padding, head, method; head and method may be None) as the progress lines name it."""
+    padding, head, method = key
+    return " ".join(filter(None, (padding, head and f"head {head}", "SEBP" if method == "sebp" else method)))
+
+
 def prior_skips(slots: dict[str, float]) -> dict[str, str]:
     """Layout -> why the prior does not time it: more than :data:`PRIOR_SLOTS` times the mean token slots per
     batch of the layout with the fewest (``slots``: layout -> mean token slots per batch)."""

@@ -51,7 +51,7 @@ from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
 from ..model.packing import check_packable
 from ..data.train_data import TrainData, make_loaders, most_rows, pad_multiple, to_device
-from .layout_prior import Timer, estimate, noise_aware, plan_timing, prior_skips, wall_timer
+from .layout_prior import Timer, describe as _name, estimate, noise_aware, plan_timing, prior_skips, wall_timer
 
 SAMPLE_BATCHES = 3
 
@@ -276,11 +276,6 @@ def _prior_layouts(model, cfg: FinetuneConfig, data: TrainData, graphs: bool) ->
         skipped[padding] = {**rows.pop(padding), "skipped": why}
     order = sorted(rows, key=lambda p: (rows[p]["padding_share"], list(LAYOUTS).index(p)))
     return {p: rows[p] for p in order}, skipped
-
-
-def _name(key: tuple) -> str:
-    padding, head, method = key
-    return " ".join(filter(None, (padding, head and f"head {head}", "SEBP" if method == "sebp" else method)))
 
 
 def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
