@@ -85,6 +85,10 @@ def finetune_cmd(
                                          "more active rows than this share run dense."),
     always_sebp: bool = typer.Option(False, "--always-sebp", rich_help_panel=METHOD, help="Keep SEBP even where "
                                      "calibration measures it slower than dense."),
+    calib_budget: float = typer.Option(0.05, "--calib-budget", metavar="FRACTION", rich_help_panel=METHOD,
+                                       help="--padding auto times the layouts in at most this share (0-1] of the "
+                                       "run's estimated time; a run too short for one pass of each takes the "
+                                       "least padding untimed."),
     # Speed
     bf16: bool = typer.Option(False, "--bf16", rich_help_panel=SPEED, help="bfloat16 autocast."),
     fp16: bool = typer.Option(False, "--fp16", rich_help_panel=SPEED, help="float16 autocast with loss scaling "
@@ -166,7 +170,7 @@ def finetune_cmd(
         mode=mode,
         eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
-        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp,
+        dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, calib_budget=calib_budget,
         sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head,
         cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
         compile=_compile_setting(compile_mode, padding, cuda_graphs), compile_scope=compile_scope,

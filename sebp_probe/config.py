@@ -102,6 +102,7 @@ class FinetuneConfig:
     SEBP settings: ``mode`` is inferred when not given: ``topk`` with ``top_n``, ``threshold`` with ``eps``,
     ``auto_eps`` or ``report``, else ``exact``. ``auto_eps`` runs the analysis first; ``report`` reads one.
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
+    ``calib_budget``: ``--padding auto`` times its candidates in at most this share of the run's estimated time;
     ``fallback_if_slower``: the whole model stays dense when SEBP's step (forward + backward) measures slower at
     calibration.
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the
@@ -171,6 +172,7 @@ class FinetuneConfig:
     save_steps: int | None = None
     save_total_limit: int = 2
     calib_batches: int = 2
+    calib_budget: float = 0.05
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -220,6 +222,8 @@ class FinetuneConfig:
             raise ValueError(f"LoRA alpha must be > 0, got {self.lora_alpha}")
         if not (0 < self.dense_fallback <= 1):
             raise ValueError(f"dense fallback density must be in (0, 1], got {self.dense_fallback}")
+        if not (isinstance(self.calib_budget, (int, float)) and 0 < self.calib_budget <= 1):
+            raise ValueError(f"--calib-budget must be a share of the run's time in (0, 1], got {self.calib_budget!r}")
         if self.targets is not None and (isinstance(self.targets, str) or not all(
                 isinstance(t, str) and t for t in self.targets)):
             raise ValueError("targets must be a tuple of module names or patterns")

@@ -23,10 +23,18 @@ def finetune_progress(console_):
                         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console_, transient=False)
     tasks: dict[str, int] = {}
+    plain = not console_.is_terminal  # no live display: plain lines say what is happening
+
+    def say(text: str) -> None:
+        progress.console.print(text, highlight=False, soft_wrap=True)
+        progress.console.file.flush()  # a redirected log shows it now, not at the end
 
     def on_event(kind: str, p: dict) -> None:
         run = p.get("run", "")
-        if kind == "calibrated":
+        if kind == "calibrating":
+            if plain:
+                say(p["text"])
+        elif kind == "calibrated":
             n, dense = len(p["layers"]), len(p["fallback_dense"])
             times = ""
             if p.get("dense_step_ms") and p.get("sebp_step_ms"):
@@ -37,10 +45,15 @@ def finetune_progress(console_):
             progress.console.print(f"{run}: SEBP on {n} layers, {dense} left dense ({why}){times}", highlight=False)
         elif kind == "start":
             tasks[run] = progress.add_task(run, total=p["total"], completed=p["step"], loss="-", speed="")
+            if plain:
+                say(f"{run}: training from step {p['step']} to {p['total']}")
         elif kind == "step" and run in tasks:
             speed = (f"bwd x{p['vs_dense_backward']:.2f} vs dense, same steps" if "vs_dense_backward" in p
                      else f"bwd {p['backward_ms']:.1f} ms")
             progress.update(tasks[run], completed=p["step"], loss=f"{p['loss']:.4f}", speed=speed)
+            total = progress.tasks[tasks[run]].total or 0
+            if plain and (p["step"] == total or p["step"] % max(1, int(total) // 10) == 0):
+                say(f"{run} step {p['step']}/{int(total)}: loss {p['loss']:.4f}, {speed}")
         elif kind == "eval":
             vals = ", ".join(f"{k[5:]} {v:.4f}" for k, v in p.items() if k.startswith("eval_"))
             progress.console.print(f"{run} step {p['step']}: held-out {vals}", highlight=False)
@@ -71,16 +84,31 @@ def padding_table(choice: dict):
     title = "--padding auto: ms per batch (fwd+bwd" + (", CUDA-graph replays)" if choice.get("replays") else ")")
     if compiled:
         title += f"; run s: the run's {choice.get('micro_batches')} micro-batches x ms + compile s"
-    caption = None
+    captions = []
     if choice.get("processes", 1) > 1:  # what the run's wrapped, sharded steps take can rank otherwise
-        caption = f"timed in one of the run's {choice['processes']} processes, on the model before it is wrapped"
-    table = Table(title=title, caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
-    cols = ["layout", *(("head",) if heads else ()), "padding %", *(("dense", "SEBP") if eager else ()),
+        captions.append(f"timed in one of the run's {choice['processes']} processes, on the model before it is "
+                        "wrapped")
+    if choice.get("untimed"):
+        captions.append(f"{choice['untimed']}: the prior's pick (least padding), untimed")
+    if choice.get("budget_s") is not None:
+        spent = f"{choice['spent_s']:.1f} s of " if choice.get("spent_s") is not None else ""
+        captions.append(f"timing: {spent}a {choice['budget_s']:.1f} s budget (of the run's estimated "
+                        f"{choice['run_estimate_s']:.1f} s); ms: median over interleaved rounds (the passes' "
+                        "spread: 1.48 x their median absolute deviation)")
+    table = Table(title=title, caption="\n".join(captions) or None, caption_justify="left", box=box.SIMPLE_HEAD)
+    slots = any("slots" in r for r in rows)
+    cols = ["layout", *(("head",) if heads else ()), "padding %", *(("tokens\n/batch",) if slots else ()),
+            *(("dense", "SEBP") if eager else ()),
             *(("dense\ncompiled", "SEBP\ncompiled", "compile s\ndense/SEBP", "run s\n(least)") if compiled else ()),
             "note"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "head", "note") else "right")
     fmt = lambda r, k, f="{:.1f}": f.format(r[k]) if k in r else "-"  # noqa: E731
+
+    def timed(r: dict, k: str) -> str:  # the median and, where rounds were timed, -/+ its spread
+        spread = r.get(k.replace("_ms", "_spread"))
+        return fmt(r, k) + (f" ({spread[0]:.1f}-{spread[1]:.1f})" if spread and k in r else "")
+
     for r in rows:
         chosen = r["padding"] == choice["padding"] and r.get("head") == choice.get("head") and "skipped" not in r
         what = ("SEBP" if choice["method"] == "sebp" else "dense") + (" compiled" if choice.get("compiled") else "")
@@ -89,15 +117,17 @@ def padding_table(choice: dict):
             notes.append("no layer sparse enough for SEBP")
         if r.get("compiled_skipped"):
             notes.append(f"not compiled: {r['compiled_skipped']}")
+        if r.get("not_timed") and not choice.get("untimed"):
+            notes.append("not timed (budget): " + ", ".join("SEBP" if m == "sebp" else m for m in r["not_timed"]))
         note = r.get("skipped") or "; ".join(notes)
-        cells = [fmt(r, "dense_ms"), fmt(r, "sebp_ms")] if eager else []
+        cells = [timed(r, "dense_ms"), timed(r, "sebp_ms")] if eager else []
         if compiled:
             runs = [v for k, v in r.items() if k.endswith("_run_s")]
             cells += [fmt(r, "dense_compiled_ms"), fmt(r, "sebp_compiled_ms"),
                       f"{fmt(r, 'dense_compiled_compile_s')}/{fmt(r, 'sebp_compiled_compile_s')}",
                       f"{min(runs):.1f}" if runs else "-"]
         table.add_row(r["padding"], *((r.get("head", "-"),) if heads else ()), f"{100 * r['padding_share']:.1f}",
-                      *cells, note)
+                      *((fmt(r, "slots", "{:.0f}"),) if slots else ()), *cells, note)
     return table
 
 
@@ -120,6 +150,9 @@ def print_finetune_summary(summary: dict) -> None:
                       held, fmt(s.get("median_backward_ms")), fmt(s.get("median_step_ms")),
                       fmt(s.get("peak_mem_mb"), "{:.0f}"))
     console.print(table)
+    for name, s in runs.items():  # an SEBP run that patched nothing trained as dense: said here, not only above
+        if s.get("kept_dense"):
+            console.print(f"{name}: {s['kept_dense']}: it trained exactly as dense", highlight=False)
     cmp = summary.get("comparison")
     if cmp:
         console.print(f"{_other_label(runs)} vs dense: {comparison_line(cmp, runs)}", highlight=False)

@@ -281,9 +281,9 @@ def collator(layout: Layout, pad_id: int, task: str, max_length: int, side: str 
     return PadCollator(pad_id, task, layout.pad_to, max_length, side, multiple, counts)
 
 
-def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout: str, seed: int = 0,
-                  budget: int | None = None, multiple: int = 1) -> float:
-    """Share of the token slots of an epoch (epoch 0 of ``seed``) that hold padding under ``layout`` (a name of
+def layout_counts(lens: Sequence[int], batch_size: int, max_length: int, layout: str, seed: int = 0,
+                  budget: int | None = None, multiple: int = 1) -> tuple[int, int, int, int]:
+    """(batches, rows, token slots, real tokens) of an epoch (epoch 0 of ``seed``) under ``layout`` (a name of
     :data:`~sebp_probe.layouts.LAYOUTS`), for examples of ``lens`` tokens (cut to ``max_length``, as tokenizing
     does) in batches of ``batch_size``; ``budget``: the packed rows' (default ``max_length``); ``multiple``: padded
     lengths rounded up to a multiple of it, as :class:`PadCollator` rounds them."""
@@ -294,13 +294,24 @@ def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout:
     real = sum(lens)
     if not real:
         raise ValueError("no tokens to lay out")
-    slots = 0
+    batches = rows = slots = 0
     for b in batch_order(lay, lens, batch_size, seed):
         bl = [lens[i] for i in b]
+        batches += 1
         if lay.packed:
-            rows = pack_rows(bl, max_length if budget is None else budget)
-            slots += len(rows) * max(sum(bl[i] for i in r) for r in rows)
+            packed = pack_rows(bl, max_length if budget is None else budget)
+            rows += len(packed)
+            slots += len(packed) * max(sum(bl[i] for i in r) for r in packed)
         else:
             longest = max_length if lay.pad_to == "max_length" else padded_length(max(bl), max_length, multiple)
+            rows += len(b)
             slots += len(b) * longest
+    return batches, rows, slots, real
+
+
+def padding_share(lens: Sequence[int], batch_size: int, max_length: int, layout: str, seed: int = 0,
+                  budget: int | None = None, multiple: int = 1) -> float:
+    """Share of the token slots of an epoch that hold padding under ``layout`` (arguments as
+    :func:`layout_counts`)."""
+    _, _, slots, real = layout_counts(lens, batch_size, max_length, layout, seed, budget, multiple)
     return 1.0 - real / slots

@@ -24,10 +24,11 @@ from .determinism import NotDeterministic, deterministic
 from .loop import Event, Run, graphed_compile, wrap_lora
 from ..model.losses import auto_heads, set_head
 from ..model.sdpa import without_cudnn_attention
-from .metrics import compare_runs, loss_gap, timed_steps
+from .metrics import compare_runs, loss_gap, same_computation, timed_steps
 from ..notes import collect_notes, note
 from .rundir import (RUN_CONFIG, SUMMARY, SetAside, check_output_dir, check_resume_data, check_resume_processes,
                      device_name, has_progress, read_json, versions, write_json)
+from .layout_prior import Timer, wall_timer
 from .strategy import PaddingChoice, choose_padding
 from ..data.train_data import TrainData, first_batches, load_train_data
 
@@ -97,12 +98,14 @@ def _check_some_rows_active(model, cfg: FinetuneConfig, data: TrainData, cands: 
 
 
 def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = False, on_event: Event | None = None,
-             load_fn: Callable[[], LoadedModel] | None = None, data: TrainData | None = None) -> dict:
+             load_fn: Callable[[], LoadedModel] | None = None, data: TrainData | None = None,
+             padding_timer: Timer = wall_timer) -> dict:
     """Train ``cfg.method`` (or dense then SEBP with ``cfg.compare``), write the output directory, and return
     the summary. ``load_fn``/``data`` replace the asset loading (the GPU script uses models built from
-    configs and synthetic batches). Every note of the run (:mod:`.notes`: the data's, a family's fallbacks,
-    the checkpoint resumed from) is one ``note`` event and a line of the summary's ``notes``. sdpa runs without
-    cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
+    configs and synthetic batches); ``padding_timer`` times ``--padding auto``'s passes (tests pass one that
+    returns chosen times; :data:`~.layout_prior.Timer`). Every note of the run (:mod:`.notes`: the data's, a
+    family's fallbacks, the checkpoint resumed from) is one ``note`` event and a line of the summary's
+    ``notes``. sdpa runs without cuDNN's attention throughout (:mod:`~sebp_probe.model.sdpa`), unless every batch has one shape
     (``max_length``); ``cfg.deterministic`` runs it under :func:`~.determinism.deterministic`. Raises
     FinetuneError for bad input, a diverged run included (and an op that has no deterministic implementation
     under ``--deterministic``)."""
@@ -113,13 +116,14 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     try:
         with collect_notes(lambda text: emit("note", {"text": text})) as notes, attention, \
                 deterministic(cfg.deterministic):
-            return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes)
+            return _finetune(cfg, resume, overwrite, emit, load_fn, data, notes, padding_timer)
     except NotDeterministic as e:
         raise FinetuneError(str(e)) from None
 
 
 def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
-              load_fn: Callable[[], LoadedModel] | None, data: TrainData | None, notes: list[str]) -> dict:
+              load_fn: Callable[[], LoadedModel] | None, data: TrainData | None, notes: list[str],
+              padding_timer: Timer = wall_timer) -> dict:
     """Check the settings, load the first model, data and report, choose the layout; only then write the
     output directory, run the plan and summarize it."""
     acc = _accelerator(cfg)
@@ -145,7 +149,8 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
     _check_sebp_candidates(cfg, first, data, report_layers, acc)
     choice = None
     if cfg.data.padding == "auto":
-        choice = _padding_choice(cfg, first, data, report_layers, acc, out if resuming else None)
+        choice = _padding_choice(cfg, first, data, report_layers, acc, out if resuming else None,
+                                 say=lambda text: emit("calibrating", {"text": text}), timer=padding_timer)
         emit("padding", choice.to_dict())
     del first
     plan = _run_plan(cfg, choice)
@@ -318,6 +323,10 @@ def _overall_summary(cfg: FinetuneConfig, plan: list[tuple[str, FinetuneConfig]]
     paddings = {m: c.data.padding for m, c in plan}
     for m, s in summaries.items():
         s["padding"] = paddings[m]
+        kept = same_computation(s)
+        if kept:  # said in the final table too, not only in the calibration line
+            mode = cfg.sebp_mode
+            s["kept_dense"] = kept + ("" if mode == "exact" else f"; the approximate --mode {mode} was not applied")
     summary = dict(summaries[plan[0][0]]) if not cfg.compare else {"runs": summaries, "order": [m for m, _ in plan]}
     if choice is not None:
         summary["padding_choice"] = choice.to_dict()
@@ -325,7 +334,7 @@ def _overall_summary(cfg: FinetuneConfig, plan: list[tuple[str, FinetuneConfig]]
     if cfg.compare and all(summaries.get(m, {}).get("status") == "completed" for m in ("dense", other)):
         same_batches = _same_batches(plan)
         summary["comparison"] = compare_runs(summaries["dense"], summaries[other], records["dense"],
-                                             records[other], paired=same_batches)
+                                             records[other], paired=same_batches, same_setup=_same_setup(plan))
         # the same sequences in every step unless one of the runs drew length-grouped batches
         same_seqs = same_batches or not any(LAYOUTS[p].grouped for p in paddings.values())
         summary["comparison"]["max_abs_loss_gap"] = loss_gap(records["dense"], records[other]) if same_seqs \
@@ -336,16 +345,25 @@ def _overall_summary(cfg: FinetuneConfig, plan: list[tuple[str, FinetuneConfig]]
     summary["notes"] = notes
     return summary
 
+
 def _same_batches(plan: list[tuple[str, FinetuneConfig]]) -> bool:
     """Do the runs of the plan draw the same batches in every step (one layout)?"""
     return len({c.data.padding for _, c in plan}) == 1
 
 
+def _same_setup(plan: list[tuple[str, FinetuneConfig]]) -> bool:
+    """Do the runs of the plan differ only in their method: one layout (the same batches), one head, one compile
+    setting? Only then can an SEBP run that patched nothing have computed what dense did."""
+    return len({(c.data.padding, c.head, c.compile) for _, c in plan}) == 1
+
+
 def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, report_layers: dict | None, acc,
-                    resumed_from: Path | None) -> PaddingChoice:
+                    resumed_from: Path | None, say: Callable[[str], None] | None = None,
+                    timer: Timer = wall_timer) -> PaddingChoice:
     """``--padding auto``: the layouts measured on the first model (LoRA-wrapped as the runs will be), or, when
-    resuming, the choice the run made at its start. Under data parallel the main process measures and the
-    others take its choice."""
+    resuming, the choice the run made at its start; chosen once, before any run (``--compare``: both runs take
+    it). Under data parallel the main process measures and the others take its choice. ``say``: its progress,
+    one line a phase and a candidate; ``timer``: times one pass (:data:`~.layout_prior.Timer`)."""
     if resumed_from is not None:
         stored = (read_json(resumed_from / RUN_CONFIG) or {}).get("padding_choice")
         if stored:
@@ -359,7 +377,8 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
     if acc.is_main_process:
         graphs = cfg.cuda_graphs or graphed_compile(cfg, acc)
         heads = auto_heads(model, first.task, head, acc.device, acc.num_processes)
-        choice = choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads)
+        choice = choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads, timer=timer,
+                                say=say)
         choice.processes = acc.num_processes
         payload = [choice.to_dict()]
     if acc.num_processes > 1:
@@ -386,18 +405,17 @@ def _packed_or_bucket(cfg: FinetuneConfig, first: LoadedModel) -> FinetuneConfig
 
 
 def _run_plan(cfg: FinetuneConfig, choice: PaddingChoice | None) -> list[tuple[str, FinetuneConfig]]:
-    """(method, its run's settings) in training order. Under ``auto`` each run takes a measured layout: with
-    ``--compare`` dense its fastest and SEBP its fastest; otherwise the run is whichever was fastest (dense
-    too, if SEBP did not beat it on any layout). Each run takes the head its entry was timed with."""
+    """(method, its run's settings) in training order. Under ``auto`` every run takes the one choice: its layout,
+    head and compile setting (with ``--compare`` dense and SEBP on the same batches, so that they compare); the
+    method is the choice's (dense too, if SEBP did not beat it), or with ``--compare`` (and resprop) each of
+    the run's."""
     if choice is None:
         return [(m, cfg) for m in cfg.methods()]
     methods = cfg.methods() if cfg.compare or cfg.method == "resprop" else (choice.method,)
-    timed = lambda m: m if m in choice.best else "dense"  # noqa: E731 - resprop (approximate, not timed by auto)
-    compiled = lambda m: cfg.compile if cfg.compile != COMPILE_AUTO else (  # noqa: E731
-        AUTO_COMPILE_MODE if choice.best_compiled.get(timed(m)) else None)
-    return [(m, replace(cfg, data=replace(cfg.data, padding=choice.best[timed(m)]),
-                        head=choice.best_head.get(timed(m)) or cfg.head, compile=compiled(m)))
-            for m in methods]  # resprop takes dense's fastest layout, head and compile
+    compiled = cfg.compile if cfg.compile != COMPILE_AUTO else (AUTO_COMPILE_MODE if choice.compiled else None)
+    run_cfg = replace(cfg, data=replace(cfg.data, padding=choice.padding), head=choice.head or cfg.head,
+                      compile=compiled)
+    return [(m, run_cfg) for m in methods]
 
 
 def _compiled_sebp_note(plan: list[tuple[str, FinetuneConfig]]) -> str | None:

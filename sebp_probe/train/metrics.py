@@ -186,16 +186,18 @@ def compare_timing(dense_records: list[dict], other_records: list[dict], paired:
 
 
 def compare_runs(dense: dict, other: dict, dense_records: list[dict], other_records: list[dict],
-                 paired: bool = True) -> dict:
+                 paired: bool = True, same_setup: bool = True) -> dict:
     """Dense against the other run: ``verdict`` says what the times may be read as (``same computation``: the
     other run computed what dense did, so its ratio is the timing's noise and no speedup; ``too few steps``:
     under :data:`MIN_TIMED_STEPS` steps timed in both; ``within noise``; ``faster``; ``slower``), with the
-    step and backward ratios of :func:`compare_timing` (``paired``: see there; ``speedup_step`` and
+    step and backward ratios of :func:`compare_timing` (``paired``: see there; ``same_setup``: the runs differ
+    in their method alone, the layout, head and compile setting the same: without it no run computed what the
+    other did; ``speedup_step`` and
     ``speedup_backward`` only where the verdict is faster or slower), peak-memory ratios and held-out deltas."""
     out: dict = {}
     timing = compare_timing(dense_records, other_records, paired)
     out["timing"] = timing
-    same = same_computation(other)
+    same = same_computation(other) if same_setup and paired else None
     if same:
         out["verdict"], out["same_computation"] = "same computation", same
     elif timing["timed_steps"] < MIN_TIMED_STEPS:

@@ -1,31 +1,33 @@
-"""``--padding auto``: time every batch layout on the run's own batches, dense and with SEBP, and pick the
-fastest.
+"""``--padding auto``: choose the batch layout (and with it dense or SEBP, the head and, under ``--compile auto``,
+whether to compile) from what is known before timing, and time only what that cannot settle, within a budget.
 
 Padding is cheaper to remove before the forward (trim, bucket, pack) than to skip in the backward, so SEBP is
-measured on top of each layout, never only against padded dense. Each applicable layout (:data:`.LAYOUTS`;
-``packed`` only where :func:`~sebp_probe.model.packing.check_packable` allows it and the batch shapes may change) is
-timed on a few batches from inside the first epoch: one untimed forward+backward per batch and method (kernel
-compilation, allocator), then the median of ``reps``, dense and SEBP interleaved (:func:`_layout_ms`). Batches
-of one layout differ in size (under ``bucket`` by far: its first batch holds the longest sequences), so a few
-of them would say little about an epoch; a
-layout's time is therefore its measured time per token slot (the batch's padded size) times the mean slots
-of its batches over the whole epoch, which the sequence lengths give exactly. The SEBP entry patches the
-candidate layers whose share of active rows on those batches is at most ``dense_fallback``, as a run's
-calibration would. Where the run's head is the labelled-rows path (:mod:`sebp_probe.model.losses`), every layout is
-also timed with the model's own (full) head: which of the two is faster depends on the layout and on the
-host's launch overhead, so measurement chooses it as well.
+measured on top of each layout, never only against padded dense. The prior (:mod:`.layout_prior`): each
+applicable layout's padding share, rows and token slots per batch over the whole epoch (the sequence lengths
+give them exactly; ``packed`` only where :func:`~sebp_probe.model.packing.check_packable` allows it and the
+batch shapes may change); a layout with far more token slots than the fewest is not timed. The budget: the
+first pass (dense, on the prior's favourite) times the run's planned micro-batches estimates the run;
+timing takes at most ``calib_budget`` of that (:func:`~.layout_prior.plan_timing`: fewer batches and rounds,
+then fewer candidates, in the prior's order); a run too short to time even one pass of each takes the prior's
+pick untimed. The candidates (layout, head, method) are timed in interleaved rounds on a few batches from
+inside the first epoch (:func:`_time_eager`: one warm-up round, then the timed ones), so that a load that comes
+and goes on the host falls on every candidate alike; a candidate's time is its measured time per token slot
+(the batch's padded size) times the epoch's mean slots, its median over the rounds and their spread. The SEBP
+entry patches the candidate layers whose share of active rows on those batches is at most ``dense_fallback``,
+as a run's calibration would. Where the run's head is the labelled-rows path (:mod:`sebp_probe.model.losses`),
+every layout is also timed with the model's own (full) head. :func:`pick` takes the fastest unless one the
+prior prefers (less padding, the run's head, dense, eager) is within the spread of it.
 
-Under ``--compile`` each layout is also timed compiled (:func:`_compiled_ms`; ``--compile MODE``: compiled
-only, the run compiles anyway; ``--compile auto``: eager and compiled): dense and SEBP each compiled as the run
-would (``--compile-scope``: each layer in place, or a fresh ``torch.compile(batch_loss)``) with Dynamo's caches
-reset first, so no candidate finds another's graphs; with ``--cuda-graphs`` too, the compiled step is timed as
-the run will take it, replayed as CUDA graphs. On
-each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
-median is that candidate's compile seconds. The choice minimizes the whole run's estimated seconds
-(:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
-``grad_accum``), plus the compile seconds once per compiled candidate; without compiled candidates that is
-the smallest time measured, so the choice is never slower than the fastest dense entry measured. The RNG is
-forked and the gradients are dropped: training is untouched.
+Under ``--compile`` each layout the prior keeps (and, with eager candidates, the budget affords) is also timed
+compiled (:func:`_compiled_ms`; ``--compile MODE``: compiled only, the run compiles anyway; ``--compile auto``:
+eager and compiled): dense and SEBP each compiled as the run would (``--compile-scope``: each layer in place,
+or a fresh ``torch.compile(batch_loss)``) with Dynamo's caches reset first, so no candidate finds another's
+graphs; with ``--cuda-graphs`` too, the compiled step is timed as the run will take it, replayed as CUDA graphs.
+On each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
+median is that candidate's compile seconds, outside the budget. The choice weighs the whole run's estimated
+seconds (:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
+``grad_accum``), plus the compile seconds once per compiled candidate. The RNG is forked and the gradients are
+dropped: training is untouched.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import torch
 
 from sebp_kernels import SEBPConfig
 
-from ..data.batching import PackingError, lengths, padding_share
+from ..data.batching import PackingError, layout_counts, lengths
 from .calibration import apply_sebp, measure_density, rng_devices, sync
 from .compiling import (Fallback, cannot_compile, compile_fn, compile_stack, compiles_whole, inductor_problem,
                         layer_compile_options)
@@ -49,6 +51,7 @@ from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
 from ..model.packing import check_packable
 from ..data.train_data import TrainData, make_loaders, most_rows, pad_multiple, to_device
+from .layout_prior import Timer, describe as _name, estimate, noise_aware, plan_timing, prior_skips, wall_timer
 
 SAMPLE_BATCHES = 3
 
@@ -72,6 +75,10 @@ class PaddingChoice:
     micro_batches: int | None = None
     replays: bool = False  # the times are CUDA-graph replays of the step (--cuda-graphs), as the run steps
     processes: int = 1  # the run's processes; past one, the times are of the main process alone, unwrapped
+    untimed: str | None = None  # why the prior's pick was taken without timing (a run too short to time)
+    run_estimate_s: float | None = None  # the run's seconds as the first pass x its micro-batches estimate them
+    budget_s: float | None = None  # the timing's budget: calib_budget of that estimate
+    spent_s: float | None = None  # what the timing took (its passes' milliseconds)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,7 +87,8 @@ class PaddingChoice:
     def from_dict(cls, d: dict) -> "PaddingChoice":
         return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
                    dict(d.get("best_head") or {}), bool(d.get("compiled", False)), dict(d.get("best_compiled") or {}),
-                   d.get("micro_batches"), bool(d.get("replays", False)), int(d.get("processes", 1)))
+                   d.get("micro_batches"), bool(d.get("replays", False)), int(d.get("processes", 1)),
+                   d.get("untimed"), d.get("run_estimate_s"), d.get("budget_s"), d.get("spent_s"))
 
 
 def whole_run_s(steady_ms: float, micro_batches: int, compile_s: float = 0.0) -> float:
@@ -249,78 +257,239 @@ def _timings(model, cfg: FinetuneConfig, device: torch.device, graphs: bool) -> 
     return mode, replays
 
 
+def _prior_layouts(model, cfg: FinetuneConfig, data: TrainData, graphs: bool) -> tuple[dict[str, dict], dict]:
+    """(layout -> its prior row, for the layouts timing may consider, in the prior's order: least padding first;
+    layout -> its table row where it is not timed: it cannot run here, or the prior skips it)."""
+    lens, multiple = lengths(data.train), pad_multiple(cfg)  # that of the batches timed
+    rows, skipped = {}, {}
+    for padding in LAYOUTS:
+        n, nrows, slots, real = layout_counts(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed,
+                                              multiple=multiple)
+        row = {"padding": padding, "padding_share": round(1.0 - real / slots, 4), "slots": round(slots / n, 1),
+               "rows": round(nrows / n, 2)}
+        reason = _why_not(model, cfg, data.task, padding, graphs)
+        if reason:
+            skipped[padding] = {**row, "skipped": reason}
+        else:
+            rows[padding] = row
+    for padding, why in prior_skips({p: r["slots"] for p, r in rows.items()}).items():
+        skipped[padding] = {**rows.pop(padding), "skipped": why}
+    order = sorted(rows, key=lambda p: (rows[p]["padding_share"], list(LAYOUTS).index(p)))
+    return {p: rows[p] for p in order}, skipped
+
+
 def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
                    device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
-                   reps: int = 2, heads: tuple[str | None, ...] = (None,)) -> PaddingChoice:
-    """Time each layout dense and (with ``candidates``) with SEBP on ``model``, eager and/or compiled as
-    ``cfg.compile`` says; see the module docstring. ``heads``: the heads to time each layout with
-    (:func:`~sebp_probe.model.losses.use_head`; None: the one set on ``model``); the head set last stays. ``model``
-    is left unpatched, without gradients, and Dynamo's caches reset."""
+                   reps: int = 3, heads: tuple[str | None, ...] = (None,), timer: Timer = wall_timer,
+                   say: Callable[[str], None] | None = None) -> PaddingChoice:
+    """Time the layouts the prior keeps (:mod:`.layout_prior`) dense and (with ``candidates``) with SEBP on
+    ``model``, eager and/or compiled as ``cfg.compile`` says, within ``cfg.calib_budget`` of the run's estimated
+    time; see the module docstring. ``heads``: the heads to time each layout with
+    (:func:`~sebp_probe.model.losses.use_head`; None: the one set on ``model``); the head set last stays.
+    ``timer``: times one eager pass (:data:`~.layout_prior.Timer`); ``say``: one plain line per phase and per
+    candidate timed. ``model`` is left unpatched, without gradients, and Dynamo's caches reset."""
     from ..model.losses import use_head
     from ..model.patch import unpatch_model
 
+    say = say or (lambda text: None)
     lens = lengths(data.train)
-    real = sum(min(n, cfg.data.max_length) for n in lens)
     n_batches = -(-len(lens) // cfg.data.batch_size)
     micro = cfg.optimizer_steps(n_batches) * cfg.grad_accum
     methods = ("dense", "sebp") if candidates else ("dense",)
     mode, replays = _timings(model, cfg, device, graphs)
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
-    table = []
-    multiple = pad_multiple(cfg)  # that of the batches timed below
+    layouts, skipped = _prior_layouts(model, cfg, data, graphs)
+    say("--padding auto: prior, mean token slots per batch: " + ", ".join(
+        f"{r['padding']} {r['slots']:.0f} ({100 * r['padding_share']:.1f}% padding)" for r in layouts.values())
+        + "".join(f"; {p}: {r['skipped']}" for p, r in skipped.items()))
+    rows = {(p, h): {**r, **({"head": h} if h else {})} for p, r in layouts.items() for h in heads}
+    info: dict = {"micro_batches": micro}
     with torch.random.fork_rng(devices=rng_devices(device)):
-        for padding in LAYOUTS:
-            share = round(padding_share(lens, cfg.data.batch_size, cfg.data.max_length, padding, cfg.seed,
-                                        multiple=multiple), 4)
-            reason = _why_not(model, cfg, data.task, padding, graphs)
-            if reason:
-                table.append({"padding": padding, "padding_share": share, "skipped": reason})
-                continue
-            # only its batches are used; a compiling run's carry the labelled rows' counts (a layout's own --compile
-            # mode: auto is --padding auto's alone)
-            pcfg = replace(cfg, data=replace(cfg.data, padding=padding), compile=cfg.compile and "default")
-            batches = _spread_batches(pcfg, data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
-            slots = real / (1.0 - share) / n_batches  # the epoch's mean padded batch size
-            for head in heads:
-                row = {"padding": padding, **({"head": head} if head else {}), "padding_share": share}
+        # only its batches are used; a compiling run's carry the labelled rows' counts (a layout's own --compile
+        # mode: auto is --padding auto's alone)
+        batches = {p: _spread_batches(replace(cfg, data=replace(cfg.data, padding=p), compile=cfg.compile and
+                                              "default"), data, device, max(SAMPLE_BATCHES, cfg.calib_batches))
+                   for p in layouts}
+        if eager:
+            info.update(_time_eager(model, cfg, data.task, rows, layouts, batches, candidates, methods, device,
+                                    autocast, replays, heads, timer, say, micro, use_head, unpatch_model))
+        if mode:
+            for (padding, head), row in rows.items():
+                if eager and not any(k.endswith("_ms") for k in row):  # not afforded eager: nor compiled
+                    continue
                 if head:
                     use_head(model, data.task, head)
-                patch = None
-                if "sebp" in methods:
-                    density = measure_density(model, batches, candidates, device, autocast)
-                    layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
-                    row["sebp_layers"] = len(layers)
-                    if layers or cfg.sebp_norms or cfg.sebp_acts:
-                        patch = lambda layers=layers: apply_sebp(model, layers, cfg.sebp_norms,  # noqa: E731
-                                                                 cfg.sebp_acts)
-                unpatch = lambda: unpatch_model(model)  # noqa: E731
-                timed = methods if patch else ("dense",)
-                if eager:
-                    times = _layout_ms(model, batches, slots, device, autocast, replays, reps, patch, unpatch)
-                    row.update({f"{m}_ms": round(ms, 3) for m, ms in times.items()})
-                if mode:
-                    _time_compiled(row, model, data.task, padding, batches, slots, device, autocast, reps, mode,
-                                   timed, patch, unpatch, cfg.compile_scope, replays,
-                                   row_bound=most_rows(cfg, data, padding))
-                table.append(row)
+                patch = _sebp_patch(model, cfg, row, batches[padding], candidates, device, autocast) \
+                    if candidates else None
+                _time_compiled(row, model, data.task, padding, batches[padding], layouts[padding]["slots"], device,
+                               autocast, reps, mode, ("dense", "sebp") if patch else ("dense",), patch,
+                               lambda: unpatch_model(model), cfg.compile_scope, replays,
+                               row_bound=most_rows(cfg, data, padding))
         model.zero_grad(set_to_none=True)
     if mode:
         torch._dynamo.reset()  # the runs compile their own models afresh
-    return replace(pick(table, methods, micro), replays=replays)
+    table = [r for p in LAYOUTS for r in ([skipped[p]] if p in skipped else
+                                          [rows[(p, h)] for h in heads if (p, h) in rows])]
+    prior = next(iter(layouts))
+    if info.get("untimed") or not any(k.endswith("_ms") for r in table for k in r):
+        own = "sebp" if "sebp" in methods else "dense"  # the run's calibration still times SEBP against dense
+        choice = PaddingChoice(prior, own, {m: prior for m in methods}, table, heads[0],
+                               {m: heads[0] for m in methods}, False, {m: False for m in methods}, micro)
+    else:
+        choice = pick(table, methods, micro)
+    choice = replace(choice, replays=replays, **{k: v for k, v in info.items() if k != "micro_batches"})
+    say(f"--padding auto: chose {_name((choice.padding, choice.head, choice.method))}"
+        + (" compiled" if choice.compiled else "")
+        + (f"; timing took {choice.spent_s:.1f} s of its {choice.budget_s:.1f} s budget"
+           if choice.budget_s is not None else ""))
+    return choice
+
+
+def _sebp_patch(model, cfg: FinetuneConfig, row: dict, batches: list[dict], candidates: dict[str, SEBPConfig],
+                device, autocast) -> Callable[[], None] | None:
+    """What patches SEBP into ``model`` for ``row``'s layout and head: the candidate layers whose share of active
+    rows on ``batches`` is at most ``dense_fallback``, as a run's calibration would (None: no layer, norm or
+    activation to patch); ``row["sebp_layers"]`` says how many."""
+    density = measure_density(model, batches, candidates, device, autocast)
+    layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
+    row["sebp_layers"] = len(layers)
+    if not (layers or cfg.sebp_norms or cfg.sebp_acts):
+        return None
+    return lambda: apply_sebp(model, layers, cfg.sebp_norms, cfg.sebp_acts)
+
+
+def _time_eager(model, cfg: FinetuneConfig, task: str, rows: dict, layouts: dict, batches: dict, candidates,
+                methods, device, autocast, replays: bool, heads, timer: Timer, say, micro: int, use_head,
+                unpatch_model) -> dict:
+    """Time the eager candidates ((layout, head, method), in the prior's order) the budget affords, in
+    interleaved rounds: every candidate on each of its batches, one warm-up round, then the timed rounds; each
+    candidate's median and spread (``{method}_ms``, ``{method}_spread``: median -/+ spread,
+    :func:`~.layout_prior.estimate`) go into its row. The budget is ``cfg.calib_budget`` of the run's estimated
+    time: the first pass (the prior's first candidate) x the run's ``micro`` batches; the warm-up round's own
+    times then say how many timed rounds (and candidates) it holds. Returns what the choice records of it."""
+    keys = [(p, h, m) for p in layouts for h in heads for m in methods]
+    first_key = keys[0]
+    b0 = batches[first_key[0]][0]
+    if first_key[1]:
+        use_head(model, task, first_key[1])
+    first = timer(first_key, b0, lambda: _timed_pass(model, b0, device, autocast))
+    per_slot = first / b0["input_ids"].numel()
+    run_s = per_slot * layouts[first_key[0]]["slots"] * micro / 1e3
+    budget_ms = cfg.calib_budget * run_s * 1e3
+    spent = first
+    out = {"run_estimate_s": round(run_s, 3), "budget_s": round(budget_ms / 1e3, 3)}
+    say(f"--padding auto: first pass ({_name(first_key)}) {first:.1f} ms: the run's {micro} micro-batches take "
+        f"about {run_s:.1f} s; timing budget {100 * cfg.calib_budget:g}% of that, {budget_ms / 1e3:.2f} s")
+    pass_ms = [per_slot * layouts[p]["slots"] for p, _, _ in keys]
+    plan = plan_timing(pass_ms, [int(m == "sebp") for _, _, m in keys], budget_ms - spent,
+                       min(len(b) for b in batches.values()))
+    if plan is None or len(plan.chosen) < 2:
+        why = ("too short a run to time the layouts: the budget affords less than one pass of each candidate"
+               if plan is None else "the budget affords one candidate alone")
+        for (p, h, m) in keys[1:] if plan is not None else keys:
+            rows[(p, h)].setdefault("not_timed", []).append(m)
+        say(f"--padding auto: {why}; the prior's pick, {_name(first_key[:2] + (None,)).strip()}, untimed")
+        return {**out, "untimed": why, "spent_s": round(spent / 1e3, 3)}
+    timed = [keys[i] for i in plan.chosen]
+    for p, h, m in keys:
+        if (p, h, m) not in timed:
+            rows[(p, h)].setdefault("not_timed", []).append(m)
+    patches = {}
+    for p, h in dict.fromkeys((p, h) for p, h, m in timed if m == "sebp"):
+        if h:
+            use_head(model, task, h)
+        patches[(p, h)] = _sebp_patch(model, cfg, rows[(p, h)], batches[p][:plan.batches], candidates, device,
+                                      autocast)
+        spent += per_slot * layouts[p]["slots"] * plan.batches  # the density passes, as estimated
+    timed = [k for k in timed if k[2] == "dense" or patches.get(k[:2])]
+    skipped = [_name(k) for k in keys if k not in timed]
+    say(f"--padding auto: timing {len(timed)} candidates, interleaved: 1 warm-up round and {plan.rounds} timed, "
+        f"{plan.batches} batch{'es' if plan.batches > 1 else ''} each"
+        + (f"; not timed (budget or no SEBP layer): {', '.join(skipped)}" if skipped else ""))
+    unpatch = lambda: unpatch_model(model)  # noqa: E731
+    if replays:  # CUDA-graph replays: each layout and head as _layout_ms captures them, no spread
+        for (p, h) in dict.fromkeys(k[:2] for k in timed):
+            if h:
+                use_head(model, task, h)
+            t0 = time.perf_counter()
+            t = _layout_ms(model, batches[p][:plan.batches], layouts[p]["slots"], device, autocast, True,
+                           plan.rounds, patches.get((p, h)), unpatch)
+            spent += (time.perf_counter() - t0) * 1e3
+            rows[(p, h)].update({f"{m}_ms": round(ms, 3) for m, ms in t.items()})
+            say(f"--padding auto: {_name((p, h, None))}: " + ", ".join(f"{m} {ms:.1f} ms" for m, ms in t.items()))
+        return {**out, "spent_s": round(spent / 1e3, 3)}
+    def one_round(key: tuple) -> list[float]:  # each of the candidate's batches once: ms per token slot
+        nonlocal spent
+        p, h, m = key
+        if h:
+            use_head(model, task, h)
+        times = []
+        with _as(m, patches.get((p, h)), unpatch):
+            for b in batches[p][:plan.batches]:
+                ms = timer(key, b, lambda b=b: _timed_pass(model, b, device, autocast))
+                spent += ms
+                times.append(ms / b["input_ids"].numel())
+        return times
+
+    # the warm-up round: each candidate, while the budget holds its estimate (scaled as those before it ran)
+    round_ms, scale = {}, 1.0
+    for key in timed:
+        est = per_slot * layouts[key[0]]["slots"] * plan.batches * scale
+        if spent + est > budget_ms and len(round_ms) >= 2:
+            rows[key[:2]].setdefault("not_timed", []).append(key[2])
+            continue
+        got = one_round(key)
+        round_ms[key] = sum(t * b["input_ids"].numel() for t, b in zip(got, batches[key[0]]))
+        scale = max(scale, round_ms[key] / est * scale)
+    timed = list(round_ms)
+    rounds = plan.rounds
+    while len(timed) > 2 and spent + sum(round_ms[k] for k in timed) > budget_ms:  # fewer, as the prior orders
+        dropped = timed.pop()
+        rows[dropped[:2]].setdefault("not_timed", []).append(dropped[2])
+    say(f"--padding auto: round 0/{rounds} (warm-up) done, {spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
+    per_slot_ms: dict[tuple, list[list[float]]] = {k: [] for k in timed}
+    for i in range(1, rounds + 1):
+        if spent + sum(round_ms[k] for k in timed) > budget_ms:  # slower than the first pass said
+            say(f"--padding auto: the budget is spent after {i - 1} of {rounds} timed rounds")
+            break
+        for key in timed:
+            per_slot_ms[key].append(one_round(key))
+        say(f"--padding auto: round {i}/{rounds} done, {spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
+    if not all(per_slot_ms.values()):
+        why = "the budget ran out in the warm-up round"
+        for key in timed:
+            rows[key[:2]].setdefault("not_timed", []).append(key[2])
+        say(f"--padding auto: {why}; the prior's pick, untimed")
+        return {**out, "untimed": why, "spent_s": round(spent / 1e3, 3)}
+    for key, ts in per_slot_ms.items():
+        med, lo, hi = estimate(ts, layouts[key[0]]["slots"])
+        rows[key[:2]].update({f"{key[2]}_ms": round(med, 3), f"{key[2]}_spread": [round(lo, 3), round(hi, 3)]})
+        say(f"--padding auto: {_name(key)}: {med:.1f} ms a batch (spread {lo:.1f}-{hi:.1f}, {len(ts)} rounds)")
+    return {**out, "spent_s": round(spent / 1e3, 3)}
 
 
 def pick(table: list[dict], methods: tuple[str, ...], micro_batches: int) -> PaddingChoice:
     """Add to each row of ``table`` the whole-run estimate of each candidate timed there (``{name}_run_s``,
-    :func:`whole_run_s` of its ``{name}_ms`` and ``{name}_compile_s``) and choose the least, and each method's
-    least."""
+    :func:`whole_run_s` of its ``{name}_ms`` and ``{name}_compile_s``) and choose, overall and for each method:
+    the least, unless a candidate the prior prefers (less padding, then the row's order, then dense, then eager)
+    is within the timings' spread of it (``{name}_spread``; :func:`~.layout_prior.noise_aware`)."""
     for row in table:
         for name in [k[:-3] for k in row if k.endswith("_ms")]:
             row[f"{name}_run_s"] = whole_run_s(row[f"{name}_ms"], micro_batches, row.get(f"{name}_compile_s", 0.0))
-    measured = [(r[f"{candidate(m, c)}_run_s"], m, c, r["padding"], r.get("head")) for r in table for m in methods
-                for c in (False, True) if f"{candidate(m, c)}_run_s" in r]
-    best = {m: min((e for e in measured if e[1] == m), key=lambda e: e[0]) for m in methods
-            if any(e[1] == m for e in measured)}
-    _, method, compiled, padding, head = min(measured, key=lambda e: e[0])
-    return PaddingChoice(padding, method, {m: b[3] for m, b in best.items()}, table, head,
-                         {m: b[4] for m, b in best.items()}, compiled, {m: b[2] for m, b in best.items()},
+    measured = []
+    for i, r in enumerate(table):
+        for j, m in enumerate(methods):
+            for c in (False, True):
+                name = candidate(m, c)
+                if f"{name}_run_s" not in r:
+                    continue
+                lo, hi = r.get(f"{name}_spread", (r[f"{name}_ms"],) * 2)
+                cost = tuple(whole_run_s(ms, micro_batches, r.get(f"{name}_compile_s", 0.0))
+                             for ms in (r[f"{name}_ms"], lo, hi))
+                measured.append((cost, (r["padding_share"], i, j, c), m, c, r["padding"], r.get("head")))
+    take = lambda es: es[noise_aware([e[:2] for e in es])]  # noqa: E731
+    best = {m: take([e for e in measured if e[2] == m]) for m in methods if any(e[2] == m for e in measured)}
+    _, _, method, compiled, padding, head = take(measured)
+    return PaddingChoice(padding, method, {m: b[4] for m, b in best.items()}, table, head,
+                         {m: b[5] for m, b in best.items()}, compiled, {m: b[3] for m, b in best.items()},
                          micro_batches)

@@ -67,7 +67,7 @@ def test_compile_auto_without_a_c_compiler_times_and_trains_eagerly(tmp_path):
     """``--padding auto --compile auto``: the compiled candidates cannot run: one line, the eager candidates
     only, and an eager run."""
     with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
-        out = _run(tmp_path, "auto", method="dense", compile="auto",
+        out = _run(tmp_path, "auto", method="dense", compile="auto", max_steps=60, calib_budget=1.0,  # all timed
                    data=DataConfig(max_length=24, batch_size=8, padding="auto"))
     (line,) = out["notes"]
     assert line.startswith("--compile auto: torch.compile cannot run here (InductorError: InvalidCxxCompiler")

@@ -79,14 +79,18 @@ def test_bench_cases_serve_every_layout(layouts):
     assert list(bench_cases.layout_padding(lengths, case, 0, "sdpa")) == list(layouts)
 
 
-def test_strategy_times_every_layout(layouts, monkeypatch):
+def test_strategy_weighs_every_layout(layouts, monkeypatch):
+    """Every layout is in the table: timed, or skipped with its reason (it cannot run here, or the prior: far
+    more token slots than the fewest)."""
     monkeypatch.setattr(strategy, "_layout_ms", lambda *a, **k: {"dense": 1.0})
     model = tiny_model("llama")
     choice = strategy.choose_padding(model, _cfg("auto"), _data("causal-lm"), {}, model.device)
     assert [r["padding"] for r in choice.table] == list(layouts)
     graphed = strategy.choose_padding(model, _cfg("auto"), _data("causal-lm"), {}, model.device, graphs=True)
-    skipped = {r["padding"] for r in graphed.table if "skipped" in r}
-    assert skipped == {n for n, lay in layouts.items() if not lay.fixed_shapes}
+    skipped = {r["padding"]: r["skipped"] for r in graphed.table if "skipped" in r}
+    cannot = {n for n, lay in layouts.items() if not lay.fixed_shapes}
+    assert cannot <= set(skipped) and all("fixed batch shapes" in skipped[n] for n in cannot)
+    assert all("not timed (prior)" in why for n, why in skipped.items() if n not in cannot)
 
 
 def test_settings_take_every_layout_and_auto(layouts):

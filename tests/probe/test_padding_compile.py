@@ -62,12 +62,17 @@ def _cfg(**kw) -> FinetuneConfig:
     return FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding="auto"), **kw)
 
 
-def test_each_run_compiles_only_where_its_choice_did_under_compile_auto():
-    choice = PaddingChoice("longest", "sebp", {"dense": "packed", "sebp": "longest"}, best_compiled={
-        "dense": False, "sebp": True})
+@pytest.mark.parametrize("compiled", [False, True])
+def test_both_runs_of_a_comparison_take_the_one_choice_compiled_or_not(compiled):
+    """--compare under --padding auto: dense and SEBP on the chosen layout, head and compile setting, even where
+    each method alone was fastest elsewhere (``best``): the same batches, so that the two runs compare."""
+    choice = PaddingChoice("longest", "sebp", {"dense": "packed", "sebp": "longest"}, head="full",
+                           best_head={"dense": "labelled", "sebp": "full"}, compiled=compiled,
+                           best_compiled={"dense": not compiled, "sebp": compiled})
     plan = dict(ft._run_plan(_cfg(compile="auto", compare=True), choice))
-    assert plan["dense"].compile is None and plan["dense"].data.padding == "packed"
-    assert plan["sebp"].compile == "default" and plan["sebp"].data.padding == "longest"
+    assert {(c.data.padding, c.head, c.compile) for c in plan.values()} == {
+        ("longest", "full", "default" if compiled else None)}
+    assert ft._same_batches(list(plan.items())) and ft._same_setup(list(plan.items()))
     fixed = dict(ft._run_plan(_cfg(compile="max-autotune-no-cudagraphs", compare=True), choice))
     assert {c.compile for c in fixed.values()} == {"max-autotune-no-cudagraphs"}
 
@@ -125,20 +130,23 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     dynamo.utils.counters.clear()
     model = tiny_model("llama")
     data = synthetic_data("causal-lm", n=48, prompt=0.5)
-    cfg = _cfg(method="dense", compile="auto", max_steps=7, grad_accum=2, calib_batches=0, compile_scope=scope)
+    cfg = _cfg(method="dense", compile="auto", max_steps=70, grad_accum=2, calib_batches=0, compile_scope=scope,
+               calib_budget=1.0)
     set_head(model, "causal-lm", "labelled", compiled=True, padding="auto")
-    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"))
+    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"),
+                            timer=lambda key, batch, run: 1.0)  # eager: 1 ms a pass, the budget affords them all
     rows = {(r["padding"], r["head"]): r for r in choice.table}
     assert list(rows) == [(p, h) for p in ("longest", "packed") for h in ("labelled", "full")]
-    assert choice.micro_batches == 14
+    assert choice.micro_batches == 140
     for (padding, head), r in rows.items():
-        assert r["dense_run_s"] == pytest.approx(whole_run_s(r["dense_ms"], 14))
+        assert r["dense_run_s"] == pytest.approx(whole_run_s(r["dense_ms"], 140))
         assert r["dense_compiled_compile_s"] > 0 and r["dense_compiled_ms"] > 0
-        assert r["dense_compiled_run_s"] == pytest.approx(whole_run_s(r["dense_compiled_ms"], 14,
+        assert r["dense_compiled_run_s"] == pytest.approx(whole_run_s(r["dense_compiled_ms"], 140,
                                                                       r["dense_compiled_compile_s"]))
-    costs = [(r[f"{name}_run_s"], name.endswith("_compiled"), p, h) for (p, h), r in rows.items()
-             for name in ("dense", "dense_compiled") if f"{name}_run_s" in r]
-    assert (choice.compiled, choice.padding, choice.head) == min(costs)[1:]
+    # the least cost; a tie goes the prior's way: less padding, the run's own head first, eager
+    costs = [(r[f"{name}_run_s"], r["padding_share"], ("labelled", "full").index(h), name.endswith("_compiled"),
+              p, h) for (p, h), r in rows.items() for name in ("dense", "dense_compiled") if f"{name}_run_s" in r]
+    assert (choice.compiled, choice.padding, choice.head) == (min(costs)[3], *min(costs)[4:])
     # four compiled candidates (padded batches carry their labelled rows' counts too), each compiled afresh:
     # at least one graph each, and no break
     assert dynamo.utils.counters["stats"]["unique_graphs"] >= 4
@@ -194,9 +202,9 @@ def test_under_cuda_graphs_a_model_without_a_layer_stack_is_timed_as_the_eager_r
     monkeypatch.setattr(strategy, "_layout_ms", lambda *a, **k: seen.append(a[5]) or {"dense": 1.0})
     monkeypatch.setattr(strategy, "_time_compiled", lambda *a, **k: pytest.fail("timed compiled"))
     model = tiny_model("llama")
-    cfg = _cfg(method="dense", compile="default", cuda_graphs=True, max_steps=7, calib_batches=0)
+    cfg = _cfg(method="dense", compile="default", cuda_graphs=True, max_steps=700, calib_batches=0)
     choice = choose_padding(model, cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {}, torch.device("cpu"),
-                            graphs=True)
+                            graphs=True, timer=lambda key, batch, run: 1.0)
     assert seen and all(seen) and not choice.compiled  # graphs=True on every layout timed
 
 
@@ -227,9 +235,9 @@ def test_a_graph_recording_mode_that_cannot_compile_is_timed_as_the_plain_eager_
     """``--compile reduce-overhead`` where Inductor cannot run: the run trains eagerly without CUDA graphs (the
     graphs were Inductor's), so ``auto`` times plain eager steps, not graph replays."""
     monkeypatch.setattr(strategy, "inductor_problem", lambda device: "no compiler here")
+    monkeypatch.setattr(strategy, "_layout_ms", lambda *a, **k: pytest.fail("timed as graph replays"))
     seen = []
-    monkeypatch.setattr(strategy, "_layout_ms", lambda *a, **k: seen.append(a[5]) or {"dense": 1.0})
-    cfg = _cfg(method="dense", compile="reduce-overhead", max_steps=7, calib_batches=0)
+    cfg = _cfg(method="dense", compile="reduce-overhead", max_steps=700, calib_batches=0)
     choice = choose_padding(tiny_model("llama"), cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {},
-                            torch.device("cpu"), graphs=True)
-    assert seen and not any(seen) and not choice.replays and not choice.compiled
+                            torch.device("cpu"), graphs=True, timer=lambda key, batch, run: seen.append(key) or 1.0)
+    assert len(seen) > 1 and not choice.replays and not choice.compiled  # eager passes, timed
