@@ -31,6 +31,7 @@ from .library import plain_op
 from .pad_rows import FORWARD_ROWS, bind_traced, forward_rows_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
+from .sampling import SampleState, sampled_backward_torch as sebp_sampled
 
 _DEFAULT = SEBPConfig()
 
@@ -86,6 +87,9 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
     """(dX as 2-D rows, dW, db) of the SEBP linear, None where not asked for (shared by the autograd Function
     and the compiled op :func:`linear_backward`). ``pool``: dX may come from :mod:`.zero_rows` (when it is enabled;
     never for the compiled op, whose output memory the compiled code may reuse)."""
+    if config.mode == "sampled":  # approximate, through torch alone for now (.sampling)
+        return sebp_sampled(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]) if x is not None else None,
+                            weight, config, state, need_dx, need_dw, need_db)
     impl = resolve_backend(config, dy.device)
     # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
     rows = (hint.take(dy) if hint is not None and config.mode == "exact" and impl is not sebp_backward_torch
@@ -234,7 +238,7 @@ def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float
     layer keeps the operator :func:`linear_backward`: top-N selection, the torch backend, inputs the kernels do
     not take (dtype, device, no rows). Read when the graph is traced: Dynamo guards on the config and the sizes
     it read."""
-    if not TRITON_OP or config.mode == "topk" or config.backend == "torch" or x.dim() < 2:
+    if not TRITON_OP or config.mode in ("topk", "sampled") or config.backend == "torch" or x.dim() < 2:
         return None
     if x.numel() == 0 or weight.numel() == 0 or not _kernels_take(x.dtype, x.device, weight.dtype, weight.device):
         return None
@@ -258,7 +262,7 @@ def sebp_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SEBPConfig | None = None,
-    state: RowDensity | None = None,
+    state: RowDensity | SampleState | None = None,
     hint=None,
     _key: int | torch.Tensor | None = None,
     _pad: tuple | None = None,
@@ -269,6 +273,7 @@ def sebp_linear(
 
     ``state``: the layer's :class:`~sebp_kernels.density.RowDensity` (kept across steps), which lets the
     Triton backward in exact mode take the dense GEMMs while nearly all rows are active; None: always SEBP.
+    In ``sampled`` mode: the layer's :class:`~sebp_kernels.sampling.SampleState` (required).
     ``hint``: a :class:`~sebp_kernels.activations.RowHint` through which the backward that writes dL/dY (an
     SEBP activation) names its rows that can be non-zero; the Triton backward in exact mode then skips its
     selection pass.

@@ -10,6 +10,7 @@ from .config import SEBPConfig
 from .density import RowDensity
 from .functional import sebp_linear
 from .registry import graph_key, name_module
+from .sampling import SampleState
 
 
 # Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
@@ -63,10 +64,11 @@ class SEBPLinear(nn.Linear):
     sebp_own_rows = False
     _sebp_key_input = False  # the key as a tensor input of compiled graphs (sebp_kernels.registry.keys_as_inputs)
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None, sample_key=0):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
         self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
+        self._sebp_sampler = SampleState(sample_key)  # sampled mode: cutoff, draw counter, counters
         name_module(self)  # names this layer inside compiled graphs (see sebp_kernels.registry)
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
@@ -74,12 +76,14 @@ class SEBPLinear(nn.Linear):
         name_module(self)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None) -> "SEBPLinear":
-        """A SEBPLinear holding *the same* Parameter objects as ``linear`` (keys and data pointers unchanged)."""
+    def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None, sample_key: int = 0) -> "SEBPLinear":
+        """A SEBPLinear holding *the same* Parameter objects as ``linear`` (keys and data pointers unchanged).
+        ``sample_key``: the layer's key in sampled mode's row hash (:func:`~.sampling.layer_key` of its name)."""
         if type(linear) is not nn.Linear and not isinstance(linear, SEBPLinear):
             raise TypeError(f"expected a plain nn.Linear, got {type(linear).__name__}")
         return with_parameters_of(linear, lambda: cls(linear.in_features, linear.out_features,
-                                                      bias=linear.bias is not None, config=config))
+                                                      bias=linear.bias is not None, config=config,
+                                                      sample_key=sample_key))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear holding the same Parameters."""
@@ -94,10 +98,12 @@ class SEBPLinear(nn.Linear):
             else:
                 hint = pad.bind(hint, x.shape, self)
                 rows = pad.forward_rows(x.shape)  # the forward over the real-token rows alone, once checked
-        return sebp_linear(x, self.weight, self.bias, self.sebp_config, self._sebp_density, hint,
+        state = self._sebp_sampler if self.sebp_config.mode == "sampled" else self._sebp_density
+        return sebp_linear(x, self.weight, self.bias, self.sebp_config, state, hint,
                            _key=graph_key(self), _pad=traced, _rows=rows, _row_bound=bound)
 
     def extra_repr(self) -> str:
         c = self.sebp_config
-        detail = {"exact": "", "threshold": f", eps={c.eps:g}", "topk": f", top_n={c.top_n}"}[c.mode]
+        detail = {"exact": "", "threshold": f", eps={c.eps:g}", "topk": f", top_n={c.top_n}",
+                  "sampled": f", budget={c.budget:g}{', sample_dx' if c.sample_dx else ''}"}[c.mode]
         return f"{super().extra_repr()}, mode={c.mode}{detail}"
