@@ -68,9 +68,10 @@ class SEBPConfig:
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 1):
             raise ValueError(f"sampled mode needs a budget in (0, 1] (the share of non-zero rows kept), got {b!r}")
-        for value, what in ((self.seed, "seed"), (self.warmup, "warmup")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"sampled mode's {what} must be an integer >= 0, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"sampled mode's seed must be an integer, got {self.seed!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"sampled mode's warmup must be an integer >= 0, got {self.warmup!r}")
         if self.backend == "triton":
             raise ValueError("sampled mode has no Triton kernels yet: use backend auto or torch")
 

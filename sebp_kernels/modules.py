@@ -105,5 +105,5 @@ class SEBPLinear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.sebp_config
         detail = {"exact": "", "threshold": f", eps={c.eps:g}", "topk": f", top_n={c.top_n}",
-                  "sampled": f", budget={c.budget:g}{', sample_dx' if c.sample_dx else ''}"}[c.mode]
+                  "sampled": f", budget={c.budget}{', sample_dx' if c.sample_dx else ''}"}[c.mode]
         return f"{super().extra_repr()}, mode={c.mode}{detail}"

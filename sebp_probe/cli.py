@@ -108,6 +108,18 @@ _MIN_GAP = typer.Option(1.0, "--min-gap", help="Decades between noise and signal
 _DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N.")
 
 
+def _budget(value: str | None) -> float | None:
+    """``--budget``: a share (checked by FinetuneConfig); ``auto`` is not built yet."""
+    if value is None:
+        return None
+    if value.strip().lower() == "auto":
+        raise UserError("--budget auto is not built yet: give a share in (0, 1], e.g. --budget 0.3")
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"--budget must be a share in (0, 1], got {value!r}") from None
+
+
 @app.command("finetune")
 @one_line_errors
 def finetune_cmd(
@@ -117,7 +129,13 @@ def finetune_cmd(
     report: str = typer.Option(None, "--report", help="Use the per-layer settings of this analysis report."),
     eps: float = typer.Option(None, "--eps", help="One threshold for every layer (threshold mode)."),
     top_n: int = typer.Option(None, "--top-n", help="Rows kept per layer (topk mode)."),
-    mode: str = typer.Option(None, "--mode", help="exact | threshold | topk (default: from the other options)."),
+    mode: str = typer.Option(None, "--mode", help="exact | threshold | topk | sampled (approximate, experimental: "
+                             "unbiased row sampling, see --budget) (default: from the other options)."),
+    budget: str = typer.Option(None, "--budget", help="sampled mode: the share of each layer's non-zero rows of "
+                               "dL/dY kept for dW in expectation, in (0, 1] (rescaled: unbiased)."),
+    sample_dx: bool = typer.Option(False, "--sample-dx", help="sampled mode: dX from the sample too (default: "
+                                   "dX exact)."),
+    sample_warmup: int = typer.Option(10, "--sample-warmup", help="sampled mode: exact optimizer steps first."),
     method: str = typer.Option("sebp", "--method", help="dense | sebp | resprop (gradient reuse: approximate, "
                                "see --reuse)."),
     reuse: float = typer.Option(0.9, "--reuse", help="resprop: share of the rows of dL/dY - P reused from the "
@@ -218,7 +236,8 @@ def finetune_cmd(
         model=model, data=data, output_dir=output_dir, task=task, method=method, reuse=reuse, compare=compare,
         sebp_first=sebp_first,
         mode=mode,
-        eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
+        eps=eps, top_n=top_n, budget=_budget(budget), sample_dx=sample_dx, sample_warmup=sample_warmup,
+        auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
         compile=_compile_setting(compile_mode, padding, cuda_graphs), compile_scope=compile_scope,

@@ -19,6 +19,7 @@ from torch import nn
 from sebp_kernels import ReSpropLinear, SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
+from sebp_kernels.sampling import layer_key
 
 from ..families import Family, family_of, model_type, unwrapped
 from .embed_rows import patch_embeddings, unpatch_embeddings
@@ -198,7 +199,7 @@ def patch_model(
         if isinstance(module, SEBPLinear):
             module.sebp_config = cfg
         else:
-            _set_submodule(model, name, SEBPLinear.from_linear(module, cfg))
+            _set_submodule(model, name, SEBPLinear.from_linear(module, cfg, sample_key=layer_key(name)))
         patched.append(name)
     if pad_rows and patched:
         pad = install_pad_rows(model)

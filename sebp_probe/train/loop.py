@@ -30,6 +30,7 @@ from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from ..model.losses import ROWS_HEADS, batch_loss, calls_backbone, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
+from ..model.sampled import load_sampler_states, reset_samplers, sampled_summary, sampler_states
 from ..model.patch import find_targets, pad_rows_of, pad_rows_own, pad_rows_summary, pad_rows_verdict, \
     patched_activations, restore_pad_rows
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, SUMMARY, device_name, list_checkpoints, read_json, write_json
@@ -136,6 +137,7 @@ class Run:
         self.main = accelerator.is_main_process
         self.compile_scope: str | None = None  # under --compile, what compiled (set with the step's loss)
         self.records: list[dict] = []
+        self.sampled: dict | None = None  # sampled mode's measured rows (sebp_probe.model.sampled)
 
     # -- setup
 
@@ -165,6 +167,8 @@ class Run:
                 i = self.acc.process_index
                 if i < len(verdicts):
                     restore_pad_rows(model, verdicts[i], owns[i] if i < len(owns) else ())
+                samplers = state.get("sampler") or []  # sampled mode: each layer's cutoff and draw counter
+                load_sampler_states(model, samplers[i] if i < len(samplers) else {})
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
@@ -187,6 +191,7 @@ class Run:
                           acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg,
                                                                                                    self.acc))
         c = take_main_choice(model, c, cands)
+        reset_samplers(model)  # sampled mode: the run's draws start at its first step, not in calibration
         c.acts = patched_activations(model)
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})
@@ -239,9 +244,9 @@ class Run:
 
         from .rundir import PARTIAL
 
-        mine = [pad_rows_verdict(model), pad_rows_own(model)]  # the verdict first: it may decide the own rows
-        pairs = gather_object([mine]) if self.acc.num_processes > 1 else [mine]
-        verdicts, owns = [p[0] for p in pairs], [p[1] for p in pairs]
+        mine = [pad_rows_verdict(model), pad_rows_own(model), sampler_states(model)]  # the verdict first: it may
+        pairs = gather_object([mine]) if self.acc.num_processes > 1 else [mine]  # decide the own rows
+        verdicts, owns, samplers = [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
 
         path = self.dir / CHECKPOINTS / f"step-{step:06d}"
         tmp = path.with_name(PARTIAL + path.name)
@@ -255,7 +260,7 @@ class Run:
         if self.main:
             layers = (calib or {}).get("layers", {})
             write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib, "pad_rows": verdicts,
-                                      "pad_rows_own": owns})
+                                      "pad_rows_own": owns, **({"sampler": samplers} if any(samplers) else {})})
             if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
                 shutil.rmtree(path)
             tmp.rename(path)
@@ -347,6 +352,7 @@ class Run:
             while p.step < t.total:
                 if not self._step(t, p, micro, batches, stop, calib):
                     break
+        self.sampled = sampled_summary(t.model)  # before the model is saved (unpatched)
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":
             p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
@@ -504,6 +510,8 @@ class Run:
         if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
             padding_rows["taken"] -= t.taken_before
             summary["padding_rows"] = padding_rows
+        if self.sampled:  # approximate: the share of the linears' backward rows the sampling skipped (measured)
+            summary["sampled"] = self.sampled
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,
