@@ -208,3 +208,23 @@ def test_config_round_trips():
 
     assert pickle.loads(pickle.dumps(c)) == c and copy.deepcopy(c) == c
     assert "budget" not in SEBPConfig().to_dict()
+
+
+@pytest.mark.slow
+def test_compiled_layer_draws_the_same_rows_as_eager():
+    """Under torch.compile the layer's backward is the sebp::linear_backward operator, which reads the layer's
+    SampleState when it runs: the same draws, cutoffs and bits as the eager layer."""
+    lin = torch.nn.Linear(12, 8)
+    m = SEBPLinear.from_linear(lin, SEBPConfig("sampled", budget=0.5), sample_key=3)
+    ref = SEBPLinear.from_linear(torch.nn.Linear(12, 8), SEBPConfig("sampled", budget=0.5), sample_key=3)
+    ref.weight = torch.nn.Parameter(lin.weight.detach().clone())
+    ref.bias = torch.nn.Parameter(lin.bias.detach().clone())
+    f = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(4, 16, 12)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        f(x1).pow(3).sum().backward()
+        ref(x2).pow(3).sum().backward()
+        assert torch.equal(m.weight.grad, ref.weight.grad) and torch.equal(x1.grad, x2.grad)
+        m.weight.grad = ref.weight.grad = None
+    assert m._sebp_sampler.calls == 3 and m._sebp_sampler.counts() == ref._sebp_sampler.counts()
