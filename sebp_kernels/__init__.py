@@ -11,6 +11,7 @@ from .linear_ce import linear_cross_entropy
 from .modules import SEBPConv1D, SEBPLinear
 from .norms import SEBPNorm, norm_kind, sebp_layer_norm, sebp_rms_norm
 from .reference import backward_over_rows, select_rows, sebp_backward_torch
+from .sampling import SampleState
 from .resprop import ReSpropLinear, ReSpropState, ReuseDrop, resprop_grads, resprop_linear, reuse_drop
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "select_rows",
     "backward_over_rows",
     "sebp_backward_torch",
+    "SampleState",
     "ReSpropLinear",
     "ReSpropState",
     "ReuseDrop",

@@ -5,9 +5,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Mode = Literal["exact", "threshold", "topk"]
+Mode = Literal["exact", "threshold", "topk", "sampled"]
 Backend = Literal["auto", "torch", "triton"]
-MODES: tuple[str, ...] = ("exact", "threshold", "topk")
+MODES: tuple[str, ...] = ("exact", "threshold", "topk", "sampled")
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
@@ -15,16 +15,22 @@ BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 class SEBPConfig:
     """How the backward of one linear layer picks its active rows of dL/dY.
 
-    mode:    ``exact`` (any non-zero element), ``threshold`` (max|row| > eps) or ``topk`` (the ``top_n``
-             rows of largest L2 norm; more than the row count means all rows).
+    mode:    ``exact`` (any non-zero element), ``threshold`` (max|row| > eps), ``topk`` (the ``top_n``
+             rows of largest L2 norm; more than the row count means all rows) or ``sampled`` (approximate,
+             unbiased: each non-zero row kept with a probability set by its norm and rescaled, see
+             :mod:`.sampling`; the layer's state is a :class:`~.sampling.SampleState`).
     eps:     the threshold of ``threshold`` mode (>= 0).
     top_n:   the row capacity of ``topk`` mode (> 0).
     backend: ``torch`` (gather/GEMM/scatter), ``triton`` (fused GPU kernels) or ``auto`` (triton on CUDA
-             when available, else torch).
+             when available, else torch). ``sampled`` runs through torch (no Triton kernel yet).
     triton_op: inside ``torch.compile``, the backward is a ``torch.library.triton_op`` whose kernels the
              compiled graph launches itself (no Python call a layer; :mod:`sebp_kernels._triton.traced`):
              exact and threshold modes on the Triton kernels only, without the density fallback, row hints or
              padding rows. Off: the operator ``sebp::linear_backward``. Eager runs ignore it.
+    budget:    ``sampled``: the expected share of the non-zero rows kept for dW, in (0, 1] (1: exact).
+    sample_dx: ``sampled``: dX from the sample too (default False: dX exact over the non-zero rows).
+    seed:      ``sampled``: the run's seed of the row draws.
+    warmup:    ``sampled``: the layer's first ``warmup`` backwards keep every non-zero row (exact).
 
     Rows holding NaN or Inf are active in every mode, so a diverging run is never hidden.
     """
@@ -34,6 +40,10 @@ class SEBPConfig:
     top_n: int | None = None
     backend: Backend = "auto"
     triton_op: bool = False
+    budget: float | None = None
+    sample_dx: bool = False
+    seed: int = 0
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -53,10 +63,27 @@ class SEBPConfig:
             raise TypeError(f"triton_op must be True or False, got {type(self.triton_op).__name__}")
         if self.mode == "topk" and self.top_n is None:
             raise ValueError("topk mode needs top_n (N > 0)")
+        self._check_sampled()
         object.__setattr__(self, "_op_key", _op_key(self))
 
+    def _check_sampled(self) -> None:
+        if self.mode != "sampled":
+            if self.budget is not None or self.sample_dx or self.warmup:
+                raise ValueError(f"budget, sample_dx and warmup belong to sampled mode, not {self.mode}")
+            return
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 1):
+            raise ValueError(f"sampled mode needs a budget in (0, 1] (the share of non-zero rows kept), got {b!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"sampled mode's seed must be an integer, got {self.seed!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"sampled mode's warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.backend == "triton":
+            raise ValueError("sampled mode has no Triton kernels yet: use backend auto or torch")
+
     def __reduce__(self):  # copies and pickles are built afresh: the op key is this process's own
-        return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend, self.triton_op))
+        return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend, self.triton_op, self.budget,
+                             self.sample_dx, self.seed, self.warmup))
 
     @property
     def op_key(self) -> int:
@@ -67,7 +94,7 @@ class SEBPConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "SEBPConfig":
         """Build from a plain dict (the per-layer settings of a report); unknown keys are an error."""
-        allowed = {"mode", "eps", "top_n", "backend", "triton_op"}
+        allowed = {"mode", "eps", "top_n", "backend", "triton_op", *_SAMPLED_KEYS}
         extra = set(d) - allowed
         if extra:
             raise ValueError(f"unknown SEBP setting(s) {sorted(extra)}; allowed: {sorted(allowed)}")
@@ -75,9 +102,21 @@ class SEBPConfig:
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (``triton_op`` only where set, so the records of runs without it read
-        as before)."""
+        as before; ``sampled``'s own keys only in that mode)."""
         d = {"mode": self.mode, "eps": float(self.eps), "top_n": self.top_n, "backend": self.backend}
-        return {**d, "triton_op": True} if self.triton_op else d
+        if self.triton_op:
+            d["triton_op"] = True
+        if self.mode == "sampled":
+            d.update(budget=float(self.budget), sample_dx=self.sample_dx, seed=self.seed, warmup=self.warmup)
+        return d
+
+
+_SAMPLED_KEYS = ("budget", "sample_dx", "seed", "warmup")
+
+
+def _values(config: SEBPConfig) -> tuple:
+    return (config.mode, float(config.eps), config.top_n, config.backend, config.triton_op,
+            None if config.budget is None else float(config.budget), config.sample_dx, config.seed, config.warmup)
 
 
 _KEY_OF_VALUES: dict[tuple, int] = {}
@@ -85,7 +124,7 @@ CONFIG_OF_KEY: dict[int, SEBPConfig] = {}  # -key -> the first config made with 
 
 
 def _op_key(config: SEBPConfig) -> int:
-    values = (config.mode, float(config.eps), config.top_n, config.backend, config.triton_op)
+    values = _values(config)
     key = _KEY_OF_VALUES.get(values)
     if key is None:
         key = _KEY_OF_VALUES[values] = -(len(_KEY_OF_VALUES) + 1)

@@ -30,6 +30,7 @@ from .library import plain_op
 from .pad_rows import bind_traced, forward_rows_traced
 from .registry import as_dtype, if_wanted, placeholder, settings
 from .reference import records_grad, refuse_missing_triton, sebp_backward_torch
+from .sampling import SampleState, sampled_backward_torch as sebp_sampled
 
 _DEFAULT = SEBPConfig()
 
@@ -85,6 +86,9 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
     """(dX as 2-D rows, dW, db) of the SEBP linear, None where not asked for (shared by the autograd Function
     and the compiled op :func:`linear_backward`). ``pool``: dX may come from :mod:`.zero_rows` (when it is enabled;
     never for the compiled op, whose output memory the compiled code may reuse)."""
+    if config.mode == "sampled":  # approximate, through torch alone for now (.sampling)
+        return sebp_sampled(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]) if x is not None else None,
+                            weight, config, state, need_dx, need_dw, need_db)
     impl = resolve_backend(config, dy.device)
     # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
     rows = (hint.take(dy) if hint is not None and config.mode == "exact" and impl is not sebp_backward_torch
@@ -234,7 +238,7 @@ def _traced_eps(config: SEBPConfig, x: Tensor, weight: Tensor) -> Optional[float
     layer keeps the operator :func:`linear_backward`: ``config.triton_op`` off, top-N selection, the torch
     backend, inputs the kernels do not take (dtype, device, no rows), a torch without ``triton_op``. Read when
     the graph is traced: Dynamo guards on the config and the sizes it read."""
-    if not config.triton_op or config.mode == "topk" or config.backend == "torch" or x.dim() < 2:
+    if not config.triton_op or config.mode in ("topk", "sampled") or config.backend == "torch" or x.dim() < 2:
         return None
     if x.numel() == 0 or weight.numel() == 0 or not _triton_op_here():
         return None
@@ -260,7 +264,7 @@ def sebp_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SEBPConfig | None = None,
-    state: RowDensity | None = None,
+    state: RowDensity | SampleState | None = None,
     hint=None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward works on the active rows of dL/dY only.
@@ -279,7 +283,8 @@ def sebp_linear(
             None: exact mode, every row with a non-zero element.
         state: the layer's :class:`~sebp_kernels.density.RowDensity`, kept across steps, with which the
             Triton backward in exact mode takes the dense GEMMs while nearly all rows are active; None:
-            always SEBP.
+            always SEBP. In ``sampled`` mode: the layer's :class:`~sebp_kernels.sampling.SampleState`
+            (required).
         hint: a :class:`~sebp_kernels.activations.RowHint` through which the backward that writes dL/dY (an
             SEBP activation) names the rows that can be non-zero; the Triton backward in exact mode then
             skips its selection pass. None: the backward selects.
@@ -291,7 +296,7 @@ def sebp_linear(
 
 
 def linear_for_layer(x: Tensor, weight: Tensor, bias: Optional[Tensor], config: SEBPConfig | None,
-                     state: RowDensity | None = None, hint=None, key: int | Tensor | None = None,
+                     state: RowDensity | SampleState | None = None, hint=None, key: int | Tensor | None = None,
                      pad: tuple | None = None, rows: tuple | None = None, row_bound: int | None = None,
                      forward_rows: bool = True) -> Tensor:
     """:func:`sebp_linear` with what an :class:`~sebp_kernels.modules.SEBPLinear` adds (internal).

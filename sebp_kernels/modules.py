@@ -11,6 +11,7 @@ from .config import SEBPConfig
 from .density import RowDensity
 from .functional import linear_for_layer
 from .registry import graph_key, name_module
+from .sampling import SampleState
 
 
 # Hook registries of nn.Module. The swapped-in module shares the very same dicts, so hooks registered before
@@ -65,10 +66,11 @@ class SEBPLinear(nn.Linear):
     sebp_own_rows = False
     _sebp_key_input = False  # the key as a tensor input of compiled graphs (sebp_kernels.registry.keys_as_inputs)
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None):
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, config=None, sample_key=0):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.sebp_config = config or SEBPConfig()
         self._sebp_density = RowDensity()  # picks the dense backward while nearly all rows are active
+        self._sebp_sampler = SampleState(sample_key)  # sampled mode: cutoff, draw counter, counters
         name_module(self)  # names this layer inside compiled graphs (see sebp_kernels.registry)
 
     def __setstate__(self, state):  # copies (deepcopy, pickle) get a key of their own
@@ -76,12 +78,14 @@ class SEBPLinear(nn.Linear):
         name_module(self)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None) -> "SEBPLinear":
-        """A SEBPLinear holding *the same* Parameter objects as ``linear`` (keys and data pointers unchanged)."""
+    def from_linear(cls, linear: nn.Linear, config: SEBPConfig | None = None, sample_key: int = 0) -> "SEBPLinear":
+        """A SEBPLinear holding *the same* Parameter objects as ``linear`` (keys and data pointers unchanged).
+        ``sample_key``: the layer's key in sampled mode's row hash (:func:`~.sampling.layer_key` of its name)."""
         if type(linear) is not nn.Linear and not isinstance(linear, SEBPLinear):
             raise TypeError(f"expected a plain nn.Linear, got {type(linear).__name__}")
         return with_parameters_of(linear, lambda: cls(linear.in_features, linear.out_features,
-                                                      bias=linear.bias is not None, config=config))
+                                                      bias=linear.bias is not None, config=config,
+                                                      sample_key=sample_key))
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear holding the same Parameters."""
@@ -100,12 +104,14 @@ class SEBPLinear(nn.Linear):
             else:
                 hint = pad.bind(hint, x.shape, self)
                 rows = pad.forward_rows(x.shape)  # the forward over the real-token rows alone, once checked
-        return linear_for_layer(x, self.kernel_weight(), self.bias, self.sebp_config, self._sebp_density, hint,
+        state = self._sebp_sampler if self.sebp_config.mode == "sampled" else self._sebp_density
+        return linear_for_layer(x, self.kernel_weight(), self.bias, self.sebp_config, state, hint,
                                 key=graph_key(self), pad=traced, rows=rows, row_bound=bound, forward_rows=fwd)
 
     def extra_repr(self) -> str:
         c = self.sebp_config
-        detail = {"exact": "", "threshold": f", eps={c.eps:g}", "topk": f", top_n={c.top_n}"}[c.mode]
+        detail = {"exact": "", "threshold": f", eps={c.eps:g}", "topk": f", top_n={c.top_n}",
+                  "sampled": f", budget={c.budget}{', sample_dx' if c.sample_dx else ''}"}[c.mode]
         return f"{super().extra_repr()}, mode={c.mode}{detail}"
 
 
@@ -117,7 +123,7 @@ class SEBPConv1D(SEBPLinear):
     :meth:`from_conv1d`, which shares the module's Parameters; :meth:`to_linear` gives that module back."""
 
     @classmethod
-    def from_conv1d(cls, conv: nn.Module, config: SEBPConfig | None = None) -> "SEBPConv1D":
+    def from_conv1d(cls, conv: nn.Module, config: SEBPConfig | None = None, sample_key: int = 0) -> "SEBPConv1D":
         """An SEBPConv1D holding *the same* Parameter objects as ``conv`` (keys and data pointers unchanged):
         any module whose ``weight`` is (in, out) and ``bias`` None or (out,), applied as ``x @ weight + bias``
         (the caller vouches for that; sebp_kernels knows no transformers class)."""
@@ -126,7 +132,8 @@ class SEBPConv1D(SEBPLinear):
                 b is not None and tuple(b.shape) != (w.shape[1],)):
             raise TypeError(f"expected a Conv1D-like module (weight (in, out), bias (out,)), got "
                             f"{type(conv).__name__}")
-        new = with_parameters_of(conv, lambda: cls(w.shape[0], w.shape[1], bias=b is not None, config=config))
+        new = with_parameters_of(conv, lambda: cls(w.shape[0], w.shape[1], bias=b is not None, config=config,
+                                                   sample_key=sample_key))
         new.__dict__["_sebp_plain"] = conv  # not a submodule: no state_dict key, not in named_modules
         return new
 

@@ -67,9 +67,11 @@ def topk_rows(dy: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def select_rows(dy: torch.Tensor, config: SEBPConfig) -> torch.Tensor:
-    """Sorted int64 indices of the active rows of a 2-D dL/dY."""
+    """Sorted int64 indices of the active rows of a 2-D dL/dY (``sampled``: the non-zero rows, before the draw)."""
     if config.mode == "topk":
         return topk_rows(dy, config.top_n)
+    if config.mode == "sampled":  # its deterministic part: the non-zero rows it draws from
+        return dy.any(dim=1).nonzero().squeeze(1)
     return row_activity(dy, config).nonzero().squeeze(1)
 
 
@@ -86,15 +88,19 @@ def backward_over_rows(
     need_dx: bool = True,
     need_dw: bool = True,
     need_db: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The three backward products of ``Y = X Wᵀ + b`` over the given rows of 2-D ``dy`` (M, out).
 
-    dX (M, in) is zero outside ``rows``; dW = dy[rows]ᵀ x[rows]; db = dy[rows].sum(0).
+    dX (M, in) is zero outside ``rows``; dW = dy[rows]ᵀ x[rows]; db = dy[rows].sum(0). ``scale`` (M,): each row of
+    ``dy`` multiplied by it first (the 1/p of sampled mode; a factor 1 changes no bit).
     """
     m, k = dy.shape[0], rows.numel()
     if k == m:  # every row active: the dense products, no gather or scatter
-        return dense_products(dy, x, weight, need_dx, need_dw, need_db)
+        return dense_products(dy if scale is None else dy * scale[:, None], x, weight, need_dx, need_dw, need_db)
     dy_a = dy.index_select(0, rows)
+    if scale is not None:
+        dy_a = dy_a * scale.index_select(0, rows)[:, None]
     dx = dw = db = None
     if need_dx:
         dx = dy.new_zeros((m, weight.shape[1]))

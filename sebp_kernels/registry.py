@@ -122,10 +122,12 @@ def lookup(key: int | Tensor):
 
 
 def settings(obj):
-    """(config, density state, row hint) of a registered module, or of a bare config (functional calls)."""
+    """(config, state, row hint) of a registered module (its density state; sampled mode: its sample state), or
+    of a bare config (functional calls)."""
     if isinstance(obj, SEBPConfig):
         return obj, None, None
-    return obj.sebp_config, getattr(obj, "_sebp_density", None), getattr(obj, "_sebp_hint", None)
+    state = "_sebp_sampler" if obj.sebp_config.mode == "sampled" else "_sebp_density"
+    return obj.sebp_config, getattr(obj, state, None), getattr(obj, "_sebp_hint", None)
 
 
 def if_wanted(t: Tensor, wanted: bool):

@@ -24,6 +24,18 @@ def _compile_setting(given: str | None, padding: str, cuda_graphs: bool) -> str 
     return given
 
 
+
+def _budget(value: str | None) -> float | None:
+    """``--budget``: a share (checked by FinetuneConfig); ``auto`` is not built yet."""
+    if value is None:
+        return None
+    if value.strip().lower() == "auto":
+        raise UserError("--budget auto is not built yet: give a share in (0, 1], e.g. --budget 0.3")
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"--budget must be a share in (0, 1], got {value!r}") from None
+
 @one_line_errors
 def finetune_cmd(
     model: str = typer.Argument("minilm", help=_MODEL_HELP),
@@ -61,8 +73,16 @@ def finetune_cmd(
     sebp_first: bool = typer.Option(False, "--sebp-first", rich_help_panel=METHOD, help="With --compare: train "
                                     "SEBP first, then dense (run both orders to see how much the host's speed "
                                     "drifts)."),
-    mode: str = typer.Option(None, "--mode", rich_help_panel=METHOD, help="exact | threshold | topk (default: "
-                             "from the other options)."),
+    mode: str = typer.Option(None, "--mode", rich_help_panel=METHOD, help="exact | threshold | topk | sampled "
+                             "(approximate, experimental: unbiased row sampling, see --budget) (default: from the "
+                             "other options)."),
+    budget: str = typer.Option(None, "--budget", rich_help_panel=METHOD, help="sampled mode: the share of each "
+                               "layer's non-zero rows of dL/dY kept for dW in expectation, in (0, 1] (rescaled: "
+                               "unbiased)."),
+    sample_dx: bool = typer.Option(False, "--sample-dx", rich_help_panel=METHOD, help="sampled mode: dX from the "
+                                   "sample too (default: dX exact)."),
+    sample_warmup: int = typer.Option(10, "--sample-warmup", rich_help_panel=METHOD, help="sampled mode: exact "
+                                      "optimizer steps first."),
     auto_eps: bool = typer.Option(False, "--auto-eps", rich_help_panel=METHOD, help="Run the analysis first and "
                                   "use its per-layer eps/N."),
     report: str = typer.Option(None, "--report", rich_help_panel=METHOD, help="Use the per-layer settings of "
@@ -168,7 +188,8 @@ def finetune_cmd(
         model=model, data=data, output_dir=output_dir, task=task, method=method, reuse=reuse, compare=compare,
         sebp_first=sebp_first,
         mode=mode,
-        eps=eps, top_n=top_n, auto_eps=auto_eps, report=report,
+        eps=eps, top_n=top_n, budget=_budget(budget), sample_dx=sample_dx, sample_warmup=sample_warmup,
+        auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, calib_budget=calib_budget,
         sebp_norms=sebp_norms, sebp_acts=sebp_acts, head=head,

@@ -99,8 +99,11 @@ def _pos_int(value, what: str, minimum: int = 1) -> None:
 class FinetuneConfig:
     """One fine-tuning run (or a dense-vs-SEBP comparison) of ``finetune``.
 
-    SEBP settings: ``mode`` is inferred when not given: ``topk`` with ``top_n``, ``threshold`` with ``eps``,
-    ``auto_eps`` or ``report``, else ``exact``. ``auto_eps`` runs the analysis first; ``report`` reads one.
+    SEBP settings: ``mode`` is inferred when not given: ``topk`` with ``top_n``, ``sampled`` with ``budget``,
+    ``threshold`` with ``eps``, ``auto_eps`` or ``report``, else ``exact``. ``sampled`` (approximate,
+    experimental: :mod:`sebp_kernels.sampling`) keeps the ``budget`` share of each layer's non-zero rows for dW
+    in expectation, rescaled so that the gradient is unbiased (dX too with ``sample_dx``), after
+    ``sample_warmup`` exact optimizer steps; its draws come from ``seed``. ``auto_eps`` runs the analysis first; ``report`` reads one.
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
     ``calib_budget``: ``--padding auto`` times its candidates in at most this share of the run's estimated time;
     ``fallback_if_slower``: the whole model stays dense when SEBP's step (forward + backward) measures slower at
@@ -141,6 +144,9 @@ class FinetuneConfig:
     mode: str | None = None
     eps: float | None = None
     top_n: int | None = None
+    budget: float | None = None
+    sample_dx: bool = False
+    sample_warmup: int = 10
     auto_eps: bool = False
     report: str | None = None
     targets: tuple[str, ...] | None = None
@@ -276,6 +282,7 @@ class FinetuneConfig:
             if self.top_n >= rows:
                 raise ValueError(f"top-n {self.top_n} keeps every row: a micro-batch has at most batch size x max "
                                  f"length = {rows} rows; pick N below that")
+        self._check_sampled()
         if self.auto_eps and self.report:
             raise ValueError("--auto-eps runs the analysis and --report reads one: pass only one of them")
         if self.auto_eps or self.report:
@@ -286,7 +293,8 @@ class FinetuneConfig:
                 raise ValueError(f"{src} sets the layers and their eps/N itself: drop {', '.join(clash)} "
                                  "(or drop " + src + " and give the settings directly)")
         sebp_given = [n for n, v in (("eps", self.eps is not None), ("top-n", self.top_n is not None),
-                                     ("auto-eps", self.auto_eps), ("report", bool(self.report))) if v]
+                                     ("budget", self.budget is not None), ("auto-eps", self.auto_eps),
+                                     ("report", bool(self.report))) if v]
         if self.method != "sebp" and (sebp_given or self.mode):
             raise ValueError(f"method {self.method} uses no SEBP settings, but got {', '.join(sebp_given or ['mode'])}")
         if self.eps is not None and self.top_n is not None and self.mode is None:
@@ -301,12 +309,32 @@ class FinetuneConfig:
         if mode == "threshold" and self.top_n is not None or mode == "topk" and self.eps is not None:
             raise ValueError(f"{mode} mode does not use {'top-n' if mode == 'threshold' else 'eps'}")
 
+    def _check_sampled(self) -> None:
+        b = self.budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1):
+            raise ValueError(f"--budget must be a share in (0, 1] (of each layer's non-zero rows kept), got {b!r}")
+        _pos_int(self.sample_warmup, "sample warm-up steps", 0)
+        if self.sebp_mode != "sampled":
+            if b is not None or self.sample_dx:
+                raise ValueError(f"--budget and --sample-dx belong to --mode sampled, not {self.sebp_mode}")
+            return
+        if b is None:
+            raise ValueError("--mode sampled needs --budget (the share of each layer's non-zero rows kept, in (0, 1])")
+        clash = [n for n, v in (("--eps", self.eps is not None), ("--top-n", self.top_n is not None),
+                                ("--auto-eps", self.auto_eps), ("--report", bool(self.report))) if v]
+        if clash:
+            raise ValueError(f"--mode sampled takes --budget, not {', '.join(clash)}")
+        if self.backend == "triton":
+            raise ValueError("--mode sampled has no Triton kernels yet: it runs through the torch backend")
+
     @property
     def sebp_mode(self) -> str:
         if self.mode is not None:
             return self.mode
         if self.top_n is not None:
             return "topk"
+        if self.budget is not None:
+            return "sampled"
         if self.eps is not None or self.auto_eps or self.report:
             return "threshold"
         return "exact"
@@ -330,6 +358,9 @@ class FinetuneConfig:
 
     def sebp_config(self) -> SEBPConfig:
         """The one setting for every patched layer when no report gives per-layer ones."""
+        if self.sebp_mode == "sampled":  # the warm-up counts each layer's backwards: grad_accum per step
+            return SEBPConfig(mode="sampled", backend=self.backend, budget=float(self.budget), sample_dx=self.sample_dx,
+                              seed=self.seed, warmup=self.sample_warmup * self.grad_accum)
         return SEBPConfig(mode=self.sebp_mode, eps=float(self.eps or 0.0), top_n=self.top_n, backend=self.backend)
 
     def methods(self) -> tuple[str, ...]:

@@ -153,10 +153,21 @@ def print_finetune_summary(summary: dict) -> None:
     for name, s in runs.items():  # an SEBP run that patched nothing trained as dense: said here, not only above
         if s.get("kept_dense"):
             console.print(f"{name}: {s['kept_dense']}: it trained exactly as dense", highlight=False)
+        if s.get("sampled"):
+            console.print(f"{name}: {sampled_line(s['sampled'])}", highlight=False)
     cmp = summary.get("comparison")
     if cmp:
         console.print(f"{_other_label(runs)} vs dense: {comparison_line(cmp, runs)}", highlight=False)
     console.print(timing_note(runs), highlight=False)
+
+
+def sampled_line(smp: dict) -> str:
+    """One line on a sampled run: approximate, and the measured share of the linears' backward rows skipped."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    dx = "dX sampled too" if smp.get("sample_dx") else "dX exact over the non-zero rows"
+    return (f"approximate (sampled mode, experimental; budget {smp['budget']:g}): the {smp['layers']} sampled "
+            f"linears skipped {pct(smp['skipped_of_nonzero'])} of their non-zero rows of dL/dY in dW and db "
+            f"({pct(smp['skipped_of_rows'])} of all rows) after the warm-up, measured; {dx}")
 
 
 def _other_label(runs: dict) -> str:

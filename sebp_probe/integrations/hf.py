@@ -63,6 +63,7 @@ from ..model.sdpa import without_cudnn_attention
 from ..model.cce_head import cce_loss
 from ..model.losses import HEADS, ROWS_HEADS, _task_of, set_head, use_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
+from ..model.sampled import reset_samplers
 from .grad_stats import GradStatsCallback, add_grad_stats  # noqa: F401  (gradient statistics: exported here)
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
                head: str = "labelled", calibrate: bool = True, calib_batches: int = 2, dense_fallback: float = 0.9,
                fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
                backend: str = "auto", keep_cudnn_attention: bool = False,
-               compile_scope: str = "layers") -> SEBPTrainer:
+               compile_scope: str = "layers", mode: str = "exact", budget: float | None = None,
+               sample_dx: bool = False, sample_warmup: int = 0) -> SEBPTrainer:
     """Apply SEBP to a Hugging Face ``Trainer`` or TRL ``SFTTrainer``, in place, before ``train()``.
 
     The trainer's model gets the SEBP layers that pay on its own first batches, and its training loss the
@@ -154,6 +156,14 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         compile_scope: under ``torch_compile=True`` with the labelled-rows head, ``layers`` compiles each layer
             of the model's stack in place and runs the rest of the loss eagerly (one layer's compile, not the
             model's); ``loss`` compiles that loss as a whole.
+        mode: ``exact`` (the default) or ``sampled`` (approximate, experimental; with ``targets``, not a
+            report): each layer keeps the ``budget`` share of its non-zero rows of dL/dY for dW in
+            expectation, rescaled so the gradient is unbiased (:mod:`sebp_kernels.sampling`), its draws from
+            the trainer's seed. The trainer's checkpoints do not hold the layers' cutoffs and draw counters: a
+            resumed trainer draws afresh (sebp-probe's own ``finetune --resume`` continues them).
+        budget: ``sampled``: the expected share of each layer's non-zero rows kept, in (0, 1].
+        sample_dx: ``sampled``: dX from the sample too (default: dX exact).
+        sample_warmup: ``sampled``: exact optimizer steps before sampling starts.
 
     Returns:
         An :class:`SEBPTrainer`: whether SEBP was applied (and why not), the head the loss runs, the
@@ -166,6 +176,10 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         raise ValueError(f"unknown head {head!r}; choose one of {', '.join(HEADS)}")
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
+    if mode not in ("exact", "sampled"):
+        raise ValueError(f"apply_sebp mode must be exact or sampled, got {mode!r} (a report sets threshold/topk)")
+    if mode == "sampled" and report is not None:
+        raise ValueError("apply_sebp(mode='sampled') samples the targets' rows; a report sets threshold/topk layers")
     if not isinstance(calib_batches, int) or calib_batches < 1:
         raise ValueError(f"calib_batches must be an integer >= 1, got {calib_batches!r}")
     done = vars(trainer).get(_HANDLE)
@@ -175,7 +189,10 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     model = getattr(trainer, "model", None)
     cands = {}
     if why is None:
-        cands, why = _candidates(model, report, targets, backend)
+        sampling = {} if mode == "exact" else {
+            "mode": mode, "budget": budget, "sample_dx": sample_dx, "sample_warmup": sample_warmup,
+            "seed": trainer.args.seed, "grad_accum": trainer.args.gradient_accumulation_steps}
+        cands, why = _candidates(model, report, targets, backend, sampling)
     if why is not None:
         log.warning(f"sebp_probe: the trainer runs unchanged: {why}")
         return SEBPTrainer(trainer, applied=False, reason=why)
@@ -255,9 +272,11 @@ def _loss_blocker(trainer, model) -> str | None:
     return None
 
 
-def _candidates(model, report, targets: list[str] | None, backend: str) -> tuple[dict[str, SEBPConfig], str | None]:
-    """The layers calibration chooses from (those of ``report``, else ``targets`` in exact mode), or why the
-    model has none it knows. A bad report or ``targets`` naming nothing raise: the caller's mistake."""
+def _candidates(model, report, targets: list[str] | None, backend: str,
+                sampling: dict | None = None) -> tuple[dict[str, SEBPConfig], str | None]:
+    """The layers calibration chooses from (those of ``report``, else ``targets`` in exact mode, or sampled with
+    ``sampling``: FinetuneConfig's settings of that mode), or why the model has none it knows. A bad report or
+    ``targets`` naming nothing raise: the caller's mistake."""
     report_layers = None
     if report is not None:
         from ..analysis.report import check_report_for_model, layer_configs_from_report, load_report, validate_report
@@ -265,7 +284,7 @@ def _candidates(model, report, targets: list[str] | None, backend: str) -> tuple
         report = validate_report(dict(report)) if isinstance(report, Mapping) else load_report(report)
         check_report_for_model(report, model)
         report_layers = layer_configs_from_report(report, backend=backend)
-    cfg = FinetuneConfig(targets=tuple(targets) if targets else None, backend=backend)
+    cfg = FinetuneConfig(targets=tuple(targets) if targets else None, backend=backend, **(sampling or {}))
     try:
         return calib.candidate_layers(model, cfg, report_layers), None
     except PatchError as e:
@@ -308,6 +327,7 @@ def _calibrate(trainer, model, cands: dict[str, SEBPConfig], measure: bool, n: i
         finally:
             model.train(was_training)
         c = calib.take_main_choice(model, c, cands)  # several processes: all take the main one's layers
+    reset_samplers(model)  # sampled mode: the draws start at the first training step
     c.acts = patched_activations(model)
     return c
 

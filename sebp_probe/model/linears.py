@@ -28,10 +28,12 @@ def features(m: nn.Module) -> tuple[int, int]:
     return m.in_features, m.out_features
 
 
-def to_sebp(m: nn.Module, config: SEBPConfig) -> SEBPLinear:
+def to_sebp(m: nn.Module, config: SEBPConfig, sample_key: int = 0) -> SEBPLinear:
     """The SEBP module of a plain ``nn.Linear`` or ``Conv1D`` (:class:`~sebp_kernels.SEBPConv1D`), holding its
-    Parameters."""
-    return SEBPConv1D.from_conv1d(m, config) if is_conv1d(m) else SEBPLinear.from_linear(m, config)
+    Parameters; ``sample_key``: its key in sampled mode's row hash."""
+    if is_conv1d(m):
+        return SEBPConv1D.from_conv1d(m, config, sample_key=sample_key)
+    return SEBPLinear.from_linear(m, config, sample_key=sample_key)
 
 
 def left_dense(model: nn.Module, chosen: list[str]) -> dict[str, str]:

@@ -20,6 +20,7 @@ from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm, norm_kind
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 from sebp_kernels.interpret import triton_runs_on
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
+from sebp_kernels.sampling import layer_key
 
 from ..families import Family, family_of, model_type, unwrapped
 from .embed_rows import patch_embeddings, unpatch_embeddings
@@ -224,7 +225,7 @@ def patch_model(
         if isinstance(module, SEBPLinear):
             module.sebp_config = cfg
         else:
-            _set_submodule(model, name, to_sebp(module, cfg))
+            _set_submodule(model, name, to_sebp(module, cfg, sample_key=layer_key(name)))
         patched.append(name)
     if target_modules is None and patched:  # the family's default: its fused experts with its projections
         patch_experts(model, family_of(model), note)

@@ -150,7 +150,9 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
     1. One dense forward and backward per batch measures each layer's share of active rows under its setting;
-       layers above ``fallback`` stay dense (gathering nearly every row costs more than it saves). With
+       layers above ``fallback`` stay dense (gathering nearly every row costs more than it saves); ``sampled``
+       layers do not (nor does ``if_slower`` apply to them): the user chose the approximation; where they are
+       all there is, nothing is timed (there is no choice to make). With
        ``norms`` or ``acts``, those are timed even where no linear layer qualifies.
     2. Dense and SEBP steps (the forward to the loss, then its backward) are timed interleaved on the same
        batches (median of ``reps`` rounds); on CUDA with backend ``auto`` the Triton and the torch
@@ -172,8 +174,12 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
         timed = lambda b: timed_step(model, b, device, autocast)  # noqa: E731
     with torch.random.fork_rng(devices=rng_devices(device)):
         density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
-        layers = {n: c for n, c in candidates.items() if density[n] <= fallback}
-        if layers or norms or acts:
+        # sampled layers stay whatever their density: the user asked for the approximation (its rows are drawn)
+        layers = {n: c for n, c in candidates.items() if density[n] <= fallback or c.mode == "sampled"}
+        if_slower = if_slower and not any(c.mode == "sampled" for c in layers.values())
+        if layers and all(c.mode == "sampled" for c in layers.values()) and not (norms or acts):
+            norm_names = apply_sebp(model, layers)  # nothing to choose: the torch path, every layer kept
+        elif layers or norms or acts:
             layers, dense, sebp = _fastest_variant(model, batches, norms, acts, reps, timed,
                                                    backend_variants(layers, device, graphs) if layers else [{}],
                                                    lambda b: timed_step(model, b, device, autocast))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..data.assets import LoadedModel
 from ..model.patch import pad_rows_own, pad_rows_verdict
+from ..model.sampled import sampler_states
 from .rundir import CHECKPOINTS, METRICS, MODEL_DIR, STATE, list_checkpoints, read_json, write_json
 
 
@@ -25,9 +26,10 @@ def save_checkpoint(run, step: int, calib: dict | None, model) -> Path:
 
     from .rundir import PARTIAL
 
-    mine = [pad_rows_verdict(model), pad_rows_own(model)]  # the verdict first: it may decide the own rows
+    mine = [pad_rows_verdict(model), pad_rows_own(model), sampler_states(model)]  # the verdict first: it may
+    # decide the own rows; sampled mode: each layer's cutoff and draw counter
     pairs = gather_object([mine]) if run.acc.num_processes > 1 else [mine]
-    verdicts, owns = [p[0] for p in pairs], [p[1] for p in pairs]
+    verdicts, owns, samplers = [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
 
     path = run.dir / CHECKPOINTS / f"step-{step:06d}"
     tmp = path.with_name(PARTIAL + path.name)
@@ -42,7 +44,7 @@ def save_checkpoint(run, step: int, calib: dict | None, model) -> Path:
         _loadable(run, model, tmp)
         layers = (calib or {}).get("layers", {})
         write_json(tmp / STATE, {"step": step, "layers": layers, "calibration": calib, "pad_rows": verdicts,
-                                  "pad_rows_own": owns})
+                                  "pad_rows_own": owns, **({"sampler": samplers} if any(samplers) else {})})
         if path.exists():  # an incomplete folder of the same step (written before checkpoints were atomic)
             shutil.rmtree(path)
         tmp.rename(path)

@@ -30,6 +30,7 @@ from ..layouts import LAYOUTS
 from ..model.losses import ROWS_HEADS, batch_loss, calls_backbone, ready_to_compile, set_head
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations, restore_pad_rows
+from ..model.sampled import load_sampler_states, reset_samplers, sampled_summary
 from .checkpoints import restore, save_checkpoint, save_model
 from .probe_steps import StepProbe, probe_summary
 from .rundir import METRICS, MODEL_DIR, SUMMARY, device_name, read_json, write_json
@@ -136,6 +137,7 @@ class Run:
         self.main = accelerator.is_main_process
         self.compile_scope: str | None = None  # under --compile, what compiled (set with the step's loss)
         self.records: list[dict] = []
+        self.sampled: dict | None = None  # sampled mode's measured rows (sebp_probe.model.sampled)
 
     # -- setup
 
@@ -165,6 +167,8 @@ class Run:
                 i = self.acc.process_index
                 if i < len(verdicts):
                     restore_pad_rows(model, verdicts[i], owns[i] if i < len(owns) else ())
+                samplers = state.get("sampler") or []  # sampled mode: each layer's cutoff and draw counter
+                load_sampler_states(model, samplers[i] if i < len(samplers) else {})
             else:
                 cands = candidate_layers(model, self.cfg, self.report_layers)
                 calib = self._calibrate(model, cands)
@@ -187,6 +191,7 @@ class Run:
                           acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg,
                                                                                                    self.acc))
         c = take_main_choice(model, c, cands)
+        reset_samplers(model)  # sampled mode: the run's draws start at its first step, not in calibration
         c.acts = patched_activations(model)
         info = c.to_dict()
         self.emit("calibrated", {"run": self.method, **info})
@@ -286,6 +291,7 @@ class Run:
             while p.step < t.total:
                 if not self._step(t, p, micro, batches, stop, calib):
                     break
+        self.sampled = sampled_summary(t.model)  # before the model is saved (unpatched)
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":
             p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
@@ -459,6 +465,8 @@ class Run:
         if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
             padding_rows["taken"] -= t.taken_before
             summary["padding_rows"] = padding_rows
+        if self.sampled:  # approximate: the share of the linears' backward rows the sampling skipped (measured)
+            summary["sampled"] = self.sampled
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,

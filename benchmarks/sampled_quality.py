@@ -1,0 +1,78 @@
+"""Collect `finetune` runs of dense against `--mode sampled` into one tidy results file.
+
+Each run directory is a `finetune ... -o DIR` (a `--compare` directory holds `dense/` and `sebp/`); per run the
+file keeps the arm, seed, held-out accuracy and loss, the step and backward medians, and the sampled layers'
+measured rows (skipped share of the non-zero rows of dL/dY in dW/db, after the warm-up), then the mean and sd of
+each arm. The runs themselves were started by the command recorded in ``--command``.
+
+    python benchmarks/sampled_quality.py --out results/sampled_cpu/minilm_tweets.json \
+        --command "..." RUN_DIR [RUN_DIR ...]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+from pathlib import Path
+
+
+def _runs(path: Path) -> list[Path]:
+    return [p for p in (path / "dense", path / "sebp") if (p / "summary.json").exists()] or [path]
+
+
+def _row(run: Path) -> dict:
+    s = json.loads((run / "summary.json").read_text())
+    cfg = json.loads((run.parent / "run_config.json").read_text() if not (run / "run_config.json").exists()
+                     else (run / "run_config.json").read_text())["config"]
+    smp = s.get("sampled")
+    arm = "dense" if s["method"] == "dense" else f"sampled {smp['budget']:g}" if smp else s["method"]
+    return {"arm": arm, "seed": cfg["seed"], "status": s["status"], "steps": s["steps"],
+            "eval_accuracy": s["final_eval"].get("eval_accuracy"), "eval_loss": s["final_eval"].get("eval_loss"),
+            "final_train_loss": s.get("final_train_loss"), "median_step_ms": s.get("median_step_ms"),
+            "median_backward_ms": s.get("median_backward_ms"), "device": s.get("device"),
+            "skipped_of_nonzero": smp["skipped_of_nonzero"] if smp else 0.0,
+            "skipped_of_rows": smp["skipped_of_rows"] if smp else None,
+            "sampled_rows": {k: smp[k] for k in ("rows", "nonzero", "kept")} if smp else None,
+            "run_dir": str(run)}
+
+
+def _arms(rows: list[dict]) -> list[dict]:
+    out = []
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        rs = [r for r in rows if r["arm"] == arm]
+        acc = [r["eval_accuracy"] for r in rs]
+        sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else None  # noqa: E731
+        out.append({"arm": arm, "seeds": sorted(r["seed"] for r in rs), "eval_accuracy_mean": statistics.mean(acc),
+                    "eval_accuracy_sd": sd(acc), "eval_loss_mean": statistics.mean(r["eval_loss"] for r in rs),
+                    "skipped_of_nonzero_mean": statistics.mean(r["skipped_of_nonzero"] for r in rs),
+                    "median_step_ms_mean": statistics.mean(r["median_step_ms"] for r in rs)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--command", required=True, help="the command that trained the runs")
+    args = ap.parse_args(argv)
+    from sebp_probe.train.rundir import versions
+
+    rows = [_row(r) for d in args.dirs for r in _runs(d)]
+    created = min(json.loads(((d / "run_config.json") if (d / "run_config.json").exists() else
+                              (d / "dense" / "run_config.json")).read_text()).get("created", "") for d in args.dirs)
+    doc = {"environment": {"device": rows[0]["device"], **versions(), "date": created,
+                           "collected": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                           "command": args.command},
+           "arms": _arms(rows), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    for a in doc["arms"]:
+        sd = "-" if a["eval_accuracy_sd"] is None else f"{a['eval_accuracy_sd']:.3f}"
+        print(f"{a['arm']:>13}: acc {a['eval_accuracy_mean']:.3f} +- {sd} over seeds {a['seeds']}, "
+              f"skipped {100 * a['skipped_of_nonzero_mean']:.1f}% of non-zero rows, step {a['median_step_ms_mean']:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""Sampled backward (``SEBPConfig("sampled", budget=...)``): an unbiased, approximate linear backward that skips
+most of the rows of dL/dY that carry little gradient.
+
+Each non-zero row i of dY has the weight w_i = ||dY_i||_2 and is kept with probability p_i = min(1, w_i / tau),
+where tau is the layer's cutoff, a device scalar known before the step (:class:`SampleState`). A kept row with
+p_i < 1 is rescaled by 1/p_i, so E[sampled dW] = dW for any tau > 0: rows at or above the cutoff are kept as they
+are, the tail is sampled in proportion to its norm (importance sampling as in VCAS and WTA-CRS). dW and db always
+use the sample; dX uses it only with ``sample_dx`` (by default dX stays exact over the non-zero rows, WTA-CRS's
+choice: a sampled dX would feed its noise into every layer below). Rows that are exactly zero stay out as in
+exact mode; rows holding NaN or Inf are always kept (p = 1), so a diverging run is never hidden.
+
+After every backward the layer solves, on the device, the cutoff for its next one from this backward's row
+norms: the tau whose expected kept share of the non-zero rows is the budget (a few rounds of a grid bisection,
+no sort, no host sync). Budget 1 keeps tau = 0: every non-zero row, unscaled, exactly the exact-mode gradient.
+
+Randomness is counter-based: each row's draw is an integer hash (splitmix64's mixer, in int64 torch ops, so
+that a Triton kernel can compute the same bits) of (run seed, layer key, the layer's backward count, row
+index). A run therefore reproduces its draws, and a resumed run continues them, from :meth:`SampleState.state_dict`.
+The keep test is on a 24-bit grid: the draw k is an integer in [0, 2^24) and a row is kept when
+k < ceil(p * 2^24), whose probability is exactly q = ceil(p * 2^24) / 2^24; the kept row is scaled by 1/q.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from .reference import backward_over_rows
+from .registry import register
+
+_M64 = (1 << 64) - 1
+GRID_BITS = 24
+GRID = float(1 << GRID_BITS)
+
+
+def _signed(v: int) -> int:
+    """``v`` mod 2^64 as a signed int64 (the bits torch's int64 tensors hold)."""
+    v &= _M64
+    return v - (1 << 64) if v >> 63 else v
+
+
+GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def mix64_int(x: int) -> int:
+    """splitmix64's mixer on a Python int (unsigned 64-bit result): the host half of the hash, and the
+    oracle of :func:`mix64`."""
+    z = x & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` on int64 is arithmetic: it copies the sign bit)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's mixer elementwise on int64 bits (multiplication wraps mod 2^64, as in the Python oracle)."""
+    z = (x ^ _shr(x, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def stream_base(seed: int, layer_key: int, step: int) -> int:
+    """The hash state of one backward of one layer (host ints, no device work), as a signed int64."""
+    return _signed(mix64_int(mix64_int(seed * 0x9E3779B97F4A7C15 + layer_key) + step * 0x9E3779B97F4A7C15))
+
+
+def row_draws(seed: int, layer_key: int, step: int, m: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 (m,): each row's draw, an integer uniform on [0, 2^24), from (seed, layer_key, step, row)."""
+    rows = torch.arange(1, m + 1, dtype=torch.int64, device=device)
+    return _shr(mix64(rows * GOLDEN + stream_base(seed, layer_key, step)), 64 - GRID_BITS)
+
+
+def layer_key(name: str) -> int:
+    """A layer's key in the hash, from its module name: the same in every run of a model (CRC-32)."""
+    return zlib.crc32(name.encode())
+
+
+def keep_probabilities(w: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """fp32 (M,): p = min(1, w / tau) on the 24-bit grid (ceil(p * 2^24) / 2^24), 1 where tau is 0 or w is not a
+    positive finite number (NaN/Inf rows, and non-zero rows whose fp32 norm underflowed)."""
+    p = torch.where(tau > 0, (w / tau).clamp(max=1.0), torch.ones_like(w))
+    p = torch.where(torch.isfinite(w) & (w > 0), p.nan_to_num(1.0), torch.ones_like(w))
+    return torch.ceil(p * GRID) / GRID
+
+
+def solve_tau(w: torch.Tensor, budget: float, rounds: int = 4, grid: int = 16) -> torch.Tensor:
+    """fp32 scalar tau whose expected kept share, sum(min(1, w_i / tau)) / n over the n rows with w_i > 0 (finite
+    weights only), is the ``budget``; 0 at budget 1 (keep all), and 0 where no row has a positive weight. All on
+    the device: ``rounds`` rounds, each evaluating ``grid`` candidates between the bounds (the expected share falls
+    with tau; at tau = sum(w) / target it is at most the target), shrink the interval ``grid``-fold; the lower
+    bound is returned, so the expected share is at least the budget."""
+    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w)).float()
+    if budget >= 1.0 or w.numel() == 0:
+        return w.new_zeros(())
+    target = (w > 0).sum().float() * budget
+    lo, hi = w.new_zeros(()), w.sum() / target.clamp(min=1.0)
+    steps = torch.arange(1, grid + 1, dtype=torch.float32, device=w.device) / grid
+    for _ in range(rounds):
+        cand = lo + (hi - lo) * steps
+        share = (w[None, :] / cand[:, None]).clamp(max=1.0).nan_to_num(1.0).sum(1)
+        idx = (share >= target).sum()  # the first idx candidates meet the target
+        ext = torch.cat([lo[None], cand])
+        lo, hi = ext[idx], ext[(idx + 1).clamp(max=grid)]
+    return torch.where(target > 0, lo, w.new_zeros(()))
+
+
+class SampleState:
+    """One layer's sampling state: the cutoff ``tau`` (a device scalar; None before the first backward, which then
+    solves it from its own rows), its backward count ``calls`` (the hash's step counter; warm-up counts in it),
+    and device counters of the rows sampled after warm-up: all of dY's rows, the non-zero ones, those kept for dW.
+    Nothing here syncs with the host except :meth:`counts` and :meth:`state_dict`."""
+
+    __slots__ = ("layer_key", "tau", "calls", "_rows", "_nonzero", "_kept", "key", "__weakref__")
+
+    def __init__(self, layer_key: int = 0) -> None:
+        self.layer_key = int(layer_key)
+        self.key = register(self)  # names it inside compiled graphs (see .registry)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to a fresh layer: no cutoff, no backward counted (e.g. after calibration's timing passes)."""
+        self.tau: torch.Tensor | None = None
+        self.calls = 0
+        self._rows = self._nonzero = self._kept = None
+
+    def __reduce__(self):  # copies start afresh, with the same layer key
+        return (SampleState, (self.layer_key,))
+
+    def count(self, rows: int, nonzero: torch.Tensor, kept: torch.Tensor) -> None:
+        if self._rows is None:
+            self._rows, self._nonzero, self._kept = 0, torch.zeros_like(nonzero), torch.zeros_like(kept)
+        self._rows += rows
+        self._nonzero += nonzero
+        self._kept += kept
+
+    def counts(self) -> dict:
+        """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""
+        if self._rows is None:
+            return {"rows": 0, "nonzero": 0, "kept": 0}
+        return {"rows": int(self._rows), "nonzero": int(self._nonzero), "kept": int(self._kept)}
+
+    def state_dict(self) -> dict:
+        """JSON-able state (tau as a float: fp32 converts exactly), from which :meth:`load_state_dict` resumes."""
+        return {"tau": None if self.tau is None else float(self.tau), "calls": self.calls, **self.counts()}
+
+    def load_state_dict(self, d: dict, device: torch.device | str = "cpu") -> None:
+        self.tau = None if d.get("tau") is None else torch.tensor(d["tau"], dtype=torch.float32, device=device)
+        self.calls = int(d.get("calls", 0))
+        self._rows = None
+        if d.get("rows"):
+            self._rows = int(d["rows"])
+            self._nonzero = torch.tensor(int(d["nonzero"]), device=device)
+            self._kept = torch.tensor(int(d["kept"]), device=device)
+
+
+def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, config,
+                           state: SampleState | None, need_dx: bool = True, need_dw: bool = True,
+                           need_db: bool = True):
+    """(dX, dW, db) of ``Y = X Wᵀ + b`` for 2-D ``dy`` (M, out) in ``sampled`` mode, in torch: the CPU path, the
+    fallback on GPUs and the oracle of a kernel. Draws this backward's rows with ``state``'s cutoff, then updates
+    the cutoff and the counters (see the module docstring). During the first ``config.warmup`` backwards of the
+    layer every non-zero row is kept unscaled (the exact gradient) while the cutoff is still solved."""
+    if state is None:
+        raise ValueError("sampled mode needs its layer's SampleState (sebp_linear(..., state=SampleState()))")
+    m = dy.shape[0]
+    active = dy.any(dim=1)  # as exact mode: NaN and Inf are truthy
+    w = torch.linalg.vector_norm(dy.float(), dim=1)
+    solved = state.tau is None
+    if solved:  # the first backward: the cutoff from its own rows (it depends on dY alone: still unbiased)
+        state.tau = solve_tau(w, config.budget)
+    scale = None
+    if state.calls >= config.warmup:
+        q = keep_probabilities(w, state.tau.to(w.device))
+        draws = row_draws(config.seed, state.layer_key, state.calls, m, dy.device)
+        kept = active & (draws < (q * GRID).to(torch.int64))
+        scale = (1.0 / q).to(dy.dtype)  # exactly 1 where q = 1
+        state.count(m, active.sum(), kept.sum())
+    else:
+        kept = active
+    if not solved:
+        state.tau = solve_tau(w, config.budget)
+    state.calls += 1
+    kept_rows = kept.nonzero().squeeze(1)
+    if config.sample_dx or not need_dx or scale is None:
+        return backward_over_rows(dy, x, weight, kept_rows, need_dx, need_dw, need_db, scale=scale)
+    dx, _, _ = backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), True, False, False)
+    _, dw, db = backward_over_rows(dy, x, weight, kept_rows, False, need_dw, need_db, scale=scale)
+    return dx, dw, db
