@@ -67,9 +67,13 @@ else:
         assert sorted(perm.tolist()) == list(range(shape[0]))
         assert perm[:k].long().tolist() == select_rows(dy, cfg).tolist()
 
-    @pytest.mark.parametrize("dtype", DTYPES)
+    # fp32 on every shape; fp16 (its own GEMM path, ieee off) on the two with tails in every dimension and
+    # the most row tiles: the masks and tails do not depend on the dtype
+    BACKWARD_CASES = [(torch.float32, s) for s in SHAPES] + [(torch.float16, s) for s in SHAPES
+                                                             if s in ((37, 23, 19), (130, 40, 24))]
+
     @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
-    @pytest.mark.parametrize("shape", SHAPES)
+    @pytest.mark.parametrize("dtype,shape", BACKWARD_CASES)
     def test_backward_matches_reference(dtype, mode, shape):
         dy, x, w = _inputs(*shape, dtype, seed=shape[0])
         cfg = CONFIGS[mode]
