@@ -1,13 +1,14 @@
 """Worker of test_fsdp.py (run under torchrun, gloo, CPU): the same small model with and without SEBP linears,
 each sharded with torch FSDP2 (``fully_shard``), on right-padded batches; writes ``<argv[1]>/rank<r>.json``
 with the largest gradient difference per parameter, relative to the gradient's largest magnitude (a file per
-process: lines two processes print to one stdout can interleave). ``argv[2] == "lora"``: a tiny Llama with
+process: lines two processes print to one stdout can interleave). Mode ``lora``: a tiny Llama with
 peft LoRA adapters, SEBP on its frozen base projections, every decoder layer sharded; the adapters' gradients
-are compared. ``argv[2] == "merge"``: that LoRA model sharded, its full state dict gathered and merged as
+are compared. Mode ``merge``: that LoRA model sharded, its full state dict gathered and merged as
 ``finetune`` saves a sharded LoRA run (sebp_probe.train.lora_merge); rank 0 compares it with peft's
-``merge_and_unload`` of the same model unsharded. ``argv[2] == "compiled"``: a tiny Llama with SEBP, every
-decoder layer sharded, then compiled layer by layer as ``finetune --compile`` does. ``argv[2] == "kept"``: the
-labelled head of several processes through the sharded model's own forward."""
+``merge_and_unload`` of the same model unsharded. Mode ``compiled``: a tiny Llama with SEBP, every
+decoder layer sharded, then compiled layer by layer as ``finetune --compile`` does. Mode ``kept``: the
+labelled head of several processes through the sharded model's own forward. Several modes in ``argv[2:]`` run
+one after the other in one launch."""
 import json
 import sys
 from pathlib import Path
@@ -152,15 +153,8 @@ def kept_grads(rank: int) -> dict:
     return diffs
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mode = {"merge": merged_diffs, "lora": lora_grads, "compiled": compiled_grads, "kept": kept_grads}.get(
-        sys.argv[2] if len(sys.argv) > 2 else "")
-    if mode is not None:
-        result = {"rank": rank, "diffs": mode(rank)}
-        (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
-        exit_after_teardown()
+def plain_grads(rank: int) -> dict:
+    """The plain stack of linears with and without SEBP, both sharded: the gradients' relative differences."""
     dense, sebp = build(False), build(True)
     g = torch.Generator().manual_seed(1 + rank)  # each process its own data, as in data parallel
     for _ in range(2):  # two steps of gradient accumulation
@@ -176,7 +170,26 @@ def main() -> None:
         scale = float(ga.abs().max())
         assert scale > 0, name
         diffs[name] = float((ga - gb).abs().max()) / scale  # relative: only the summation order differs
-    result = {"rank": rank, "sharded": type(next(sebp.parameters())).__name__, "diffs": diffs}
+    return {"sharded": type(next(sebp.parameters())).__name__, "diffs": diffs}
+
+
+MODES = {"plain": plain_grads, "merge": merged_diffs, "lora": lora_grads, "compiled": compiled_grads,
+         "kept": kept_grads}
+
+
+def main() -> None:
+    """``argv[2:]``: the modes to run, one after the other in the same process group (one launch serves every
+    test); each mode's result under its name in ``rank<r>.json``."""
+    import torch._dynamo as dynamo
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {"rank": rank}
+    for mode in sys.argv[2:] or ["plain"]:
+        dynamo.reset()  # the compiled mode counts the graphs of its own model only
+        dynamo.utils.counters.clear()
+        out = MODES[mode](rank)
+        result[mode] = out if mode == "plain" else {"diffs": out}
     (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
     exit_after_teardown()
 

@@ -67,9 +67,13 @@ else:
         assert sorted(perm.tolist()) == list(range(shape[0]))
         assert perm[:k].long().tolist() == select_rows(dy, cfg).tolist()
 
-    @pytest.mark.parametrize("dtype", DTYPES)
+    # fp32 on every shape; fp16 (its own GEMM path, ieee off) on the two with tails in every dimension and
+    # the most row tiles: the masks and tails do not depend on the dtype
+    BACKWARD_CASES = [(torch.float32, s) for s in SHAPES] + [(torch.float16, s) for s in SHAPES
+                                                             if s in ((37, 23, 19), (130, 40, 24))]
+
     @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
-    @pytest.mark.parametrize("shape", SHAPES)
+    @pytest.mark.parametrize("dtype,shape", BACKWARD_CASES)
     def test_backward_matches_reference(dtype, mode, shape):
         dy, x, w = _inputs(*shape, dtype, seed=shape[0])
         cfg = CONFIGS[mode]
@@ -79,8 +83,9 @@ else:
         inactive[select_rows(dy, cfg)] = False
         assert (got[0][inactive] == 0).all(), "dX must be exactly zero on inactive rows"
 
-    @pytest.mark.parametrize("shape", [(70, 200, 33), (130, 97, 40)])
-    @pytest.mark.parametrize("dtype", DTYPES)
+    # fp32 on both shapes; fp16 on the one whose K (97) ends in a one-column tail
+    @pytest.mark.parametrize("dtype,shape", [(torch.float32, (70, 200, 33)), (torch.float32, (130, 97, 40)),
+                                             (torch.float16, (130, 97, 40))])
     def test_dx_k_splits_match_reference_and_are_deterministic(shape, dtype):
         """With many SMs to fill and few active row tiles, dX splits over K (here up to 12 pieces of 16)."""
         from sebp_kernels._triton.dx import dx_rows
@@ -165,10 +170,11 @@ else:
         for name, g, t in zip(("dX", "dW", "db"), got, want):
             assert_close_report(g, t, atol=1e-5, rtol=1e-5, name=name)
 
-    @pytest.mark.parametrize("density", [0.0, 0.05, 0.35, 1.1])
+    @pytest.mark.parametrize("density", [0.0, 0.05, 1.1])
     def test_every_row_of_dx_is_written(monkeypatch, density):
         """dX starts as torch.empty: a row the kernels skipped would keep the allocator's contents, made NaN
-        here. Low densities give each computing program many zero tiles to write, zero density none."""
+        here. A low density gives each computing program many zero tiles to write (and row tiles that mix
+        active and inactive rows), zero density none, every row active no zero tile."""
         from sebp_kernels._triton.dx import dx_rows
 
         real = torch.empty

@@ -136,9 +136,13 @@ else:
     ROW_SETS = [list(range(0, 20)), list(range(10, 45)), list(range(50, 70)), [], list(range(M)),
                 [3, 17, 18, 40, 69], list(range(0, 20))]
 
-    @pytest.mark.parametrize("dtype,per_sm", [(torch.float32, 2), (torch.float16, 2), (torch.float32, 6),
-                                              (torch.float32, 64)])
-    @pytest.mark.parametrize("known", [False, True], ids=["select", "rows_known"])
+    # every zeroing layout with the rows selected here; the rows given (the zeroing does not depend on where
+    # they came from) with the layout of two programs a row tile
+    @pytest.mark.parametrize("dtype,per_sm,known", [(torch.float32, 2, False), (torch.float16, 2, False),
+                                                    (torch.float32, 6, False), (torch.float32, 64, False),
+                                                    (torch.float32, 6, True)],
+                             ids=["fp32-2-select", "fp16-2-select", "fp32-6-select", "fp32-64-select",
+                                  "fp32-6-rows_known"])
     def test_reused_dx_equals_fresh_dx_over_changing_rows(dtype, per_sm, known, monkeypatch):
         """per_sm: zero programs per SM (the interpreter counts one SM): 2 gives each row tile past k one
         program for all 4 column tiles, 6 two programs of 2 column tiles (while 2-3 row tiles are past k), 64
