@@ -5,7 +5,7 @@ file keeps the arm, seed, held-out accuracy and loss, the step and backward medi
 measured rows (skipped share of the non-zero rows of dL/dY in dW/db, after the warm-up), then the mean and sd of
 each arm. The runs themselves were started by the command recorded in ``--command``.
 
-    python benchmarks/sampled_quality.py --out results/sampled_cpu/minilm_tweets.json \
+    python benchmarks/sampled_quality.py --out results/sampled.json \
         --command "..." RUN_DIR [RUN_DIR ...]
 """
 from __future__ import annotations

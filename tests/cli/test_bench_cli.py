@@ -221,7 +221,7 @@ def test_tables_render_results(capsys, monkeypatch, width):
     from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
-    result = json.loads((root / "layers_h100" / "layers_bert-base.json").read_text())
+    result = json.loads((root / "layers.json").read_text())["runs"]["h100_bert-base"]
     result["models"] = [_model_result()]
     monkeypatch.setattr(tables.console, "width", width)
     tables.bench_tables(result)
@@ -251,7 +251,7 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     from sebp_probe import tables
 
     root = Path(__file__).resolve().parents[2] / "results"
-    result = json.loads((root / "layers_h100" / "layers_llama-3.2-3b.json").read_text())
+    result = json.loads((root / "layers.json").read_text())["runs"]["h100_llama-3.2-3b"]
     result["models"] = []
     for key in ("triton_fraction_of_ideal_io_speedup", "triton_reuse_fraction_of_ideal_speedup",
                 "triton_rows_reuse_fraction_of_ideal_speedup"):  # the first layer as a file from before ideal +io

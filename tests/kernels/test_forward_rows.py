@@ -112,11 +112,13 @@ def test_a_compiled_layer_told_the_most_rows_of_a_batch_decides_by_them(monkeypa
 
 
 def test_the_kernel_reads_w_transposed_only_within_32_bit_offsets():
-    """Wᵀ as a strided view: unit column stride, and the largest offset (rows x row stride) under 2**31, which
-    a column slice of a wide matrix can pass while its own size stays under it."""
+    """Wᵀ as a strided view: a unit stride in one dimension (a Conv1D's transposed weight has it in the other),
+    none refused, and the largest offset (rows x row stride) under 2**31, which a column slice of a wide matrix
+    can pass while its own size stays under it."""
     from sebp_kernels.forward_rows import _wt_view_ok
 
-    assert _wt_view_ok(torch.empty(64, 32)) and not _wt_view_ok(torch.empty(32, 64).t())
+    assert _wt_view_ok(torch.empty(64, 32)) and _wt_view_ok(torch.empty(32, 64).t())
+    assert not _wt_view_ok(torch.empty(64, 64)[::2, ::2])
     wide = torch.empty(0, device="meta").as_strided((2**16, 8), (2**16, 1))  # rows 2**16 apart: offsets to 2**32
     assert wide.numel() < 2**31 and not _wt_view_ok(wide)
 

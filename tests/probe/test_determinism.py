@@ -10,7 +10,7 @@ import torch
 from sebp_probe.config import DataConfig, FinetuneConfig, FinetuneError
 from sebp_probe.data.assets import LoadedModel
 from sebp_probe.train import finetune as ft
-from sebp_probe.train import loop, rundir
+from sebp_probe.train import checkpoints, loop, rundir
 from sebp_probe.train.determinism import CUBLAS_WORKSPACE, NotDeterministic, deterministic
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import tiny_model
@@ -118,8 +118,8 @@ def test_a_checkpoint_keeps_the_padding_row_verdict_and_a_resume_restores_it(tmp
     from sebp_probe.model.patch import pad_rows_of, pad_rows_own
 
     own = "model.layers.1.mlp.down_proj"
-    monkeypatch.setattr(loop, "pad_rows_verdict", lambda model: "on")
-    monkeypatch.setattr(loop, "pad_rows_own", lambda model: [own])
+    monkeypatch.setattr(checkpoints, "pad_rows_verdict", lambda model: "on")
+    monkeypatch.setattr(checkpoints, "pad_rows_own", lambda model: [own])
     restored, real_restore = [], loop.restore_pad_rows
 
     def restore(model, verdict, names):  # the resumed model's own PadRows takes it (it exists by then)
