@@ -51,7 +51,8 @@ from ..layouts import LAYOUTS
 from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
 from ..model.packing import check_packable
 from ..data.train_data import TrainData, make_loaders, most_rows, pad_multiple, to_device
-from .layout_prior import Timer, describe as _name, estimate, noise_aware, plan_timing, prior_skips, wall_timer
+from .layout_timing import EagerTiming, Passes, time_eager
+from .layout_prior import Timer, describe as _name, noise_aware, prior_skips, wall_timer
 
 SAMPLE_BATCHES = 3
 
@@ -278,6 +279,34 @@ def _prior_layouts(model, cfg: FinetuneConfig, data: TrainData, graphs: bool) ->
     return {p: rows[p] for p in order}, skipped
 
 
+def _time_compiled_rows(model, cfg: FinetuneConfig, data: TrainData, rows: dict, layouts: dict, batches: dict,
+                        candidates, device, autocast, reps: int, mode: str, eager: bool, replays: bool, use_head,
+                        unpatch_model) -> None:
+    """Each row's compiled candidates (:func:`_time_compiled`), but none of a row not afforded eager."""
+    for (padding, head), row in rows.items():
+        if eager and not any(k.endswith("_ms") for k in row):  # not afforded eager: nor compiled
+            continue
+        if head:
+            use_head(model, data.task, head)
+        patch = _sebp_patch(model, cfg, row, batches[padding], candidates, device, autocast) \
+            if candidates else None
+        _time_compiled(row, model, data.task, padding, batches[padding], layouts[padding]["slots"], device,
+                       autocast, reps, mode, ("dense", "sebp") if patch else ("dense",), patch,
+                       lambda: unpatch_model(model), cfg.compile_scope, replays,
+                       row_bound=most_rows(cfg, data, padding))
+
+
+def _untimed_or_picked(table: list[dict], info: dict, layouts: dict, methods: tuple[str, ...], heads,
+                       micro: int) -> PaddingChoice:
+    """The prior's pick where nothing was timed (or the timing says untimed), else :func:`pick`'s."""
+    prior = next(iter(layouts))
+    if info.get("untimed") or not any(k.endswith("_ms") for r in table for k in r):
+        own = "sebp" if "sebp" in methods else "dense"  # the run's calibration still times SEBP against dense
+        return PaddingChoice(prior, own, {m: prior for m in methods}, table, heads[0],
+                             {m: heads[0] for m in methods}, False, {m: False for m in methods}, micro)
+    return pick(table, methods, micro)
+
+
 def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
                    device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
                    reps: int = 3, heads: tuple[str | None, ...] = (None,), timer: Timer = wall_timer,
@@ -314,29 +343,14 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
             info.update(_time_eager(model, cfg, data.task, rows, layouts, batches, candidates, methods, device,
                                     autocast, replays, heads, timer, say, micro, use_head, unpatch_model))
         if mode:
-            for (padding, head), row in rows.items():
-                if eager and not any(k.endswith("_ms") for k in row):  # not afforded eager: nor compiled
-                    continue
-                if head:
-                    use_head(model, data.task, head)
-                patch = _sebp_patch(model, cfg, row, batches[padding], candidates, device, autocast) \
-                    if candidates else None
-                _time_compiled(row, model, data.task, padding, batches[padding], layouts[padding]["slots"], device,
-                               autocast, reps, mode, ("dense", "sebp") if patch else ("dense",), patch,
-                               lambda: unpatch_model(model), cfg.compile_scope, replays,
-                               row_bound=most_rows(cfg, data, padding))
+            _time_compiled_rows(model, cfg, data, rows, layouts, batches, candidates, device, autocast, reps, mode,
+                                eager, replays, use_head, unpatch_model)
         model.zero_grad(set_to_none=True)
     if mode:
         torch._dynamo.reset()  # the runs compile their own models afresh
     table = [r for p in LAYOUTS for r in ([skipped[p]] if p in skipped else
                                           [rows[(p, h)] for h in heads if (p, h) in rows])]
-    prior = next(iter(layouts))
-    if info.get("untimed") or not any(k.endswith("_ms") for r in table for k in r):
-        own = "sebp" if "sebp" in methods else "dense"  # the run's calibration still times SEBP against dense
-        choice = PaddingChoice(prior, own, {m: prior for m in methods}, table, heads[0],
-                               {m: heads[0] for m in methods}, False, {m: False for m in methods}, micro)
-    else:
-        choice = pick(table, methods, micro)
+    choice = _untimed_or_picked(table, info, layouts, methods, heads, micro)
     choice = replace(choice, replays=replays, **{k: v for k, v in info.items() if k != "micro_batches"})
     say(f"--padding auto: chose {_name((choice.padding, choice.head, choice.method))}"
         + (" compiled" if choice.compiled else "")
@@ -361,111 +375,11 @@ def _sebp_patch(model, cfg: FinetuneConfig, row: dict, batches: list[dict], cand
 def _time_eager(model, cfg: FinetuneConfig, task: str, rows: dict, layouts: dict, batches: dict, candidates,
                 methods, device, autocast, replays: bool, heads, timer: Timer, say, micro: int, use_head,
                 unpatch_model) -> dict:
-    """Time the eager candidates ((layout, head, method), in the prior's order) the budget affords, in
-    interleaved rounds: every candidate on each of its batches, one warm-up round, then the timed rounds; each
-    candidate's median and spread (``{method}_ms``, ``{method}_spread``: median -/+ spread,
-    :func:`~.layout_prior.estimate`) go into its row. The budget is ``cfg.calib_budget`` of the run's estimated
-    time: the first pass (the prior's first candidate) x the run's ``micro`` batches; the warm-up round's own
-    times then say how many timed rounds (and candidates) it holds. Returns what the choice records of it."""
-    keys = [(p, h, m) for p in layouts for h in heads for m in methods]
-    first_key = keys[0]
-    b0 = batches[first_key[0]][0]
-    if first_key[1]:
-        use_head(model, task, first_key[1])
-    first = timer(first_key, b0, lambda: _timed_pass(model, b0, device, autocast))
-    per_slot = first / b0["input_ids"].numel()
-    run_s = per_slot * layouts[first_key[0]]["slots"] * micro / 1e3
-    budget_ms = cfg.calib_budget * run_s * 1e3
-    spent = first
-    out = {"run_estimate_s": round(run_s, 3), "budget_s": round(budget_ms / 1e3, 3)}
-    say(f"--padding auto: first pass ({_name(first_key)}) {first:.1f} ms: the run's {micro} micro-batches take "
-        f"about {run_s:.1f} s; timing budget {100 * cfg.calib_budget:g}% of that, {budget_ms / 1e3:.2f} s")
-    pass_ms = [per_slot * layouts[p]["slots"] for p, _, _ in keys]
-    plan = plan_timing(pass_ms, [int(m == "sebp") for _, _, m in keys], budget_ms - spent,
-                       min(len(b) for b in batches.values()))
-    if plan is None or len(plan.chosen) < 2:
-        why = ("too short a run to time the layouts: the budget affords less than one pass of each candidate"
-               if plan is None else "the budget affords one candidate alone")
-        for (p, h, m) in keys[1:] if plan is not None else keys:
-            rows[(p, h)].setdefault("not_timed", []).append(m)
-        say(f"--padding auto: {why}; the prior's pick, {_name(first_key[:2] + (None,)).strip()}, untimed")
-        return {**out, "untimed": why, "spent_s": round(spent / 1e3, 3)}
-    timed = [keys[i] for i in plan.chosen]
-    for p, h, m in keys:
-        if (p, h, m) not in timed:
-            rows[(p, h)].setdefault("not_timed", []).append(m)
-    patches = {}
-    for p, h in dict.fromkeys((p, h) for p, h, m in timed if m == "sebp"):
-        if h:
-            use_head(model, task, h)
-        patches[(p, h)] = _sebp_patch(model, cfg, rows[(p, h)], batches[p][:plan.batches], candidates, device,
-                                      autocast)
-        spent += per_slot * layouts[p]["slots"] * plan.batches  # the density passes, as estimated
-    timed = [k for k in timed if k[2] == "dense" or patches.get(k[:2])]
-    skipped = [_name(k) for k in keys if k not in timed]
-    say(f"--padding auto: timing {len(timed)} candidates, interleaved: 1 warm-up round and {plan.rounds} timed, "
-        f"{plan.batches} batch{'es' if plan.batches > 1 else ''} each"
-        + (f"; not timed (budget or no SEBP layer): {', '.join(skipped)}" if skipped else ""))
-    unpatch = lambda: unpatch_model(model)  # noqa: E731
-    if replays:  # CUDA-graph replays: each layout and head as _layout_ms captures them, no spread
-        for (p, h) in dict.fromkeys(k[:2] for k in timed):
-            if h:
-                use_head(model, task, h)
-            t0 = time.perf_counter()
-            t = _layout_ms(model, batches[p][:plan.batches], layouts[p]["slots"], device, autocast, True,
-                           plan.rounds, patches.get((p, h)), unpatch)
-            spent += (time.perf_counter() - t0) * 1e3
-            rows[(p, h)].update({f"{m}_ms": round(ms, 3) for m, ms in t.items()})
-            say(f"--padding auto: {_name((p, h, None))}: " + ", ".join(f"{m} {ms:.1f} ms" for m, ms in t.items()))
-        return {**out, "spent_s": round(spent / 1e3, 3)}
-    def one_round(key: tuple) -> list[float]:  # each of the candidate's batches once: ms per token slot
-        nonlocal spent
-        p, h, m = key
-        if h:
-            use_head(model, task, h)
-        times = []
-        with _as(m, patches.get((p, h)), unpatch):
-            for b in batches[p][:plan.batches]:
-                ms = timer(key, b, lambda b=b: _timed_pass(model, b, device, autocast))
-                spent += ms
-                times.append(ms / b["input_ids"].numel())
-        return times
-
-    # the warm-up round: each candidate, while the budget holds its estimate (scaled as those before it ran)
-    round_ms, scale = {}, 1.0
-    for key in timed:
-        est = per_slot * layouts[key[0]]["slots"] * plan.batches * scale
-        if spent + est > budget_ms and len(round_ms) >= 2:
-            rows[key[:2]].setdefault("not_timed", []).append(key[2])
-            continue
-        got = one_round(key)
-        round_ms[key] = sum(t * b["input_ids"].numel() for t, b in zip(got, batches[key[0]]))
-        scale = max(scale, round_ms[key] / est * scale)
-    timed = list(round_ms)
-    rounds = plan.rounds
-    while len(timed) > 2 and spent + sum(round_ms[k] for k in timed) > budget_ms:  # fewer, as the prior orders
-        dropped = timed.pop()
-        rows[dropped[:2]].setdefault("not_timed", []).append(dropped[2])
-    say(f"--padding auto: round 0/{rounds} (warm-up) done, {spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
-    per_slot_ms: dict[tuple, list[list[float]]] = {k: [] for k in timed}
-    for i in range(1, rounds + 1):
-        if spent + sum(round_ms[k] for k in timed) > budget_ms:  # slower than the first pass said
-            say(f"--padding auto: the budget is spent after {i - 1} of {rounds} timed rounds")
-            break
-        for key in timed:
-            per_slot_ms[key].append(one_round(key))
-        say(f"--padding auto: round {i}/{rounds} done, {spent / 1e3:.1f} s of {budget_ms / 1e3:.1f} s")
-    if not all(per_slot_ms.values()):
-        why = "the budget ran out in the warm-up round"
-        for key in timed:
-            rows[key[:2]].setdefault("not_timed", []).append(key[2])
-        say(f"--padding auto: {why}; the prior's pick, untimed")
-        return {**out, "untimed": why, "spent_s": round(spent / 1e3, 3)}
-    for key, ts in per_slot_ms.items():
-        med, lo, hi = estimate(ts, layouts[key[0]]["slots"])
-        rows[key[:2]].update({f"{key[2]}_ms": round(med, 3), f"{key[2]}_spread": [round(lo, 3), round(hi, 3)]})
-        say(f"--padding auto: {_name(key)}: {med:.1f} ms a batch (spread {lo:.1f}-{hi:.1f}, {len(ts)} rounds)")
-    return {**out, "spent_s": round(spent / 1e3, 3)}
+    """The eager candidates timed within the budget (:func:`~.layout_timing.time_eager`), with this module's
+    passes. Returns what the choice records of it."""
+    passes = Passes(_timed_pass, _as, _layout_ms, _sebp_patch, use_head, unpatch_model)
+    timing = EagerTiming(model, cfg, task, rows, layouts, batches, candidates, device, autocast, timer, say, passes)
+    return time_eager(timing, methods, heads, replays, micro)
 
 
 def pick(table: list[dict], methods: tuple[str, ...], micro_batches: int) -> PaddingChoice:
