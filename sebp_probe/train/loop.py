@@ -292,6 +292,7 @@ class Run:
                 if not self._step(t, p, micro, batches, stop, calib):
                     break
         self.sampled = sampled_summary(t.model)  # before the model is saved (unpatched)
+        self.probe = None  # it holds the model: a --compare's second run must not find the first one's alive
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":
             p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))

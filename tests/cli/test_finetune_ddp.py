@@ -50,8 +50,10 @@ def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
     assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
     steps = [r["step"] for r in _train_records(tmp_path / "run" / "sebp" / "metrics.jsonl") if r["type"] == "train"]
     assert steps == [1, 2, 3, 4, 5, 6]  # one writer, no duplicate lines
-    assert sorted(p.name for p in (tmp_path / "run" / "sebp" / "checkpoints" / "step-000006").iterdir()) == [
-        "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
+    names = {p.name for p in (tmp_path / "run" / "sebp" / "checkpoints" / "step-000006").iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
+            "trainer_state.json", "config.json"} <= names  # one state per process; loadable (config, tokenizer)
+    assert not {n for n in names if n.startswith("random_states_")} - {"random_states_0.pkl", "random_states_1.pkl"}
 
 
 @pytest.mark.parametrize("scope", ["layers", "model"])
