@@ -386,7 +386,7 @@ def example_analyze(page: Page) -> str:
 
 @block("example_finetune")
 def example_finetune(page: Page) -> str:
-    return _example(page, "finetune", (("--padding auto", None),))
+    return _example(page, "finetune", (("--padding auto", "dense step"), ("dense ━", None)))
 
 
 # the same commands re-run after the SEBP kernels took row counts unspecialised (the llama run cut by its limit)
