@@ -230,9 +230,10 @@ STEPS: dict[str, Step] = {
     "resprop": Step("gradient reuse's backward on a GPU", "benchmarks.md", _resprop),
     "kernels": Step("the norm kernels alone", "kernels.md", _kernels),
     "fsdp": Step("one GPU against FSDP2 on two, dense, SEBP, LoRA (two GPUs)", "finetune.md", _fsdp),
-    "fsdp-sft": Step("FSDP2 on two GPUs on SFT-length batches, compiled, both orders (two GPUs)",
-                     "finetune.md, benchmarks.md", _fsdp_sft),
-    "fsdp-det": Step("--deterministic under FSDP2, the same command twice (two GPUs)", "finetune.md", _fsdp_det),
+    "fsdp-sft": Step("FSDP2 on SFT-length batches, compiled, both orders; SIGTERM + --resume; FSDP1 (two GPUs)",
+                     "benchmarks.md", _fsdp_sft),
+    "fsdp-det": Step("--deterministic under FSDP2: twice, SIGTERM + --resume; a compile by layers (two GPUs)",
+                     "finetune.md", _fsdp_det),
     "compare": Step("finetune --compare pairs in both orders, a small Llama", "finetune.md", _compare),
 }
 
