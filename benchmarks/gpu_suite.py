@@ -9,8 +9,8 @@
 Each step runs commands of the package's CLI (``python -m sebp_probe ...``) and of the benchmark scripts beside
 this file; every JSON they write records its device, versions, date and command. ``--add`` puts each result into
 its family file under results/ (``tools/docs/make_docs.py --add``); then ``python tools/docs/make_docs.py``
-regenerates the tables. The ``fsdp*`` and ``compare`` steps leave their runs' folders (``summary.json``,
-``metrics.jsonl``) under OUT for reading; they add nothing to results/ by themselves.
+regenerates the tables. The ``fsdp*`` and ``compare`` steps run `finetune` and read their runs' folders under
+OUT (``summary.json``, ``metrics.jsonl``) into their family rows with ``benchmarks/finetune_runs.py``.
 """
 from __future__ import annotations
 
@@ -152,28 +152,55 @@ def _prep() -> list[Job]:
                  f"[ -f {DATA} ] || {shlex.quote(PY)} {b}/sft_long_data.py {tok} {DATA} 2000"])]
 
 
+def collect(out: Path, step: str, family: str, run: str) -> Job:
+    """Read the runs of ``step`` under OUT/<folder>/ into OUT/<step>.json, added to results/ as ``family#run``."""
+    path = out / f"{step}.json"
+    return Job([PY, str(ROOT / "benchmarks" / "finetune_runs.py"), "collect", step,
+                str(out / step.replace("-", "_")), "-o", str(path)], path, (family, run))
+
+
+def interrupted(run: Path, argv: list[str], steps: int = 6) -> list[Job]:
+    """``argv`` stopped by SIGTERM after ``steps`` logged steps, then resumed (``--resume``)."""
+    return [Job([PY, str(ROOT / "benchmarks" / "finetune_runs.py"), "interrupt", str(run), str(steps), "--", *argv,
+                 "-o", str(run), "--overwrite"]), Job([*argv, "-o", str(run), "--resume"])]
+
+
 def _fsdp(out: Path, gpu: str) -> list[Job]:
     common = [MODEL, "tweets-sft", "--bf16", "--padding", "longest", "--max-length", "256", "--max-samples", "4000",
-              "--batch-size", "8"]
+              "--batch-size", "8", "--eval-steps", "12", "--eval-samples", "64", "--seed", "0", "--json"]
+    runs = out / "fsdp"
     return [*_prep(),
             Job([PY, "-m", "sebp_probe", "finetune", *common, "--max-steps", "24", "--method", "dense",
-                 "--grad-accum", "2", "-o", str(out / "fsdp" / "one"), "--overwrite"]),
-            Job([*FSDP, *common, "--max-steps", "24", "--compare", "-o", str(out / "fsdp" / "fsdp"),
-                 "--overwrite"]),
+                 "--grad-accum", "2", "-o", str(runs / "one"), "--overwrite"]),
+            Job([*FSDP, *common, "--max-steps", "24", "--compare", "-o", str(runs / "fsdp"), "--overwrite"]),
             Job([*FSDP, *common, "--max-steps", "8", "--compare", "--lora", "--always-sebp",
-                 "--dense-fallback", "1", "-o", str(out / "fsdp" / "lora-sebp"), "--overwrite"])]
+                 "--dense-fallback", "1", "-o", str(runs / "lora-sebp"), "--overwrite"]),
+            collect(out, "fsdp", "fsdp.json", "one_vs_two")]
 
 
 def _fsdp_sft(out: Path, gpu: str) -> list[Job]:
-    return [*_prep(), *(Job([*FSDP, *SFT, "--compile", "default", "--max-steps", "40", "--compare",
-                             *(["--sebp-first"] if order == "sebp-first" else []),
-                             "-o", str(out / "fsdp_sft" / f"pair_{order}"), "--overwrite"], env={"TORCH_LOGS": "recompiles"})
-                        for order in ("dense-first", "sebp-first"))]
+    runs = out / "fsdp_sft"
+    eager = [*FSDP, *SFT, "--max-steps", "16", "--method", "sebp", "--eval-steps", "8"]
+    pairs = [Job([*FSDP, *SFT, "--compile", "default", "--max-steps", "40", "--compare",
+                  *(["--sebp-first"] if order == "sebp-first" else []),
+                  "-o", str(runs / f"pair_{order}"), "--overwrite"], env={"TORCH_LOGS": "recompiles"})
+             for order in ("dense-first", "sebp-first")]
+    fsdp1 = list(FSDP)
+    fsdp1[fsdp1.index("--fsdp_version") + 1] = "1"
+    return [*_prep(), *pairs, Job([*eager, "-o", str(runs / "resume_ref"), "--overwrite"]),
+            *interrupted(runs / "resume", eager),
+            Job([*fsdp1, *SFT, "--max-steps", "8", "--method", "sebp", "-o", str(runs / "fsdp1"), "--overwrite"]),
+            collect(out, "fsdp-sft", "fsdp.json", "sft_compiled")]
 
 
 def _fsdp_det(out: Path, gpu: str) -> list[Job]:
+    runs = out / "fsdp_det"
     det = [*FSDP, *SFT, "--max-steps", "16", "--method", "sebp", "--eval-steps", "8", "--deterministic"]
-    return [*_prep(), *(Job([*det, "-o", str(out / "fsdp_det" / name), "--overwrite"]) for name in ("ref", "ref2"))]
+    scope = [PY, "-m", "sebp_probe", "finetune", *SFT, "--compile", "default", "--compile-scope", "layers",
+             "--max-steps", "10", "--method", "sebp", "-o", str(runs / "scope_layers"), "--overwrite"]
+    return [*_prep(), *(Job([*det, "-o", str(runs / name), "--overwrite"]) for name in ("ref", "ref2")),
+            *interrupted(runs / "resume", det), Job(scope, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            collect(out, "fsdp-det", "fsdp.json", "deterministic")]
 
 
 def _compare(out: Path, gpu: str) -> list[Job]:
@@ -185,7 +212,8 @@ def _compare(out: Path, gpu: str) -> list[Job]:
     return [*_prep(), *(Job([PY, "-m", "sebp_probe", "finetune", *common, *extra,
                              *(["--sebp-first"] if order == "sebp-first" else []),
                              "-o", str(out / "compare" / f"{name}_{order}"), "--overwrite"])
-                        for name, extra in pairs.items() for order in ("dense-first", "sebp-first"))]
+                        for name, extra in pairs.items() for order in ("dense-first", "sebp-first")),
+            collect(out, "compare", "finetune.json", "compare")]
 
 
 STEPS: dict[str, Step] = {
@@ -202,9 +230,10 @@ STEPS: dict[str, Step] = {
     "resprop": Step("gradient reuse's backward on a GPU", "benchmarks.md", _resprop),
     "kernels": Step("the norm kernels alone", "kernels.md", _kernels),
     "fsdp": Step("one GPU against FSDP2 on two, dense, SEBP, LoRA (two GPUs)", "finetune.md", _fsdp),
-    "fsdp-sft": Step("FSDP2 on two GPUs on SFT-length batches, compiled, both orders (two GPUs)",
-                     "finetune.md, benchmarks.md", _fsdp_sft),
-    "fsdp-det": Step("--deterministic under FSDP2, the same command twice (two GPUs)", "finetune.md", _fsdp_det),
+    "fsdp-sft": Step("FSDP2 on SFT-length batches, compiled, both orders; SIGTERM + --resume; FSDP1 (two GPUs)",
+                     "benchmarks.md", _fsdp_sft),
+    "fsdp-det": Step("--deterministic under FSDP2: twice, SIGTERM + --resume; a compile by layers (two GPUs)",
+                     "finetune.md", _fsdp_det),
     "compare": Step("finetune --compare pairs in both orders, a small Llama", "finetune.md", _compare),
 }
 

@@ -13,7 +13,7 @@ every row, is the one made at capture: a graph captured before the verdict keeps
 reference runs on the CPU, and ``F.linear`` on a GPU.
 
 It pays only where the work it skips outweighs what the kernel gives away to cuBLAS. On an H100 (bf16,
-``fwd_rows_probe.py`` in git history, results/kernels.json run forward_rows) it was 1.2-1.9x faster than
+results/kernels.json run forward_rows) it was 1.2-1.9x faster than
 ``F.linear`` at half the rows real for Llama-3.2-1B and Qwen2.5-0.5B projections over 8192 rows, but for
 Qwen's 896->128 k/v; 5-15% slower with every row real; and slower at every density for BERT-base's
 projections over 2112 rows (a `longest` batch of short sentences: 14 us or more a launch where cuBLAS takes

@@ -7,7 +7,7 @@ wraps every call in Python layers of its own (an autograd kernel that redispatch
 frame, a check that no output aliases an input). On the H100 host of the device machine (torch 2.11) a call of
 ``sebp::linear_backward`` through them took 133 us against 108 us as defined here, and a compiled stack of 16
 SEBP linears spent 181 us more host time per layer and step than the same stack dense, against 125 us as
-defined here (``op_overhead.py`` in git history, results/kernels.json run op_overhead, 2026-11-28).
+defined here (results/kernels.json run op_overhead).
 
 The backward operators need none of those layers: they run inside a backward, where autograd records nothing,
 return new tensors, and have no derivative of their own. :func:`plain_op` defines one as the dispatcher's

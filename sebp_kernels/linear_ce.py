@@ -15,9 +15,9 @@ arithmetic runs as torch ops on an fp32 copy of the chunk: the reference the ker
 Memory: a chunk holds ``chunk_rows x V`` logits (on the torch path in fp32, plus a copy in the compute dtype
 under autocast); the default keeps that working set near ``CHUNK_BYTES`` (320 MiB) and splits the rows in
 equal chunks: 4096 labelled rows of V = 128256 or 151936 in bf16 on the kernel's path run in 4 chunks of 1024.
-Chunk sizes from 512 to 1408 rows were timed on an H100 (``benchmarks/head_bench.py --extra-chunks``, under
-results/head.json; 512 and 704: b1e36a5:results/head_h100/head_qwen_chunks.json in git history): at 1408 rows the Qwen2.5-0.5B-shaped step's peak memory was above Cut-Cross-Entropy's,
-at 832 its head ran 1.2x slower than at 1024.
+Chunk sizes from 832 to 1408 rows are timed on an H100 by ``benchmarks/head_bench.py --extra-chunks``
+(results/head.json): at 1408 rows the Qwen2.5-0.5B-shaped step's peak memory was above Cut-Cross-Entropy's, at
+832 its head ran 1.2x slower than at 1024.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ counter. One launch, no reduce pass.
 The permutation lists the active rows in increasing order, so a range whose two ends are as far apart as its
 length is one run of consecutive rows of dY (a batch of one right- or left-padded sequence, or every row
 active): it is read as a plain strided block, with no index loads and no row masks but on its last block.
-On an H100 (``dw_tma_probe.py``, in git history, before and after the change; ``results/kernels.json`` holds the
-after) that took dW alone at the Llama-3.2-3B shapes (batch 1) from 175.0 to 152.4 us (down_proj, d = 0.5)
+On an H100 (a probe of the kernels' internals; ``results/kernels.json`` run dw_alone holds the figures with
+strided reads) that took dW alone at the Llama-3.2-3B shapes (batch 1) from 175.0 to 152.4 us (down_proj, d = 0.5)
 and from 62.7 to 60.5 us (d = 0.1).
 
 db has its own small kernel of the same shape (column blocks x row splits, last arriver adds the partials).

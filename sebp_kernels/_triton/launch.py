@@ -17,15 +17,13 @@ JIT path.
 The kernels' row count and the integers that follow from it (splits, tile and program counts) are declared
 ``do_not_specialize``: padded batches change them with every step, and Triton would otherwise compile a
 kernel anew for each mix of "== 1" and "divisible by 16" among them. On an H100, on a fresh Triton cache,
-4 of SFTTrainer's 30 timed steps on padded llama-3.2-1b-sft batches took 3.6 to 6.3 s
-(git show b1e36a5:results/trainer_h100/trainer_specialized.json, the ``sebp`` row); with these declarations
-1 step took 3.9 s (results/trainer.json, run eager). The feature sizes and strides, fixed per layer, stay specialised. So were, until
-2026-11-28, the row count's pointer (its 16-byte alignment: the count of a layer's own rows and the padding's
-count sit at different offsets) and the fused gradient kernel's bias column blocks (``DB_COLS``, not divisible
-by 16 for Llama's 512-wide key/value projections, whatever ``DO_DB`` says): a one-GPU `finetune` of the
-Llama-3.2-1B shape on SFT batches compiled ``_grads_kernel`` once more at its ninth step for that alone, 4.7 s
-(git show b1e36a5:results/finetune_gpu_h200/raw/jit_s40.log, Triton's JIT hook); both are declared
-``do_not_specialize`` now.
+4 of SFTTrainer's 30 timed steps on padded llama-3.2-1b-sft batches took 3.6 to 6.3 s without these
+declarations; with them 1 step took 3.9 s (results/trainer.json, run eager). The feature sizes and strides,
+fixed per layer, stay specialised. The row count's pointer (its 16-byte alignment: the count of a layer's own
+rows and the padding's count sit at different offsets) and the fused gradient kernel's bias column blocks
+(``DB_COLS``, not divisible by 16 for Llama's 512-wide key/value projections, whatever ``DO_DB`` says) are
+declared ``do_not_specialize`` too: specialised, they made a one-GPU `finetune` of the Llama-3.2-1B shape on
+SFT batches compile ``_grads_kernel`` once more at its ninth step, 4.7 s (Triton's JIT hook shows it).
 """
 from __future__ import annotations
 

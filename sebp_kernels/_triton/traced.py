@@ -2,8 +2,7 @@
 selection and the fused gradient kernel launched through ``wrap_triton``, so that a compiled graph launches
 them from Inductor's own code instead of calling a Python operator (:mod:`sebp_kernels.library`) for each
 layer. On an H100 a compiled stack of 16 SEBP linears spent 174 us more host time per layer and step than dense
-through the operator, and 35 us more this way (``op_overhead.py --triton-op`` in git history,
-results/kernels.json, run op_triton).
+through the operator, and 35 us more this way (results/kernels.json, run op_triton).
 
 What the body can read is fixed when the graph is traced, so it keeps only what needs no host decision at run
 time: the rows are selected from dY on the device each time (exact, or above a threshold), then the fused

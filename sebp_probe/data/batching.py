@@ -197,7 +197,7 @@ def seqlen_bound(longest: int) -> int:
 # Padded batches of a compiled run: lengths a multiple of this. Inductor specializes a graph compiled with dynamic
 # shapes on whether the sequence length is a multiple of 8 (its aligned loads, and the lookup of its compiled
 # code): on an H200 a Llama-1B and a Qwen2.5-0.5B layer compiled on `longest` batches recompiled at the first
-# batch whose length was not (TORCH_LOGS=recompiles, git show b1e36a5:results/layouts_compiled_h200/raw/orders_s39.tgz).
+# batch whose length was not (as TORCH_LOGS=recompiles shows).
 COMPILE_MULTIPLE = 8
 
 

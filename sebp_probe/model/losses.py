@@ -31,9 +31,8 @@ from .packing import CAUSAL_LMS, attention_backend, enable_varlen, packed_call, 
 HEADS = ("labelled", "full", "cce")
 ROWS_HEADS = ("labelled", "cce")  # the heads that call the backbone themselves, on the labelled rows
 # The labelled-rows head runs the last layer's position-wise work on the labelled rows too (:mod:`.last_layer`).
-# Under compile that layer runs eagerly; turning this off (the last layer compiled on every row) was timed on
-# packed Qwen2.5-0.5B and Llama-3.2-1B and stayed within the runs' noise (docs/benchmarks.md; the experiment's
-# script flips this: git show b1e36a5:results/layouts_compiled_h100/raw/session10_kept_ab.sh).
+# Under compile that layer runs eagerly; with this off the last layer is compiled on every row instead, which
+# timed within noise of it on packed Qwen2.5-0.5B and Llama-3.2-1B on an H100.
 KEPT_ROWS_LAST_LAYER = True
 _ATTR = "_sebp_head_task"
 _THROUGH_FORWARD = "causal-lm:forward"  # _ATTR's value for the labelled head through the model's own forward

@@ -127,9 +127,8 @@ def compile_layers(model: torch.nn.Module, fallback: Fallback | None = None, row
     of one layer, not of the model. The last layer runs eagerly while it computes the labelled-rows head's kept
     rows: compiled as a graph of its own it made packed Qwen2.5-0.5B's step 82.0 ms on an H100 against compiled
     dense + Cut-Cross-Entropy's 63.3 in the same run, where the eager layer had taken 69.5 against 61.9 on
-    another day; Llama-3.2-1B's step about the same (in git history, b1e36a5:
-    results/layouts_compiled_h100/model_*_packed_kept.json against *_packed_layers.json). Every layer runs
-    eagerly in eval mode or without gradients (an evaluation, a ``generate``: compiled, they would add graphs of
+    another day; Llama-3.2-1B's step about the same (bench runs outside results/). Every layer runs eagerly
+    in eval mode or without gradients (an evaluation, a ``generate``: compiled, they would add graphs of
     their own, as :func:`evaluating_eagerly` says, toward the recompile limit the training shares). Sizes stay apart
     (:func:`distinct_sizes`). ``fallback``: a layer call that fails to compile runs eagerly, with its one line
     (:meth:`Fallback.guard`). ``row_bound``: the most rows (batch size x length) a batch of the run has, for
@@ -196,9 +195,9 @@ def dynamic_options(mode: str | None) -> dict:
     and over columns in one kernel) is decided by guards on the batch's row count (at least 4096 rows, at least
     5 Mi elements), so a layer compiled with dynamic shapes was compiled again whenever a batch crossed one:
     three times in a run of a Llama-1B shape on SFT batches with ``longest`` padding under FSDP2 (once on
-    one process, twice on the other), and a process waited 15-41 s for the other's compile
-    (``TORCH_LOGS=recompiles`` in git show b1e36a5:results/fsdp_sft_h100/raw/pairs_layers.tgz). Off, a norm's backward takes two reductions at every batch size, as it did below those sizes; what that
-    costs a step on large batches is not measured yet."""
+    one process, twice on the other), and a process waited 15-41 s for the other's compile (as
+    ``TORCH_LOGS=recompiles`` shows). Off, a norm's backward takes two reductions at every batch size, as it does
+    below those sizes; what that costs a step on large batches is not measured."""
     from torch._inductor import config, list_mode_options
 
     opts = dict(list_mode_options(mode or "default"))  # (None would list every mode's)

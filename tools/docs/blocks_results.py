@@ -294,15 +294,19 @@ def fsdp_sft_h100(page: Page) -> str:
     both = "; ".join(f"{k}: step {times(v['step_ratio'])} ({times(min(v['step_ratio_by_order']))}-"
                      f"{times(max(v['step_ratio_by_order']))} by order), backward {times(v['backward_ratio'])}, "
                      f"SEBP's peak memory {v['peak_mem_ratio_max']:.4f} of dense's" for k, v in d["both_orders"].items())
-    r = d["resume"]
     note = (f"{d['model']}; {d['data']}; {d['attention']}. FSDP2 through `accelerate launch --use_fsdp "
             f"--fsdp_version 2`, full shard, each decoder layer a unit, `--compile default` (each layer). Medians over "
             f"the steps after the third that neither process compiled in. **SEBP over dense, both orders together: "
-            f"{both}.** Resume (exact SEBP, eager, 16 steps): killed by SIGTERM, resumed from step "
-            f"{r['resumed_from_step']}; against the uninterrupted run the losses differ by at most "
-            f"{r['max_abs_loss_gap_after_resume']:.3f} after the resume and {r['max_abs_loss_gap_before_kill']:.3f} "
-            f"before the kill (`--deterministic` makes them equal: [fine-tuning](finetune.md)). FSDP1 "
-            f"(`--fsdp_version 1`): {d['fsdp1']['status']}.")
+            f"{both}.**")
+    r = d.get("resume")
+    if r:
+        note += (f" Resume (exact SEBP, eager, {r['steps']} steps): killed by SIGTERM, resumed from step "
+                 f"{r['resumed_from_step']}; against the uninterrupted run the losses differ by at most "
+                 f"{r['max_abs_loss_gap_after_resume']:.3f} after the resume and "
+                 f"{r['max_abs_loss_gap_before_kill']:.3f} before the kill (`--deterministic` makes them equal: "
+                 "[fine-tuning](finetune.md)).")
+    if d.get("fsdp1"):
+        note += f" FSDP1 (`--fsdp_version 1`): {d['fsdp1']['status']}."
     return captioned(page, [src], table(header, body, "llllrrrrr") + "\n\n" + note)
 
 
@@ -314,11 +318,7 @@ def fsdp_det_h200(page: Page) -> str:
     """--deterministic under FSDP2: the same command twice, a SIGTERM + --resume, and one compile by layers."""
     src = page.load(FSDP_DET)
     d = src.data
-    rows = [("the same command twice", d["twice"])]
-    if "resume_before" in d:
-        rows.append(("killed and resumed, before checkpoints kept the padding-row verdict",
-                     d["resume_before"]))
-    rows.append(("killed and resumed", d["resume"]))
+    rows = [("the same command twice", d["twice"]), ("killed and resumed", d["resume"])]
     body = [[what, f"{r['bit_equal_steps']} of {r['steps']}", str(r["first_differing_step"] or "-"),
              f"{r['max_abs_loss_gap']:.4g}", "yes" if r["evals_equal"] else "no"] for what, r in rows]
     header = ["against the uninterrupted run", "steps with bit-equal loss", "first step that differs",
@@ -329,7 +329,7 @@ def fsdp_det_h200(page: Page) -> str:
         f"{c['compile']['graph_breaks']} graph breaks; Dynamo compiled in steps " + ", ".join(f"{k} ({v} s)" for k, v in c["compiled_at_steps"].items())
         + f", {f1(c['compile_s'])} s of compiling in all; the other steps took "
         f"{f1(min(c['other_step_ms']))}-{f1(max(c['other_step_ms']))} ms (new batch shapes, not timed).")
-    note = (f"{d['model']}; {d['data']}; {d['run']}; both resumes from step {d['resume']['resumed_from_step']}."
+    note = (f"{d['model']}; {d['data']}; {d['run']}; resumed from step {d['resume']['resumed_from_step']}."
             + compiled)
     return captioned(page, [src], table(header, body, "lrrrl") + "\n\n" + note)
 
@@ -386,7 +386,7 @@ def example_analyze(page: Page) -> str:
 
 @block("example_finetune")
 def example_finetune(page: Page) -> str:
-    return _example(page, "finetune", (("--padding auto", None),))
+    return _example(page, "finetune", (("--padding auto", "dense step"), ("dense ━", None)))
 
 
 # the same commands re-run after the SEBP kernels took row counts unspecialised (the llama run cut by its limit)

@@ -159,9 +159,14 @@ def caption(page: Page, *sources: Source) -> str:
     esc = lambda lines: html.escape("\n".join(dict.fromkeys(lines)), quote=False).replace("\n", "<br>")  # noqa: E731
     ran = esc(f"{_switches(s)}{command(s.data.get('command') or s.env().get('command', '?'))}" for s in sources)
     again = esc(s.data["reproduce"] for s in sources if s.data.get("reproduce"))
-    merged = any(w in ran for w in (".tgz", "_session.sh", "_collect.py"))  # gathered from run archives since gone
-    body = (f"<pre>{again}</pre>" if merged else f"To run it again:<pre>{again}</pre>As it ran:<pre>{ran}</pre>"
-            ) if again else f"<pre>{ran}</pre>"
+    merged = any(w in ran for w in (".tgz", "_session.sh", "_collect.py"))  # read from run archives: the step alone
+    probe = next((s.data["probe"] for s in sources if s.data.get("probe")), None)  # a script outside the suite
+    if again:
+        body = f"<pre>{again}</pre>" if merged else f"To run it again:<pre>{again}</pre>As it ran:<pre>{ran}</pre>"
+    elif probe:
+        body = f"From {probe}, as it ran:<pre>{ran}</pre>"
+    else:
+        body = f"<pre>{ran}</pre>"
     return "\n".join(lines) + f"\n<details><summary>Command</summary>{body}</details>"
 
 
