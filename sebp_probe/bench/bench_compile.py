@@ -1,8 +1,8 @@
 """The whole-model benchmark's compiled timing (:mod:`.bench_model` runs it).
 
 Timing ``compiled``: an entry's model (each of its layers, the scope below) or its step function (its loss,
-:func:`~sebp_probe.model.losses.batch_loss` or :func:`cce_loss`) goes through ``torch.compile(...,
-dynamic=True)`` once per entry, after
+:func:`~sebp_probe.model.losses.labelled_loss`, the model's own or :func:`cce_loss`) goes through
+``torch.compile(..., dynamic=True)`` once per entry, after
 ``torch._dynamo.reset()``, so each entry compiles its own graphs and its ``compile_s`` is its own (Inductor's
 on-disk cache stays: an entry whose graph an earlier entry compiled, the same model on another padded layout,
 say, finds it there, as a second run of a user's job would), with the options ``finetune --compile`` gives its

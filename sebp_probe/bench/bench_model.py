@@ -16,7 +16,7 @@ Entries, one result row each, layout x method x head x timing:
   second copy of the model patched by Liger-Kernel, and ``cce``, the backbone and Cut-Cross-Entropy on the
   labelled rows (causal LMs);
 - head ``full``: the model's own loss (logits of every position); ``labelled``: the last layer and the head on
-  the rows the loss reads only (:func:`~sebp_probe.model.losses.batch_loss` with ``labelled_head``);
+  the rows the loss reads only (:func:`~sebp_probe.model.losses.labelled_loss`);
 - timing ``eager``; with ``graphs`` also ``graphs``: forward and backward replayed as CUDA graphs, where a
   batch has a fixed shape and the step no host sync; with ``compile`` (a ``torch.compile`` mode) also
   ``compiled``: the step's loss function compiled once per entry with dynamic shapes, its compile seconds,
@@ -49,7 +49,7 @@ from ..config import GRAPHED_COMPILE_MODES
 from ..data.batching import COMPILE_MULTIPLE
 from ..families import FAMILIES
 from ..layouts import LAYOUTS
-from ..model.losses import batch_loss
+from ..model.losses import FULL, labelled_loss
 
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"),
             ("cce", "labelled"))
@@ -367,8 +367,7 @@ def _replay_or_fail(key: tuple, repeats: int, warmup: int, fail: Callable) -> Ca
 
 def _step_fn(method: str, head: str) -> Callable:
     """The entry's loss as a function of (model, batch): what eager steps call and the compiled timing compiles."""
-    labelled = head == "labelled"
-    return cce_loss if method == "cce" else lambda model, batch: batch_loss(model, batch, labelled_head=labelled)
+    return cce_loss if method == "cce" else labelled_loss if head == "labelled" else FULL.loss
 
 
 def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: int = 5, n_batches: int = 8,

@@ -13,7 +13,7 @@ import torch
 from sebp_kernels.experts import grouped_mm, grouped_mm_loop, sebp_grouped_linear
 from sebp_probe.families import family_of
 from sebp_probe.model.experts import experts_layout_problem, patch_experts, patched_experts
-from sebp_probe.model.losses import set_head
+from sebp_probe.model.losses import FULL, Head, choose_head
 from sebp_probe.model.patch import patch_model, unpatch_model
 from sebp_probe.notes import note
 from tests.tiny_models import family_config
@@ -160,6 +160,7 @@ def test_experts_in_another_layout_stay_dense_said_in_one_line(caplog):
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_the_labelled_head_is_refused_where_the_routers_loss_is_on(model_type):
-    assert set_head(_model(model_type, torch.float32, aux=False), "causal-lm", "labelled") == ("labelled", None)
-    head, why = set_head(_model(model_type, torch.float32, aux=True), "causal-lm", "labelled")
-    assert head == "full" and "load-balancing loss (output_router_logits)" in why
+    assert choose_head(_model(model_type, torch.float32, aux=False), "causal-lm", "labelled") == (
+        Head("labelled", "causal-lm"), None)
+    head, why = choose_head(_model(model_type, torch.float32, aux=True), "causal-lm", "labelled")
+    assert head == FULL and "load-balancing loss (output_router_logits)" in why
