@@ -17,7 +17,7 @@ batches are always one row): ``recompiles`` counts the graphs Dynamo compiled af
 first step (0 is the aim), ``graph_breaks`` the breaks while tracing (breaks are allowed: a step that breaks
 runs the pieces between them compiled). ``compile_s``: the wall seconds of the first step, forward and
 backward (AOTAutograd compiles the backward at the first backward), which the timed steps leave out. The timed
-steps then run as eager ones do (:func:`~sebp_probe.bench.bench_model.time_eager`): ``forward_ms`` is the call of
+steps then run as eager ones do (:func:`~sebp_probe.bench.bench_steps.time_eager`): ``forward_ms`` is the call of
 the compiled function (its guards and compiled forward graphs, the eager pieces between breaks),
 ``backward_ms`` the compiled backward that AOTAutograd made with it.
 

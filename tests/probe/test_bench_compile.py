@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from sebp_probe.bench import bench_cases, bench_model, bench_peers
+from sebp_probe.bench import bench_cases, bench_model, bench_peers, bench_steps
 
 from sebp_probe.model import packing
 from sebp_probe.bench.bench_cases import MODEL_CASES
@@ -86,9 +86,9 @@ def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypa
                    else RuntimeError("a warm-up step failed"))
         return {"step_ms": 1.0}
 
-    monkeypatch.setattr(bench_model, "time_graphs", time_graphs)
-    replay = bench_model._replay_or_fail(("longest", "sebp", "full", "compiled_graphs"), 3, 1,
-                                         lambda key, e, m: failed.append((key[3], str(e))))
+    monkeypatch.setattr(bench_steps, "time_graphs", time_graphs)
+    replay = bench_steps.replay_or_fail(("longest", "sebp", "full", "compiled_graphs"), 3, 1,
+                                        lambda key, e, m: failed.append((key[3], str(e))))
     assert [replay(None, {}) for _ in range(4)] == [{"step_ms": 1.0}, None, None, None]
     assert calls == [True, True] and [key for key, _ in failed] == ["compiled_graphs"]
     assert ("could not be captured" if error == "capture" else "warm-up step failed") in failed[0][1]
