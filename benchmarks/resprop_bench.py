@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
             patch_resprop(model, reuse)
         r = time_variant(model, opt, batches, a.warmup, a.repeats, device)
         if a.breakdown and device.type == "cuda":
-            from sebp_probe.bench.bench_model import backward_breakdown
+            from sebp_probe.bench.bench_steps import backward_breakdown
 
             r["breakdown"] = backward_breakdown(model, lambda: model(**batches[0]).loss, top=12)
             print(json.dumps(r["breakdown"]), flush=True)

@@ -20,6 +20,15 @@ def dense_grads(x, w, b, dy, dtype=None):
     return x_.grad, w_.grad, (b_.grad if b_ is not None else None)
 
 
+def loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's own loss of ``batch`` (detached) and a copy of each parameter's gradient from its backward,
+    the gradients zeroed first."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def assert_close_report(actual, expected, atol, rtol=0.0, name="tensor"):
     """assert_close that prints the first mismatching positions when it fails."""
     actual, expected = actual.double(), expected.double()

@@ -1,8 +1,8 @@
 """The whole-model benchmark's compiled timing (:mod:`.bench_model` runs it).
 
 Timing ``compiled``: an entry's model (each of its layers, the scope below) or its step function (its loss,
-:func:`~sebp_probe.model.losses.batch_loss` or :func:`cce_loss`) goes through ``torch.compile(...,
-dynamic=True)`` once per entry, after
+:func:`~sebp_probe.model.losses.labelled_loss`, the model's own or :func:`cce_loss`) goes through
+``torch.compile(..., dynamic=True)`` once per entry, after
 ``torch._dynamo.reset()``, so each entry compiles its own graphs and its ``compile_s`` is its own (Inductor's
 on-disk cache stays: an entry whose graph an earlier entry compiled, the same model on another padded layout,
 say, finds it there, as a second run of a user's job would), with the options ``finetune --compile`` gives its
@@ -17,7 +17,7 @@ batches are always one row): ``recompiles`` counts the graphs Dynamo compiled af
 first step (0 is the aim), ``graph_breaks`` the breaks while tracing (breaks are allowed: a step that breaks
 runs the pieces between them compiled). ``compile_s``: the wall seconds of the first step, forward and
 backward (AOTAutograd compiles the backward at the first backward), which the timed steps leave out. The timed
-steps then run as eager ones do (:func:`~sebp_probe.bench.bench_model.time_eager`): ``forward_ms`` is the call of
+steps then run as eager ones do (:func:`~sebp_probe.bench.bench_steps.time_eager`): ``forward_ms`` is the call of
 the compiled function (its guards and compiled forward graphs, the eager pieces between breaks),
 ``backward_ms`` the compiled backward that AOTAutograd made with it.
 

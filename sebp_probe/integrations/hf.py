@@ -61,7 +61,7 @@ from ..model.heads import HeadError, head_loss, host_targets, unwrap
 from ..model.last_layer import KeptRows, last_layer_on_rows
 from ..model.sdpa import without_cudnn_attention
 from ..model.cce_head import cce_loss
-from ..model.losses import HEADS, ROWS_HEADS, _task_of, set_head, use_head
+from ..model.losses import FULL, HEADS, ROWS_HEADS, Head, _task_of, choose_head
 from ..model.patch import PatchError, patched_activations, unpatch_model
 from ..model.sampled import reset_samplers
 from .grad_stats import GradStatsCallback, add_grad_stats  # noqa: F401  (gradient statistics: exported here)
@@ -110,7 +110,6 @@ class SEBPTrainer:
         if self._uncompile is not None:
             self._uncompile()
             self._uncompile = None
-        use_head(trainer.model, self.task, "full")
         unpatch_model(trainer.model)
         vars(trainer).pop(_HANDLE, None)
         self.applied = False
@@ -207,25 +206,24 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
         blocker = "under torch_compile=True the [CLS]-rows last layer would change the compiled model's layer"
     if blocker is None and head == "cce" and _smoothing(trainer):
         blocker = "Cut-Cross-Entropy has no label smoothing (label_smoothing_factor > 0)"
-    used, reason = set_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes,
-                            through_forward=False)  # the trainer's loss is replaced by the labelled-rows path
+    used, reason = choose_head(model, task, head if blocker is None else "full", trainer.accelerator.num_processes,
+                               through_forward=False)  # the trainer's loss is replaced by the labelled-rows path
     reason = blocker if head in ROWS_HEADS and blocker is not None else reason
     if reason is not None:
         what = "labelled-rows" if head == "labelled" else "Cut-Cross-Entropy"
         log.warning(f"sebp_probe: the {what} head is off ({reason}); the trainer's own loss runs")
     try:
         c = _calibrate(trainer, model, cands, calibrate, calib_batches, dense_fallback, fallback_if_slower,
-                       norms, acts)
+                       norms, acts, used)
     except BaseException:
-        use_head(model, task, "full")
         unpatch_model(model)
         raise
     cudnn = keep_cudnn_attention or not _sdpa_on_gpu(model)
-    handle = SEBPTrainer(trainer, applied=True, head=used, reason=reason, calibration=c, task=task,
+    handle = SEBPTrainer(trainer, applied=True, head=used.kind, reason=reason, calibration=c, task=task,
                          cudnn_attention=cudnn)
-    if used in ROWS_HEADS:
+    if used.kind in ROWS_HEADS:
         handle.compile_scope, handle._uncompile, handle._compiling = _take_loss(trainer, task, compile_scope,
-                                                                                cce=used == "cce")
+                                                                                cce=used.kind == "cce")
     if not cudnn:
         _steps_without_cudnn_attention(trainer)
     setattr(trainer, _HANDLE, handle)
@@ -314,7 +312,7 @@ def _first_batches(trainer, n: int) -> list[dict]:
 
 
 def _calibrate(trainer, model, cands: dict[str, SEBPConfig], measure: bool, n: int, dense_fallback: float,
-               if_slower: bool, norms: bool, acts: bool) -> calib.Calibration:
+               if_slower: bool, norms: bool, acts: bool, head: Head = FULL) -> calib.Calibration:
     if not measure:
         c = calib.Calibration({}, None, None, cands, [], norms=calib.apply_sebp(model, cands, norms, acts))
     else:
@@ -323,7 +321,8 @@ def _calibrate(trainer, model, cands: dict[str, SEBPConfig], measure: bool, n: i
         model.train()  # dropout as in training, and the hooks see gradients
         try:
             c = calib.calibrate(model, batches, cands, dense_fallback, trainer.args.device,
-                                trainer.accelerator.autocast, if_slower=if_slower, norms=norms, acts=acts)
+                                trainer.accelerator.autocast, if_slower=if_slower, norms=norms, acts=acts,
+                                head=head)
         finally:
             model.train(was_training)
         c = calib.take_main_choice(model, c, cands)  # several processes: all take the main one's layers

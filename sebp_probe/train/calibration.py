@@ -18,7 +18,7 @@ from sebp_kernels import SEBPConfig, SEBPNorm, select_rows
 
 from ..config import FinetuneConfig, FinetuneError
 from .graphs import replay_ms
-from ..model.losses import batch_loss, no_cache
+from ..model.losses import FULL, Head, no_cache
 from ..model.patch import find_targets, patch_sebp
 
 
@@ -45,12 +45,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(model, batch, device, autocast) -> tuple[float, float]:
-    """Milliseconds of the forward (to the loss) and of its backward, each between syncs."""
+def timed_step(model, batch, device, autocast, head: Head = FULL) -> tuple[float, float]:
+    """Milliseconds of the forward (to ``head``'s loss) and of its backward, each between syncs."""
     sync(device)
     t0 = time.perf_counter()
     with autocast():
-        loss = batch_loss(model, batch)
+        loss = head.loss(model, batch)
     sync(device)
     t1 = time.perf_counter()
     loss.backward()
@@ -69,9 +69,9 @@ def rng_devices(device: torch.device) -> list[int]:
 
 
 def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig], device: torch.device,
-                    autocast=contextlib.nullcontext) -> dict[str, float]:
+                    autocast=contextlib.nullcontext, head: Head = FULL) -> dict[str, float]:
     """Each candidate layer's share of rows of dL/dY that its SEBP setting keeps, over dense backward passes
-    on ``batches``. The caller discards the gradients (and forks the RNG when it matters)."""
+    (of ``head``'s loss) on ``batches``. The caller discards the gradients (and forks the RNG when it matters)."""
     modules = dict(model.named_modules())
     counts = {n: [0, 0] for n in candidates}
 
@@ -88,7 +88,7 @@ def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig
     handles = [modules[n].register_forward_hook(hook_for(n, c)) for n, c in candidates.items()]
     try:
         for b in batches:
-            timed_step(model, b, device, autocast)
+            timed_step(model, b, device, autocast, head)
     finally:
         for h in handles:
             h.remove()
@@ -145,7 +145,8 @@ def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: 
 
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
               device: torch.device, autocast=contextlib.nullcontext, if_slower: bool = True,
-              reps: int = 2, norms: bool = False, acts: bool = False, graphs: bool = False) -> Calibration:
+              reps: int = 2, norms: bool = False, acts: bool = False, graphs: bool = False,
+              head: Head = FULL) -> Calibration:
     """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too,
     with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
@@ -163,7 +164,8 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
        ``--cuda-graphs`` (and the graph-recording ``--compile`` modes) train; otherwise eagerly, also under
        ``--compile default``, whose compiled step can rank differently.
 
-    Leaves no gradients and no trace in the RNG.
+    ``head``: the run's loss (:class:`~sebp_probe.model.losses.Head`). Leaves no gradients and no trace in the
+    RNG.
     """
     from ..model.patch import unpatch_model
 
@@ -171,9 +173,9 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
     if graphs:
         timed = lambda b: graphed_step_ms(model, b, autocast)  # noqa: E731
     else:
-        timed = lambda b: timed_step(model, b, device, autocast)  # noqa: E731
+        timed = lambda b: timed_step(model, b, device, autocast, head)  # noqa: E731
     with torch.random.fork_rng(devices=rng_devices(device)):
-        density = measure_density(model, batches, candidates, device, autocast)  # also the dense warm-up
+        density = measure_density(model, batches, candidates, device, autocast, head)  # also the dense warm-up
         # sampled layers stay whatever their density: the user asked for the approximation (its rows are drawn)
         layers = {n: c for n, c in candidates.items() if density[n] <= fallback or c.mode == "sampled"}
         if_slower = if_slower and not any(c.mode == "sampled" for c in layers.values())
@@ -182,7 +184,7 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
         elif layers or norms or acts:
             layers, dense, sebp = _fastest_variant(model, batches, norms, acts, reps, timed,
                                                    backend_variants(layers, device, graphs) if layers else [{}],
-                                                   lambda b: timed_step(model, b, device, autocast))
+                                                   lambda b: timed_step(model, b, device, autocast, head))
             norm_names = apply_sebp(model, layers, norms, acts)  # the chosen backend in place of the last one timed
             if if_slower and _median_step(sebp) > _median_step(dense):
                 unpatch_model(model)

@@ -22,7 +22,7 @@ from ..config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneEr
 from ..layouts import LAYOUTS
 from .determinism import NotDeterministic, deterministic
 from .loop import Event, Run, graphed_compile, wrap_lora
-from ..model.losses import auto_heads, set_head
+from ..model.losses import auto_heads, choose_head
 from ..model.sdpa import without_cudnn_attention
 from .metrics import compare_runs, loss_gap, same_computation, timed_steps
 from ..notes import collect_notes, note
@@ -370,15 +370,15 @@ def _padding_choice(cfg: FinetuneConfig, first: LoadedModel, data: TrainData, re
             return PaddingChoice.from_dict(stored)
     model = wrap_lora(first.model, first.task, cfg) if cfg.lora else first.model
     model.to(acc.device).train()
-    head, _ = set_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None,
-                       cfg.data.padding)
+    head, _ = choose_head(model, first.task, cfg.head, acc.num_processes, cfg.cuda_graphs, cfg.compile is not None,
+                          cfg.data.padding)
     cands = candidate_layers(model, cfg, report_layers) if "sebp" in cfg.methods() else {}
     payload = [None]
     if acc.is_main_process:
         graphs = cfg.cuda_graphs or graphed_compile(cfg, acc)
-        heads = auto_heads(model, first.task, head, acc.device, acc.num_processes)
+        heads = auto_heads(model, first.task, head.kind, acc.device, acc.num_processes)
         choice = choose_padding(model, cfg, data, cands, acc.device, acc.autocast, graphs, heads=heads, timer=timer,
-                                say=say)
+                                say=say, head=head)
         choice.processes = acc.num_processes
         payload = [choice.to_dict()]
     if acc.num_processes > 1:

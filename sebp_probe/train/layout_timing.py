@@ -13,15 +13,17 @@ from .layout_prior import Timer, describe as _name, estimate, plan_timing
 
 @dataclass
 class Passes:
-    """How one candidate's passes run: ``timed_pass(model, batch, device, autocast)`` -> ms; ``as_method(method,
-    patch, unpatch)``: a context in which the model is that method's; ``layout_ms``: a layout's CUDA-graph
+    """How one candidate's passes run: ``timed_pass(model, batch, device, autocast, loss_fn)`` -> ms;
+    ``as_method(method, patch, unpatch)``: a context in which the model is that method's; ``layout_ms``: a
+    layout's CUDA-graph
     replays (as :func:`~.strategy._layout_ms`); ``sebp_patch``: as :func:`~.strategy._sebp_patch`;
-    ``use_head``, ``unpatch_model``: as :mod:`sebp_probe.model.losses` and :mod:`sebp_probe.model.patch`."""
+    ``head_for(name)``: the :class:`~sebp_probe.model.losses.Head` a row's head stands for (None: the run's);
+    ``unpatch_model``: as :mod:`sebp_probe.model.patch`."""
     timed_pass: Callable
     as_method: Callable
     layout_ms: Callable
     sebp_patch: Callable
-    use_head: Callable
+    head_for: Callable
     unpatch_model: Callable
 
 
@@ -48,9 +50,8 @@ class EagerTiming:
     patches: dict = field(default_factory=dict)
     plan: object = None
 
-    def head(self, h) -> None:
-        if h:
-            self.passes.use_head(self.model, self.task, h)
+    def head(self, h):
+        return self.passes.head_for(h)
 
     def not_timed(self, key: tuple) -> None:
         self.rows[key[:2]].setdefault("not_timed", []).append(key[2])
@@ -62,9 +63,9 @@ class EagerTiming:
         """The first pass (the prior's first candidate) sets the run's estimate and the budget."""
         cfg, first_key = self.cfg, self.keys[0]
         b0 = self.batches[first_key[0]][0]
-        self.head(first_key[1])
+        loss = self.head(first_key[1]).loss
         first = self.timer(first_key, b0, lambda: self.passes.timed_pass(self.model, b0, self.device,
-                                                                          self.autocast))
+                                                                          self.autocast, loss))
         self.per_slot = first / b0["input_ids"].numel()
         run_s = self.per_slot * self.layouts[first_key[0]]["slots"] * micro / 1e3
         self.budget_ms = cfg.calib_budget * run_s * 1e3
@@ -93,10 +94,9 @@ class EagerTiming:
             if key not in timed:
                 self.not_timed(key)
         for p, h in dict.fromkeys((p, h) for p, h, m in timed if m == "sebp"):
-            self.head(h)
             self.patches[(p, h)] = self.passes.sebp_patch(self.model, self.cfg, self.rows[(p, h)],
                                                           self.batches[p][:plan.batches], self.candidates,
-                                                          self.device, self.autocast)
+                                                          self.device, self.autocast, self.head(h))
             self.spent += self.per_slot * self.layouts[p]["slots"] * plan.batches  # the density passes, as estimated
         timed = [k for k in timed if k[2] == "dense" or self.patches.get(k[:2])]
         skipped = [_name(k) for k in keys if k not in timed]
@@ -112,11 +112,10 @@ class EagerTiming:
         """CUDA-graph replays: each layout and head as ``layout_ms`` captures them, no spread."""
         plan = self.plan
         for (p, h) in dict.fromkeys(k[:2] for k in timed):
-            self.head(h)
             t0 = time.perf_counter()
             t = self.passes.layout_ms(self.model, self.batches[p][:plan.batches], self.layouts[p]["slots"],
                                       self.device, self.autocast, True, plan.rounds, self.patches.get((p, h)),
-                                      self.unpatch)
+                                      self.unpatch, head=self.head(h))
             self.spent += (time.perf_counter() - t0) * 1e3
             self.rows[(p, h)].update({f"{m}_ms": round(ms, 3) for m, ms in t.items()})
             self.say(f"--padding auto: {_name((p, h, None))}: "
@@ -125,12 +124,12 @@ class EagerTiming:
     def one_round(self, key: tuple) -> list[float]:
         """Each of the candidate's batches once: ms per token slot."""
         p, h, m = key
-        self.head(h)
+        loss = self.head(h).loss
         times = []
         with self.passes.as_method(m, self.patches.get((p, h)), self.unpatch):
             for b in self.batches[p][:self.plan.batches]:
                 ms = self.timer(key, b, lambda b=b: self.passes.timed_pass(self.model, b, self.device,
-                                                                           self.autocast))
+                                                                           self.autocast, loss))
                 self.spent += ms
                 times.append(ms / b["input_ids"].numel())
         return times

@@ -27,7 +27,7 @@ from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, s
 from .compiling import compile_layers_or_eager, compile_or_eager, compiles_whole, dynamo_counts, evaluating_eagerly
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
-from ..model.losses import ROWS_HEADS, batch_loss, calls_backbone, ready_to_compile, set_head
+from ..model.losses import choose_head, ready_to_compile
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations, restore_pad_rows
 from ..model.sampled import load_sampler_states, reset_samplers, sampled_summary
@@ -151,9 +151,9 @@ class Run:
             model = wrap_lora(model, loaded.task, self.cfg)
         model.to(self.acc.device)
         model.train()
-        self.head = set_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
-                             self.cfg.compile is not None and compiles_whole(model, self.cfg.compile_scope),
-                             self.cfg.data.padding)
+        self.head = choose_head(model, loaded.task, self.cfg.head, self.acc.num_processes, self.cfg.cuda_graphs,
+                                self.cfg.compile is not None and compiles_whole(model, self.cfg.compile_scope),
+                                self.cfg.data.padding)  # (the run's Head, why not the one asked for)
         calib = None
         if self.method == "sebp":
             if state is not None:  # resume: the layers chosen at the start, no new calibration
@@ -187,9 +187,8 @@ class Run:
                                                                          self.cfg.sebp_acts))
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
-                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
-                          acts=self.cfg.sebp_acts, graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg,
-                                                                                                   self.acc))
+                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms, acts=self.cfg.sebp_acts,
+                          graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg, self.acc), head=self.head[0])
         c = take_main_choice(model, c, cands)
         reset_samplers(model)  # sampled mode: the run's draws start at its first step, not in calibration
         c.acts = patched_activations(model)
@@ -198,34 +197,34 @@ class Run:
         return info
 
     def _step_loss(self, model) -> Callable:
-        """What a training step calls for its loss: :func:`batch_loss`. Under ``--compile``, by default
-        (``--compile-scope layers``) each layer of the model's stack compiles in place and the rest of the
+        """What a training step calls for its loss: the run's head's (``Head.loss``). Under ``--compile``, by
+        default (``--compile-scope layers``) each layer of the model's stack compiles in place and the rest of the
         step runs eagerly (:func:`~sebp_probe.train.compiling.compile_layers_or_eager`); under ``model`` (or for
         a model without a layer stack sebp-probe knows) the model compiles in place and, where the
         labelled-rows head runs (it goes around the model's forward), the whole step's loss compiles too, the
         forward inlined in its graph (:func:`~sebp_probe.train.compiling.compile_or_eager`). Either way: one
         line and eager where it cannot; the held-out evaluation runs eagerly."""
         # the heads that call the backbone around the model's forward (not the labelled head of several processes)
-        cfg, labelled = self.cfg, self.head[0] in ROWS_HEADS and calls_backbone(model)
+        cfg, loss, labelled = self.cfg, self.head[0].loss, self.head[0].calls_backbone
         if not cfg.compile:
-            return batch_loss
+            return loss
         if labelled:
             ready_to_compile(model, cfg.data.padding, self.acc.autocast)
         if not compiles_whole(model, cfg.compile_scope):
             scope = compile_layers_or_eager(model, cfg.compile_mode, self.acc.device,
                                             LAYOUTS[cfg.data.padding].one_shape, most_rows(cfg, self.data))
             self.compile_scope = scope or "eager"
-            return batch_loss
+            return loss
         if cfg.cuda_graphs:  # the graphs replay each layer compiled; a whole compiled model was never tried there
             self.emit("note", {"run": self.method, "text": f"{self.method}: --cuda-graphs replays the layers "
                                f"compiled, and {type(model).__name__} has no layer stack sebp-probe knows: the "
                                "step is replayed eagerly"})
             self.compile_scope = "eager"
-            return batch_loss
-        step = compile_or_eager(model, cfg.compile_mode, self.acc.device, batch_loss if labelled else None)
+            return loss
+        step = compile_or_eager(model, cfg.compile_mode, self.acc.device, loss if labelled else None)
         compiled = getattr(model, "_compiled_call_impl", None) is not None  # not where Inductor cannot run
         self.compile_scope = "eager" if not compiled else "step" if labelled else "forward"
-        return step or batch_loss
+        return step or loss
 
     # -- bookkeeping
 
@@ -454,7 +453,7 @@ class Run:
     def _finish(self, t: _Prepared, p: _Progress, calib: dict | None) -> dict:
         """The run's summary: written to summary.json and sent as the ``end`` event."""
         cfg, dev, (head, why) = self.cfg, self.acc.device, self.head
-        summary = {"status": p.status, "method": self.method, "total_steps": t.total, "head": head,
+        summary = {"status": p.status, "method": self.method, "total_steps": t.total, "head": head.kind,
                    **({"head_fallback_reason": why} if why else {}),
                    "batches_without_target": sum(r.get("batches_without_target", 0) for r in self.records),
                    **summarize_records(self.records), "checkpoint": p.last_ckpt,

@@ -21,7 +21,7 @@ prior prefers (less padding, the run's head, dense, eager) is within the spread 
 Under ``--compile`` each layout the prior keeps (and, with eager candidates, the budget affords) is also timed
 compiled (:func:`_compiled_ms`; ``--compile MODE``: compiled only, the run compiles anyway; ``--compile auto``:
 eager and compiled): dense and SEBP each compiled as the run would (``--compile-scope``: each layer in place,
-or a fresh ``torch.compile(batch_loss)``) with Dynamo's caches reset first, so no candidate finds another's
+or a fresh ``torch.compile(head.loss)``) with Dynamo's caches reset first, so no candidate finds another's
 graphs; with ``--cuda-graphs`` too, the compiled step is timed as the run will take it, replayed as CUDA graphs.
 On each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
 median is that candidate's compile seconds, outside the budget. The choice weighs the whole run's estimated
@@ -48,7 +48,7 @@ from .compiling import (Fallback, cannot_compile, compile_fn, compile_stack, com
 from ..config import COMPILE_AUTO, FinetuneConfig
 from .graphs import replay_ms
 from ..layouts import LAYOUTS
-from ..model.losses import batch_loss, compiled_head_problem, head_of, no_cache, ready_to_compile
+from ..model.losses import FULL, Head, compiled_head_problem, head_for, no_cache, ready_to_compile
 from ..model.packing import check_packable
 from ..data.train_data import TrainData, make_loaders, most_rows, pad_multiple, to_device
 from .layout_timing import EagerTiming, Passes, time_eager
@@ -113,7 +113,7 @@ def _spread_batches(cfg: FinetuneConfig, data: TrainData, device: torch.device, 
     return [to_device(b, device) for i, b in enumerate(loader) if i in want]
 
 
-def _timed_pass(model, batch: dict, device: torch.device, autocast, loss_fn: Callable = batch_loss) -> float:
+def _timed_pass(model, batch: dict, device: torch.device, autocast, loss_fn: Callable = FULL.loss) -> float:
     """Milliseconds of one forward+backward of ``model`` on ``batch`` (``loss_fn``: the step's loss); the
     gradients are dropped."""
     sync(device)
@@ -147,12 +147,13 @@ def _as(method: str, patch: Callable[[], None] | None, unpatch: Callable[[], Non
 
 
 def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, graphs: bool, reps: int,
-               patch: Callable[[], None] | None = None, unpatch: Callable[[], None] | None = None) -> dict[str, float]:
+               patch: Callable[[], None] | None = None, unpatch: Callable[[], None] | None = None,
+               head: Head = FULL) -> dict[str, float]:
     """A layout's milliseconds per batch over an epoch, dense and (with ``patch``) SEBP: measured ms per token slot
     times the epoch's mean slots. Eager, each batch runs one untimed pass per method, then ``reps`` timed
     passes of each, interleaved (dense, SEBP, dense, ...), so that neither method runs on a colder host or GPU;
     as CUDA-graph replays (``graphs``), each method's graphs are captured after their own warm-up and replayed
-    ``reps`` times, dense first."""
+    ``reps`` times, dense first. ``head``: the loss timed eagerly."""
     methods = ("dense", "sebp") if patch else ("dense",)
     per_slot: dict[str, list[float]] = {m: [] for m in methods}
     for b in batches:
@@ -165,7 +166,7 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
             for i in range(reps + 1):  # the first round is the warm-up
                 for method in methods:
                     with _as(method, patch, unpatch):
-                        ms = _timed_pass(model, b, device, autocast)
+                        ms = _timed_pass(model, b, device, autocast, head.loss)
                     if i:
                         times[method].append(ms)
         for method, ts in times.items():
@@ -175,12 +176,12 @@ def _layout_ms(model, batches: list[dict], mean_slots: float, device, autocast, 
 
 def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast, reps: int,
                  mode: str, scope: str = "layers", one_shape: bool = False,
-                 replays: bool = False, row_bound: int | None = None) -> tuple[float, float] | str:
+                 replays: bool = False, row_bound: int | None = None, head: Head = FULL) -> tuple[float, float] | str:
     """A layout's compiled milliseconds per batch over an epoch (as :func:`_layout_ms`: per token slot times
     the epoch's mean slots) and its compile seconds, for the model as it is now (dense or patched), compiled as
     the run would (``scope``: ``layers``, each layer of its stack in place, :func:`compile_stack`, with
     dynamic shapes unless the layout has ``one_shape``, undone after; ``model``, a fresh
-    ``torch.compile(batch_loss)``), Dynamo's caches reset first; on each batch one
+    ``torch.compile(head.loss)``), Dynamo's caches reset first; on each batch one
     first call (a compile or recompile, and one step: its time past the batch's median counts as compile
     seconds), then ``reps`` timed calls, or (``replays``: ``--cuda-graphs``, which replays the compiled layers)
     ``reps`` replays of the step captured as CUDA graphs, as the run will step; ``row_bound``: the run's most
@@ -189,7 +190,7 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
     fallback = Fallback(mode)
     undo = compile_stack(model, fallback, row_bound=row_bound, **layer_compile_options(mode, one_shape)) \
         if scope == "layers" else None
-    step = batch_loss if undo is not None else compile_fn(batch_loss, mode, device, fallback=fallback)
+    step = head.loss if undo is not None else compile_fn(head.loss, mode, device, fallback=fallback)
     per_slot, compile_s = [], 0.0
     try:
         for b in batches:
@@ -208,13 +209,13 @@ def _compiled_ms(model, batches: list[dict], mean_slots: float, device, autocast
 
 def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: float, device, autocast, reps: int,
                    mode: str, methods: tuple[str, ...], patch, unpatch, scope: str = "layers",
-                   replays: bool = False, row_bound: int | None = None) -> None:
+                   replays: bool = False, row_bound: int | None = None, head: Head = FULL) -> None:
     """Add the compiled candidates of ``row`` (a layout and head) to it: ``{method}_compiled_ms`` and
     ``_compile_s``, or ``compiled_skipped``: why they were not timed. ``scope``: the run's --compile-scope
     (under ``layers`` the head runs eagerly, so nothing about it keeps a compiled step from running);
     ``replays``: timed as CUDA-graph replays of the compiled layers (``--cuda-graphs``); ``row_bound``: the
-    run's most rows a batch, as its layers will be compiled with it."""
-    why = compiled_head_problem(task, padding) if head_of(model) == "labelled" and compiles_whole(model, scope) \
+    run's most rows a batch, as its layers will be compiled with it; ``head``: the row's."""
+    why = compiled_head_problem(task, padding) if head.kind == "labelled" and compiles_whole(model, scope) \
         else None
     if why:
         row["compiled_skipped"] = f"the labelled-rows head {why}"
@@ -223,7 +224,7 @@ def _time_compiled(row: dict, model, task: str, padding: str, batches, slots: fl
     for method in methods:
         with _as(method, patch, unpatch):
             got = _compiled_ms(model, batches, slots, device, autocast, reps, mode, scope,
-                               LAYOUTS[padding].one_shape, replays, row_bound)
+                               LAYOUTS[padding].one_shape, replays, row_bound, head)
         if isinstance(got, str):
             row["compiled_skipped"] = got
             return
@@ -280,20 +281,19 @@ def _prior_layouts(model, cfg: FinetuneConfig, data: TrainData, graphs: bool) ->
 
 
 def _time_compiled_rows(model, cfg: FinetuneConfig, data: TrainData, rows: dict, layouts: dict, batches: dict,
-                        candidates, device, autocast, reps: int, mode: str, eager: bool, replays: bool, use_head,
+                        candidates, device, autocast, reps: int, mode: str, eager: bool, replays: bool, head_named,
                         unpatch_model) -> None:
     """Each row's compiled candidates (:func:`_time_compiled`), but none of a row not afforded eager."""
     for (padding, head), row in rows.items():
         if eager and not any(k.endswith("_ms") for k in row):  # not afforded eager: nor compiled
             continue
-        if head:
-            use_head(model, data.task, head)
-        patch = _sebp_patch(model, cfg, row, batches[padding], candidates, device, autocast) \
+        h = head_named(head)
+        patch = _sebp_patch(model, cfg, row, batches[padding], candidates, device, autocast, h) \
             if candidates else None
         _time_compiled(row, model, data.task, padding, batches[padding], layouts[padding]["slots"], device,
                        autocast, reps, mode, ("dense", "sebp") if patch else ("dense",), patch,
                        lambda: unpatch_model(model), cfg.compile_scope, replays,
-                       row_bound=most_rows(cfg, data, padding))
+                       row_bound=most_rows(cfg, data, padding), head=h)
 
 
 def _untimed_or_picked(table: list[dict], info: dict, layouts: dict, methods: tuple[str, ...], heads,
@@ -310,16 +310,17 @@ def _untimed_or_picked(table: list[dict], info: dict, layouts: dict, methods: tu
 def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict[str, SEBPConfig],
                    device: torch.device, autocast=contextlib.nullcontext, graphs: bool = False,
                    reps: int = 3, heads: tuple[str | None, ...] = (None,), timer: Timer = wall_timer,
-                   say: Callable[[str], None] | None = None) -> PaddingChoice:
+                   say: Callable[[str], None] | None = None, head: Head = FULL) -> PaddingChoice:
     """Time the layouts the prior keeps (:mod:`.layout_prior`) dense and (with ``candidates``) with SEBP on
     ``model``, eager and/or compiled as ``cfg.compile`` says, within ``cfg.calib_budget`` of the run's estimated
     time; see the module docstring. ``heads``: the heads to time each layout with
-    (:func:`~sebp_probe.model.losses.use_head`; None: the one set on ``model``); the head set last stays.
+    (names of :data:`~sebp_probe.model.losses.HEADS`, made by :func:`~sebp_probe.model.losses.head_for`; None:
+    ``head``, the run's own).
     ``timer``: times one eager pass (:data:`~.layout_prior.Timer`); ``say``: one plain line per phase and per
     candidate timed. ``model`` is left unpatched, without gradients, and Dynamo's caches reset."""
-    from ..model.losses import use_head
     from ..model.patch import unpatch_model
 
+    head_named = lambda h: head if h is None else head_for(model, data.task, h)[0]  # noqa: E731
     say = say or (lambda text: None)
     lens = lengths(data.train)
     n_batches = -(-len(lens) // cfg.data.batch_size)
@@ -341,10 +342,10 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
                    for p in layouts}
         if eager:
             info.update(_time_eager(model, cfg, data.task, rows, layouts, batches, candidates, methods, device,
-                                    autocast, replays, heads, timer, say, micro, use_head, unpatch_model))
+                                    autocast, replays, heads, timer, say, micro, head_named, unpatch_model))
         if mode:
             _time_compiled_rows(model, cfg, data, rows, layouts, batches, candidates, device, autocast, reps, mode,
-                                eager, replays, use_head, unpatch_model)
+                                eager, replays, head_named, unpatch_model)
         model.zero_grad(set_to_none=True)
     if mode:
         torch._dynamo.reset()  # the runs compile their own models afresh
@@ -360,11 +361,11 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
 
 
 def _sebp_patch(model, cfg: FinetuneConfig, row: dict, batches: list[dict], candidates: dict[str, SEBPConfig],
-                device, autocast) -> Callable[[], None] | None:
+                device, autocast, head: Head = FULL) -> Callable[[], None] | None:
     """What patches SEBP into ``model`` for ``row``'s layout and head: the candidate layers whose share of active
     rows on ``batches`` is at most ``dense_fallback``, as a run's calibration would (None: no layer, norm or
     activation to patch); ``row["sebp_layers"]`` says how many."""
-    density = measure_density(model, batches, candidates, device, autocast)
+    density = measure_density(model, batches, candidates, device, autocast, head)
     layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
     row["sebp_layers"] = len(layers)
     if not (layers or cfg.sebp_norms or cfg.sebp_acts):
@@ -373,11 +374,11 @@ def _sebp_patch(model, cfg: FinetuneConfig, row: dict, batches: list[dict], cand
 
 
 def _time_eager(model, cfg: FinetuneConfig, task: str, rows: dict, layouts: dict, batches: dict, candidates,
-                methods, device, autocast, replays: bool, heads, timer: Timer, say, micro: int, use_head,
+                methods, device, autocast, replays: bool, heads, timer: Timer, say, micro: int, head_named,
                 unpatch_model) -> dict:
     """The eager candidates timed within the budget (:func:`~.layout_timing.time_eager`), with this module's
     passes. Returns what the choice records of it."""
-    passes = Passes(_timed_pass, _as, _layout_ms, _sebp_patch, use_head, unpatch_model)
+    passes = Passes(_timed_pass, _as, _layout_ms, _sebp_patch, head_named, unpatch_model)
     timing = EagerTiming(model, cfg, task, rows, layouts, batches, candidates, device, autocast, timer, say, passes)
     return time_eager(timing, methods, heads, replays, micro)
 

@@ -200,23 +200,23 @@ def test_resume_on_another_number_of_processes_is_refused(tiny, tmp_path):
 def test_overwrite_keeps_the_old_run_until_the_new_one_took_a_step(tiny, tmp_path, monkeypatch, fail_at, error):
     import json
 
-    import sebp_probe.train.loop as loop
+    from sebp_probe.model.losses import Head
 
     out = tmp_path / "run"
     args = [tiny, *FAST, "--max-steps", "3", "--method", "dense", "-o", str(out)]
     assert _run([*args, "--save-steps", "1"]).exit_code == 0
     before = _snapshot(out)
-    calls, real = [], loop.batch_loss
+    calls, real = [], Head.loss
 
-    def failing(model, batch):
+    def failing(head, model, batch):
         calls.append(1)
         if len(calls) == fail_at and error == "nan":  # the first step's loss diverges: the run stops before it
-            return real(model, batch) * float("nan")
+            return real(head, model, batch) * float("nan")
         if len(calls) == fail_at:
             raise error("boom")
-        return real(model, batch)
+        return real(head, model, batch)
 
-    monkeypatch.setattr(loop, "batch_loss", failing)
+    monkeypatch.setattr(Head, "loss", failing)
     r = _run([*args, "--overwrite", "--lr", "1e-4"])
     if error is KeyboardInterrupt:
         assert r.exit_code == 130 and "interrupted" in r.stderr

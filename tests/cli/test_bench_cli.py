@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sebp_probe.bench import bench, bench_cases, bench_model
+from sebp_probe.bench import bench, bench_cases, bench_steps
 from sebp_probe.cli import app
 
 runner = CliRunner()
@@ -183,7 +183,7 @@ def test_kernel_kinds_of_the_backward_breakdown():
         "void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float>": "embedding",
     }
     for name, kind in kinds.items():
-        assert bench_model.kernel_kind(name) == kind, name
+        assert bench_steps.kernel_kind(name) == kind, name
 
 
 def _model_result() -> dict:

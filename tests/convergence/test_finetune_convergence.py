@@ -111,8 +111,8 @@ def test_sebp_slower_than_dense_falls_back_to_dense(monkeypatch):
     model = tiny_model("bert")
     real = calibration.timed_step
 
-    def fake(m, batch, device, autocast):  # SEBP's step measured slower than dense's, its backward faster
-        real(m, batch, device, autocast)
+    def fake(m, batch, device, autocast, head):  # SEBP's step measured slower than dense's, its backward faster
+        real(m, batch, device, autocast, head)
         return (3.0, 0.5) if any(isinstance(x, SEBPLinear) for x in m.modules()) else (1.0, 1.0)
 
     monkeypatch.setattr(calibration, "timed_step", fake)
@@ -376,8 +376,8 @@ def test_norms_and_activations_run_where_no_linear_qualifies(monkeypatch, arch):
     assert patched_activations(model) and c.sebp_backward_ms is not None
     real = calibration.timed_step
 
-    def slower_norms(m, b, d, a):  # the fused kernels measure slower (by a second: 1 ms was within a loaded
-        fwd, bwd = real(m, b, d, a)  # CPU's noise)
+    def slower_norms(m, b, d, a, h):  # the fused kernels measure slower (by a second: 1 ms was within a loaded
+        fwd, bwd = real(m, b, d, a, h)  # CPU's noise)
         return fwd, bwd + (1e3 if any(isinstance(x, SEBPNorm) for x in m.modules()) else 0.0)
 
     monkeypatch.setattr(calibration, "timed_step", slower_norms)

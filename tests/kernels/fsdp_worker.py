@@ -130,21 +130,22 @@ def compiled_grads(rank: int) -> dict:
 
 def kept_grads(rank: int) -> dict:
     """A tiny Llama with SEBP, every decoder layer and the model sharded: the loss of the labelled head in
-    several processes (``set_head(processes=2)``: the output layer on the labelled positions through the
+    several processes (``choose_head(processes=2)``: the output layer on the labelled positions through the
     sharded model's own forward, sebp_probe.model.heads.forward_kept_loss) against the model's own loss of
     the same model, sharded and dense: its gradients, and the rows the output layer computed (fewer)."""
-    from sebp_probe.model.losses import batch_loss, head_of, set_head
+    from sebp_probe.model.losses import choose_head
     from tests.tiny_models import padded_batch
 
     dense, kept = sharded_llama(False), sharded_llama(True)
-    assert set_head(kept, "causal-lm", "labelled", processes=2) == ("labelled", None) and head_of(kept) == "labelled"
+    head, why = choose_head(kept, "causal-lm", "labelled", processes=2)
+    assert (head.kind, head.through_forward, why) == ("labelled", True, None)
     rows = []
     kept.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[:-1].numel()))
     for step in range(2):  # each process its own data, two steps of gradient accumulation
         batch = padded_batch("llama", lengths=(11, 4, 7), side="right", seed=10 * rank + step)
         batch["labels"][:, :3] = -100  # a prompt: the first positions carry no label in any row
         dense(**batch, use_cache=False).loss.backward()
-        batch_loss(kept, batch).backward()
+        head.loss(kept, batch).backward()
     diffs = {}
     for (name, a), (_, b) in zip(dense.named_parameters(), kept.named_parameters()):
         ga, gb = a.grad.full_tensor(), b.grad.full_tensor()

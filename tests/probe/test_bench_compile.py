@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from sebp_probe.bench import bench_cases, bench_model, bench_peers
+from sebp_probe.bench import bench_cases, bench_model, bench_peers, bench_steps
 
 from sebp_probe.model import packing
 from sebp_probe.bench.bench_cases import MODEL_CASES
@@ -86,9 +86,9 @@ def test_a_failed_capture_leaves_the_compiled_timing_and_skips_the_rest(monkeypa
                    else RuntimeError("a warm-up step failed"))
         return {"step_ms": 1.0}
 
-    monkeypatch.setattr(bench_model, "time_graphs", time_graphs)
-    replay = bench_model._replay_or_fail(("longest", "sebp", "full", "compiled_graphs"), 3, 1,
-                                         lambda key, e, m: failed.append((key[3], str(e))))
+    monkeypatch.setattr(bench_steps, "time_graphs", time_graphs)
+    replay = bench_steps.replay_or_fail(("longest", "sebp", "full", "compiled_graphs"), 3, 1,
+                                        lambda key, e, m: failed.append((key[3], str(e))))
     assert [replay(None, {}) for _ in range(4)] == [{"step_ms": 1.0}, None, None, None]
     assert calls == [True, True] and [key for key, _ in failed] == ["compiled_graphs"]
     assert ("could not be captured" if error == "capture" else "warm-up step failed") in failed[0][1]
@@ -115,7 +115,7 @@ def test_cce_loss_reads_the_labelled_rows(layout, monkeypatch):
     model = bench_model.build_model(LLAMA, torch.float32, torch.device("cpu"))
     batches, _ = bench_model._pool(LLAMA, model.config, 1, 0, "mask", True)
     batch = batches[layout][0]
-    want = bench_model.batch_loss(model, batch, labelled_head=False)
+    want = bench_model.FULL.loss(model, batch)
     assert bench_peers.cce_loss(model, batch).item() == pytest.approx(want.item(), rel=1e-5)
     labelled = int((batch["labels"][..., 1:] != -100).sum()) if layout == "longest" else batch["n_targets"]
     assert given == [(labelled, "torch_compile")]  # the labelled rows only; CCE's CPU path
@@ -210,7 +210,7 @@ def test_layers_scope_compiles_one_layer_for_the_stack_and_keeps_shapes_apart(se
     hidden = model.config.hidden_size
     batches = [{"input_ids": (ids := torch.randint(1, 500, (2, t))), "labels": ids.clone(),
                 "attention_mask": torch.ones_like(ids)} for t in (hidden, 18, hidden + 9)]
-    step = lambda m, b: bench_model.batch_loss(m, b, labelled_head=False)  # noqa: E731
+    step = bench_model.FULL.loss
     want = [step(model, b).item() for b in batches]
     timer = lambda m, fn: {"loss": fn().item()}  # noqa: E731
     compiled_then = []  # the compiled_graphs timer runs while every layer is still compiled

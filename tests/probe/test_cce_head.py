@@ -40,10 +40,11 @@ def _model_and_batch(layout):
     return model, batches[layout][0]
 
 
-def _loss_and_grads(model, batch, head):
-    assert losses.use_head(model, "causal-lm", head) is None
+def _loss_and_grads(model, batch, kind):
+    head, why = losses.head_for(model, "causal-lm", kind)
+    assert why is None and head.kind == kind
     model.zero_grad(set_to_none=True)
-    loss = losses.batch_loss(model, batch)
+    loss = head.loss(model, batch)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -53,7 +54,6 @@ def test_the_cce_head_gives_the_models_loss_and_gradients(layout, plain_ce):
     model, batch = _model_and_batch(layout)
     want, want_g = _loss_and_grads(model, batch, "full")
     got, got_g = _loss_and_grads(model, batch, "cce")
-    assert losses.head_of(model) == "cce"
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
     assert want_g.keys() == got_g.keys()
     for name, g in want_g.items():
@@ -79,20 +79,20 @@ def test_under_autocast_the_rows_and_weight_reach_cce_in_autocasts_dtype_and_the
 
 def test_an_accumulated_step_divides_the_sum_by_the_steps_labelled_tokens(plain_ce):
     model, batch = _model_and_batch("longest")
-    losses.use_head(model, "causal-lm", "cce")
-    mean = losses.batch_loss(model, batch).item()
+    cce, _ = losses.head_for(model, "causal-lm", "cce")
+    mean = cce.loss(model, batch).item()
     n = int((batch["labels"][..., 1:] != -100).sum())
-    got = losses.batch_loss(model, {**batch, "num_items_in_batch": torch.tensor(4 * n)}).item()
+    got = cce.loss(model, {**batch, "num_items_in_batch": torch.tensor(4 * n)}).item()
     assert got == pytest.approx(mean / 4, rel=1e-5)
     assert plain_ce[-1][2] == "sum"
 
 
 def test_a_batch_without_labels_gives_zero_and_no_nan(plain_ce):
     model, batch = _model_and_batch("longest")
-    losses.use_head(model, "causal-lm", "cce")
+    cce, _ = losses.head_for(model, "causal-lm", "cce")
     batch = {**batch, "labels": torch.full_like(batch["labels"], -100)}
     batch.pop("n_targets", None), batch.pop("max_row_targets", None)
-    loss = losses.batch_loss(model, batch)
+    loss = cce.loss(model, batch)
     loss.backward()
     assert loss.item() == 0.0 and plain_ce == []
     assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters() if p.grad is not None)
@@ -107,11 +107,11 @@ def test_models_and_runs_it_cannot_take_say_why():
     assert "transforms its logits" in cce_problem(gemma, "causal-lm")
     llama = tiny_model("llama")
     assert cce_problem(llama, "causal-lm") is None
-    assert losses.set_head(llama, "causal-lm", "cce", processes=2)[0] == "full"  # past DDP's forward
-    assert losses.set_head(llama, "causal-lm", "cce", graphs=True) == (
-        "full", "CUDA graphs cannot hold its host-side row count")
-    assert losses.set_head(gemma, "causal-lm", "cce")[0] == "full" and losses.head_of(gemma) == "full"
-    assert losses.set_head(llama, "causal-lm", "cce") == ("cce", None)
+    assert losses.choose_head(llama, "causal-lm", "cce", processes=2)[0] == losses.FULL  # past DDP's forward
+    assert losses.choose_head(llama, "causal-lm", "cce", graphs=True) == (
+        losses.FULL, "CUDA graphs cannot hold its host-side row count")
+    assert losses.choose_head(gemma, "causal-lm", "cce")[0] == losses.FULL
+    assert losses.choose_head(llama, "causal-lm", "cce") == (losses.Head("cce", "causal-lm"), None)
     with pytest.raises(ValueError, match="choose labelled, full or cce"):
         FinetuneConfig(model="m", data=DataConfig(), head="middle")
     with pytest.raises(ValueError, match="unknown head 'middle'; choose one of labelled, full, cce"):
@@ -191,12 +191,12 @@ def test_a_bad_label_with_held_checks_reaches_no_kernel_and_raises_at_the_check(
     from sebp_kernels import label_checks
 
     model, batch = _model_and_batch("packed")
-    losses.use_head(model, "causal-lm", "cce")
+    cce, _ = losses.head_for(model, "causal-lm", "cce")
     labels = batch["labels"].clone()
     at = (labels[..., 1:] != -100).nonzero()[0]
     labels[..., 1:][tuple(at)] = model.config.vocab_size + 5
     with pytest.raises(ValueError, match=r"^label \d+ is outside \[0, \d+\) \(and is not ignore_index -100\)$"):
         with label_checks.deferred() as checks:
-            loss = losses.batch_loss(model, {**batch, "labels": labels})
+            loss = cce.loss(model, {**batch, "labels": labels})
             assert torch.isfinite(loss)
             checks.check()

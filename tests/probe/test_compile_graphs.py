@@ -1,4 +1,4 @@
-"""A training step's loss (:func:`sebp_probe.model.losses.batch_loss`) under ``torch.compile``: Dynamo captures the
+"""A training step's loss (``Head.loss`` of :mod:`sebp_probe.model.losses`) under ``torch.compile``: Dynamo captures the
 forward in one graph, with no graph break (so no host sync), and AOTAutograd the backward with it, on a tiny Llama's
 packed batch (both attention layouts) and a tiny BERT classifier's ``longest`` batch, both through the labelled-rows
 head, and the BERT's packed batch by varlen attention (in both directions, the model's own head); also with SEBP
@@ -18,7 +18,7 @@ import torch._dynamo as dynamo
 
 from sebp_kernels import SEBPConfig, registry
 from sebp_probe.model import packing
-from sebp_probe.model.losses import batch_loss, use_head
+from sebp_probe.model.losses import head_for
 from sebp_probe.model.patch import patch_sebp
 from tests.probe.test_packing import _items, _packed, _padded
 from tests.tiny_models import tiny_model
@@ -46,18 +46,19 @@ def _fresh_dynamo():
     dynamo.reset()
 
 
-def _case(name: str, monkeypatch) -> tuple[torch.nn.Module, dict]:
-    """(model with the labelled-rows head chosen, one training batch); a packed BERT runs the model's own head
-    (the [CLS]-rows layer takes padded batches only)."""
+def _case(name: str, monkeypatch) -> tuple[torch.nn.Module, object, dict]:
+    """(model, the labelled-rows head's loss, one training batch); a packed BERT runs the model's own head (the
+    [CLS]-rows layer takes padded batches only)."""
     arch, layout = name.split("-", 1)
     model, items = tiny_model(arch), _items(arch)
     head = "full" if arch == "bert" and layout != "longest" else "labelled"
-    assert use_head(model, "classification" if arch == "bert" else "causal-lm", head) is None
+    chosen, why = head_for(model, "classification" if arch == "bert" else "causal-lm", head)
+    assert why is None
     if layout == "packed-varlen":
         monkeypatch.setattr(packing, "VARLEN_KERNEL", traceable_varlen)
         monkeypatch.setattr(packing, "attention_backend", lambda model: "varlen")
         packing.enable_varlen(model)  # a one-time switch of the model, made before compiling
-    return model, (_padded(arch, items, counts=True) if layout == "longest" else _packed(arch, items))
+    return model, chosen.loss, (_padded(arch, items, counts=True) if layout == "longest" else _packed(arch, items))
 
 
 def _step(loss_fn, model, batch) -> tuple[torch.Tensor, dict]:
@@ -72,14 +73,14 @@ def _step(loss_fn, model, batch) -> tuple[torch.Tensor, dict]:
 @pytest.mark.parametrize("case", ["llama-packed-mask", "llama-packed-varlen", "llama-longest", "bert-longest",
                                   "bert-packed-varlen"])
 def test_compiled_step_is_one_graph_and_equals_eager(case, sebp, monkeypatch):
-    model, batch = _case(case, monkeypatch)
+    model, loss, batch = _case(case, monkeypatch)
     if sebp:
         patch_sebp(model, SEBPConfig(mode="exact"), norms=True, acts=True)
-    want = _step(batch_loss, model, batch)
+    want = _step(loss, model, batch)
     calls = []  # the compiled sebp:: ops look their layer up (eager SEBP does not)
     real = registry.lookup
     monkeypatch.setattr(registry, "lookup", lambda key: calls.append(key) or real(key))
-    got = _step(torch.compile(batch_loss, backend="aot_eager"), model, batch)
+    got = _step(torch.compile(loss, backend="aot_eager"), model, batch)
     breaks = dict(dynamo.utils.counters["graph_break"])
     assert not breaks, f"graph breaks: {breaks}"
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
@@ -94,8 +95,8 @@ def test_a_compiled_first_step_is_not_compiled_again_at_the_second():
     """The labelled-rows head's last-layer forward is installed when the head is chosen, not inside the first
     compiled call (there the second call would find the layer changed and compile again)."""
     model, items = tiny_model("llama"), _items("llama")
-    use_head(model, "causal-lm", "labelled")
-    step = torch.compile(batch_loss, backend="eager")
+    head, _ = head_for(model, "causal-lm", "labelled")
+    step = torch.compile(head.loss, backend="eager")
     batch = _packed("llama", items)
     for _ in range(2):
         step(model, batch).backward()
@@ -106,8 +107,8 @@ def test_a_compiled_first_step_is_not_compiled_again_at_the_second():
 def test_packed_labelled_head_traces_in_one_graph():
     """The fast check of the above (no backward, no compile): Dynamo's own account of the forward."""
     model, items = tiny_model("llama"), _items("llama")
-    use_head(model, "causal-lm", "labelled")
-    ex = dynamo.explain(batch_loss)(model, _packed("llama", items))
+    head, _ = head_for(model, "causal-lm", "labelled")
+    ex = dynamo.explain(head.loss)(model, _packed("llama", items))
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), [r.reason for r in ex.break_reasons]
 
 
@@ -116,8 +117,8 @@ def test_padded_causal_lm_labelled_head_breaks_at_its_row_count_without_the_coun
     """The break that remains without the collator's counts (see the module docstring), named so that a change
     to it shows here."""
     model, items = tiny_model("llama"), _items("llama")
-    use_head(model, "causal-lm", "labelled")
-    ex = dynamo.explain(batch_loss)(model, _padded("llama", items))
+    head, _ = head_for(model, "causal-lm", "labelled")
+    ex = dynamo.explain(head.loss)(model, _padded("llama", items))
     assert ex.graph_break_count >= 1
     reasons = " ".join(r.reason for r in ex.break_reasons)
     assert "aten.nonzero" in reasons, reasons

@@ -9,6 +9,7 @@ import torch
 
 from sebp_probe.config import DataConfig, FinetuneConfig, FinetuneError
 from sebp_probe.data.assets import LoadedModel
+from sebp_probe.model.losses import Head
 from sebp_probe.train import finetune as ft
 from sebp_probe.train import checkpoints, loop, rundir
 from sebp_probe.train.determinism import CUBLAS_WORKSPACE, NotDeterministic, deterministic
@@ -71,8 +72,8 @@ def _run(tmp_path, name, **kw):
 
 
 def test_a_deterministic_run_trains_under_the_settings_and_records_them(tmp_path, monkeypatch):
-    seen, real = [], loop.batch_loss
-    monkeypatch.setattr(loop, "batch_loss", lambda *a, **k: seen.append(_flags()) or real(*a, **k))
+    seen, real = [], Head.loss
+    monkeypatch.setattr(Head, "loss", lambda *a, **k: seen.append(_flags()) or real(*a, **k))
     before = _flags()
     summary = _run(tmp_path, "det", deterministic=True)
     assert summary["status"] == "completed"
@@ -90,7 +91,7 @@ def test_an_op_that_cannot_run_deterministically_ends_the_run_in_one_line(tmp_pa
             raise RuntimeError(_TORCH_MESSAGE)
         raise AssertionError("the run's step ran without the deterministic settings")
 
-    monkeypatch.setattr(loop, "batch_loss", refuse)
+    monkeypatch.setattr(Head, "loss", refuse)
     with pytest.raises(FinetuneError, match=r"^--deterministic: index_add_cuda_ does not have a deterministic "
                                             r"implementation, but you set .*application\.$"):
         _run(tmp_path, "det", deterministic=True)

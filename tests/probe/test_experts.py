@@ -13,9 +13,10 @@ import torch
 from sebp_kernels.experts import grouped_mm, grouped_mm_loop, sebp_grouped_linear
 from sebp_probe.families import family_of
 from sebp_probe.model.experts import experts_layout_problem, patch_experts, patched_experts
-from sebp_probe.model.losses import set_head
+from sebp_probe.model.losses import FULL, Head, choose_head
 from sebp_probe.model.patch import patch_model, unpatch_model
 from sebp_probe.notes import note
+from tests.helpers import loss_and_grads
 from tests.tiny_models import family_config
 
 MOE = ("mixtral", "qwen3_moe")
@@ -90,13 +91,6 @@ def _batch():
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("model_type", MOE)
 @pytest.mark.parametrize("dtype,impl", [(torch.float64, "eager"), (torch.float32, None)])
 @pytest.mark.parametrize("aux", [False, True])
@@ -105,13 +99,13 @@ def test_sebp_experts_give_the_models_loss_and_gradients(model_type, dtype, impl
     its default grouped_mm (the same products)."""
     dense = _model(model_type, dtype, aux, impl)
     batch = _batch()
-    want_loss, want = _loss_and_grads(dense, batch)
+    want_loss, want = loss_and_grads(dense, batch)
     sebp = copy.deepcopy(dense)
     names = patch_model(sebp)
     assert patched_experts(sebp) == [f"model.layers.{i}.mlp.experts" for i in ((0, 1) if model_type == "mixtral"
                                                                                 else (1,))]
     assert all(".experts" not in n for n in names)  # the linears' names only
-    loss, got = _loss_and_grads(sebp, batch)
+    loss, got = loss_and_grads(sebp, batch)
     rtol = 1e-6 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(loss, want_loss, rtol=rtol, atol=0)
     assert got.keys() == want.keys() and any(".experts." in k for k in got) and any(".gate." in k for k in got)
@@ -160,6 +154,7 @@ def test_experts_in_another_layout_stay_dense_said_in_one_line(caplog):
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_the_labelled_head_is_refused_where_the_routers_loss_is_on(model_type):
-    assert set_head(_model(model_type, torch.float32, aux=False), "causal-lm", "labelled") == ("labelled", None)
-    head, why = set_head(_model(model_type, torch.float32, aux=True), "causal-lm", "labelled")
-    assert head == "full" and "load-balancing loss (output_router_logits)" in why
+    assert choose_head(_model(model_type, torch.float32, aux=False), "causal-lm", "labelled") == (
+        Head("labelled", "causal-lm"), None)
+    head, why = choose_head(_model(model_type, torch.float32, aux=True), "causal-lm", "labelled")
+    assert head == FULL and "load-balancing loss (output_router_logits)" in why

@@ -14,7 +14,7 @@ import torch
 from sebp_kernels import SEBPConfig, SEBPLinear, SEBPNorm
 from sebp_probe.data.batching import PackedCollator, PadCollator
 from sebp_probe.families import FAMILIES, family_of
-from sebp_probe.model.losses import batch_loss, set_head
+from sebp_probe.model.losses import FULL, choose_head
 from sebp_probe.model.packing import check_packable
 from sebp_probe.model.experts import patched_experts
 from sebp_probe.model.patch import patch_sebp, patched_activations
@@ -106,15 +106,15 @@ def test_labelled_head_equals_the_models_loss_where_offered(model_type, task, ca
     batch = _batch(model_type, task)
     want = _loss_and_grads(model, lambda: model(**batch).loss)
     with caplog.at_level(logging.WARNING, logger="sebp_probe"):
-        head, why = set_head(model, task, "labelled")
+        head, why = choose_head(model, task, "labelled")
     family = family_of(model)
     if family.layer is None:  # no kept-rows layer: the model's own loss, said in one line naming --head
-        assert head == "full" and f"the {family.name} entry has no kept-rows" in why
+        assert head == FULL and f"the {family.name} entry has no kept-rows" in why
         assert [r.getMessage() for r in caplog.records] == [
             f"--head labelled runs as --head full (the model's own loss): {why}"]
         return
-    assert (head, why) == ("labelled", None) and not caplog.records
-    _assert_same(want, _loss_and_grads(model, lambda: batch_loss(model, batch)), _rtol(model))
+    assert (head.kind, why) == ("labelled", None) and not caplog.records
+    _assert_same(want, _loss_and_grads(model, lambda: head.loss(model, batch)), _rtol(model))
 
 
 @pytest.mark.parametrize("model_type,task", list(FAMILY_TASKS.items()))
@@ -128,12 +128,11 @@ def test_packed_equals_padded_where_the_entry_allows(model_type, task):
     check_packable(model, task)
     padded = _batch(model_type, task)
     packed = PackedCollator(_pad(model_type), task, MAX_LENGTH)(_items(task))
-    set_head(model, task, "full")
-    want = _loss_and_grads(model, lambda: batch_loss(model, padded))
-    _assert_same(want, _loss_and_grads(model, lambda: batch_loss(model, packed)), _rtol(model))
+    want = _loss_and_grads(model, lambda: FULL.loss(model, padded))
+    _assert_same(want, _loss_and_grads(model, lambda: FULL.loss(model, packed)), _rtol(model))
     if family.layer is not None and task == "causal-lm":  # the labelled-rows head on packed rows too
-        set_head(model, task, "labelled")
-        _assert_same(want, _loss_and_grads(model, lambda: batch_loss(model, packed)), _rtol(model))
+        head, _ = choose_head(model, task, "labelled")
+        _assert_same(want, _loss_and_grads(model, lambda: head.loss(model, packed)), _rtol(model))
 
 
 @pytest.mark.parametrize("model_type,task", [(t, k) for t, k in FAMILY_TASKS.items() if FAMILIES[t].packed])
@@ -154,8 +153,7 @@ def test_packed_by_varlen_equals_padded_where_the_kernel_can_run(model_type, tas
         with pytest.raises(packing.PackingError, match="no sliding window|replaces the 'sdpa' attention"):
             packing.packed_forward(model, packed, backend="varlen")
         return
-    set_head(model, task, "full")
-    want = _loss_and_grads(model, lambda: batch_loss(model, _batch(model_type, task)))
+    want = _loss_and_grads(model, lambda: FULL.loss(model, _batch(model_type, task)))
     got = _loss_and_grads(model, lambda: packing.packed_forward(model, packed, backend="varlen").loss)
     _assert_same(want, got, _rtol(model))
 
@@ -167,9 +165,9 @@ def test_a_family_without_an_entry_falls_back_in_one_line_each(caplog):
     want = _loss_and_grads(model, lambda: model(**batch).loss)
     sebp = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="sebp_probe"):
-        head, why = set_head(sebp, "causal-lm", "labelled")
+        head, why = choose_head(sebp, "causal-lm", "labelled")
         names = patch_sebp(sebp, SEBPConfig("exact"), norms=True, acts=True)
-    assert head == "full" and why == "model type 'opt' has no entry in sebp-probe's model families"
+    assert head == FULL and why == "model type 'opt' has no entry in sebp-probe's model families"
     # every linear but the output head; the LayerNorms (a plain nn.LayerNorm is exact for any family)
     assert len(names["linears"]) == 12 and "lm_head" not in names["linears"]
     assert all(isinstance(sebp.get_submodule(n), SEBPLinear) for n in names["linears"])
@@ -179,7 +177,7 @@ def test_a_family_without_an_entry_falls_back_in_one_line_each(caplog):
                      "model type 'opt' has no entry: SEBP targets every linear but the output head (fc1, fc2, "
                      "self_attn.k_proj, self_attn.out_proj, self_attn.q_proj, self_attn.v_proj); left dense: "
                      "lm_head (Linear); choose with --targets"]
-    _assert_same(want, _loss_and_grads(sebp, lambda: batch_loss(sebp, batch)), _rtol(sebp))
+    _assert_same(want, _loss_and_grads(sebp, lambda: head.loss(sebp, batch)), _rtol(sebp))
 
 
 def test_the_fallback_note_names_every_matrix_left_dense(caplog):
@@ -205,5 +203,5 @@ def test_the_fallback_note_names_every_matrix_left_dense(caplog):
 def test_a_classifier_that_pools_every_row_keeps_its_own_loss():
     model = family_model("modernbert", "classification")
     model.config.classifier_pooling = "mean"
-    assert set_head(model, "classification", "labelled") == (
-        "full", "the classifier pools 'mean', every row; the [CLS]-rows layer needs 'cls'")
+    assert choose_head(model, "classification", "labelled") == (
+        FULL, "the classifier pools 'mean', every row; the [CLS]-rows layer needs 'cls'")

@@ -253,14 +253,14 @@ def test_cuda_graphs_replay_eagerly_a_model_without_a_known_layer_stack(tmp_path
     not know would compile whole instead, which was never tried under the graphs: one note, eager replays."""
     from types import SimpleNamespace
 
-    from sebp_probe.model.losses import batch_loss
+    from sebp_probe.model.losses import FULL
 
     cfg = FinetuneConfig(compile="default", cuda_graphs=True, data=DataConfig(padding="bucket"))
     notes = []
     run = loop.Run(cfg, "sebp", tmp_path, SimpleNamespace(is_main_process=True, device=torch.device("cpu")),
                    None, None, None, None, lambda kind, payload: notes.append((kind, payload)))
-    run.head = ("full",)
-    assert run._step_loss(torch.nn.Sequential(torch.nn.Linear(4, 4))) is batch_loss
+    run.head = (FULL, None)
+    assert run._step_loss(torch.nn.Sequential(torch.nn.Linear(4, 4))) == FULL.loss
     assert run.compile_scope == "eager"
     assert [k for k, _ in notes] == ["note"] and "has no layer stack sebp-probe knows" in notes[0][1]["text"]
 

@@ -220,7 +220,7 @@ def test_training_and_held_out_losses_build_no_kv_cache():
     per-layer state would recompile the decoder layer's graph for every layer)."""
     from accelerate import Accelerator
 
-    from sebp_probe.model.losses import batch_loss
+    from sebp_probe.model.losses import FULL
     from sebp_probe.train.metrics import evaluate
     from tests.tiny_models import tiny_model
 
@@ -229,7 +229,7 @@ def test_training_and_held_out_losses_build_no_kv_cache():
     seen = []
     model.model.layers[0].register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(kwargs.get("cache", kwargs.get("past_key_values"))), with_kwargs=True)
-    batch_loss(model, batch, labelled_head=False).backward()
+    FULL.loss(model, batch).backward()
     evaluate(model, [batch], Accelerator(cpu=True), "causal-lm")
     assert len(seen) == 2 and seen == [None, None]
 
@@ -281,8 +281,6 @@ def test_through_the_models_forward_the_labelled_positions_give_its_loss(layout)
     model = bench_model.build_model(case, torch.float32, torch.device("cpu"))
     batches, _ = bench_model._pool(case, model.config, 1, 0, "mask", True)
     batch = batches[layout][0]
-    losses.use_head(model, "causal-lm", "full")
-
     def run(fn):
         model.zero_grad(set_to_none=True)
         loss = fn()
@@ -291,7 +289,7 @@ def test_through_the_models_forward_the_labelled_positions_give_its_loss(layout)
 
     rows = []
     hook = model.lm_head.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[:-1].numel()))
-    want, want_g = run(lambda: losses.batch_loss(model, batch))
+    want, want_g = run(lambda: losses.FULL.loss(model, batch))
     got, got_g = run(lambda: forward_kept_loss(model, batch))
     hook.remove()
     assert rows[1] < rows[0]  # the output layer on fewer rows
@@ -307,20 +305,20 @@ def test_through_the_models_forward_the_labelled_positions_give_its_loss(layout)
 
 
 def test_several_processes_take_the_labelled_head_through_the_forward():
-    """``set_head`` with several processes: a causal LM keeps the labelled head, through its own forward (soft-
+    """``choose_head`` with several processes: a causal LM keeps the labelled head, through its own forward (soft-
     capped Gemma 2 too: the forward caps the kept logits itself); a classifier keeps its own loss, as before."""
     from sebp_probe.model import losses
     from sebp_probe.model.heads import forward_kept_loss
     from tests.tiny_models import family_config, tiny_model
 
     gemma = AutoModelForCausalLM.from_config(family_config("gemma2"))
-    assert losses.set_head(gemma, "causal-lm", "labelled", processes=2) == ("labelled", None)
-    assert losses.head_of(gemma) == "labelled"
+    head, why = losses.choose_head(gemma, "causal-lm", "labelled", processes=2)
+    assert (head.kind, head.through_forward, why) == ("labelled", True, None)
     batch = padded_batch("llama", lengths=(11, 4, 7))
     batch["labels"][:, :3] = -100
-    assert losses.batch_loss(gemma, batch).item() == pytest.approx(gemma(**batch).loss.item(), rel=1e-6)
+    assert head.loss(gemma, batch).item() == pytest.approx(gemma(**batch).loss.item(), rel=1e-6)
     assert forward_kept_loss(gemma, batch).item() == pytest.approx(gemma(**batch).loss.item(), rel=1e-6)
-    assert losses.set_head(gemma, "causal-lm", "labelled", processes=2, graphs=True)[0] == "full"
+    assert losses.choose_head(gemma, "causal-lm", "labelled", processes=2, graphs=True)[0] == losses.FULL
     bert = tiny_model("bert")
-    assert losses.set_head(bert, "classification", "labelled", processes=2) == (
-        "full", "it calls the backbone past DDP's forward: one process only")
+    assert losses.choose_head(bert, "classification", "labelled", processes=2) == (
+        losses.FULL, "it calls the backbone past DDP's forward: one process only")

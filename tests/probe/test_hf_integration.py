@@ -113,7 +113,12 @@ def test_bad_arguments_raise_one_line(tmp_path, llama_report):
         apply_sebp(no_data)
     for t in (trainer, other, no_data):  # a failed call leaves nothing behind
         assert not any(isinstance(m, SEBPLinear) for m in t.model.modules()) and "compute_loss" not in vars(t)
-        assert getattr(t.model, "_sebp_head_task", None) is None
+        assert not _set_on(t.model)
+
+
+def _set_on(model) -> list[str]:
+    """The sebp attributes set on the model object itself (the chosen head travels as an object, not there)."""
+    return [k for k in vars(model) if k.startswith("_sebp")]
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +135,12 @@ def test_a_report_gives_the_layers_and_undo_restores_the_plain_trainer(tmp_path,
     assert apply_sebp(trainer) is handle  # a second call changes nothing
     assert set(handle.layers) == set(layer_configs_from_report(llama_report)) and handle.head == "labelled"
     assert handle.layers == {n: m.sebp_config for n, m in trainer.model.named_modules() if isinstance(m, SEBPLinear)}
-    assert "compute_loss" in vars(trainer) and trainer.model._sebp_head_task == "causal-lm"
+    assert "compute_loss" in vars(trainer) and not _set_on(trainer.model)  # the head is the handle's, not the model's
     handle.undo()
     handle.undo()
     assert not handle.applied and "compute_loss" not in vars(trainer) and type(trainer).compute_loss is plain_loss
     assert not any(isinstance(m, SEBPLinear) for m in trainer.model.modules())
-    assert trainer.model._sebp_head_task is None
+    assert not _set_on(trainer.model)
     trainer.train()
     assert apply_sebp(trainer, calibrate=False) is not handle  # applies anew after the undo
 

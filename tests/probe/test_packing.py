@@ -212,23 +212,23 @@ def test_packed_under_autocast_and_eager_attention(arch, impl):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("backend", ["mask", "varlen"])
 def test_labelled_rows_head_on_packed_batches(arch, backend, flash_stand_in, monkeypatch):
-    """batch_loss(labelled_head=True) on a packed batch: the head and the last layer on the labelled rows only
+    """labelled_loss on a packed batch: the head and the last layer on the labelled rows only
     (varlen: the kept queries masked to their own sequence), same loss and gradients as the padded model."""
-    from sebp_probe.model.losses import batch_loss
+    from sebp_probe.model.losses import labelled_loss
 
     monkeypatch.setattr(packing, "attention_backend", lambda model: backend)
     model, items = tiny_model(arch), _items(arch)
     ref = _grads(model, lambda: model(**_padded(arch, items)).loss)
-    _assert_same(ref, _grads(model, lambda: batch_loss(model, _packed(arch, items), labelled_head=True)))
-    _assert_same(ref, _grads(model, lambda: batch_loss(model, _padded(arch, items), labelled_head=True)))
+    _assert_same(ref, _grads(model, lambda: labelled_loss(model, _packed(arch, items))))
+    _assert_same(ref, _grads(model, lambda: labelled_loss(model, _padded(arch, items))))
 
 
 def test_labelled_rows_head_refuses_packed_classifiers():
     from sebp_probe.model.heads import HeadError
-    from sebp_probe.model.losses import batch_loss
+    from sebp_probe.model.losses import labelled_loss
 
     with pytest.raises(HeadError, match="padded batches only"):
-        batch_loss(tiny_model("bert"), _packed("bert", _items("bert")), labelled_head=True)
+        labelled_loss(tiny_model("bert"), _packed("bert", _items("bert")))
 
 
 def test_varlen_refuses_a_max_seqlen_on_the_device(flash_stand_in):

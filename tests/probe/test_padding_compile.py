@@ -11,7 +11,7 @@ from sebp_probe.train import compiling, strategy
 from sebp_probe.train import finetune as ft
 from sebp_probe.cli_finetune import _compile_setting
 from sebp_probe.config import DataConfig, FinetuneConfig
-from sebp_probe.model.losses import set_head
+from sebp_probe.model.losses import choose_head
 from sebp_probe.train.strategy import PaddingChoice, choose_padding, pick, whole_run_s
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
 from tests.tiny_models import tiny_model
@@ -107,8 +107,8 @@ def test_the_cli_compiles_by_default_only_on_a_gpu_under_padding_auto(monkeypatc
     ("bert", "classification", "longest", "labelled"),
 ])
 def test_a_compiled_run_keeps_the_labelled_head_where_its_step_compiles(arch, task, padding, head):
-    used, why = set_head(tiny_model(arch), task, "labelled", compiled=True, padding=padding)
-    assert used == head
+    used, why = choose_head(tiny_model(arch), task, "labelled", compiled=True, padding=padding)
+    assert used.kind == head
     assert why is None
 
 
@@ -132,8 +132,8 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     data = synthetic_data("causal-lm", n=48, prompt=0.5)
     cfg = _cfg(method="dense", compile="auto", max_steps=70, grad_accum=2, calib_batches=0, compile_scope=scope,
                calib_budget=1.0)
-    set_head(model, "causal-lm", "labelled", compiled=True, padding="auto")
-    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"),
+    head, _ = choose_head(model, "causal-lm", "labelled", compiled=True, padding="auto")
+    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"), head=head,
                             timer=lambda key, batch, run: 1.0)  # eager: 1 ms a pass, the budget affords them all
     rows = {(r["padding"], r["head"]): r for r in choice.table}
     assert list(rows) == [(p, h) for p in ("longest", "packed") for h in ("labelled", "full")]

@@ -9,16 +9,10 @@ from torch import nn
 
 from sebp_kernels import SEBPConfig, SEBPLinear
 from sebp_probe import PatchError, patch_model, patched_layers, unpatch_model
+from tests.helpers import loss_and_grads
 from tests.tiny_models import ENCODERS, padded_batch, tiny_model
 
 ARCHS = ("bert", "roberta", "llama", "qwen2", "qwen3")
-
-
-def _grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -30,8 +24,8 @@ def test_exact_mode_gradients_equal_dense(arch, side):
     n_proj = 6 if arch in ENCODERS else 7
     assert len(names) == n_proj * 2
     batch = padded_batch(arch, side=side)
-    loss_d, g_d = _grads(dense, batch)
-    loss_s, g_s = _grads(sebp, batch)
+    loss_d, g_d = loss_and_grads(dense, batch)
+    loss_s, g_s = loss_and_grads(sebp, batch)
     assert torch.equal(loss_d, loss_s)
     assert g_d.keys() == g_s.keys() and len(g_d) > 10
     for k in g_d:
@@ -50,7 +44,7 @@ def test_state_dict_pointers_and_optimizer_survive_patching(arch):
     assert all(a is b for a, b in zip(params, model.parameters()))
     w = model.get_submodule(next(iter(patched_layers(model)))).weight
     old = w.detach().clone()
-    _grads(model, padded_batch(arch))
+    loss_and_grads(model, padded_batch(arch))
     opt.step()
     assert not torch.equal(old, w.detach())  # the optimizer built before patching updates SEBP weights
 
@@ -216,8 +210,8 @@ def test_norms_too_exact_gradients_equal_dense(arch, side):
     assert {k: v.data_ptr() for k, v in sebp.state_dict().items()} == before
     assert patch_norms(sebp) == []  # already swapped
     batch = padded_batch(arch, side=side)
-    loss_d, g_d = _grads(dense, batch)
-    loss_s, g_s = _grads(sebp, batch)
+    loss_d, g_d = loss_and_grads(dense, batch)
+    loss_s, g_s = loss_and_grads(sebp, batch)
     assert torch.equal(loss_d, loss_s)
     assert g_d.keys() == g_s.keys()
     for k in g_d:
@@ -242,7 +236,7 @@ def test_torch_compile_gives_the_eager_gradients(arch):
     patch_norms(sebp)
     patch_activations(sebp)
     batch = padded_batch(arch)
-    loss_e, g_e = _grads(sebp, batch)
+    loss_e, g_e = loss_and_grads(sebp, batch)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(sebp, backend="aot_eager")
