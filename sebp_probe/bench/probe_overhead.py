@@ -17,7 +17,8 @@ against the compiled one (what a compiled run pays on a probed step), and ``hook
 against the eager one (the hooks' own cost, like with like). For an eager entry both are the same ratio.
 ``recompiles``: graphs Dynamo compiled after the entry's first (compiling) step, probed steps among them; the
 compiled row of the bench counts its own, without probes, to compare. ``spread``: the median absolute deviation
-of the unprobed steps over their median (mean over batches), the noise a ratio is read against.
+of the unprobed steps over their median (mean over batches), the noise a ratio is read against (None under 3
+repeats).
 ``layers``/``rows``: what the last probed step's record holds, a check that the hooks ran.
 """
 from __future__ import annotations
@@ -98,7 +99,8 @@ def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: s
     model.zero_grad(set_to_none=True)
     record = probes[-1].take(1)
     med = {a: statistics.median(t) for a, t in times.items()}
-    spread = statistics.median(abs(t - med["unprobed"]) for t in times["unprobed"]) / med["unprobed"]
+    spread = (statistics.median(abs(t - med["unprobed"]) for t in times["unprobed"]) / med["unprobed"]
+              if repeats >= 3 else None)  # fewer repeats say nothing of the noise
     return {**{f"{a}_ms": m for a, m in med.items()}, "spread": spread, "layers": len(record["layers"]),
             "rows": sum(e["rows"] for e in record["layers"].values())}
 
@@ -145,7 +147,8 @@ def _row(key: tuple, per: list[dict], recompiles: int | None) -> dict:
     eager = mean("eager_ms") if "eager_ms" in per[0] else unprobed
     row = dict(zip(("layout", "method", "head", "timing"), key), unprobed_ms=round(unprobed, 3),
                probed_ms=round(probed, 3), ratio=round(probed / unprobed, 4), hooks_ratio=round(probed / eager, 4),
-               probed_step_runs="eager", spread=round(mean("spread"), 4),
+               probed_step_runs="eager",
+               spread=None if per[0]["spread"] is None else round(mean("spread"), 4),
                per_batch_ratio=[round(p["probed_ms"] / p["unprobed_ms"], 4) for p in per],
                layers=per[-1]["layers"], rows=per[-1]["rows"])
     if key[3] == "compiled":
@@ -164,8 +167,9 @@ def probe_lines(model_result: dict) -> list[str]:
              "forced eager without hooks)"]
     for r in probe["rows"]:
         hooks = f", hooks {r['hooks_ratio']:.3f}x" if r["timing"] == "compiled" else ""
+        noise = "noise unknown: under 3 repeats" if r["spread"] is None else f"noise +-{100 * r['spread']:.1f}%"
         lines.append(f"  {r['layout']} {r['method']} {r['head']} {r['timing']}: {r['unprobed_ms']:.2f} -> "
-                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{hooks} (noise +-{100 * r['spread']:.1f}%)")
+                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{hooks} ({noise})")
     lines += [f"  not probed: {s['layout']} {s['method']} {s['head']} {s['timing']} ({s['reason']})"
               for s in probe["skipped"]]
     return lines
