@@ -1,7 +1,8 @@
 """apply_sebp(trainer) under two processes (torchrun, CPU, gloo: the trainers run accelerate's DDP), through the
 real Trainer (tiny BERT classifier) and SFTTrainer (tiny Llama, completion-only loss): every process takes the
 main process's calibrated layers, and the logged losses and gradient norms equal a plain trainer's under the same
-launch (exact SEBP); add_grad_stats logs the statistics of both processes' rows together. The work runs in trainer_ddp_worker.py; one launch serves both tests."""
+launch (exact SEBP); add_grad_stats logs the statistics of both processes' rows together. The work runs in
+trainer_ddp_worker.py; one launch serves all three tests."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,7 +26,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("trainer_ddp")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    run_torchrun([str(Path(__file__).with_name("trainer_ddp_worker.py")), str(out), *KINDS, STATS], 600, env=env, cwd=ROOT)
+    run_torchrun([str(Path(__file__).with_name("trainer_ddp_worker.py")), str(out), *KINDS, STATS], 600, env=env,
+                 cwd=ROOT)
     lines = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in lines] == [0, 1], "a process wrote no result"
     return lines
