@@ -106,6 +106,14 @@ WRITE_LINES = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.parent.mkd
                "p.write_text(''.join(line + '\\n' for line in sys.argv[2:]))")
 
 
+def _probe(out: Path, gpu: str) -> list[Job]:
+    """finetune --probe-every's probed step against the unprobed one (finetune's default head), `longest`, eager
+    and compiled."""
+    return [bench(out, f"probe_{case}", case, "--scope", "model", "--probe", "--compile", "default", "--layouts",
+                  "longest", "--methods", "dense:labelled,sebp:labelled", "--model-batches", "6",
+                  add=("grad_stats.json", f"probe_{gpu}_{case}")) for case in ("bert-base", "llama-3.2-1b-sft")]
+
+
 def _head(out: Path, gpu: str) -> list[Job]:
     return [script(out, "head", "head_bench.py", "--sebp", "--extra-chunks", "832", "1408",
                    add=("head.json", "labelled"))]
@@ -224,6 +232,8 @@ STEPS: dict[str, Step] = {
                      _compiled),
     "compiled-longest": Step("`longest` compiled, each entry in its own process", "benchmarks.md",
                              _compiled_longest),
+    "probe": Step("a finetune --probe-every step against an unprobed one, eager and compiled", "method.md",
+                  _probe),
     "head": Step("the labelled-rows head against the full head, CCE and Liger", "benchmarks.md", _head),
     "trainer": Step("SFTTrainer with and without apply_sebp, eager, padding-free and compiled", "trainer.md",
                     _trainer),

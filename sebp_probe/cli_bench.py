@@ -65,6 +65,9 @@ def bench_cmd(
                                 "(max_length, longest, bucket, packed; default all)."),
     methods: str = typer.Option(None, "--methods", help="Whole model: only these methods, comma-separated "
                                 "(dense, sebp, liger, cce; default all), or one head of a method as method:head (sebp:labelled)."),
+    probe: bool = typer.Option(False, "--probe", help="Whole model: time each dense and SEBP entry also as "
+                               "finetune --probe-every's probed step (the gradient statistics' hooks on the "
+                               "step's own backward), interleaved with the unprobed step; the ratio per row."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
@@ -84,6 +87,8 @@ def bench_cmd(
     - `sebp-probe bench llama-3.2-1b-sft --scope model --tiny` : the whole run on a tiny model (CPU: seconds)
     - `sebp-probe bench llama-3.2-1b-sft --scope model --compile default --layouts packed,longest` : compiled
       entries too (and Cut-Cross-Entropy, Liger compiled), on two layouts
+    - `sebp-probe bench bert-base --scope model --probe --compile default --layouts longest --methods dense:full`
+      : what a finetune --probe-every step costs over an unprobed one, eager and compiled
     - `sebp-probe bench llama-3.2-3b --scope all --dry-run` : show the plan only
 
     Per layer: dense = cuBLAS backward; ideal = cuBLAS on the k active rows already contiguous; ideal +io =
@@ -98,7 +103,7 @@ def bench_cmd(
 
     import torch
 
-    from .bench import bench, bench_cases, bench_compile, bench_model
+    from .bench import bench, bench_cases, bench_compile, bench_model, probe_overhead
     from .analysis.plots import check_image_path, plot_bench_models
 
     if scope not in ("layers", "model", "all"):
@@ -127,9 +132,10 @@ def bench_cmd(
         if figure:
             check_image_path(figure)
     elif (not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure or not pad_rows or compile_mode
-          or layouts or methods):
+          or layouts or methods or probe):
         raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --no-pad-rows, --tiny, --figure, "
-                        "--compile, --layouts and --methods are for the whole-model run (--scope model or all)")
+                        "--compile, --layouts, --methods and --probe are for the whole-model run (--scope model or "
+                        "all)")
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise UserError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     if compile_scope not in bench_compile.SCOPES:
@@ -176,12 +182,15 @@ def bench_cmd(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
                 pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
                 pad_rows=pad_rows, compile=compile_mode, compile_scope=compile_scope, note=note, partial=partial,
-                **chosen))
+                probe=probe, **chosen))
     if output:  # first: what was measured survives any trouble with the tables
         write_json(Path(output), result)
     if figure and result["models"]:
         console.print(f"figure written to {plot_bench_models(result['models'], figure)}", highlight=False,
                       soft_wrap=True)
     bench_tables(result)
+    for m in result["models"]:
+        for line in probe_overhead.probe_lines(m):
+            console.print(line, highlight=False, soft_wrap=True)
     if output:
         console.print(f"results written to {output}", highlight=False, soft_wrap=True)

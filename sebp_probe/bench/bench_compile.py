@@ -54,6 +54,21 @@ def compile_reason(device: torch.device, backend: str) -> str | None:
 SCOPES = ("layers", "step")
 
 
+def compiled_step(model: torch.nn.Module, step: Callable, batches: list[dict], mode: str | None, backend: str,
+                  scope: str = "layers") -> tuple[Callable, Callable[[], None] | None]:
+    """``step(model, batch) -> loss`` ready to compile at its first call, after ``torch._dynamo.reset()``, and
+    what undoes it (None: nothing to undo): under ``layers`` the step itself with each layer of the model's stack
+    compiled in place (told the most rows a batch of ``batches`` has), under ``step`` the step compiled."""
+    if scope not in SCOPES:
+        raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    torch._dynamo.reset()
+    kw = dict(dynamic=True, backend=backend, **({"options": dynamic_options(mode)} if backend == "inductor" else {}))
+    if scope == "layers":
+        bound = max(b["input_ids"].numel() for b in batches)  # the most rows a batch of the pool has
+        return step, compile_layers(model, row_bound=bound, **kw)
+    return distinct_sizes(torch.compile(step, **kw)), None
+
+
 def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], timer: Callable,
                    mode: str | None, backend: str, scope: str = "layers",
                    graphs: Callable | None = None) -> tuple[list[dict], dict]:
@@ -67,16 +82,7 @@ def compiled_steps(model: torch.nn.Module, step: Callable, batches: list[dict], 
     compiled (timing ``compiled_graphs``: the compiled layers
     replayed as CUDA graphs, ``layers`` scope only); its timings and the graphs Dynamo compiled meanwhile
     come in the stats as ``graph_runs`` and ``graph_recompiles``."""
-    if scope not in SCOPES:
-        raise ValueError(f"compile scope must be one of {', '.join(SCOPES)}, got {scope!r}")
-    torch._dynamo.reset()
-    kw = dict(dynamic=True, backend=backend, **({"options": dynamic_options(mode)} if backend == "inductor" else {}))
-    undo = None
-    if scope == "layers":
-        bound = max(b["input_ids"].numel() for b in batches)  # the most rows a batch of the pool has
-        undo, compiled = compile_layers(model, row_bound=bound, **kw), step
-    else:
-        compiled = distinct_sizes(torch.compile(step, **kw))
+    compiled, undo = compiled_step(model, step, batches, mode, backend, scope)
     try:
         graphs0, breaks0 = dynamo_counts()
         cuda = next(model.parameters()).is_cuda

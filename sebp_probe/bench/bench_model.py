@@ -45,6 +45,7 @@ from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, la
 from .bench_compile import compile_reason, compiled_steps
 from .bench_peers import cce_loss, cce_reason, liger_patch, liger_reason
 from .bench_steps import replay_or_fail, backward_breakdown, sebp_patched, time_eager, time_graphs
+from .probe_overhead import probe_overhead
 from ..config import GRAPHED_COMPILE_MODES
 from ..data.batching import COMPILE_MULTIPLE
 from ..layouts import LAYOUTS
@@ -220,7 +221,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 pad_rows: bool = True, compile: str | None = None, compile_backend: str = "inductor",
                 compile_scope: str = "layers", layouts=LAYOUTS, methods=METHODS,
                 note: Callable[[str], None] | None = None,
-                partial: Callable[[dict], None] | None = None) -> dict:
+                partial: Callable[[dict], None] | None = None, probe: bool = False) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
     decoders' padded layouts without the padding mask (right padding: same loss and gradients, the causal
     kernel). ``breakdown``: one backward of each eager entry on its layout's first batch, GPU kernel time by
@@ -232,7 +233,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
     ``layouts``, ``methods``: the entries to run (the pool and its layouts' statistics are the same).
     ``progress``: what runs now; ``note``: lines to keep (each compiled entry's compile seconds); ``partial``:
     given the result so far (``complete`` False) after each layout's eager entries and each compiled entry, so
-    that a run cut short (a time limit, an error) keeps what it measured."""
+    that a run cut short (a time limit, an error) keeps what it measured. ``probe``: each dense and SEBP entry
+    also probed as ``finetune --probe-every`` probes a step, against the unprobed step (:mod:`.probe_overhead`)."""
     from ..train.graphs import CaptureError
     from ..model.packing import attention_backend
     from ..data.train_data import to_device
@@ -353,12 +355,15 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                       f"{statistics.fmean(r['step_ms'] for r in runs[key]):.2f} ms a step" if x else failed[key]))
             if partial:
                 partial(assemble(False))
+    probed = probe_overhead(entry, _step_fn, batches, [k for k, v in runs.items() if v and k not in failed],
+                            case.task, dev, repeats, warmup, pad_mask, compile, compile_backend, compile_scope,
+                            progress) if probe else None
     if compile is not None:  # the last entry's graphs hold its model
         torch._dynamo.reset()
     model = liger = None  # the models are gone before the next case
     if cuda:
         torch.cuda.empty_cache()
-    result = assemble(True)
+    result = assemble(True) | ({"probe": probed} if probe else {})
     if breakdown:
         result["backward_kernels"] = kernels if cuda else {"skipped": "the kernel breakdown needs a CUDA GPU"}
     return result

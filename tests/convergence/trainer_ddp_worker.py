@@ -7,7 +7,10 @@ SEBP and this process's own calibrated densities.
 
 The main process calibrates with ``dense_fallback=0.9``, the other with ``dense_fallback=0.0`` (on its own it
 would keep every layer dense): a stand-in for the per-process timings that make processes choose differently,
-so that the test sees the other process take the main one's layers."""
+so that the test sees the other process take the main one's layers.
+
+Kind ``grad_stats``: the Trainer once with ``add_grad_stats``; the process's own counts of each probed step, its
+records and what it logged (the test checks that they are the sum of both processes' counts)."""
 import json
 import os
 import sys
@@ -50,12 +53,41 @@ def train(kind: str, sebp: bool, rank: int, out: Path) -> dict:
     return result
 
 
+def grad_stats(out: Path) -> dict:
+    """The Trainer with ``add_grad_stats(every=2)``: this process's own counts of each probed step (before the
+    all-reduce, read by a spy on it), the records it made, and what its trainer logged of them."""
+    from sebp_probe.integrations import grad_stats as stats_module
+    from sebp_probe.integrations.hf import add_grad_stats
+
+    own, reduce = [], stats_module._all_reduce
+
+    def spy(counts, device):
+        own.append(counts.pack().tolist())
+        return reduce(counts, device)
+
+    stats_module._all_reduce = spy
+    try:
+        trainer = make_trainer("trainer", out)
+        callback = add_grad_stats(trainer, every=2)
+        trainer.train()
+    finally:
+        stats_module._all_reduce = reduce
+    logged = [{k: v for k, v in h.items() if k.startswith("grad_stats/") or k == "step"}
+              for h in trainer.state.log_history if any(k.startswith("grad_stats/") for k in h)]
+    names = list(callback.records[0]["layers"]) if callback.records else []  # the order of the packed counts
+    return {"own": own, "names": names, "records": callback.records, "logged": logged,
+            "processes": trainer.accelerator.num_processes}
+
+
 def main() -> None:
     out, kinds = Path(sys.argv[1]), sys.argv[2:]
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     result = {"rank": rank}
     for kind in kinds:
+        if kind == "grad_stats":
+            result[kind] = grad_stats(out / kind)
+            continue
         result[kind] = {"plain": train(kind, False, rank, out / kind), "sebp": train(kind, True, rank, out / kind)}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     # the trainers leave accelerate's process group up: torn down by the interpreter's exit instead, gloo's

@@ -37,7 +37,10 @@ def test_each_added_result_is_a_run_of_a_family_file(suite, tmp_path):
                 added.setdefault(job.add[0], set()).add(job.add[1])
     for family, runs in added.items():
         have = set(json.loads((ROOT / "results" / family).read_text())["runs"])
-        assert runs & have, (family, runs - have)  # a rerun replaces the documented runs (the GPU's name aside)
+        # a rerun replaces the documented runs (the GPU's name aside); method.md's probe table reads every
+        # probe_* run of grad_stats.json, and says the cost is not measured yet while there is none
+        by_prefix = family == "grad_stats.json" and all(r.startswith("probe_") for r in runs)
+        assert runs & have or by_prefix, (family, runs - have)
     reproduce = {r["reproduce"].split()[2] for f in (ROOT / "results").glob("*.json")
                  for r in json.loads(f.read_text())["runs"].values()
                  if r.get("reproduce", "").startswith("python benchmarks/gpu_suite.py")}

@@ -2,7 +2,7 @@
 ``sebp-probe grad-stats RUN_DIR --json``)."""
 from __future__ import annotations
 
-from docgen import Page, block, captioned, f1, table
+from docgen import Page, block, captioned, f1, f2, table
 
 MINILM = "grad_stats.json#minilm_tweets_cpu"
 # The layers of the issue that asked for these statistics, by name in all-MiniLM-L6-v2
@@ -44,3 +44,35 @@ def grad_stats_minilm(page: Page) -> str:
     note = (f"Step {first} → step {last} (its backward after {last - 1} updates) of {src.data['config']['max_steps']}"
             + (f"; held-out accuracy at the end {acc:.2f}" if acc is not None else "") + ".")
     return captioned(page, [src], table(header, body, "lrrrr") + "\n\n" + note)
+
+
+PROBE_RUNS = "probe_"  # runs of grad_stats.json from `benchmarks/gpu_suite.py probe --add`: probe_<gpu>_<case>
+
+
+@block("grad_stats_probe")
+def grad_stats_probe(page: Page) -> str:
+    """What a probed step costs: per bench run of ``bench --scope model --probe``, each entry's unprobed and
+    probed step, their ratio, and for a compiled entry (whose probed step runs eagerly) the hooks' own ratio
+    against the same step forced eager, with the noise and the recompiles."""
+    runs = [name for name in page.load("grad_stats.json").data["runs"] if name.startswith(PROBE_RUNS)]
+    if not runs:
+        return ("The cost of a probed step on a GPU is not measured yet; `python benchmarks/gpu_suite.py probe "
+                "--add` measures it (bert-base and llama-3.2-1b-sft, eager and compiled).")
+    sources = [page.load(f"grad_stats.json#{name}") for name in runs]
+    header = ["model", "entry", "timing", "unprobed ms", "probed ms", "probed / unprobed",
+              "hooks alone (vs the step eager)", "noise ±%", "recompiles"]
+    body = []
+    for src in sources:
+        for model in src.data["models"]:
+            for r in model["probe"]["rows"]:
+                compiled = r["timing"] == "compiled"
+                body.append([model["case"]["name"], f"{r['layout']} {r['method']} {r['head']}",
+                             r["timing"] + (" (probed step eager)" if compiled else ""), f2(r["unprobed_ms"]),
+                             f2(r["probed_ms"]), f"{r['ratio']:.3f}x", f"{r['hooks_ratio']:.3f}x",
+                             "-" if r["spread"] is None else f1(100 * r["spread"]),
+                             str(r["recompiles"]) if compiled else "-"])
+    note = ("Wall time of one forward and backward (optimizer left out), device synchronized, probed and "
+            "unprobed steps taking turns on the same batches (`sebp-probe bench --scope model --probe`); a "
+            "compiled run's probed step runs eagerly, so its ratio is against the compiled step and the hooks' "
+            "own against the same step eager. With `--probe-every N` a run pays the excess on one step in N.")
+    return captioned(page, sources, table(header, body, "lllrrrrrr") + "\n\n" + note)

@@ -1,0 +1,175 @@
+"""``bench --scope model --probe``: what a ``finetune --probe-every`` step costs over an unprobed one.
+
+For each eager and compiled entry of the dense and SEBP methods the bench ran (the models ``finetune`` probes),
+on the same model, batches and settings, a probed step takes turns with an unprobed one on each batch of the
+layout: ``warmup`` rounds untimed, then ``repeats`` rounds, each arm first in every other round. A probed step is
+what ``finetune --probe-every`` runs on a probed step (:class:`~sebp_probe.train.probe_steps.StepProbe`): the
+collector's hooks on the model for that step, the step's own forward and backward, the counts reduced on the
+device and brought to the host in one transfer; the record made from them (host work after the step) is left
+out, as it is out of finetune's step time. Every step is timed by the wall clock from a synchronized device to a
+synchronized device (a finetune step waits for its loss anyway), the optimizer left out as in the rest of the
+bench (it costs both arms the same, so the ratios here are the largest a training step can see).
+
+A compiled entry's probed step runs eagerly, by design (``torch.compiler.set_stance("force_eager")``: the
+compiled graphs run no hooks added after tracing, and an eager step adds no graph): there a third arm, the same
+step forced eager without hooks, takes its turn too, and the row holds two ratios: ``ratio``, the probed step
+against the compiled one (what a compiled run pays on a probed step), and ``hooks_ratio``, the probed step
+against the eager one (the hooks' own cost, like with like). For an eager entry both are the same ratio.
+``recompiles``: graphs Dynamo compiled after the entry's first (compiling) step, probed steps among them; the
+compiled row of the bench counts its own, without probes, to compare. ``spread``: the median absolute deviation
+of the unprobed steps over their median (mean over batches), the noise a ratio is read against (None under 3
+repeats).
+``layers``/``rows``: what the last probed step's record holds, a check that the hooks ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..data.train_data import to_device
+from ..train.compiling import dynamo_counts, evaluating_eagerly
+from ..train.probe_steps import StepProbe
+from .bench_compile import compiled_step
+
+METHODS = ("dense", "sebp")  # what finetune --probe-every probes here; the peers' entries are skipped
+TIMINGS = ("eager", "compiled")
+
+
+def probe_plan(keys) -> tuple[list[tuple], list[dict]]:
+    """Of the bench's entry keys (layout, method, head, timing) that ran: those probed, and the others with why
+    not."""
+    run, skipped = [], []
+    for key in keys:
+        why = (f"{key[3]} timing: finetune probes eager or compiled steps" if key[3] not in TIMINGS else
+               f"finetune --probe-every is measured on dense and SEBP models, not {key[1]}"
+               if key[1] not in METHODS else None)
+        if why:
+            skipped.append(dict(zip(("layout", "method", "head", "timing"), key), reason=why))
+        else:
+            run.append(key)
+    return run, skipped
+
+
+def _wall_ms(fn: Callable[[], None], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: str | None, compiled: bool,
+                repeats: int, warmup: int, cuda: bool) -> dict:
+    """One batch: the medians of the probed and unprobed steps (and, ``compiled``, of the step forced eager
+    without hooks) taking turns, with the last probed step's record size (see the module docstring)."""
+    from sebp_kernels import label_checks
+
+    probes: list[StepProbe] = []
+
+    def plain(eager: bool) -> Callable[[], None]:
+        def run():
+            with evaluating_eagerly(eager):
+                loss_fn().backward()
+        return run
+
+    def probed() -> None:
+        probe = probes[-1]
+        with probe.step(1) as around, around(batch):
+            loss_fn().backward()
+
+    arms = {"unprobed": plain(False), "probed": probed, **({"eager": plain(True)} if compiled else {})}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    with label_checks.deferred() as checks:
+        for i in range(warmup + repeats):
+            names = list(arms)
+            for name in names[i % len(names):] + names[:i % len(names)]:  # each arm first in turn
+                if name == "probed":
+                    probes.append(StepProbe(1, model, task, compiled, None))
+                model.zero_grad(set_to_none=True)
+                ms = _wall_ms(arms[name], cuda)
+                checks.check()
+                if i >= warmup:
+                    times[name].append(ms)
+    model.zero_grad(set_to_none=True)
+    record = probes[-1].take(1)
+    med = {a: statistics.median(t) for a, t in times.items()}
+    spread = (statistics.median(abs(t - med["unprobed"]) for t in times["unprobed"]) / med["unprobed"]
+              if repeats >= 3 else None)  # fewer repeats say nothing of the noise
+    return {**{f"{a}_ms": m for a, m in med.items()}, "spread": spread, "layers": len(record["layers"]),
+            "rows": sum(e["rows"] for e in record["layers"].values())}
+
+
+def probe_overhead(model_for: Callable, step_for: Callable, batches: dict[str, list[dict]], keys,
+                   task: str | None, device: torch.device, repeats: int, warmup: int, pad_mask: bool = True,
+                   compile: str | None = None,
+                   compile_backend: str = "inductor", compile_scope: str = "layers",
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """The ``probe`` part of a whole-model result: a row per probed entry of ``keys`` (see the module
+    docstring) and the entries skipped. ``model_for(method, head)``: a context giving the entry's model (as the
+    bench runs it); ``step_for(method, head)``: its step function ``(model, batch) -> loss``; ``batches``: each
+    layout's batches (CPU); ``pad_mask`` False: padded layouts without their mask, as the bench runs them."""
+    cuda = device.type == "cuda"
+    run, skipped = probe_plan(keys)
+    rows = []
+    for n, (layout, method, head, timing) in enumerate(run, 1):
+        if progress:
+            progress(f"probe: {layout}, {method}, {head} head, {timing} ({n}/{len(run)})")
+        on_device = [to_device({k: v for k, v in b.items() if pad_mask or layout == "packed" or k != "attention_mask"},
+                               device) for b in batches[layout]]
+        compiled = timing == "compiled"
+        with model_for(method, head) as m, contextlib.ExitStack() as undo:
+            step, graphs0 = step_for(method, head), None
+            if compiled:
+                step, restore = compiled_step(m, step, on_device, compile, compile_backend, compile_scope)
+                if restore is not None:
+                    undo.callback(restore)
+                m.zero_grad(set_to_none=True)
+                step(m, on_device[0]).backward()  # the compile, untimed
+                graphs0 = dynamo_counts()[0]
+            per = [interleaved(m, lambda b=b: step(m, b), b, task, compiled, repeats, warmup, cuda)
+                   for b in on_device]
+            recompiles = dynamo_counts()[0] - graphs0 if compiled else None
+        if compiled:
+            torch._dynamo.reset()
+        rows.append(_row((layout, method, head, timing), per, recompiles))
+    return {"rows": rows, "skipped": skipped, "repeats": repeats, "warmup": warmup}
+
+
+def _row(key: tuple, per: list[dict], recompiles: int | None) -> dict:
+    mean = lambda k: statistics.fmean(p[k] for p in per)  # noqa: E731
+    unprobed, probed = mean("unprobed_ms"), mean("probed_ms")
+    eager = mean("eager_ms") if "eager_ms" in per[0] else unprobed
+    row = dict(zip(("layout", "method", "head", "timing"), key), unprobed_ms=round(unprobed, 3),
+               probed_ms=round(probed, 3), ratio=round(probed / unprobed, 4), hooks_ratio=round(probed / eager, 4),
+               probed_step_runs="eager",
+               spread=None if per[0]["spread"] is None else round(mean("spread"), 4),
+               per_batch_ratio=[round(p["probed_ms"] / p["unprobed_ms"], 4) for p in per],
+               layers=per[-1]["layers"], rows=per[-1]["rows"])
+    if key[3] == "compiled":
+        row.update(eager_ms=round(eager, 3), recompiles=recompiles)
+    return row
+
+
+def probe_lines(model_result: dict) -> list[str]:
+    """The probe's rows as plain lines for the terminal."""
+    probe = model_result.get("probe")
+    if not probe:
+        return []
+    name = model_result["case"]["name"]
+    lines = [f"{name}, --probe: a probed step (finetune --probe-every) against an unprobed one, interleaved "
+             "(wall ms; a compiled entry's probed step runs eagerly by design: hooks = against that step "
+             "forced eager without hooks)"]
+    for r in probe["rows"]:
+        hooks = f", hooks {r['hooks_ratio']:.3f}x" if r["timing"] == "compiled" else ""
+        noise = "noise unknown: under 3 repeats" if r["spread"] is None else f"noise +-{100 * r['spread']:.1f}%"
+        lines.append(f"  {r['layout']} {r['method']} {r['head']} {r['timing']}: {r['unprobed_ms']:.2f} -> "
+                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{hooks} ({noise})")
+    lines += [f"  not probed: {s['layout']} {s['method']} {s['head']} {s['timing']} ({s['reason']})"
+              for s in probe["skipped"]]
+    return lines
