@@ -5,10 +5,14 @@ from __future__ import annotations
 from docgen import Page, block, captioned, f1, f2, table
 
 MINILM = "grad_stats.json#minilm_tweets_cpu"
-# The layers of the issue that asked for these statistics, by name in all-MiniLM-L6-v2
-LAYERS = (("layer 0 query", "bert.encoder.layer.0.attention.self.query"),
-          ("layer 2 intermediate", "bert.encoder.layer.2.intermediate.dense"),
-          ("layer 5 value", "bert.encoder.layer.5.attention.self.value"))
+SMOLLM2 = "grad_stats.json#smollm2_tweets_sft_cpu"
+# Three layers of each model by name: for MiniLM those of the issue that asked for these statistics
+MINILM_LAYERS = (("layer 0 query", "bert.encoder.layer.0.attention.self.query"),
+                 ("layer 2 intermediate", "bert.encoder.layer.2.intermediate.dense"),
+                 ("layer 5 value", "bert.encoder.layer.5.attention.self.value"))
+SMOLLM2_LAYERS = (("layer 0 q_proj", "model.layers.0.self_attn.q_proj"),
+                  ("layer 15 q_proj", "model.layers.15.self_attn.q_proj"),
+                  ("layer 15 down_proj", "model.layers.15.mlp.down_proj"))
 
 
 def _pct(v) -> str:
@@ -19,18 +23,29 @@ def _pair(first: dict, last: dict, key: str) -> str:
     return f"{_pct(first.get(key))} → {_pct(last.get(key))}"
 
 
-@block("grad_stats_minilm")
-def grad_stats_minilm(page: Page) -> str:
-    """Per layer type and for three layers: active rows, and the share of them holding 90% / 99% of the squared
-    norm and the knee, at the first and the last probed step."""
-    src = page.load(MINILM)
+def _end(src) -> str:
+    """How the run ended: its held-out accuracy or perplexity, or that it was stopped early."""
+    ev = src.data.get("final_eval") or {}
+    if src.data.get("status") not in (None, "completed"):
+        return f"; the run was {src.data['status']} there"
+    if ev.get("eval_accuracy") is not None:
+        return f"; held-out accuracy at the end {ev['eval_accuracy']:.2f}"
+    if ev.get("eval_perplexity") is not None:
+        return f"; held-out perplexity at the end {ev['eval_perplexity']:.2f}"
+    return ""
+
+
+def concentration_table(page: Page, run: str, layers) -> str:
+    """Per layer type and for three ``layers`` (label, name): active rows, and the share of them holding 90% /
+    99% of the squared norm and the knee, at the first and the last probed step of ``run``."""
+    src = page.load(run)
     rows = src.rows()
     steps = sorted({r["step"] for r in rows})
     first, last = steps[0], steps[-1]
     by = {(r["step"], r["layer_type"]): r for r in rows}
     layer_by = {(r["step"], r["layer"]): r for r in src.rows("layer_rows")}
     body = []
-    for label, name in LAYERS:
+    for label, name in layers:
         a, b = layer_by[(first, name)], layer_by[(last, name)]
         body.append([label, _pair(a, b, "active_share"), _pair(a, b, "rows_90"), _pair(a, b, "rows_99"),
                      _pair(a, b, "knee")])
@@ -40,10 +55,19 @@ def grad_stats_minilm(page: Page) -> str:
                      _pair(a, b, "rows_99"), _pair(a, b, "knee")])
     header = ["layer", "active rows %", "rows holding 90% of the energy, % of active",
               "rows holding 99%", "knee, % of active"]
-    acc = (src.data.get("final_eval") or {}).get("eval_accuracy")
-    note = (f"Step {first} → step {last} (its backward after {last - 1} updates) of {src.data['config']['max_steps']}"
-            + (f"; held-out accuracy at the end {acc:.2f}" if acc is not None else "") + ".")
+    note = (f"Step {first} → step {last} (its backward after {last - 1} updates) of "
+            f"{src.data['config']['max_steps']}{_end(src)}.")
     return captioned(page, [src], table(header, body, "lrrrr") + "\n\n" + note)
+
+
+@block("grad_stats_minilm")
+def grad_stats_minilm(page: Page) -> str:
+    return concentration_table(page, MINILM, MINILM_LAYERS)
+
+
+@block("grad_stats_smollm2")
+def grad_stats_smollm2(page: Page) -> str:
+    return concentration_table(page, SMOLLM2, SMOLLM2_LAYERS)
 
 
 PROBE_RUNS = "probe_"  # runs of grad_stats.json from `benchmarks/gpu_suite.py probe --add`: probe_<gpu>_<case>
