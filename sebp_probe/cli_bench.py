@@ -64,7 +64,8 @@ def bench_cmd(
     layouts: str = typer.Option(None, "--layouts", help="Whole model: only these layouts, comma-separated "
                                 "(max_length, longest, bucket, packed; default all)."),
     methods: str = typer.Option(None, "--methods", help="Whole model: only these methods, comma-separated "
-                                "(dense, sebp, liger, cce; default all), or one head of a method as method:head (sebp:labelled)."),
+                                "(dense, sebp, liger, cce; default all; sampled, opt-in: sampled mode at budget "
+                                "auto), or one head of a method as method:head (sebp:labelled)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run and exit (no GPU needed)."),
 ) -> None:
     """Time the SEBP backward on the GPU against dense cuBLAS, the torch reference and the ideal.
