@@ -183,7 +183,8 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
     m, auto = dy.shape[0], config.budget == "auto"
     active = dy.any(dim=1)  # as exact mode: NaN and Inf are truthy
     w = torch.linalg.vector_norm(dy.float(), dim=1)
-    xn2 = (x.float() ** 2).sum(1) if x is not None and need_dw else torch.ones_like(w)
+    # ||X_i||²: for the variance rule and the guard only (a fixed share without the guard reads dY alone)
+    xn2 = (x.float() ** 2).sum(1) if x is not None and need_dw and (auto or state.armed) else torch.ones_like(w)
     solved = state.tau is None
     if solved:  # the first backward: the cutoff from its own rows (it depends on dY and X alone: still unbiased)
         state.tau = w.new_zeros(()) if auto else solve_tau(w, _share(config, state))
