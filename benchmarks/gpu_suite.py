@@ -82,6 +82,15 @@ def _compiled(out: Path, gpu: str) -> list[Job]:
                   add=("model_compiled.json", f"{case}_cce")) for case in ("llama-3.2-1b-sft", "qwen2.5-0.5b-sft")]
 
 
+def _sampled(out: Path, gpu: str) -> list[Job]:
+    """Sampled mode (budget auto, torch path) beside dense, SEBP and CCE, packed and `longest`, eager and compiled."""
+    return [bench(out, f"model_{case}_sampled", case, "--scope", "model", "--compile", "default", "--layouts",
+                  "packed,longest", "--methods", methods, "--model-batches", "4",
+                  add=("model_compiled.json", f"{case}_sampled"))
+            for case, methods in (("llama-3.2-1b-sft", "dense:labelled,cce:labelled,sebp:labelled,sampled:labelled"),
+                                  ("bert-base", "dense:full,sebp:full,sampled:full"))]
+
+
 def _compiled_longest(out: Path, gpu: str) -> list[Job]:
     """`longest`, each entry in a process of its own, dense / SEBP / SEBP / dense, merged by orders_collect.py."""
     jobs = []
@@ -234,6 +243,8 @@ STEPS: dict[str, Step] = {
                              _compiled_longest),
     "probe": Step("a finetune --probe-every step against an unprobed one, eager and compiled", "method.md",
                   _probe),
+    "sampled": Step("sampled mode (budget auto) beside dense, SEBP and CCE, eager and compiled", "method.md",
+                    _sampled),
     "head": Step("the labelled-rows head against the full head, CCE and Liger", "benchmarks.md", _head),
     "trainer": Step("SFTTrainer with and without apply_sebp, eager, padding-free and compiled", "trainer.md",
                     _trainer),

@@ -26,7 +26,7 @@ def _row(run: Path) -> dict:
     cfg = json.loads((run.parent / "run_config.json").read_text() if not (run / "run_config.json").exists()
                      else (run / "run_config.json").read_text())["config"]
     smp = s.get("sampled")
-    arm = "dense" if s["method"] == "dense" else f"sampled {smp['budget']:g}" if smp else s["method"]
+    arm = "dense" if s["method"] == "dense" else f"sampled {smp['budget'] if smp['budget'] == 'auto' else format(smp['budget'], 'g')}" if smp else s["method"]
     return {"arm": arm, "seed": cfg["seed"], "status": s["status"], "steps": s["steps"],
             "eval_accuracy": s["final_eval"].get("eval_accuracy"), "eval_loss": s["final_eval"].get("eval_loss"),
             "final_train_loss": s.get("final_train_loss"), "median_step_ms": s.get("median_step_ms"),
@@ -34,6 +34,9 @@ def _row(run: Path) -> dict:
             "skipped_of_nonzero": smp["skipped_of_nonzero"] if smp else 0.0,
             "skipped_of_rows": smp["skipped_of_rows"] if smp else None,
             "sampled_rows": {k: smp[k] for k in ("rows", "nonzero", "kept")} if smp else None,
+            "guard": {k: smp["guard"][k] for k in ("checks", "min_cosine", "median_rel_error", "over_budget",
+                                                  "layer_checks")} | {"layers_raised": len(smp["guard"]["raised"])}
+            if smp and smp.get("guard") else None,
             "run_dir": str(run)}
 
 
@@ -41,10 +44,12 @@ def _arms(rows: list[dict]) -> list[dict]:
     out = []
     for arm in dict.fromkeys(r["arm"] for r in rows):
         rs = [r for r in rows if r["arm"] == arm]
-        acc = [r["eval_accuracy"] for r in rs]
+        acc = [r["eval_accuracy"] for r in rs if r["eval_accuracy"] is not None]
+        loss = [r["eval_loss"] for r in rs]
         sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else None  # noqa: E731
-        out.append({"arm": arm, "seeds": sorted(r["seed"] for r in rs), "eval_accuracy_mean": statistics.mean(acc),
-                    "eval_accuracy_sd": sd(acc), "eval_loss_mean": statistics.mean(r["eval_loss"] for r in rs),
+        out.append({"arm": arm, "seeds": sorted(r["seed"] for r in rs),
+                    "eval_accuracy_mean": statistics.mean(acc) if acc else None, "eval_accuracy_sd": sd(acc),
+                    "eval_loss_mean": statistics.mean(loss), "eval_loss_sd": sd(loss),
                     "skipped_of_nonzero_mean": statistics.mean(r["skipped_of_nonzero"] for r in rs),
                     "median_step_ms_mean": statistics.mean(r["median_step_ms"] for r in rs)})
     return out
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for a in doc["arms"]:
         sd = "-" if a["eval_accuracy_sd"] is None else f"{a['eval_accuracy_sd']:.3f}"
-        print(f"{a['arm']:>13}: acc {a['eval_accuracy_mean']:.3f} +- {sd} over seeds {a['seeds']}, "
+        acc = "-" if a["eval_accuracy_mean"] is None else f"{a['eval_accuracy_mean']:.3f}"
+        print(f"{a['arm']:>13}: acc {acc} +- {sd}, loss {a['eval_loss_mean']:.4f} over seeds {a['seeds']}, "
               f"skipped {100 * a['skipped_of_nonzero_mean']:.1f}% of non-zero rows, step {a['median_step_ms_mean']:.0f} ms")
     return 0
 

@@ -27,7 +27,11 @@ class SEBPConfig:
              compiled graph launches itself (no Python call a layer; :mod:`sebp_kernels._triton.traced`):
              exact and threshold modes on the Triton kernels only, without the density fallback, row hints or
              padding rows. Off: the operator ``sebp::linear_backward``. Eager runs ignore it.
-    budget:    ``sampled``: the expected share of the non-zero rows kept for dW, in (0, 1] (1: exact).
+    budget:    ``sampled``: the expected share of the non-zero rows kept for dW, in (0, 1] (1: exact), or
+               ``"auto"``: per layer, the fewest rows whose added variance in dW stays under ``variance_tau`` of
+               the minibatch SGD variance (:mod:`.sample_variance`).
+    variance_tau: ``sampled``: the variance budget, a share of the SGD variance (VCAS's 0.025): the cutoff of
+               ``auto``, and the limit of the exact-gradient guard in both budgets.
     sample_dx: ``sampled``: dX from the sample too (default False: dX exact over the non-zero rows).
     seed:      ``sampled``: the run's seed of the row draws.
     warmup:    ``sampled``: the layer's first ``warmup`` backwards keep every non-zero row (exact).
@@ -40,10 +44,11 @@ class SEBPConfig:
     top_n: int | None = None
     backend: Backend = "auto"
     triton_op: bool = False
-    budget: float | None = None
+    budget: float | str | None = None
     sample_dx: bool = False
     seed: int = 0
     warmup: int = 0
+    variance_tau: float = 0.025
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,12 +73,16 @@ class SEBPConfig:
 
     def _check_sampled(self) -> None:
         if self.mode != "sampled":
-            if self.budget is not None or self.sample_dx or self.warmup:
+            if self.budget is not None or self.sample_dx or self.warmup or self.variance_tau != 0.025:
                 raise ValueError(f"budget, sample_dx and warmup belong to sampled mode, not {self.mode}")
             return
         b = self.budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 1):
-            raise ValueError(f"sampled mode needs a budget in (0, 1] (the share of non-zero rows kept), got {b!r}")
+        if b != "auto" and (isinstance(b, bool) or not isinstance(b, (int, float)) or not (0 < b <= 1)):
+            raise ValueError(f"sampled mode needs a budget in (0, 1] (the share of non-zero rows kept) or 'auto', "
+                             f"got {b!r}")
+        t = self.variance_tau
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
+            raise ValueError(f"sampled mode's variance_tau must be a number > 0, got {t!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"sampled mode's seed must be an integer, got {self.seed!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -83,7 +92,7 @@ class SEBPConfig:
 
     def __reduce__(self):  # copies and pickles are built afresh: the op key is this process's own
         return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend, self.triton_op, self.budget,
-                             self.sample_dx, self.seed, self.warmup))
+                             self.sample_dx, self.seed, self.warmup, self.variance_tau))
 
     @property
     def op_key(self) -> int:
@@ -107,16 +116,22 @@ class SEBPConfig:
         if self.triton_op:
             d["triton_op"] = True
         if self.mode == "sampled":
-            d.update(budget=float(self.budget), sample_dx=self.sample_dx, seed=self.seed, warmup=self.warmup)
+            d.update(budget=_budget(self.budget), sample_dx=self.sample_dx, seed=self.seed, warmup=self.warmup)
+            if self.variance_tau != 0.025:
+                d["variance_tau"] = float(self.variance_tau)
         return d
 
 
-_SAMPLED_KEYS = ("budget", "sample_dx", "seed", "warmup")
+_SAMPLED_KEYS = ("budget", "sample_dx", "seed", "warmup", "variance_tau")
+
+
+def _budget(b):
+    return b if b == "auto" or b is None else float(b)
 
 
 def _values(config: SEBPConfig) -> tuple:
     return (config.mode, float(config.eps), config.top_n, config.backend, config.triton_op,
-            None if config.budget is None else float(config.budget), config.sample_dx, config.seed, config.warmup)
+            _budget(config.budget), config.sample_dx, config.seed, config.warmup, float(config.variance_tau))
 
 
 _KEY_OF_VALUES: dict[tuple, int] = {}

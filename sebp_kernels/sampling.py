@@ -27,6 +27,7 @@ import torch
 
 from .reference import backward_over_rows
 from .registry import register
+from .sample_variance import guard_numbers, sampling_variance, sgd_variance, solve_cutoff_for_variance
 
 _M64 = (1 << 64) - 1
 GRID_BITS = 24
@@ -116,7 +117,8 @@ class SampleState:
     and device counters of the rows sampled after warm-up: all of dY's rows, the non-zero ones, those kept for dW.
     Nothing here syncs with the host except :meth:`counts` and :meth:`state_dict`."""
 
-    __slots__ = ("layer_key", "tau", "calls", "_rows", "_nonzero", "_kept", "key", "__weakref__")
+    __slots__ = ("layer_key", "tau", "calls", "_rows", "_nonzero", "_kept", "key", "share", "var_tau", "armed",
+                 "guard", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -128,6 +130,10 @@ class SampleState:
         self.tau: torch.Tensor | None = None
         self.calls = 0
         self._rows = self._nonzero = self._kept = None
+        self.share: float | None = None  # a fixed budget's share for this layer, once the guard raised it
+        self.var_tau: float | None = None  # the variance budget for this layer, once the guard lowered it
+        self.armed = False  # the guard's step: the next backward also computes the exact dW
+        self.guard: torch.Tensor | None = None  # that backward's numbers (.sample_variance.GUARD_FIELDS)
 
     def __reduce__(self):  # copies start afresh, with the same layer key
         return (SampleState, (self.layer_key,))
@@ -147,11 +153,14 @@ class SampleState:
 
     def state_dict(self) -> dict:
         """JSON-able state (tau as a float: fp32 converts exactly), from which :meth:`load_state_dict` resumes."""
-        return {"tau": None if self.tau is None else float(self.tau), "calls": self.calls, **self.counts()}
+        return {"tau": None if self.tau is None else float(self.tau), "calls": self.calls, **self.counts(),
+                **({"share": self.share} if self.share is not None else {}),
+                **({"var_tau": self.var_tau} if self.var_tau is not None else {})}
 
     def load_state_dict(self, d: dict, device: torch.device | str = "cpu") -> None:
         self.tau = None if d.get("tau") is None else torch.tensor(d["tau"], dtype=torch.float32, device=device)
         self.calls = int(d.get("calls", 0))
+        self.share, self.var_tau = d.get("share"), d.get("var_tau")
         self._rows = None
         if d.get("rows"):
             self._rows = int(d["rows"])
@@ -165,30 +174,51 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
     """(dX, dW, db) of ``Y = X Wᵀ + b`` for 2-D ``dy`` (M, out) in ``sampled`` mode, in torch: the CPU path, the
     fallback on GPUs and the oracle of a kernel. Draws this backward's rows with ``state``'s cutoff, then updates
     the cutoff and the counters (see the module docstring). During the first ``config.warmup`` backwards of the
-    layer every non-zero row is kept unscaled (the exact gradient) while the cutoff is still solved."""
+    layer every non-zero row is kept unscaled (the exact gradient) while the cutoff is still solved. With
+    ``budget="auto"`` the cutoff keeps dW's added variance under the layer's variance budget
+    (:mod:`.sample_variance`; the first backward keeps every row). A backward of an ``armed`` state also
+    computes the exact dW and leaves the guard's numbers in ``state.guard``."""
     if state is None:
         raise ValueError("sampled mode needs its layer's SampleState (sebp_linear(..., state=SampleState()))")
-    m = dy.shape[0]
+    m, auto = dy.shape[0], config.budget == "auto"
     active = dy.any(dim=1)  # as exact mode: NaN and Inf are truthy
     w = torch.linalg.vector_norm(dy.float(), dim=1)
+    # ||X_i||²: for the variance rule and the guard only (a fixed share without the guard reads dY alone)
+    xn2 = (x.float() ** 2).sum(1) if x is not None and need_dw and (auto or state.armed) else torch.ones_like(w)
     solved = state.tau is None
-    if solved:  # the first backward: the cutoff from its own rows (it depends on dY alone: still unbiased)
-        state.tau = solve_tau(w, config.budget)
-    scale = None
+    if solved:  # the first backward: the cutoff from its own rows (it depends on dY and X alone: still unbiased)
+        state.tau = w.new_zeros(()) if auto else solve_tau(w, _share(config, state))
+    q = None
     if state.calls >= config.warmup:
         q = keep_probabilities(w, state.tau.to(w.device))
         draws = row_draws(config.seed, state.layer_key, state.calls, m, dy.device)
         kept = active & (draws < (q * GRID).to(torch.int64))
-        scale = (1.0 / q).to(dy.dtype)  # exactly 1 where q = 1
         state.count(m, active.sum(), kept.sum())
     else:
         kept = active
-    if not solved:
-        state.tau = solve_tau(w, config.budget)
     state.calls += 1
+    scale = None if q is None else (1.0 / q).to(dy.dtype)  # exactly 1 where q = 1
     kept_rows = kept.nonzero().squeeze(1)
     if config.sample_dx or not need_dx or scale is None:
-        return backward_over_rows(dy, x, weight, kept_rows, need_dx, need_dw, need_db, scale=scale)
-    dx, _, _ = backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), True, False, False)
-    _, dw, db = backward_over_rows(dy, x, weight, kept_rows, False, need_dw, need_db, scale=scale)
+        dx, dw, db = backward_over_rows(dy, x, weight, kept_rows, need_dx, need_dw, need_db, scale=scale)
+    else:
+        dx, _, _ = backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), True, False, False)
+        _, dw, db = backward_over_rows(dy, x, weight, kept_rows, False, need_dw, need_db, scale=scale)
+    qa = torch.ones_like(w) if q is None else torch.where(active, q, torch.ones_like(q))
+    var_tau = config.variance_tau if state.var_tau is None else state.var_tau
+    if state.armed and need_dw:
+        exact = dw if q is None else backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), False, True,
+                                                        False)[1]
+        state.guard = guard_numbers(dw, exact, w, xn2, qa, active, kept, var_tau)
+    state.armed = False
+    if not solved and auto:  # ||G||² from the sample: E||dW||² = ||G||² + V_s
+        g_sq = (dw.float() ** 2).sum() - sampling_variance(w, xn2, qa) if need_dw else w.new_zeros(())
+        state.tau = solve_cutoff_for_variance(w, xn2, var_tau * sgd_variance(w, xn2, g_sq))
+    elif not solved:
+        state.tau = solve_tau(w, _share(config, state))
     return dx, dw, db
+
+
+def _share(config, state: SampleState) -> float:
+    """A fixed budget's share for the layer: the config's, or the larger one the guard gave it."""
+    return float(config.budget) if state.share is None else state.share

@@ -64,7 +64,8 @@ def bench_cmd(
     layouts: str = typer.Option(None, "--layouts", help="Whole model: only these layouts, comma-separated "
                                 "(max_length, longest, bucket, packed; default all)."),
     methods: str = typer.Option(None, "--methods", help="Whole model: only these methods, comma-separated "
-                                "(dense, sebp, liger, cce; default all), or one head of a method as method:head (sebp:labelled)."),
+                                "(dense, sebp, liger, cce; default all; sampled, opt-in: sampled mode at budget "
+                                "auto), or one head of a method as method:head (sebp:labelled)."),
     probe: bool = typer.Option(False, "--probe", help="Whole model: time each dense and SEBP entry also as "
                                "finetune --probe-every's probed step (the gradient statistics' hooks on the "
                                "step's own backward), interleaved with the unprobed step; the ratio per row."),

@@ -26,15 +26,15 @@ def _compile_setting(given: str | None, padding: str, cuda_graphs: bool) -> str 
 
 
 def _budget(value: str | None) -> float | None:
-    """``--budget``: a share (checked by FinetuneConfig); ``auto`` is not built yet."""
+    """``--budget``: ``auto`` or a share (checked by FinetuneConfig)."""
     if value is None:
         return None
     if value.strip().lower() == "auto":
-        raise UserError("--budget auto is not built yet: give a share in (0, 1], e.g. --budget 0.3")
+        return "auto"
     try:
         return float(value)
     except ValueError:
-        raise UserError(f"--budget must be a share in (0, 1], got {value!r}") from None
+        raise UserError(f"--budget must be a share in (0, 1] or auto, got {value!r}") from None
 
 @one_line_errors
 def finetune_cmd(
@@ -76,13 +76,18 @@ def finetune_cmd(
     mode: str = typer.Option(None, "--mode", rich_help_panel=METHOD, help="exact | threshold | topk | sampled "
                              "(approximate, experimental: unbiased row sampling, see --budget) (default: from the "
                              "other options)."),
-    budget: str = typer.Option(None, "--budget", rich_help_panel=METHOD, help="sampled mode: the share of each "
-                               "layer's non-zero rows of dL/dY kept for dW in expectation, in (0, 1] (rescaled: "
-                               "unbiased)."),
+    budget: str = typer.Option(None, "--budget", rich_help_panel=METHOD, help="sampled mode: auto (the "
+                               "default: per layer, the fewest rows whose added variance in dW stays under 0.025 "
+                               "of the SGD variance) or a fixed share of each layer's non-zero rows of dL/dY kept "
+                               "for dW in expectation, in (0, 1] (rescaled: unbiased)."),
     sample_dx: bool = typer.Option(False, "--sample-dx", rich_help_panel=METHOD, help="sampled mode: dX from the "
                                    "sample too (default: dX exact)."),
     sample_warmup: int = typer.Option(10, "--sample-warmup", rich_help_panel=METHOD, help="sampled mode: exact "
                                       "optimizer steps first."),
+    guard_every: int = typer.Option(50, "--guard-every", rich_help_panel=METHOD, help="sampled mode: the first "
+                                    "sampled step and every Nth after it also compute the exact dW: cosine and "
+                                    "relative error per layer in metrics.jsonl; a layer over its variance budget "
+                                    "keeps more rows."),
     auto_eps: bool = typer.Option(False, "--auto-eps", rich_help_panel=METHOD, help="Run the analysis first and "
                                   "use its per-layer eps/N."),
     report: str = typer.Option(None, "--report", rich_help_panel=METHOD, help="Use the per-layer settings of "
@@ -189,6 +194,7 @@ def finetune_cmd(
         sebp_first=sebp_first,
         mode=mode,
         eps=eps, top_n=top_n, budget=_budget(budget), sample_dx=sample_dx, sample_warmup=sample_warmup,
+        guard_every=guard_every,
         auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, calib_budget=calib_budget,

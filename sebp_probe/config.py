@@ -102,8 +102,11 @@ class FinetuneConfig:
     SEBP settings: ``mode`` is inferred when not given: ``topk`` with ``top_n``, ``sampled`` with ``budget``,
     ``threshold`` with ``eps``, ``auto_eps`` or ``report``, else ``exact``. ``sampled`` (approximate,
     experimental: :mod:`sebp_kernels.sampling`) keeps the ``budget`` share of each layer's non-zero rows for dW
-    in expectation, rescaled so that the gradient is unbiased (dX too with ``sample_dx``), after
-    ``sample_warmup`` exact optimizer steps; its draws come from ``seed``. ``auto_eps`` runs the analysis first; ``report`` reads one.
+    in expectation (``auto``, the default: per layer, the fewest rows whose added variance stays under the
+    variance budget), rescaled so that the gradient is unbiased (dX too with ``sample_dx``), after
+    ``sample_warmup`` exact optimizer steps; its draws come from ``seed``; every ``guard_every`` steps the
+    exact gradient is computed beside it (:mod:`~sebp_probe.train.sample_guard`). ``auto_eps`` runs the analysis
+    first; ``report`` reads one.
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
     ``calib_budget``: ``--padding auto`` times its candidates in at most this share of the run's estimated time;
     ``fallback_if_slower``: the whole model stays dense when SEBP's step (forward + backward) measures slower at
@@ -144,9 +147,10 @@ class FinetuneConfig:
     mode: str | None = None
     eps: float | None = None
     top_n: int | None = None
-    budget: float | None = None
+    budget: float | str | None = None
     sample_dx: bool = False
     sample_warmup: int = 10
+    guard_every: int = 50
     auto_eps: bool = False
     report: str | None = None
     targets: tuple[str, ...] | None = None
@@ -311,15 +315,16 @@ class FinetuneConfig:
 
     def _check_sampled(self) -> None:
         b = self.budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1):
-            raise ValueError(f"--budget must be a share in (0, 1] (of each layer's non-zero rows kept), got {b!r}")
+        if b is not None and b != "auto" and (isinstance(b, bool) or not isinstance(b, (int, float))
+                                              or not 0 < b <= 1):
+            raise ValueError(f"--budget must be a share in (0, 1] (of each layer's non-zero rows kept) or auto, "
+                             f"got {b!r}")
         _pos_int(self.sample_warmup, "sample warm-up steps", 0)
+        _pos_int(self.guard_every, "--guard-every")
         if self.sebp_mode != "sampled":
             if b is not None or self.sample_dx:
                 raise ValueError(f"--budget and --sample-dx belong to --mode sampled, not {self.sebp_mode}")
             return
-        if b is None:
-            raise ValueError("--mode sampled needs --budget (the share of each layer's non-zero rows kept, in (0, 1])")
         clash = [n for n, v in (("--eps", self.eps is not None), ("--top-n", self.top_n is not None),
                                 ("--auto-eps", self.auto_eps), ("--report", bool(self.report))) if v]
         if clash:
@@ -359,8 +364,9 @@ class FinetuneConfig:
     def sebp_config(self) -> SEBPConfig:
         """The one setting for every patched layer when no report gives per-layer ones."""
         if self.sebp_mode == "sampled":  # the warm-up counts each layer's backwards: grad_accum per step
-            return SEBPConfig(mode="sampled", backend=self.backend, budget=float(self.budget), sample_dx=self.sample_dx,
-                              seed=self.seed, warmup=self.sample_warmup * self.grad_accum)
+            b = self.budget if self.budget not in (None, "auto") else "auto"
+            return SEBPConfig(mode="sampled", backend=self.backend, budget=b if b == "auto" else float(b),
+                              sample_dx=self.sample_dx, seed=self.seed, warmup=self.sample_warmup * self.grad_accum)
         return SEBPConfig(mode=self.sebp_mode, eps=float(self.eps or 0.0), top_n=self.top_n, backend=self.backend)
 
     def methods(self) -> tuple[str, ...]:

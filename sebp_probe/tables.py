@@ -165,9 +165,15 @@ def sampled_line(smp: dict) -> str:
     """One line on a sampled run: approximate, and the measured share of the linears' backward rows skipped."""
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     dx = "dX sampled too" if smp.get("sample_dx") else "dX exact over the non-zero rows"
-    return (f"approximate (sampled mode, experimental; budget {smp['budget']:g}): the {smp['layers']} sampled "
-            f"linears skipped {pct(smp['skipped_of_nonzero'])} of their non-zero rows of dL/dY in dW and db "
-            f"({pct(smp['skipped_of_rows'])} of all rows) after the warm-up, measured; {dx}")
+    b = smp["budget"]
+    g = smp.get("guard")
+    guard = "" if not g else (f"; guard: {g['checks']} checks, cosine to the exact dW min {g['min_cosine']:.3f}, "
+                              f"median relative error {g['median_rel_error']:.3f}, {len(g['raised'])} layers "
+                              "given more rows")
+    return (f"approximate (sampled mode, experimental; budget {b if b == 'auto' else format(b, 'g')}): the "
+            f"{smp['layers']} sampled linears skipped {pct(smp['skipped_of_nonzero'])} of their non-zero rows of "
+            f"dL/dY in dW and db ({pct(smp['skipped_of_rows'])} of all rows) after the warm-up, measured; {dx}"
+            f"{guard}")
 
 
 def _other_label(runs: dict) -> str:

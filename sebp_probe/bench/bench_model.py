@@ -42,6 +42,7 @@ import torch
 
 from .bench_cases import ModelCase, backward_flops, geometry, layout_batches, layout_limits, \
     layout_padding, make_items, sample_lengths, summarize
+from . import bench_sampled
 from .bench_compile import compile_reason, compiled_steps
 from .bench_peers import cce_loss, cce_reason, liger_patch, liger_reason
 from .bench_steps import replay_or_fail, backward_breakdown, sebp_patched, time_eager, time_graphs
@@ -52,7 +53,7 @@ from ..layouts import LAYOUTS
 from ..model.losses import FULL, labelled_loss
 
 VARIANTS = (("dense", "full"), ("dense", "labelled"), ("sebp", "full"), ("sebp", "labelled"), ("liger", "full"),
-            ("cce", "labelled"))
+            ("cce", "labelled")) + bench_sampled.VARIANTS  # sampled: opt-in, not among METHODS
 METHODS = ("dense", "sebp", "liger", "cce")
 # what --padding auto chooses among on a GPU: dense and SEBP, and the CCE head (sebp_probe.model.losses.auto_heads)
 AUTO_METHODS_GPU = ("dense", "sebp", "cce")
@@ -133,6 +134,7 @@ def plan_entries(case: ModelCase, graphs: bool, device: torch.device, peers: dic
                                "packed rows change shape from batch to batch" if layout == "packed" else
                                "Liger's fused linear cross-entropy reads a count on the host (.item())"
                                if method == "liger" else
+                               bench_sampled.GRAPHS_REASON if method == "sampled" else
                                "the labelled rows are found on the host (nonzero)" if head == "labelled" else None)
                 out.append(dict(layout=layout, method=method, head=head, timing="graphs", reason=gwhy))
             if compiled:
@@ -184,7 +186,7 @@ def check_selection(layouts, methods) -> None:
     """ValueError unless ``layouts`` and ``methods`` are non-empty selections of known names (a method, or one
     of its heads as ``method:head``)."""
     variants = tuple(f"{m}:{h}" for m, h in VARIANTS)  # one head of a method: "sebp:labelled"
-    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, METHODS + variants)):
+    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, METHODS + bench_sampled.METHODS + variants)):
         bad = [x for x in got if x not in known]
         if bad or not got:
             raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(known)}" if bad
@@ -219,7 +221,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 pad_mask: bool = True, breakdown: bool = False, norms: bool = False, acts: bool = False,
                 keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0,
                 pad_rows: bool = True, compile: str | None = None, compile_backend: str = "inductor",
-                compile_scope: str = "layers", layouts=LAYOUTS, methods=METHODS,
+                compile_scope: str = "layers", layouts=LAYOUTS, methods=METHODS, budget: float | str = "auto",
                 note: Callable[[str], None] | None = None,
                 partial: Callable[[dict], None] | None = None, probe: bool = False) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
@@ -268,6 +270,9 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
             with sebp_patched(model, case, head, mode, norms, acts, keep_dx, pad_rows) as patched:
                 counts[head] = patched
                 yield model
+        elif method == "sampled":  # ``budget``: its budget (bench_sampled)
+            with bench_sampled.sampled_patched(model, case, head, counts, budget, seed, pad_rows) as m:
+                yield m
         else:
             yield model
 

@@ -125,7 +125,7 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
                head: str = "labelled", calibrate: bool = True, calib_batches: int = 2, dense_fallback: float = 0.9,
                fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
                backend: str = "auto", keep_cudnn_attention: bool = False,
-               compile_scope: str = "layers", mode: str = "exact", budget: float | None = None,
+               compile_scope: str = "layers", mode: str = "exact", budget: float | str | None = None,
                sample_dx: bool = False, sample_warmup: int = 0) -> SEBPTrainer:
     """Apply SEBP to a Hugging Face ``Trainer`` or TRL ``SFTTrainer``, in place, before ``train()``.
 
@@ -160,7 +160,9 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
             expectation, rescaled so the gradient is unbiased (:mod:`sebp_kernels.sampling`), its draws from
             the trainer's seed. The trainer's checkpoints do not hold the layers' cutoffs and draw counters: a
             resumed trainer draws afresh (sebp-probe's own ``finetune --resume`` continues them).
-        budget: ``sampled``: the expected share of each layer's non-zero rows kept, in (0, 1].
+        budget: ``sampled``: ``"auto"`` (None: the default; per layer, the fewest rows whose added variance
+            stays under 0.025 of the SGD variance) or the expected share of each layer's non-zero rows kept, in
+            (0, 1]. The exact-gradient guard of ``finetune --guard-every`` does not run under a Trainer.
         sample_dx: ``sampled``: dX from the sample too (default: dX exact).
         sample_warmup: ``sampled``: exact optimizer steps before sampling starts.
 

@@ -37,18 +37,25 @@ def load_sampler_states(model: torch.nn.Module, states: dict[str, dict]) -> None
             m._sebp_sampler.load_state_dict(d, m.weight.device)
 
 
-def sampled_summary(model: torch.nn.Module) -> dict | None:
+def sampled_summary(model: torch.nn.Module, guard: dict | None = None) -> dict | None:
     """The sampled layers' rows over the run's sampled backwards (warm-up left out): all of dY's rows, the
-    non-zero ones, those kept for dW, and the shares skipped; None without a sampled layer."""
+    non-zero ones, those kept for dW, the shares skipped, and each layer's share of its non-zero rows kept;
+    ``guard``: the exact-gradient guard's summary (:func:`~sebp_probe.train.sample_guard.guard_summary`). None
+    without a sampled layer."""
     layers = sampled_layers(model)
     if not layers:
         return None
     totals = {"rows": 0, "nonzero": 0, "kept": 0}
-    for m in layers.values():
-        for k, v in m._sebp_sampler.counts().items():
+    kept_share = {}
+    for name, m in layers.items():
+        c = m._sebp_sampler.counts()
+        for k, v in c.items():
             totals[k] += v
+        kept_share[name] = c["kept"] / c["nonzero"] if c["nonzero"] else None
     cfg = next(iter(layers.values())).sebp_config
     rows, nz, kept = totals["rows"], totals["nonzero"], totals["kept"]
-    return {"approximate": True, "layers": len(layers), "budget": cfg.budget, "sample_dx": cfg.sample_dx,
-            "warmup_backwards": cfg.warmup, **totals,
-            "skipped_of_nonzero": 1 - kept / nz if nz else None, "skipped_of_rows": 1 - kept / rows if rows else None}
+    budget = cfg.budget if cfg.budget == "auto" else float(cfg.budget)
+    return {"approximate": True, "layers": len(layers), "budget": budget, "variance_tau": cfg.variance_tau,
+            "sample_dx": cfg.sample_dx, "warmup_backwards": cfg.warmup, **totals,
+            "skipped_of_nonzero": 1 - kept / nz if nz else None, "skipped_of_rows": 1 - kept / rows if rows else None,
+            "kept_share_by_layer": kept_share, **({"guard": guard} if guard else {})}

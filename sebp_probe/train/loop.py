@@ -31,6 +31,7 @@ from ..model.losses import choose_head, ready_to_compile
 from .metrics import MIN_TIMED_STEPS, evaluate, peak_memory_mb, summarize_records
 from ..model.patch import find_targets, pad_rows_of, pad_rows_summary, patched_activations, restore_pad_rows
 from ..model.sampled import load_sampler_states, reset_samplers, sampled_summary
+from .sample_guard import SampleGuard, guard_summary
 from .checkpoints import restore, save_checkpoint, save_model
 from .probe_steps import StepProbe, probe_summary
 from .rundir import METRICS, MODEL_DIR, SUMMARY, device_name, read_json, write_json
@@ -279,6 +280,7 @@ class Run:
         times or counted in them twice."""
         t = self._prepare(model)
         self.probe = self._probe(t.model, loaded.task)
+        self.guard = SampleGuard(self.cfg.guard_every, self.cfg.sample_warmup, self.acc.unwrap_model(t.model))
         p = _Progress(step=self._resume_state(state), last_ckpt=state["path"] if state else None)
         self.emit("start", {"run": self.method, "total": t.total, "step": p.step, "resumed": state is not None,
                             "patched": len((calib or {}).get("layers", {})),
@@ -290,8 +292,8 @@ class Run:
             while p.step < t.total:
                 if not self._step(t, p, micro, batches, stop, calib):
                     break
-        self.sampled = sampled_summary(t.model)  # before the model is saved (unpatched)
-        self.probe = None  # it holds the model: a --compare's second run must not find the first one's alive
+        self.sampled = sampled_summary(t.model, guard_summary(self.records, self.cfg.guard_every))  # unpatched
+        self.probe = self.guard = None  # they hold the model: a --compare's second run must not find it alive
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":
             p.last_ckpt = str(self._save_checkpoint(p.step, calib, t.model))
@@ -347,7 +349,7 @@ class Run:
         t_step = time.perf_counter()
         before = (len(micro.graphs), dynamo_counts()[0] if cfg.compile else 0)  # graphs captured, compiled
         with label_checks.deferred() as checks:  # the labelled-rows head's label checks stay on the device
-            with self.probe.step(p.step + 1) as around:  # --probe-every: this step's own backward analysed
+            with self.probe.step(p.step + 1) as around, self.guard.step(p.step + 1):  # --probe-every, the guard
                 tally = micro.run(batches, t.model, t.loss_fn, around)
             untimed = untimed_reason(cfg.compile and dynamo_counts()[0] > before[1], len(micro.graphs) > before[0],
                                       tally.new_shape and dev.type == "cuda")
@@ -392,8 +394,7 @@ class Run:
                          (lambda x: acc.reduce(x, "sum")) if acc.num_processes > 1 else None, acc.device)
 
     def _probe_record(self, step: int) -> None:
-        rec = self.probe.take(step)
-        if rec is not None:
+        for rec in filter(None, (self.probe.take(step), self.guard.take(step))):  # --probe-every's, the guard's
             self._log(rec)
 
     def _reduce_loss(self, loss: torch.Tensor, untimed: str | None) -> tuple[float, str | None]:
@@ -455,6 +456,7 @@ class Run:
         cfg, dev, (head, why) = self.cfg, self.acc.device, self.head
         summary = {"status": p.status, "method": self.method, "total_steps": t.total, "head": head.kind,
                    **({"head_fallback_reason": why} if why else {}),
+                   **({"sampled": self.sampled} if self.sampled else {}),  # approximate: rows skipped, the guard
                    "batches_without_target": sum(r.get("batches_without_target", 0) for r in self.records),
                    **summarize_records(self.records), "checkpoint": p.last_ckpt,
                    "model_dir": str(self.dir / MODEL_DIR) if p.status == "completed" else None,
@@ -465,8 +467,6 @@ class Run:
         if padding_rows:  # the SEBP linears' padding rows from the mask: checked, then taken (GPU)
             padding_rows["taken"] -= t.taken_before
             summary["padding_rows"] = padding_rows
-        if self.sampled:  # approximate: the share of the linears' backward rows the sampling skipped (measured)
-            summary["sampled"] = self.sampled
         if cfg.compile:  # what Dynamo made of this run's model (this process)
             graphs, breaks = (a - b for a, b in zip(dynamo_counts(), t.dynamo_before))
             summary["compile"] = {"mode": cfg.compile, "graphs": graphs, "graph_breaks": breaks,

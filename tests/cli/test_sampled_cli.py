@@ -14,13 +14,12 @@ SAMPLED = ["--mode", "sampled", "--budget", "0.3", "--sample-warmup", "1"]
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--mode", "sampled"], "--mode sampled needs --budget"),
     (["--mode", "sampled", "--budget", "0"], "--budget must be a share in (0, 1]"),
     (["--mode", "sampled", "--budget", "1.5"], "--budget must be a share in (0, 1]"),
     (["--mode", "sampled", "--budget", "-0.2"], "--budget must be a share in (0, 1]"),
     (["--mode", "sampled", "--budget", "nan"], "--budget must be a share in (0, 1]"),
-    (["--mode", "sampled", "--budget", "half"], "--budget must be a share in (0, 1], got 'half'"),
-    (["--mode", "sampled", "--budget", "auto"], "--budget auto is not built yet"),
+    (["--mode", "sampled", "--budget", "half"], "--budget must be a share in (0, 1] or auto, got 'half'"),
+    (["--mode", "sampled", "--guard-every", "0"], "--guard-every must be an integer >= 1"),
     (["--mode", "exact", "--budget", "0.3"], "belong to --mode sampled"),
     (["--mode", "sampled", "--budget", "0.3", "--top-n", "8"], "takes --budget, not --top-n"),
     (["--mode", "sampled", "--budget", "0.3", "--sample-warmup", "-1"], "sample warm-up steps must be"),
@@ -38,6 +37,29 @@ def test_budget_alone_means_sampled_and_reaches_the_layers():
     assert cfg.sebp_mode == "sampled"
     s = cfg.sebp_config()
     assert (s.mode, s.budget, s.warmup, s.seed, s.sample_dx) == ("sampled", 0.4, 6, 7, False)
+
+
+def test_sampled_mode_defaults_to_budget_auto():
+    for cfg in (FinetuneConfig(data=DataConfig(), mode="sampled"), FinetuneConfig(data=DataConfig(), budget="auto")):
+        assert cfg.sebp_mode == "sampled" and cfg.sebp_config().budget == "auto"
+    assert FinetuneConfig(data=DataConfig()).sebp_mode == "exact"  # exact stays the default
+
+
+@pytest.mark.slow
+def test_guard_logs_cosine_one_at_budget_one_and_summarises(tiny, tmp_path):
+    args = [tiny, *FAST, "--max-steps", "5", "--mode", "sampled", "--budget", "1", "--sample-warmup", "1",
+            "--guard-every", "2", "-o", str(tmp_path / "g")]
+    r = _run(args)
+    assert r.exit_code == 0, r.output
+    recs = [json.loads(x) for x in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    checks = [x for x in recs if x["type"] == "sample_guard"]
+    assert [c["step"] for c in checks] == [2, 4] and all(len(c["layers"]) == 12 for c in checks)
+    for c in checks:
+        for v in c["layers"].values():
+            assert v["cosine"] == pytest.approx(1.0, abs=1e-6) and v["rel_error"] == 0.0 and v["kept_share"] == 1
+    g = json.loads((tmp_path / "g" / "summary.json").read_text())["sampled"]["guard"]
+    assert g["checks"] == 2 and g["raised"] == {} and g["median_rel_error"] == 0.0
+    assert "guard: 2 checks, cosine to the exact dW min 1.000" in " ".join(r.output.split())
 
 
 @pytest.mark.slow

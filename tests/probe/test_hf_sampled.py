@@ -28,10 +28,18 @@ def test_sampled_mode_reaches_the_layers_and_trains(tmp_path):
     assert not any(isinstance(m, SEBPLinear) for m in trainer.model.modules())
 
 
+def test_sampled_mode_without_a_budget_is_auto(tmp_path):
+    trainer = _trainer(tmp_path)
+    handle = apply_sebp(trainer, mode="sampled", calibrate=False)
+    layers = [m for m in trainer.model.modules() if isinstance(m, SEBPLinear)]
+    assert layers and all(m.sebp_config.budget == "auto" for m in layers)
+    handle.undo()
+
+
 def test_bad_sampled_settings_raise_one_line(tmp_path):
     trainer = _trainer(tmp_path)
-    with pytest.raises(ValueError, match="needs --budget"):
-        apply_sebp(trainer, mode="sampled", calibrate=False)
+    with pytest.raises(ValueError, match="or auto"):
+        apply_sebp(trainer, mode="sampled", budget="half", calibrate=False)
     with pytest.raises(ValueError, match="share in \\(0, 1\\]"):
         apply_sebp(trainer, mode="sampled", budget=2.0, calibrate=False)
     with pytest.raises(ValueError, match="mode must be exact or sampled"):

@@ -32,6 +32,7 @@ import blocks_kernels  # noqa: E402,F401
 import blocks_compiled  # noqa: E402,F401
 import blocks_results  # noqa: E402,F401
 import blocks_grad_stats  # noqa: E402,F401
+import blocks_sampled  # noqa: E402,F401
 from docgen import FROM_CODE, GENERATORS, MARKER, ROOT, DocsError, Page, add_run, pages, render  # noqa: E402,F401
 
 

@@ -1,0 +1,63 @@
+"""Blocks of docs/method.md: sampled mode's quality against dense, per model and data set, over seeds
+(``benchmarks/sampled_quality.py``, runs of results/sampled.json)."""
+from __future__ import annotations
+
+from docgen import DocsError, Page, block, captioned, table
+
+# (run of results/sampled.json, what it trained); in the table's order
+RUNS = (("sampled.json#minilm_tweets_cpu", "MiniLM, tweets"),
+        ("sampled.json#minilm_tweets_auto_cpu", "MiniLM, tweets"),
+        ("sampled.json#minilm_drugreviews_auto_cpu", "MiniLM, drug reviews"),
+        ("sampled.json#smollm2_tweets_sft_auto_cpu", "SmolLM2-135M, tweets-sft"))
+
+
+def _sd(v) -> str:
+    return "" if v is None else f" ± {v:.3f}"
+
+
+def _metric(arm: dict) -> str:
+    if arm.get("eval_accuracy_mean") is not None:
+        return f"acc {arm['eval_accuracy_mean']:.3f}{_sd(arm['eval_accuracy_sd'])}"
+    return f"loss {arm['eval_loss_mean']:.4f}{_sd(arm.get('eval_loss_sd'))}"
+
+
+def _gap(arm: dict, dense: dict) -> str:
+    if arm is dense:
+        return "-"
+    if arm.get("eval_accuracy_mean") is not None:
+        return f"{100 * (arm['eval_accuracy_mean'] - dense['eval_accuracy_mean']):+.1f} points"
+    return f"{100 * (arm['eval_loss_mean'] / dense['eval_loss_mean'] - 1):+.2f}% loss"
+
+
+def _guard(src, arm: str) -> str:
+    rows = [r.get("guard") for r in src.rows() if r["arm"] == arm and r.get("guard")]
+    if not rows:
+        return "-"
+    return (f"min cos {min(g['min_cosine'] for g in rows):.3f}; "
+            f"{sum(g['over_budget'] for g in rows)} of {sum(g['layer_checks'] for g in rows)} over")
+
+
+@block("sampled_quality")
+def sampled_quality(page: Page) -> str:
+    """Held-out metric (mean ± sd over seeds), its gap to dense, the non-zero rows of dL/dY skipped in dW after
+    the warm-up, and the guard's worst cosine and its layer checks over the variance budget."""
+    srcs, body, shown = [], [], set()
+    for rel, what in RUNS:
+        try:
+            src = page.load(rel)
+        except DocsError:  # a run not measured: no row
+            continue
+        srcs.append(src)
+        arms = src.data["arms"]
+        dense = next(a for a in arms if a["arm"] == "dense")
+        for a in arms:
+            seeds, same = len(a["seeds"]), (what, a["arm"], tuple(a["seeds"]), _metric(a))
+            if a is dense and same in shown:  # the dense arm of an earlier run, measured again: once
+                continue
+            shown.add(same)
+            body.append([what, a["arm"].replace("sampled ", "budget "), str(seeds), _metric(a), _gap(a, dense),
+                         "0%" if a is dense else f"{100 * a['skipped_of_nonzero_mean']:.1f}%",
+                         _guard(src, a["arm"])])
+    header = ["model, data", "arm", "seeds", "held-out (mean ± sd)", "vs dense", "non-zero rows skipped in dW",
+              "guard"]
+    return captioned(page, srcs, table(header, body, "llrrrrl"))
