@@ -3,6 +3,7 @@ losses; --auto-eps runs the analysis, saves its report and patches what the repo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -37,8 +38,9 @@ def test_minilm_exact_sebp_reproduces_dense(tmp_path):
 
 
 def test_minilm_auto_eps_patches_the_reports_settings(tmp_path):
-    cfg = FinetuneConfig(data=DATA, output_dir=str(tmp_path), auto_eps=True, max_steps=3, eval_samples=32,
-                         fallback_if_slower=False)
+    # 64 tweets: the analysis reads 8 batches of 8 (200 tweets gave it its default maximum, 16)
+    cfg = FinetuneConfig(data=replace(DATA, max_samples=64), output_dir=str(tmp_path), auto_eps=True, max_steps=3,
+                         eval_samples=32, fallback_if_slower=False)
     s = ft.finetune(cfg)
     report = load_report(tmp_path / "report.json")
     assert report["model"]["name"] == "minilm"

@@ -18,7 +18,7 @@ from tests.helpers import assert_within_torch_error
 from tests.tiny_models import padded_batch, tiny_model, word_tokenizer
 
 STEPS = 3
-LOSS_REL = 1e-4  # tests/convergence/test_minilm_exact.py
+LOSS_REL = 1e-4  # the real MiniLM's: tests/convergence/test_finetune_minilm.py
 GRAD_REL = 1e-5  # fp32: each parameter's max error against its largest gradient
 
 

@@ -285,11 +285,12 @@ def _taking(model, arch) -> int:
 
 
 def _check_prompt_masked_lm(device, dtype, backend, atol, rtol):
-    """A causal LM whose labels leave the prompt out (SFT), the LM head an SEBP linear too: the LM head and the
-    last layer's q, o and MLP output get gradient on the answer rows only, far fewer than the real tokens; they
-    select their own rows after the check, the others take the padding rows, and the gradients stay dense's."""
+    """A causal LM whose labels leave the prompt out (SFT), the LM head an SEBP linear too, its norms and
+    activations SEBP's: the LM head and the last layer's q, o and MLP output get gradient on the answer rows
+    only, far fewer than the real tokens; they select their own rows after the check, the others take the padding
+    rows, and the gradients stay dense's."""
     from sebp_kernels import SEBPConfig
-    from sebp_probe import patch_activations, patch_model
+    from sebp_probe import patch_activations, patch_model, patch_norms
     from sebp_probe.families import FAMILIES
     from sebp_probe.model.patch import pad_rows_own, pad_rows_summary
     from tests.tiny_models import padded_batch, tiny_model
@@ -298,6 +299,7 @@ def _check_prompt_masked_lm(device, dtype, backend, atol, rtol):
     dense = tiny_model("llama").eval().to(device, dtype)
     model = copy.deepcopy(dense)
     patch_model(model, SEBPConfig("exact", backend=backend), FAMILIES["llama"].targets + ("lm_head",))
+    patch_norms(model, SEBPConfig("exact", backend=backend))
     patch_activations(model)
     pad = model.base_model._sebp_pad_rows
     for step, lengths in enumerate(((11, 4, 7), (9, 6, 5), (12, 8, 10))):
@@ -312,12 +314,12 @@ def _check_prompt_masked_lm(device, dtype, backend, atol, rtol):
     assert pad_rows_summary(model) == {"state": ON, "taken": 2 * (5 * (last + 1) - 3), "own": 4}
 
 
-def _check_compiled_layers(arch, device, dtype, backend, atol, rtol, forward_rows=True):
+def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
     """Each layer compiled (the pre-hook eager): the linears' backward operators take the padding rows their
     forward passed on as graph inputs, checked first; the verdict "on" compiles nothing again, and batches of
     other lengths (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
-    batch's rows are read), and the linears select theirs. ``forward_rows`` False: these shapes can never pay
-    for the forward over rows, whose operator the layers then never call (F.linear traced)."""
+    batch's rows are read), and the linears select theirs. The layers call the forward over rows (the autouse
+    fixture lets every shape pay; shapes that never pay: test_interp_compiled_layers_told_the_most_rows_...)."""
     from sebp_kernels import functional
 
     calls = []
@@ -325,7 +327,7 @@ def _check_compiled_layers(arch, device, dtype, backend, atol, rtol, forward_row
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(functional, "linear_maybe_over_rows", lambda *a: calls.append(1) or real(*a))
         _compiled_layers_steps(arch, device, dtype, backend, atol, rtol)
-    assert bool(calls) == forward_rows and bool(_FORWARD_ROWS) == forward_rows
+    assert calls and _FORWARD_ROWS
 
 
 def _compiled_layers_steps(arch, device, dtype, backend, atol, rtol):
@@ -406,9 +408,10 @@ if not INTERPRET:
 
 else:
 
-    @pytest.mark.parametrize("arch", ["bert", "llama"])
-    def test_interp_models_with_padding_rows_match_dense(arch):
-        _check_model(arch, "cpu", torch.float32, "triton", 1e-5, 1e-4)
+    def test_interp_models_with_padding_rows_match_dense():
+        """Bert, with its own-rows layers, right and left padding; the Llama eagerly (its RMSNorm and SwiGLU
+        taking the rows too) in test_interp_linears_far_sparser_than_the_padding_select_their_own_rows."""
+        _check_model("bert", "cpu", torch.float32, "triton", 1e-5, 1e-4)
 
     def test_interp_labels_on_padding_turn_the_rows_off():
         _check_labels_on_padding("cpu", "triton")
@@ -416,20 +419,17 @@ else:
     def test_interp_linears_far_sparser_than_the_padding_select_their_own_rows():
         _check_prompt_masked_lm("cpu", torch.float32, "triton", 1e-5, 1e-4)
 
-    @pytest.mark.parametrize("arch", ["bert", "llama"])
-    def test_interp_compiled_layers_take_the_padding_rows(arch):
-        _check_compiled_layers(arch, "cpu", torch.float32, "triton", 1e-5, 1e-4)
-
-    def test_interp_compiled_layers_whose_rows_never_pay_trace_f_linear(monkeypatch):
-        from sebp_kernels import forward_rows
-
-        monkeypatch.setattr(forward_rows, "MIN_ROWS", 4096)  # the product's line: the tiny batches are below it
-        _check_compiled_layers("llama", "cpu", torch.float32, "triton", 1e-5, 1e-4, forward_rows=False)
+    def test_interp_compiled_layers_take_the_padding_rows():
+        """The compiled path on one architecture: compiling does not depend on it (bert's own-rows layers, its
+        LayerNorm and GELU take the rows eagerly in test_interp_models_with_padding_rows_match_dense[bert], and
+        compiled on a GPU in test_gpu_models_with_padding_rows_match_dense[compiled_layers-bert])."""
+        _check_compiled_layers("llama", "cpu", torch.float32, "triton", 1e-5, 1e-4)
 
     def test_interp_compiled_layers_told_the_most_rows_compile_once_across_the_forward_line():
         """Batches on both sides of the row count at which the forward over real rows can pay: told the run's
         most rows, the layers call the forward operator at every size (it decides per batch) and compile once;
-        not told, the batch under the line compiles them again (a guard on its row count)."""
+        not told, the batch under the line compiles them again (a guard on its row count): layers whose rows can
+        never pay trace F.linear, with the dense gradients and the padding rows still taken in the backward."""
         first, last, calls = _graphs_over_min_rows(36)
         assert first > 0 and last == first and calls > 0
         first, last, _ = _graphs_over_min_rows(None)

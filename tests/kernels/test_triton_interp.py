@@ -67,13 +67,16 @@ else:
         assert sorted(perm.tolist()) == list(range(shape[0]))
         assert perm[:k].long().tolist() == select_rows(dy, cfg).tolist()
 
-    # fp32 on every shape; fp16 (its own GEMM path, ieee off) on the two with tails in every dimension and
-    # the most row tiles: the masks and tails do not depend on the dtype
-    BACKWARD_CASES = [(torch.float32, s) for s in SHAPES] + [(torch.float16, s) for s in SHAPES
-                                                             if s in ((37, 23, 19), (130, 40, 24))]
+    # exact: fp32 on every shape, fp16 (its own GEMM path, ieee off) on the two with tails in every dimension
+    # and the most row tiles: the masks and tails do not depend on the dtype. The mode changes only which rows
+    # the selection hands the kernels (every mode on every shape: test_select_is_a_permutation_...), so
+    # threshold and topk run once per dtype, on a shape with tails in every dimension.
+    BACKWARD_CASES = [(torch.float32, s, "exact") for s in SHAPES] + [
+        (torch.float16, s, "exact") for s in SHAPES if s in ((37, 23, 19), (130, 40, 24))] + [
+        (dtype, shape, mode) for mode in ("threshold", "topk")
+        for dtype, shape in ((torch.float32, (37, 23, 19)), (torch.float16, (130, 40, 24)))]
 
-    @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
-    @pytest.mark.parametrize("dtype,shape", BACKWARD_CASES)
+    @pytest.mark.parametrize("dtype,shape,mode", BACKWARD_CASES)
     def test_backward_matches_reference(dtype, mode, shape):
         dy, x, w = _inputs(*shape, dtype, seed=shape[0])
         cfg = CONFIGS[mode]
@@ -83,9 +86,9 @@ else:
         inactive[select_rows(dy, cfg)] = False
         assert (got[0][inactive] == 0).all(), "dX must be exactly zero on inactive rows"
 
-    # fp32 on both shapes; fp16 on the one whose K (97) ends in a one-column tail
-    @pytest.mark.parametrize("dtype,shape", [(torch.float32, (70, 200, 33)), (torch.float32, (130, 97, 40)),
-                                             (torch.float16, (130, 97, 40))])
+    # fp32 on the shape with the most K pieces (13); fp16 on the one whose K (97) ends in a one-column tail (the
+    # masks of the tail do not depend on the dtype)
+    @pytest.mark.parametrize("dtype,shape", [(torch.float32, (70, 200, 33)), (torch.float16, (130, 97, 40))])
     def test_dx_k_splits_match_reference_and_are_deterministic(shape, dtype):
         """With many SMs to fill and few active row tiles, dX splits over K (here up to 12 pieces of 16)."""
         from sebp_kernels._triton.dx import dx_rows
@@ -170,11 +173,12 @@ else:
         for name, g, t in zip(("dX", "dW", "db"), got, want):
             assert_close_report(g, t, atol=1e-5, rtol=1e-5, name=name)
 
-    @pytest.mark.parametrize("density", [0.0, 0.05, 1.1])
-    def test_every_row_of_dx_is_written(monkeypatch, density):
+    @pytest.mark.parametrize("density,shape", [(0.0, (70, 33, 50)), (0.05, (300, 20, 40)), (1.1, (70, 33, 50))])
+    def test_every_row_of_dx_is_written(monkeypatch, density, shape):
         """dX starts as torch.empty: a row the kernels skipped would keep the allocator's contents, made NaN
         here. A low density gives each computing program many zero tiles to write (and row tiles that mix
-        active and inactive rows), zero density none, every row active no zero tile."""
+        active and inactive rows: the shape with the most row tiles), zero density none, every row active no
+        zero tile (a shape with tails in every dimension)."""
         from sebp_kernels._triton.dx import dx_rows
 
         real = torch.empty
@@ -185,16 +189,15 @@ else:
 
         monkeypatch.setattr(torch, "empty", nan_empty)
         cfg = CONFIGS["exact"]
-        for shape in [(70, 33, 50), (300, 20, 40)]:
-            dy, x, w = _inputs(*shape, torch.float32, density=density)
-            want = sebp_backward_torch(dy, x, w, cfg)[0]
-            fused = sebp_backward_triton(dy, x, w, cfg)[0]
-            alone = sebp_backward_triton(dy, None, w, cfg, need_dw=False, need_db=False)[0]
-            perm, count = select_rows_device(dy, "exact", interpret=True)
-            kernel = dx_rows(dy, w, perm, count, interpret=True)
-            for name, got in (("fused", fused), ("dX only", alone), ("dx_rows", kernel)):
-                assert not torch.isnan(got).any(), (shape, name)
-                assert_close_report(got, want, atol=1e-5, rtol=1e-5, name=name)
+        dy, x, w = _inputs(*shape, torch.float32, density=density)
+        want = sebp_backward_torch(dy, x, w, cfg)[0]
+        fused = sebp_backward_triton(dy, x, w, cfg)[0]
+        alone = sebp_backward_triton(dy, None, w, cfg, need_dw=False, need_db=False)[0]
+        perm, count = select_rows_device(dy, "exact", interpret=True)
+        kernel = dx_rows(dy, w, perm, count, interpret=True)
+        for name, got in (("fused", fused), ("dX only", alone), ("dx_rows", kernel)):
+            assert not torch.isnan(got).any(), (shape, name)
+            assert_close_report(got, want, atol=1e-5, rtol=1e-5, name=name)
 
     @pytest.mark.parametrize("mode", ["exact", "threshold", "topk"])
     @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -408,8 +411,9 @@ else:
 
     def test_compiled_model_runs_the_kernels_through_the_ops_with_dynamic_shapes():
         """torch.compile (aot_eager) of a tiny Llama with SEBP linears, norms and activations on the Triton path
-        (interpreter): batches of three shapes (the third compiled with dynamic shapes: the ops' fake shapes hold
-        symbols), each with eager SEBP's loss and gradients, 0 graph breaks, and the activations' rows taken."""
+        (interpreter): batches of two shapes (the second recompiled with dynamic shapes: the ops' fake shapes hold
+        symbols), each with eager SEBP's loss and gradients, 0 graph breaks, and the activations' rows taken. (One
+        dynamic graph run at several shapes: test_pad_rows's compiled layers, three, and whole model, two.)"""
         import torch._dynamo as dynamo
 
         from sebp_probe import patch_activations, patch_model, patch_norms
@@ -431,7 +435,7 @@ else:
         dynamo.utils.counters.clear()
         try:
             compiled = torch.compile(model, backend="aot_eager")
-            for lengths in ((11, 4, 7), (9, 3, 5, 6), (13, 2)):
+            for lengths in ((11, 4, 7), (9, 3, 5, 6)):
                 batch = padded_batch("llama", lengths=lengths)
                 taken = sum(h.taken for h in hints)
                 loss_c, g_c = grads(compiled, batch)

@@ -42,9 +42,9 @@ def test_a_failing_rank_is_named_with_its_own_stderr(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the running ranks are read from /proc")
 def test_a_hang_names_the_rank_still_running(tmp_path):
     with pytest.raises(pytest.fail.Exception) as err:
-        run_torchrun([_worker(tmp_path, "time.sleep(600)")], 20, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        run_torchrun([_worker(tmp_path, "time.sleep(600)")], 10, env={**os.environ, "OMP_NUM_THREADS": "1"})
     msg = str(err.value)
-    assert msg.startswith("torchrun hung: no exit within 20 s; rank(s) still running: 1"), msg
+    assert msg.startswith("torchrun hung: no exit within 10 s; rank(s) still running: 1"), msg
     assert "[default1]:rank 1 gives up here" in msg, msg
 
 
