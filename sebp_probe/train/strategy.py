@@ -43,6 +43,7 @@ from sebp_kernels import SEBPConfig
 
 from ..data.batching import PackingError, layout_counts, lengths
 from .calibration import apply_sebp, measure_density, rng_devices, sync
+from .calibration_budget import micro_batches
 from .compiling import (Fallback, cannot_compile, compile_fn, compile_stack, compiles_whole, inductor_problem,
                         layer_compile_options)
 from ..config import COMPILE_AUTO, FinetuneConfig
@@ -80,6 +81,7 @@ class PaddingChoice:
     run_estimate_s: float | None = None  # the run's seconds as the first pass x its micro-batches estimate them
     budget_s: float | None = None  # the timing's budget: calib_budget of that estimate
     spent_s: float | None = None  # what the timing took (its passes' milliseconds)
+    per_slot_ms: float | None = None  # the first pass's ms per token slot: the run's calibration's estimate
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +91,8 @@ class PaddingChoice:
         return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
                    dict(d.get("best_head") or {}), bool(d.get("compiled", False)), dict(d.get("best_compiled") or {}),
                    d.get("micro_batches"), bool(d.get("replays", False)), int(d.get("processes", 1)),
-                   d.get("untimed"), d.get("run_estimate_s"), d.get("budget_s"), d.get("spent_s"))
+                   d.get("untimed"), d.get("run_estimate_s"), d.get("budget_s"), d.get("spent_s"),
+                   d.get("per_slot_ms"))
 
 
 def whole_run_s(steady_ms: float, micro_batches: int, compile_s: float = 0.0) -> float:
@@ -321,9 +324,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
     from ..model.patch import unpatch_model
 
     say = say or (lambda text: None)
-    lens = lengths(data.train)
-    n_batches = -(-len(lens) // cfg.data.batch_size)
-    micro = cfg.optimizer_steps(n_batches) * cfg.grad_accum
+    micro = micro_batches(cfg, len(data.train))
     methods = ("dense", "sebp") if candidates else ("dense",)
     mode, replays = _timings(model, cfg, device, graphs)
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
