@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from .layout_prior import Timer, wall_timer
 
 GRAPH_PASSES = 4  # a step timed as CUDA-graph replays: its capture and three replays
+# A compiled candidate's compile before one of this model's is measured: about what compiling a model's layers
+# took on an H100/H200 (7-15 s, results/model_compiled.json)
+COMPILE_PRIOR_S = 10.0
 
 
 @dataclass
@@ -93,6 +96,16 @@ def plan_calibration(budget: CalibBudget, slots: list[int], measured: int, varia
         if cost(measured, k) <= left or k == measured:
             return CalibPlan(k, 0, 0, cost(measured, k), f"{short} affords no timing of SEBP against dense")
     return CalibPlan(0, 0, 0, 0.0, f"{short} affords no calibration pass")
+
+
+def compiled_cost_ms(per_slot_ms: float, slots: list[int], reps: int, methods: int, compile_s: float,
+                     density: bool) -> float:
+    """The estimated ms of timing a layout's compiled candidates (``methods`` of them) on batches of ``slots``
+    token slots: each compiles (``compile_s``) and takes one first and ``reps`` timed passes a batch, at the
+    eager estimate ``per_slot_ms`` (the compiled step is rarely slower); with ``density``, SEBP's density pass
+    a batch first."""
+    passes = per_slot_ms * sum(slots)
+    return methods * (compile_s * 1e3 + (1 + reps) * passes) + (passes if density else 0.0)
 
 
 def prior_layers(candidates: dict, batches: list[dict], fallback: float) -> tuple[dict, str]:

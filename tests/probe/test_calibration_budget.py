@@ -135,3 +135,37 @@ def test_a_runs_whole_calibration_stays_within_one_budget(tmp_path, steps, share
     assert calib["budget"]["budget_s"] == pytest.approx(choice["budget_s"])
     if timed is not None:
         assert (choice["untimed"] is None) == timed and (calib["dense_step_ms"] is not None) == timed
+
+
+@pytest.mark.parametrize("steps", [30, 2000, 20000])
+def test_compiled_candidates_are_timed_only_where_the_budget_affords_them(monkeypatch, steps):
+    """``--compile auto``: a compiled candidate costs its compile (5 s here, the fake's clock) and its passes;
+    with the eager timing before it, within the budget: a short run times none, a long one every layout timed
+    eager, and one between what fits, the rest named (in its row and one line)."""
+    from sebp_probe.train import compiling, strategy
+    from sebp_probe.train.strategy import choose_padding
+
+    monkeypatch.setattr(strategy, "inductor_problem", lambda device: None)
+    monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
+    spent = []
+
+    def compiled(model, batches, mean_slots, device, autocast, reps, *args, **kwargs):
+        spent.append(5e3 + (1 + reps) * sum(RATE / 2 * b["input_ids"].numel() for b in batches))
+        return RATE / 2 * mean_slots, 5.0  # twice as fast as eager, after a compile of 5 s
+
+    monkeypatch.setattr(strategy, "_compiled_ms", compiled)
+    timer, lines = RateTimer(lambda key: RATE), []
+    cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding="auto"), method="dense",
+                         compile="auto", max_steps=steps, calib_batches=0)
+    choice = choose_padding(tiny_model("llama"), cfg, synthetic_data("causal-lm", prompt=0.5), {},
+                            torch.device("cpu"), heads=("labelled", "full"), timer=timer, say=lines.append)
+    assert timer.spent + sum(spent) <= max(choice.budget_s * 1e3, timer.spent if len(timer.calls) == 1 else 0) + 1e-6
+    eager = [r for r in choice.table if "dense_ms" in r]
+    compiled_rows = [r for r in eager if "dense_compiled_ms" in r]
+    over = [r for r in eager if r.get("compiled_skipped", "").startswith("not timed: compiling and timing it")]
+    assert len(compiled_rows) + len(over) == len(eager) and len(spent) == len(compiled_rows)
+    assert any("compiled candidates not timed (over the budget)" in line for line in lines) == bool(over)
+    if steps == 30:
+        assert not eager and not spent
+    if steps == 20000:
+        assert eager and not over
