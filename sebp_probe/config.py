@@ -105,7 +105,8 @@ class FinetuneConfig:
     in expectation, rescaled so that the gradient is unbiased (dX too with ``sample_dx``), after
     ``sample_warmup`` exact optimizer steps; its draws come from ``seed``. ``auto_eps`` runs the analysis first; ``report`` reads one.
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
-    ``calib_budget``: ``--padding auto`` times its candidates in at most this share of the run's estimated time;
+    ``calib_budget``: the calibration (``--padding auto``'s timing, then SEBP's) takes at most this share of the
+    run's estimated time (:mod:`sebp_probe.train.calibration_budget`);
     ``fallback_if_slower``: the whole model stays dense when SEBP's step (forward + backward) measures slower at
     calibration.
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the
