@@ -110,12 +110,13 @@ def compiled_cost_ms(per_slot_ms: float, slots: list[int], reps: int, methods: i
 
 def prior_layers(candidates: dict, batches: list[dict], fallback: float) -> tuple[dict, str]:
     """Without a pass, the padding's answer: an exact layer's share of active rows is at most the share of real
-    tokens in ``batches`` (their attention masks), so every exact candidate runs SEBP where that share is at
-    most ``fallback``, none where it is above; an approximate one (the user's choice) runs SEBP. (layers, the
-    answer in words)"""
+    tokens in ``batches`` (their attention masks; a packed batch's ``sequence_ids``, -1 on its padding), so every
+    exact candidate runs SEBP where that share is at most ``fallback``, none where it is above; an approximate
+    one (the user's choice) runs SEBP. (layers, the answer in words)"""
     real = slots = 0
     for b in batches:
         mask = b.get("attention_mask")
+        mask = (b["sequence_ids"] >= 0) if "sequence_ids" in b else mask
         slots += b["input_ids"].numel()
         real += int(mask.sum()) if mask is not None and mask.dim() == 2 else b["input_ids"].numel()
     share = real / slots if slots else 1.0

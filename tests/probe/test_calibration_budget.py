@@ -49,6 +49,8 @@ def test_without_a_pass_the_padding_decides_for_exact_layers():
     layers, said = prior_layers({"a": exact, "b": topk}, [padded], 0.9)
     assert set(layers) == {"a", "b"} and said.startswith("30% padding on the first batches: SEBP on 2 of 2")
     assert set(prior_layers({"a": exact, "b": topk}, [full], 0.9)[0]) == {"b"}  # the approximate one: asked for
+    packed = {"input_ids": ids, "sequence_ids": torch.tensor([[0] * 5 + [-1] * 5, [1] * 10])}  # its tail: padding
+    assert prior_layers({"a": exact}, [packed], 0.9)[1].startswith("25% padding")
 
 
 def _counting(model) -> list[int]:
