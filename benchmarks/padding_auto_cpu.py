@@ -129,7 +129,7 @@ def write(args, n: int, runs: dict[str, list[dict]]) -> None:
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": " ".join(["python", *sys.argv])}
     out = {"environment": env, "settings": {**vars(args), "rows_written": n, "runs_completed":
-                                            sum(map(len, runs.values()))},
+                                            sum(map(len, runs.values())), "load_average": os.getloadavg()[1]},
            "runs": [r for rs in runs.values() for r in rs], "median_step_ms": med,
            "default_over_dense_longest": round(med["default"] / med["dense_longest"], 3) if len(med) == 2 else None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
