@@ -111,9 +111,9 @@ def finetune_cmd(
     always_sebp: bool = typer.Option(False, "--always-sebp", rich_help_panel=METHOD, help="Keep SEBP even where "
                                      "calibration measures it slower than dense."),
     calib_budget: float = typer.Option(0.05, "--calib-budget", metavar="FRACTION", rich_help_panel=METHOD,
-                                       help="--padding auto times the layouts in at most this share (0-1] of the "
-                                       "run's estimated time; a run too short for one pass of each takes the "
-                                       "least padding untimed."),
+                                       help="Calibration (--padding auto's timing, then SEBP's) takes at most "
+                                       "this share (0-1] of the run's estimated time; what it cannot afford is "
+                                       "skipped and named (a very short run: the least padding, untimed)."),
     # Speed
     bf16: bool = typer.Option(False, "--bf16", rich_help_panel=SPEED, help="bfloat16 autocast."),
     fp16: bool = typer.Option(False, "--fp16", rich_help_panel=SPEED, help="float16 autocast with loss scaling "

@@ -108,7 +108,8 @@ class FinetuneConfig:
     exact gradient is computed beside it (:mod:`~sebp_probe.train.sample_guard`). ``auto_eps`` runs the analysis
     first; ``report`` reads one.
     ``dense_fallback``: a layer whose measured share of active rows is above it stays dense;
-    ``calib_budget``: ``--padding auto`` times its candidates in at most this share of the run's estimated time;
+    ``calib_budget``: the calibration (``--padding auto``'s timing, then SEBP's) takes at most this share of the
+    run's estimated time (:mod:`sebp_probe.train.calibration_budget`);
     ``fallback_if_slower``: the whole model stays dense when SEBP's step (forward + backward) measures slower at
     calibration.
     ``sebp_norms``: where SEBP runs, the LayerNorms/RMSNorms get the SEBP backward too (exact; timed with the

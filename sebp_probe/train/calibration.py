@@ -3,7 +3,9 @@
 A few dense forward/backward passes measure each candidate layer's share of active rows under its SEBP
 setting (layers above ``dense_fallback`` stay dense: SEBP would not pay there), then dense and SEBP backward
 are timed interleaved on the same batches. The RNG is forked and the gradients discarded, so training is
-untouched.
+untouched. Within a run it takes what is left of ``--calib-budget`` (:class:`CalibBudget`,
+:mod:`.calibration_budget`): fewer rounds and batches, no timing (the density's answer), or no pass at all
+(the padding's answer).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from ..config import FinetuneConfig, FinetuneError
 from .graphs import replay_ms
 from ..model.losses import FULL, Head, no_cache
 from ..model.patch import find_targets, patch_sebp
+from ..notes import note
+from .calibration_budget import CalibBudget, plan_calibration, prior_layers
 
 
 def _linear_name(modules: dict, name: str) -> str:
@@ -69,11 +73,13 @@ def rng_devices(device: torch.device) -> list[int]:
 
 
 def measure_density(model, batches: list[dict], candidates: dict[str, SEBPConfig], device: torch.device,
-                    autocast=contextlib.nullcontext, head: Head = FULL) -> dict[str, float]:
+                    autocast=contextlib.nullcontext, head: Head = FULL,
+                    counts: dict | None = None) -> dict[str, float]:
     """Each candidate layer's share of rows of dL/dY that its SEBP setting keeps, over dense backward passes
-    (of ``head``'s loss) on ``batches``. The caller discards the gradients (and forks the RNG when it matters)."""
+    (of ``head``'s loss) on ``batches`` (``counts``: name -> [kept, rows] to add to, over several calls). The
+    caller discards the gradients (and forks the RNG when it matters)."""
     modules = dict(model.named_modules())
-    counts = {n: [0, 0] for n in candidates}
+    counts = {n: [0, 0] for n in candidates} if counts is None else counts
 
     def hook_for(name, scfg):
         def fwd(_mod, _inp, out):
@@ -110,13 +116,14 @@ class Calibration:
     acts: list[str] = field(default_factory=list)  # MLPs with the SEBP activation (``sebp_acts``)
     dense_step_ms: float | None = None
     sebp_step_ms: float | None = None
+    budget: dict | None = None  # its budget, what it spent (as estimated) and what it cut (``budget_s``, ...)
 
     def to_dict(self) -> dict:
         return {"density": self.density, "dense_backward_ms": self.dense_backward_ms,
                 "sebp_backward_ms": self.sebp_backward_ms, "dense_step_ms": self.dense_step_ms,
                 "sebp_step_ms": self.sebp_step_ms, "fallback_dense": self.fallback,
                 "fallback_reason": self.reason, "layers": {n: s.to_dict() for n, s in self.layers.items()},
-                "norms": self.norms, "activations": self.acts}
+                "norms": self.norms, "activations": self.acts, "budget": self.budget}
 
 
 def backend_variants(layers: dict[str, SEBPConfig], device: torch.device,
@@ -146,7 +153,7 @@ def apply_sebp(model, layers: dict[str, SEBPConfig], norms: bool = False, acts: 
 def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fallback: float,
               device: torch.device, autocast=contextlib.nullcontext, if_slower: bool = True,
               reps: int = 2, norms: bool = False, acts: bool = False, graphs: bool = False,
-              head: Head = FULL) -> Calibration:
+              head: Head = FULL, budget: CalibBudget | None = None) -> Calibration:
     """Decide which candidate layers run SEBP, and patch them into ``model`` (with ``norms``, its norms too,
     with ``acts`` its MLP activations: they are timed and kept or dropped together with the linear layers).
 
@@ -164,25 +171,35 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
        ``--cuda-graphs`` (and the graph-recording ``--compile`` modes) train; otherwise eagerly, also under
        ``--compile default``, whose compiled step can rank differently.
 
-    ``head``: the run's loss (:class:`~sebp_probe.model.losses.Head`). Leaves no gradients and no trace in the
-    RNG.
+    ``head``: the run's loss (:class:`~sebp_probe.model.losses.Head`). ``budget`` (None: no limit): only what it
+    affords (:func:`~.calibration_budget.plan_calibration`; what it cuts said in one note): fewer rounds or
+    batches; untimed (step 1 decides); no pass (the batches' padding decides,
+    :func:`~.calibration_budget.prior_layers`). Leaves no gradients and no trace in the RNG.
     """
     from ..model.patch import unpatch_model
 
-    dense, sebp, reason, norm_names = [], [], None, []
+    dense, sebp, reason, norm_names, answer = [], [], None, [], None
     if graphs:
         timed = lambda b: graphed_step_ms(model, b, autocast)  # noqa: E731
     else:
         timed = lambda b: timed_step(model, b, device, autocast, head)  # noqa: E731
     with torch.random.fork_rng(devices=rng_devices(device)):
-        density = measure_density(model, batches, candidates, device, autocast, head)  # also the dense warm-up
-        # sampled layers stay whatever their density: the user asked for the approximation (its rows are drawn)
-        layers = {n: c for n, c in candidates.items() if density[n] <= fallback or c.mode == "sampled"}
-        if_slower = if_slower and not any(c.mode == "sampled" for c in layers.values())
-        if layers and all(c.mode == "sampled" for c in layers.values()) and not (norms or acts):
-            norm_names = apply_sebp(model, layers)  # nothing to choose: the torch path, every layer kept
+        density, timed_batches, reps, spent = _density_within(model, batches, candidates, device, autocast, budget,
+                                                              reps, graphs, head)  # also the dense warm-up
+        if density is None:  # not one pass afforded: the padding's answer
+            layers, answer = prior_layers(candidates, batches, fallback)
+            density, if_slower = {}, False
+        else:  # sampled layers stay whatever their density: the user asked for the approximation
+            layers = {n: c for n, c in candidates.items() if density[n] <= fallback or c.mode == "sampled"}
+            if_slower = if_slower and not any(c.mode == "sampled" for c in layers.values())
+        if not timed_batches or (layers and all(c.mode == "sampled" for c in layers.values()) and not (norms or acts)):
+            # untimed (the budget) or nothing to choose (sampled: the torch path, every layer kept)
+            norm_names = apply_sebp(model, layers, norms, acts) if layers or norms or acts else []
+            if spent and spent["cut"] and answer is None:
+                answer = (f"SEBP on the {len(layers)} of {len(candidates)} layers whose share of active rows is at "
+                          f"most {fallback:g}, untimed")
         elif layers or norms or acts:
-            layers, dense, sebp = _fastest_variant(model, batches, norms, acts, reps, timed,
+            layers, dense, sebp = _fastest_variant(model, timed_batches, norms, acts, reps, timed,
                                                    backend_variants(layers, device, graphs) if layers else [{}],
                                                    lambda b: timed_step(model, b, device, autocast, head))
             norm_names = apply_sebp(model, layers, norms, acts)  # the chosen backend in place of the last one timed
@@ -193,12 +210,47 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
                     reason += " (eager: where the host is the bound, --cuda-graphs may reverse it)"
                 layers, norm_names = {}, []
         else:
-            dense = [timed(b) for b in batches]
+            dense = [timed(b) for b in timed_batches]
         model.zero_grad(set_to_none=True)
+    if spent and spent["cut"]:
+        spent["cut"] += f": {answer}" if answer else ""
+        note(f"calibration: {spent['cut']}")
+        if answer and not layers:
+            reason = spent["cut"]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return Calibration(density, med([b for _, b in dense]), med([b for _, b in sebp]), layers,
                        sorted(n for n in candidates if n not in layers), reason, norm_names,
-                       dense_step_ms=_median_step(dense), sebp_step_ms=_median_step(sebp))
+                       dense_step_ms=_median_step(dense), sebp_step_ms=_median_step(sebp), budget=spent)
+
+
+def _density_within(model, batches: list[dict], candidates: dict[str, SEBPConfig], device, autocast,
+                    budget: CalibBudget | None, reps: int, graphs: bool, head: Head = FULL):
+    """Each candidate's density over the batches ``budget`` affords, and the timing it affords: (density,
+    None where not one pass is afforded; the batches to time SEBP against dense on, none: untimed; the rounds;
+    what the budget was and what it spent, its estimate, and what it cut, None without a budget)."""
+    if budget is None:
+        return measure_density(model, batches, candidates, device, autocast, head), batches, reps, None
+    counts = {n: [0, 0] for n in candidates}
+    measured, first = 0, 0.0
+    if budget.per_slot_ms is None:  # the first pass estimates the run
+        b0 = batches[0]
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            measure_density(model, [b0], candidates, device, autocast, head, counts)
+            return (time.perf_counter() - t0) * 1e3
+
+        first = budget.timer(("calibration", None, "dense"), b0, run)
+        budget.start(first, b0["input_ids"].numel())
+        measured = 1
+    variants = len(backend_variants(candidates, device, graphs)) if candidates else 1
+    plan = plan_calibration(budget, [b["input_ids"].numel() for b in batches], measured, variants, reps, graphs)
+    density = measure_density(model, batches[measured:plan.density], candidates, device, autocast, head,
+                              counts) \
+        if plan.density else None
+    spent = {"budget_s": round(budget.budget_ms / 1e3, 3), "spent_s": round((first + plan.cost_ms) / 1e3, 3),
+             "cut": plan.cut}
+    return density, batches[:plan.timed], max(plan.reps, 1), spent
 
 
 def _median_step(passes: list[tuple[float, float]]) -> float | None:

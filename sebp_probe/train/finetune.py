@@ -18,6 +18,7 @@ import torch
 
 from ..data.assets import LoadedModel, load_model, model_task
 from .calibration import candidate_layers, measure_density, rng_devices
+from .calibration_budget import CalibBudget, run_budget
 from ..config import AUTO_COMPILE_MODE, COMPILE_AUTO, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
 from .determinism import NotDeterministic, deterministic
@@ -161,8 +162,9 @@ def _finetune(cfg: FinetuneConfig, resume: bool, overwrite: bool, emit: Event,
     # the new one written.
     made_dir = not out.exists()
     aside = _start_output(cfg, out, stale, resuming, report, choice, data, acc)
+    budget = run_budget(cfg, len(data.train), choice and choice.to_dict(), padding_timer)
     summaries, records = _run_plan_runs(plan, cfg, out, acc, data, load_fn, report_layers, resuming, made_dir,
-                                        aside, emit)
+                                        aside, emit, budget)
     restored = aside is not None and bool(aside.names)
     if restored:  # no step taken (diverged at the first): the old run stays as it was, its plots included
         aside.restore()
@@ -279,9 +281,10 @@ def _start_output(cfg: FinetuneConfig, out: Path, stale, resuming: bool, report:
 
 def _run_plan_runs(plan: list[tuple[str, FinetuneConfig]], cfg: FinetuneConfig, out: Path, acc, data: TrainData,
                    load_fn: Callable[[], LoadedModel], report_layers: dict | None, resuming: bool, made_dir: bool,
-                   aside: SetAside | None, emit: Event) -> tuple[dict, dict]:
+                   aside: SetAside | None, emit: Event, budget: CalibBudget | None = None) -> tuple[dict, dict]:
     """Each run of the plan in order, until one does not complete: (method -> summary, method -> records). A
-    failure before any step leaves no trace of the new run (the old one restored)."""
+    failure before any step leaves no trace of the new run (the old one restored). ``budget``: the SEBP
+    calibration's (what ``--padding auto`` left of ``--calib-budget``)."""
 
     def on_run_event(kind: str, payload: dict) -> None:
         if kind == "note":  # the run's notes take the one channel (said once, listed in the summary)
@@ -297,7 +300,7 @@ def _run_plan_runs(plan: list[tuple[str, FinetuneConfig]], cfg: FinetuneConfig, 
             run_dir = out / method if cfg.compare else out
             if run_cfg.compile and summaries:  # compiles afresh, as the first run did, not past its graphs
                 torch._dynamo.reset()
-            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_steps, on_run_event)
+            run = Run(run_cfg, method, run_dir, acc, data, load_fn, report_layers, dense_steps, on_run_event, budget)
             summaries[method] = run.run(resuming)
             records[method] = run.records
             if method == "dense" and _same_batches(plan):  # the other run's progress compares with its steps

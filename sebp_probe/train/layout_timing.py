@@ -70,7 +70,8 @@ class EagerTiming:
         run_s = self.per_slot * self.layouts[first_key[0]]["slots"] * micro / 1e3
         self.budget_ms = cfg.calib_budget * run_s * 1e3
         self.spent = first
-        self.out = {"run_estimate_s": round(run_s, 3), "budget_s": round(self.budget_ms / 1e3, 3)}
+        self.out = {"run_estimate_s": round(run_s, 3), "budget_s": round(self.budget_ms / 1e3, 3),
+                    "per_slot_ms": self.per_slot}
         self.say(f"--padding auto: first pass ({_name(first_key)}) {first:.1f} ms: the run's {micro} micro-batches "
                  f"take about {run_s:.1f} s; timing budget {100 * cfg.calib_budget:g}% of that, "
                  f"{self.budget_ms / 1e3:.2f} s")

@@ -23,7 +23,7 @@ import torch
 from sebp_kernels import SEBPConfig, label_checks
 
 from ..data.assets import LoadedModel
-from .calibration import Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
+from .calibration import CalibBudget, Calibration, apply_sebp, calibrate, candidate_layers, sync, take_main_choice
 from .compiling import compile_layers_or_eager, compile_or_eager, compiles_whole, dynamo_counts, evaluating_eagerly
 from ..config import GRAPHED_COMPILE_MODES, FinetuneConfig, FinetuneError
 from ..layouts import LAYOUTS
@@ -130,12 +130,12 @@ class Run:
 
     def __init__(self, cfg: FinetuneConfig, method: str, run_dir: Path, accelerator, data: TrainData,
                  load_fn: Callable[[], LoadedModel], report_layers: dict[str, SEBPConfig] | None,
-                 dense_steps: dict[int, float] | None, on_event: Event):
+                 dense_steps: dict[int, float] | None, on_event: Event, budget: CalibBudget | None = None):
         """``dense_steps``: step -> backward ms of a dense run on the same batches (``--compare`` with dense first
-        and one layout), which the progress compares this run's recent steps with."""
+        and one layout), which the progress compares this run's recent steps with; ``budget``: calibration's."""
         self.cfg, self.method, self.dir, self.acc, self.data = cfg, method, run_dir, accelerator, data
         self.load_fn, self.report_layers, self.dense_steps, self.emit = load_fn, report_layers, dense_steps, on_event
-        self.main = accelerator.is_main_process
+        self.main, self.budget = accelerator.is_main_process, budget
         self.compile_scope: str | None = None  # under --compile, what compiled (set with the step's loss)
         self.records: list[dict] = []
         self.sampled: dict | None = None  # sampled mode's measured rows (sebp_probe.model.sampled)
@@ -188,8 +188,9 @@ class Run:
                                                                          self.cfg.sebp_acts))
         else:
             c = calibrate(model, batches, cands, self.cfg.dense_fallback, self.acc.device, self.acc.autocast,
-                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms, acts=self.cfg.sebp_acts,
-                          graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg, self.acc), head=self.head[0])
+                          if_slower=self.cfg.fallback_if_slower, norms=self.cfg.sebp_norms,
+                          acts=self.cfg.sebp_acts, budget=self.budget, head=self.head[0],
+                          graphs=self.cfg.cuda_graphs or graphed_compile(self.cfg, self.acc))
         c = take_main_choice(model, c, cands)
         reset_samplers(model)  # sampled mode: the run's draws start at its first step, not in calibration
         c.acts = patched_activations(model)

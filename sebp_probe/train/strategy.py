@@ -24,7 +24,9 @@ eager and compiled): dense and SEBP each compiled as the run would (``--compile-
 or a fresh ``torch.compile(head.loss)``) with Dynamo's caches reset first, so no candidate finds another's
 graphs; with ``--cuda-graphs`` too, the compiled step is timed as the run will take it, replayed as CUDA graphs.
 On each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
-median is that candidate's compile seconds, outside the budget. The choice weighs the whole run's estimated
+median is that candidate's compile seconds. A layout's compiled candidates are timed only where their estimated
+compile (:data:`~.calibration_budget.COMPILE_PRIOR_S` until this model's is measured) and passes fit what is left
+of the budget (under ``--compile MODE`` a first eager pass estimates the run); the rest are named. The choice weighs the whole run's estimated
 seconds (:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
 ``grad_accum``), plus the compile seconds once per compiled candidate. The RNG is forked and the gradients are
 dropped: training is untouched.
@@ -43,6 +45,7 @@ from sebp_kernels import SEBPConfig
 
 from ..data.batching import PackingError, layout_counts, lengths
 from .calibration import apply_sebp, measure_density, rng_devices, sync
+from .calibration_budget import COMPILE_PRIOR_S, compiled_cost_ms, micro_batches
 from .compiling import (Fallback, cannot_compile, compile_fn, compile_stack, compiles_whole, inductor_problem,
                         layer_compile_options)
 from ..config import COMPILE_AUTO, FinetuneConfig
@@ -80,6 +83,7 @@ class PaddingChoice:
     run_estimate_s: float | None = None  # the run's seconds as the first pass x its micro-batches estimate them
     budget_s: float | None = None  # the timing's budget: calib_budget of that estimate
     spent_s: float | None = None  # what the timing took (its passes' milliseconds)
+    per_slot_ms: float | None = None  # the first pass's ms per token slot: the run's calibration's estimate
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +93,8 @@ class PaddingChoice:
         return cls(d["padding"], d["method"], dict(d["best"]), list(d.get("table", [])), d.get("head"),
                    dict(d.get("best_head") or {}), bool(d.get("compiled", False)), dict(d.get("best_compiled") or {}),
                    d.get("micro_batches"), bool(d.get("replays", False)), int(d.get("processes", 1)),
-                   d.get("untimed"), d.get("run_estimate_s"), d.get("budget_s"), d.get("spent_s"))
+                   d.get("untimed"), d.get("run_estimate_s"), d.get("budget_s"), d.get("spent_s"),
+                   d.get("per_slot_ms"))
 
 
 def whole_run_s(steady_ms: float, micro_batches: int, compile_s: float = 0.0) -> float:
@@ -282,11 +287,24 @@ def _prior_layouts(model, cfg: FinetuneConfig, data: TrainData, graphs: bool) ->
 
 def _time_compiled_rows(model, cfg: FinetuneConfig, data: TrainData, rows: dict, layouts: dict, batches: dict,
                         candidates, device, autocast, reps: int, mode: str, eager: bool, replays: bool, head_named,
-                        unpatch_model) -> None:
-    """Each row's compiled candidates (:func:`_time_compiled`), but none of a row not afforded eager."""
+                        unpatch_model, info: dict, say) -> None:
+    """Each row's compiled candidates (:func:`_time_compiled`), but none of a row not afforded eager, nor one
+    whose estimated compile and passes (:func:`~.calibration_budget.compiled_cost_ms`) are over what is left
+    of the budget (``info``: the eager timing's ``budget_s``, ``spent_s`` and ``per_slot_ms``, its spend
+    counted on); those say why in their row, and in one line."""
+    left = (info["budget_s"] - info["spent_s"]) * 1e3
+    compile_s, spent, over = COMPILE_PRIOR_S, 0.0, []
     for (padding, head), row in rows.items():
         if eager and not any(k.endswith("_ms") for k in row):  # not afforded eager: nor compiled
             continue
+        slots = [b["input_ids"].numel() for b in batches[padding]]
+        est = compiled_cost_ms(info["per_slot_ms"], slots, reps, 2 if candidates else 1, compile_s, bool(candidates))
+        if spent + est > left:
+            row["compiled_skipped"] = (f"not timed: compiling and timing it, about {est / 1e3:.0f} s, is over the "
+                                       f"{max(0.0, left - spent) / 1e3:.1f} s left of the budget")
+            over.append(_name((padding, head, None)))
+            continue
+        t0 = time.perf_counter()
         h = head_named(head)
         patch = _sebp_patch(model, cfg, row, batches[padding], candidates, device, autocast, h) \
             if candidates else None
@@ -294,6 +312,25 @@ def _time_compiled_rows(model, cfg: FinetuneConfig, data: TrainData, rows: dict,
                        autocast, reps, mode, ("dense", "sebp") if patch else ("dense",), patch,
                        lambda: unpatch_model(model), cfg.compile_scope, replays,
                        row_bound=most_rows(cfg, data, padding), head=h)
+        took = [row[k] for k in row if k.endswith("_compiled_compile_s")]
+        compile_s = max(took) if took else compile_s  # this model's compile, measured, for the next rows
+        counted = sum(1e3 * row[f"{m}_compile_s"] + (1 + reps) * len(slots) * row[f"{m}_ms"]
+                      for m in ("dense_compiled", "sebp_compiled") if f"{m}_ms" in row)
+        spent += max((time.perf_counter() - t0) * 1e3, counted)
+    info["spent_s"] = round(info["spent_s"] + spent / 1e3, 3)
+    if over:
+        say(f"--padding auto: compiled candidates not timed (over the budget): {', '.join(over)}")
+
+
+def _estimate(model, cfg: FinetuneConfig, task: str, rows: dict, layouts: dict, batches: dict, device, autocast,
+              heads, timer: Timer, say, micro: int, head_named, unpatch_model) -> dict:
+    """Where only compiled candidates are timed (``--compile MODE``): the first pass alone (eager, as
+    :func:`~.layout_timing.time_eager`'s), for the run's estimate and the budget."""
+    passes = Passes(_timed_pass, _as, _layout_ms, _sebp_patch, head_named, unpatch_model)
+    timing = EagerTiming(model, cfg, task, rows, layouts, batches, {}, device, autocast, timer, say, passes)
+    timing.keys = [(next(iter(layouts)), heads[0], "dense")]
+    timing.first_pass(micro)
+    return timing.done()
 
 
 def _untimed_or_picked(table: list[dict], info: dict, layouts: dict, methods: tuple[str, ...], heads,
@@ -322,9 +359,7 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
 
     head_named = lambda h: head if h is None else head_for(model, data.task, h)[0]  # noqa: E731
     say = say or (lambda text: None)
-    lens = lengths(data.train)
-    n_batches = -(-len(lens) // cfg.data.batch_size)
-    micro = cfg.optimizer_steps(n_batches) * cfg.grad_accum
+    micro = micro_batches(cfg, len(data.train))
     methods = ("dense", "sebp") if candidates else ("dense",)
     mode, replays = _timings(model, cfg, device, graphs)
     eager = mode is None or cfg.compile == COMPILE_AUTO  # --compile MODE: the run compiles: only compiled is timed
@@ -343,9 +378,12 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
         if eager:
             info.update(_time_eager(model, cfg, data.task, rows, layouts, batches, candidates, methods, device,
                                     autocast, replays, heads, timer, say, micro, head_named, unpatch_model))
+        elif mode:
+            info.update(_estimate(model, cfg, data.task, rows, layouts, batches, device, autocast, heads, timer, say,
+                                  micro, head_named, unpatch_model))
         if mode:
             _time_compiled_rows(model, cfg, data, rows, layouts, batches, candidates, device, autocast, reps, mode,
-                                eager, replays, head_named, unpatch_model)
+                                eager, replays, head_named, unpatch_model, info, say)
         model.zero_grad(set_to_none=True)
     if mode:
         torch._dynamo.reset()  # the runs compile their own models afresh

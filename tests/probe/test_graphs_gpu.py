@@ -138,14 +138,16 @@ def test_padding_auto_times_compiled_candidates_as_the_replays_the_run_takes(tmp
     real = strategy.replay_ms
     spy = lambda *a, **k: replays.append(a[1]["input_ids"].shape) or real(*a, **k)  # noqa: E731
     monkeypatch.setattr(strategy, "replay_ms", spy)
+    monkeypatch.setattr(strategy, "compiled_cost_ms", lambda *a, **k: 0.0)  # the budget's estimate: none
     data = synthetic_data("causal-lm", n=48, n_eval=8, prompt=0.5)
     load = lambda: LoadedModel(tiny_model("llama"), None, "causal-lm", "tiny", "config")  # noqa: E731
     torch._dynamo.reset()
     cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding="auto"),
                          output_dir=str(tmp_path / "auto"), max_steps=3, lr=2e-3, warmup_ratio=0.0,
                          dense_fallback=1.0, fallback_if_slower=False, method="sebp", cuda_graphs=True,
-                         graph_bucket=8, compile="default", seed=0, eval_samples=8)
-    summary = ft.finetune(cfg, load_fn=load, data=data)
+                         graph_bucket=8, compile="default", seed=0, eval_samples=8, calib_budget=1.0)
+    # a first pass of 1000 s: a 3-step run with a budget for every compiled candidate
+    summary = ft.finetune(cfg, load_fn=load, data=data, padding_timer=lambda key, batch, run: 1e6)
     torch._dynamo.reset()
     assert summary["status"] == "completed"
     timed = [r for r in summary["padding_choice"]["table"] if "skipped" not in r]

@@ -200,3 +200,70 @@ def test_the_final_table_says_where_an_approximate_run_kept_every_layer_dense(tm
     text = " ".join(capsys.readouterr().out.split())
     assert ("sebp: SEBP ran on 0 layers (SEBP measured slower than dense); the approximate --mode topk was not "
             "applied: it trained exactly as dense") in text
+
+
+class FlipTimer(RateTimer):
+    """Which of ``layouts`` is fastest (10x) flips at each new choice (:meth:`flip`); within one, noise of 2%.
+    Each choice's first pass says a long run, so every candidate is afforded."""
+
+    def __init__(self, layouts: tuple[str, str]):
+        super().__init__(lambda key: 0.2 if key[0] == layouts[self.choices % 2] else 2.0,
+                         noise=lambda rng: rng.uniform(1.0, 1.02), first_ms=1e4)
+        self.choices = 0
+
+    def flip(self) -> None:
+        self.choices += 1
+        self.calls = []  # the next call is the next choice's first pass
+
+
+FLIP_LAYOUTS = ("longest", "bucket")
+
+
+def test_the_flip_timer_flips_the_choice_between_two_choices():
+    """The instrument of the test below: two choices in a row under it pick different layouts, as any code that
+    chose once per half would."""
+    model, data, timer = tiny_model("llama"), synthetic_data("causal-lm", prompt=0.5), FlipTimer(FLIP_LAYOUTS)
+    picks = []
+    for _ in range(2):
+        timer.flip()
+        picks.append(choose_padding(model, _cfg(calib_budget=1.0), data, {}, torch.device("cpu"), timer=timer).padding)
+    assert picks == [FLIP_LAYOUTS[1], FLIP_LAYOUTS[0]]
+
+
+def _metrics(run_dir) -> list[dict]:
+    import json
+
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fallback", [1.0, 1e-6])
+def test_compare_halves_share_one_choice_under_a_timer_that_flips_between_choices(tmp_path, monkeypatch, fallback):
+    """A timer that flips the fastest layout at every choice: both halves still train on one layout and head,
+    on the same batches step by step (tokens and rows), so one choice was made; "same computation" is said
+    exactly when the SEBP half patched nothing (``fallback`` 1e-6: no layer qualifies; then the losses are
+    dense's to the bit), and never where SEBP ran on its layers."""
+    timer, picks, real = FlipTimer(FLIP_LAYOUTS), [], ft.choose_padding
+
+    def choosing(*args, **kwargs):
+        timer.flip()
+        picks.append(real(*args, **kwargs))  # finetune passes its padding_timer: this one
+        return picks[-1]
+
+    monkeypatch.setattr(ft, "choose_padding", choosing)
+    cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=24, batch_size=8, padding="auto"),
+                         output_dir=str(tmp_path / "run"), method="sebp", compare=True, max_steps=12, lr=2e-3,
+                         warmup_ratio=0.0, dense_fallback=fallback, fallback_if_slower=False, calib_budget=1.0,
+                         eval_steps=12, eval_samples=8, seed=0)
+    s = ft.finetune(cfg, load_fn=_loader(), data=synthetic_data("causal-lm", prompt=0.5), padding_timer=timer)
+    runs = s["runs"]
+    assert len(picks) == 1 and runs["dense"]["padding"] == runs["sebp"]["padding"] == picks[0].padding
+    assert runs["dense"]["head"] == runs["sebp"]["head"]
+    dense, sebp = _metrics(tmp_path / "run" / "dense"), _metrics(tmp_path / "run" / "sebp")
+    assert [(r["tokens"], r["rows"]) for r in dense] == [(r["tokens"], r["rows"]) for r in sebp] and len(dense) == 12
+    comparison = s["comparison"]
+    assert comparison["timing"]["paired"]
+    patched = bool(runs["sebp"]["calibration"]["layers"])
+    assert patched == (fallback == 1.0)
+    assert (comparison["verdict"] == "same computation") == (not patched)
+    assert comparison["max_abs_loss_gap"] <= (1e-5 if patched else 0.0)

@@ -134,7 +134,7 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
                calib_budget=1.0)
     head, _ = choose_head(model, "causal-lm", "labelled", compiled=True, padding="auto")
     choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, heads=("labelled", "full"), head=head,
-                            timer=lambda key, batch, run: 1.0)  # eager: 1 ms a pass, the budget affords them all
+                            timer=lambda key, batch, run: 1e4)  # eager: 10 s a pass, the budget affords them all
     rows = {(r["padding"], r["head"]): r for r in choice.table}
     assert list(rows) == [(p, h) for p in ("longest", "packed") for h in ("labelled", "full")]
     assert choice.micro_batches == 140
@@ -179,8 +179,9 @@ def test_under_cuda_graphs_the_compiled_candidates_are_timed_as_replays_of_the_c
     monkeypatch.setattr(strategy, "replay_ms", replays)
     dynamo.reset()
     data = synthetic_data("causal-lm", n=48, prompt=0.5)
-    cfg = _cfg(method="dense", compile="default", cuda_graphs=True, max_steps=7, calib_batches=0)
-    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, graphs=True)
+    cfg = _cfg(method="dense", compile="default", cuda_graphs=True, max_steps=70, calib_batches=0, calib_budget=1.0)
+    choice = choose_padding(model, cfg, data, {}, torch.device("cpu"), reps=1, graphs=True,
+                            timer=lambda key, batch, run: 1e4)  # a first pass of 10 s: a budget for them all
     timed = {r["padding"]: r for r in choice.table if "skipped" not in r}
     assert set(timed) == set(fixed) and len(seen) == 2 * len(fixed)  # each layout's two batches, replayed
     for r in timed.values():
@@ -224,10 +225,11 @@ def test_only_cuda_graphs_time_compiled_candidates_as_replays(monkeypatch, compi
 
     monkeypatch.setattr(strategy, "_time_compiled", time_compiled)
     model = tiny_model("llama")
-    cfg = _cfg(method="dense", compile=compile_mode, cuda_graphs=cuda_graphs, max_steps=7, calib_batches=0)
+    cfg = _cfg(method="dense", compile=compile_mode, cuda_graphs=cuda_graphs, max_steps=70000, calib_batches=0,
+               calib_budget=1.0)
     graphs = cuda_graphs or compile_mode == "reduce-overhead"  # finetune's: --cuda-graphs or graphed_compile
     choice = choose_padding(model, cfg, synthetic_data("causal-lm", n=48, prompt=0.5), {}, torch.device("cpu"),
-                            graphs=graphs)
+                            graphs=graphs, timer=lambda key, batch, run: 1.0)  # a run of 70 s or more
     assert got and set(got) == {replays} and choice.compiled and choice.replays == replays
 
 

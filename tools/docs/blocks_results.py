@@ -10,6 +10,7 @@ LAYOUT_FILES = ("model_eager.json#bert-base_linears", "model_eager.json#llama-3.
                 "model_eager.json#qwen2.5-0.5b-sft_fused", "model_eager.json#mistral-1b-sft_fused")
 HEAD = "head.json#labelled"
 FINETUNE_CPU = "finetune.json#cpu"
+FINETUNE_AUTO_LOAD = "finetune.json#auto_beside_load"
 
 
 # ------------------------------------------------------------------------------ whole model, every layout
@@ -168,6 +169,30 @@ def finetune_cpu_auto(page: Page) -> str:
     header = ["layout", "head", "padding %", "dense ms", "SEBP ms", "note"]
     chosen = f"Chosen: {auto['padding']}, {auto['method']}" + (f", {auto['head']} head." if auto.get("head") else ".")
     return captioned(page, [src], table(header, body, "llrrrl") + "\n\n" + chosen)
+
+
+@block("finetune_auto_beside_load")
+def finetune_auto_beside_load(page: Page) -> str:
+    """The default command against --method dense --padding longest, a CPU-bound process beside them: round by
+    round (the two commands one after the other, under the same load), as the machine's other work changed."""
+    src = page.load(FINETUNE_AUTO_LOAD)
+    runs, s = src.rows("runs"), src.data["settings"]
+    default = [r for r in runs if r["arm"] == "default"]
+    dense = [r for r in runs if r["arm"] == "dense_longest"]
+    body = [[str(i + 1), f"{d['chose']}, {'SEBP' if d['sebp_layers'] else 'dense'}", f1(d["step_ms"]),
+             f1(b["step_ms"]), f2(d["step_ms"] / b["step_ms"]), f1(d["calibration_s"]), f1(d["wall_s"]),
+             f1(b["wall_s"])] for i, (d, b) in enumerate(zip(default, dense))]
+    header = ["round", "default trained on", "default step ms", "dense longest step ms", "default / dense",
+              "default's calibration s", "default run s", "dense run s"]
+    load = s.get("load_average")
+    note = (f"`finetune minilm DATA.csv --max-steps {s['steps']} --batch-size {s['batch_size']} --max-length "
+            f"{s['max_length']} --eval-samples {s['eval_samples']}` on {s['rows_written']} bundled tweets, each run "
+            f"in its own process with {s['busy']} CPU-bound process beside it and the machine's other work"
+            + (f" (load average {load:.0f} on its 2 cores)" if load else ", which changed from round to round")
+            + "; the two commands one after the other in each round, the order reversed every other round; step "
+            "ms: a run's median over its steps after the warm-up ones; calibration s: from the run's first progress "
+            "line to its first step (the layout timing, the model's reload and SEBP's calibration).")
+    return captioned(page, [src], table(header, body, "llrrrrrr") + "\n\n" + note)
 
 
 # ------------------------------------------------------------------------------------ gradient reuse
