@@ -231,7 +231,7 @@ def test_non_finite_loss_stops_with_a_clear_message(tiny, tmp_path):
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     """Real MiniLM (dropout on) on tweets: SIGTERM from outside, then --resume == an uninterrupted run."""
-    base = ["minilm", "tweets", *FAST, "--max-steps", "8", "--eval-steps", "4", "--save-steps", "100"]
+    base = ["minilm", "tweets", *FAST, "--max-steps", "6", "--eval-steps", "4", "--save-steps", "100"]
     # Every run is a process of its own with one thread, as the one interrupted must be.
     cmd = [sys.executable, "-m", "sebp_probe", "finetune", *base, "-o"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -250,7 +250,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted: checkpoint" in err and "--resume" in err
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 8
+    assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 6  # the resume crosses the eval at 4
 
     r = subprocess.run([*cmd, str(out), "--resume"], capture_output=True, text=True, env=env, timeout=480)
     assert r.returncode == 0, r.stderr

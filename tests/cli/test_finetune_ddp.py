@@ -43,14 +43,24 @@ def tiny(tmp_path_factory):
     return _tiny_bert(tmp_path_factory.mktemp("tiny") / "bert")
 
 
-def test_two_process_compare_exact_sebp_equals_dense(tiny, tmp_path):
-    _finetune(tiny, *ARGS, "--max-steps", "6", "--compare", "--json", "-o", str(tmp_path / "run"))
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+STEPS = ["--max-steps", "16", "--eval-steps", "8"]  # shared by the --compare run and the interrupted one
+
+
+@pytest.fixture(scope="module")
+def compare_run(tiny, tmp_path_factory):
+    """One --compare launch: its SEBP run is also the uninterrupted reference of the SIGTERM test."""
+    out = tmp_path_factory.mktemp("compare") / "run"
+    _finetune(tiny, *ARGS, *STEPS, "--compare", "--json", "-o", str(out))
+    return out
+
+
+def test_two_process_compare_exact_sebp_equals_dense(compare_run):
+    summary = json.loads((compare_run / "summary.json").read_text())
     assert {s["num_processes"] for s in summary["runs"].values()} == {2}
     assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
-    steps = [r["step"] for r in _train_records(tmp_path / "run" / "sebp" / "metrics.jsonl") if r["type"] == "train"]
-    assert steps == [1, 2, 3, 4, 5, 6]  # one writer, no duplicate lines
-    names = {p.name for p in (tmp_path / "run" / "sebp" / "checkpoints" / "step-000006").iterdir()}
+    steps = [r["step"] for r in _train_records(compare_run / "sebp" / "metrics.jsonl") if r["type"] == "train"]
+    assert steps == list(range(1, 17))  # one writer, no duplicate lines
+    names = {p.name for p in (compare_run / "sebp" / "checkpoints" / "step-000016").iterdir()}
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
             "trainer_state.json", "config.json"} <= names  # one state per process; loadable (config, tokenizer)
     assert not {n for n in names if n.startswith("random_states_")} - {"random_states_0.pkl", "random_states_1.pkl"}
@@ -76,10 +86,10 @@ def test_two_process_compiled_exact_sebp_equals_dense(tiny, tmp_path, scope):
     assert summary["comparison"]["max_abs_loss_gap"] < 1e-5
 
 
-def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
-    base = [tiny, *ARGS, "--max-steps", "16", "--eval-steps", "8"]
-    _finetune(*base, "-o", str(tmp_path / "a"))
-
+def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, compare_run, tmp_path):
+    """Interrupted at step 3 or later, then resumed: the records of the uninterrupted SEBP run of ``compare_run``
+    (--compare runs each arm as a plain run would, same seed and data)."""
+    base = [tiny, *ARGS, *STEPS]
     p = _torchrun(*base, "-o", str(tmp_path / "b"))
     metrics, deadline = tmp_path / "b" / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and p.poll() is None:
@@ -92,7 +102,7 @@ def test_two_process_sigterm_then_resume_equals_uninterrupted(tiny, tmp_path):
     assert summary["status"] == "interrupted" and 3 <= summary["steps"] < 16
     _finetune(*base, "-o", str(tmp_path / "b"), "--resume")
     assert_same_records(_train_records(tmp_path / "b" / "metrics.jsonl"),
-                        _train_records(tmp_path / "a" / "metrics.jsonl"))
+                        _train_records(compare_run / "sebp" / "metrics.jsonl"))
 
 
 def test_two_process_auto_eps_shares_the_main_report(tiny, tmp_path):

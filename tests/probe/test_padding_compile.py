@@ -14,7 +14,7 @@ from sebp_probe.config import DataConfig, FinetuneConfig
 from sebp_probe.model.losses import choose_head
 from sebp_probe.train.strategy import PaddingChoice, choose_padding, pick, whole_run_s
 from tests.convergence.finetune_helpers import isolated_accelerate, synthetic_data  # noqa: F401
-from tests.tiny_models import tiny_model
+from tests.tiny_models import tiny_config, tiny_model
 
 # a layout whose compiled step is twice as fast, after a minute of compiling
 _ROW = {"padding": "longest", "padding_share": 0.3, "dense_ms": 10.0, "dense_compiled_ms": 5.0,
@@ -112,6 +112,15 @@ def test_a_compiled_run_keeps_the_labelled_head_where_its_step_compiles(arch, ta
     assert why is None
 
 
+def _one_layer_llama():
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama")
+    cfg.num_hidden_layers = 1
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(monkeypatch, scope):
@@ -128,7 +137,9 @@ def test_choose_padding_times_compiled_candidates_with_their_compile_seconds(mon
     monkeypatch.setattr(strategy, "SAMPLE_BATCHES", 2)
     dynamo.reset()
     dynamo.utils.counters.clear()
-    model = tiny_model("llama")
+    # the whole step, four times afresh: one layer traces in about half the time (layers scope: two layers,
+    # to count a graph per candidate)
+    model = _one_layer_llama() if scope == "model" else tiny_model("llama")
     data = synthetic_data("causal-lm", n=48, prompt=0.5)
     cfg = _cfg(method="dense", compile="auto", max_steps=70, grad_accum=2, calib_batches=0, compile_scope=scope,
                calib_budget=1.0)
