@@ -35,11 +35,19 @@ def distinct_sizes(compiled: Callable) -> Callable:
     """``compiled`` (a ``torch.compile`` result) run without duck shaping: sizes that happen to be equal in the
     first call (a packed row as long as the hidden size, the sequence-length bound and the token count) get
     symbols of their own, so that one specializing (a weight's size, a kernel's int) does not pin the other
-    and recompile at the next batch."""
+    and recompile at the next batch.
+
+    Side effects in a gradient-checkpointed forward are traced once, not replayed in the backward's recompute
+    (Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``): with ``kernels`` installed, transformers wraps
+    an attention's forward (``use_kernelized_func``) in one that sets and then resets a global, which Dynamo
+    otherwise refuses inside ``torch.utils.checkpoint``: a graph break in every checkpointed layer, so a compiled
+    layer ran eagerly. Replaying it would leave nothing changed either."""
+    from torch._dynamo import config as dynamo_config
     from torch.fx.experimental import _config as fx_config
 
     def call(*args, **kwargs):
-        with fx_config.patch(use_duck_shape=False):
+        with fx_config.patch(use_duck_shape=False), \
+                dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             return compiled(*args, **kwargs)
 
     return call
