@@ -9,9 +9,10 @@ text,label CSV. Beside the runs, ``--busy`` Python processes spin in a loop from
 the last (killed at the end). Each arm runs the real command line, ``sebp-probe finetune minilm DATA.csv
 --max-steps 30 --batch-size 32 --max-length 128 --eval-samples 64`` (otherwise the default flags; the dense
 arm adds ``--method dense --padding longest``), in a fresh process, its output not a terminal (plain
-progress lines, each stamped as it arrives). ``--repeats`` rounds, the arms' order reversed every other round. Per run: the trained ms a step (the
-median over the steps after the warm-up ones, from its summary.json), what ``--padding auto`` chose and the
-seconds it spent timing (its own ``spent_s``), and ``calibration_s``: from the process's first progress line to
+progress lines, each stamped as it arrives). ``--repeats`` rounds, the arms' order reversed every other round.
+Per run: the trained ms a step (the median over the steps after the warm-up ones, from its summary.json), what
+``--padding auto`` chose and the seconds it spent timing (its own ``spent_s``), and ``calibration_s``: from the
+process's first progress line to
 its ``training from step`` line (the layout timing, the run's model load and SEBP calibration). The JSON names
 the CPU, the versions, the date and this command.
 """

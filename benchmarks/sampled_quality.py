@@ -26,7 +26,10 @@ def _row(run: Path) -> dict:
     cfg = json.loads((run.parent / "run_config.json").read_text() if not (run / "run_config.json").exists()
                      else (run / "run_config.json").read_text())["config"]
     smp = s.get("sampled")
-    arm = "dense" if s["method"] == "dense" else f"sampled {smp['budget'] if smp['budget'] == 'auto' else format(smp['budget'], 'g')}" if smp else s["method"]
+    if s["method"] == "dense" or not smp:
+        arm = s["method"]
+    else:
+        arm = f"sampled {smp['budget'] if smp['budget'] == 'auto' else format(smp['budget'], 'g')}"
     return {"arm": arm, "seed": cfg["seed"], "status": s["status"], "steps": s["steps"],
             "eval_accuracy": s["final_eval"].get("eval_accuracy"), "eval_loss": s["final_eval"].get("eval_loss"),
             "final_train_loss": s.get("final_train_loss"), "median_step_ms": s.get("median_step_ms"),

@@ -186,7 +186,8 @@ def check_selection(layouts, methods) -> None:
     """ValueError unless ``layouts`` and ``methods`` are non-empty selections of known names (a method, or one
     of its heads as ``method:head``)."""
     variants = tuple(f"{m}:{h}" for m, h in VARIANTS)  # one head of a method: "sebp:labelled"
-    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, METHODS + bench_sampled.METHODS + variants)):
+    methods_known = METHODS + bench_sampled.METHODS + variants
+    for what, got, known in (("layout", layouts, LAYOUTS), ("method", methods, methods_known)):
         bad = [x for x in got if x not in known]
         if bad or not got:
             raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(known)}" if bad

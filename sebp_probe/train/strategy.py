@@ -26,8 +26,9 @@ graphs; with ``--cuda-graphs`` too, the compiled step is timed as the run will t
 On each batch the first call (a compile or a recompile, and one step) is timed apart; its time past the batch's
 median is that candidate's compile seconds. A layout's compiled candidates are timed only where their estimated
 compile (:data:`~.calibration_budget.COMPILE_PRIOR_S` until this model's is measured) and passes fit what is left
-of the budget (under ``--compile MODE`` a first eager pass estimates the run); the rest are named. The choice weighs the whole run's estimated
-seconds (:func:`whole_run_s`): steady ms per micro-batch x the run's planned micro-batches (optimizer steps x
+of the budget (under ``--compile MODE`` a first eager pass estimates the run); the rest are named. The choice
+weighs the whole run's estimated seconds (:func:`whole_run_s`): steady ms per micro-batch x the run's planned
+micro-batches (optimizer steps x
 ``grad_accum``), plus the compile seconds once per compiled candidate. The RNG is forked and the gradients are
 dropped: training is untouched.
 """
