@@ -27,8 +27,8 @@ from .tuning import LEVELS, cdiv, few_rows, gemm_config
                                "DX_EXTRA", "DB_COLS", "count_ptr", "dx_count_ptr"])
 def _grads_kernel(
     dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, dx_part_ptr, perm_ptr, count_ptr,
-    dx_count_ptr, scale_ptr, ticket_ptr, dirty_ptr, zt_ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS,
-    DX_FILL, DX_EXTRA,
+    dx_count_ptr, scale_ptr, ticket_ptr, dirty_ptr, zt_ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES,
+    N_DW, N_DX, DB_COLS, DX_FILL, DX_EXTRA,
     stride_dym, stride_dyo, stride_xm, stride_xi, stride_wo, stride_wi, stride_dxm, stride_dxi,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr, DO_DB: tl.constexpr,
     IEEE: tl.constexpr, BIG: tl.constexpr, EVEN_K: tl.constexpr,

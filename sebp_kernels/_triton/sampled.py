@@ -1,12 +1,13 @@
 """Sampled mode's backward on the Triton kernels (:mod:`sebp_kernels.sampling` is the definition and the torch
-reference): three launches as in exact mode, all on the device, no host sync.
+reference): four launches (the exact mode's three and the cutoff update; ``budget="auto"`` adds a pass over X
+and a norm of dW), all on the device, no host sync.
 
 1. :func:`~.sample_select.select_sampled`: row norms, keep draws and 1/q scales in one pass over dY, then one
    compaction into a permutation whose first rows are the kept ones and whose next are the other non-zero rows.
 2. The fused gradient kernel (:func:`~.grads.grads_rows`): dW and db over the kept rows, each row of dY times
    its 1/q inside the kernel; dX exact over every non-zero row (the same permutation, a larger count).
-3. The cutoff of the layer's next backward from this one's norms (:func:`~sebp_kernels.sampling.update_cutoff`,
-   torch ops on the device).
+3. The cutoff of the layer's next backward from this one's norms, written in place in one launch
+   (:mod:`.sample_cutoff`; the torch reference's rule, :func:`~sebp_kernels.sampling.update_cutoff`).
 
 The reference takes over where this path does not apply: inputs the kernels do not take, ``sample_dx`` (dX over
 the kept rows would need the scales in the dX tiles too), the layer's first backward (its cutoff comes from its
@@ -20,9 +21,10 @@ import torch
 
 from ..interpret import INTERPRET
 from ..reference import unit_col_stride, weight_view
-from ..sampling import SampleState, sampled_backward_torch, update_cutoff
+from ..sampling import SampleState, _share, _var_tau, sampled_backward_torch
 from .backward import _ieee, supported
 from .grads import grads_rows
+from .sample_cutoff import row_sumsq, update_cutoff_device
 from .sample_select import select_sampled
 from .select import _sm_count
 
@@ -39,6 +41,8 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
     dy, weight = unit_col_stride(dy), weight_view(weight)
     x = unit_col_stride(x) if x is not None else None
     dev = dy.device
+    if state.tau.device != dev or state.tau.dtype != torch.float32 or state.tau.dim():
+        state.tau = state.tau.to(dev, torch.float32).reshape(())  # e.g. loaded onto the CPU: once
     warm = state.calls < config.warmup
     perm, counts, w, q, scale = select_sampled(dy, state.tau, state.device_hash(config.seed, dev),
                                                state.stats(dev), config.warmup, INTERPRET)
@@ -46,7 +50,11 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
     dx, dw, db = grads_rows(dy, x, weight, perm, counts[:1], need_dx, need_dw, need_db, _ieee(dy.dtype),
                             _sm_count(dev), INTERPRET, 1 if INTERPRET else None, dx_buffer=dx_buffer,
                             dx_count=counts[1:], scale=None if warm else scale)
-    # ||X_i||²: for the variance rule only (a fixed share reads dY alone)
-    xn2 = (x.float() ** 2).sum(1) if config.budget == "auto" and need_dw else torch.ones_like(w)
-    update_cutoff(state, config, w, xn2, q, dw if need_dw else None)
+    # the next cutoff, in place; ||X_i||² for the variance rule only (a fixed share reads dY alone)
+    if config.budget == "auto":
+        xn2 = row_sumsq(x, INTERPRET) if need_dw else torch.ones_like(w)
+        update_cutoff_device(state.tau, w, q, xn2, dw if need_dw else None, 1.0, _var_tau(config, state),
+                             INTERPRET)
+    else:
+        update_cutoff_device(state.tau, w, q, None, None, _share(config, state), 0.0, INTERPRET)
     return dx, dw, db
