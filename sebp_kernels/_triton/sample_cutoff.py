@@ -29,6 +29,13 @@ def _pick(lo, cand, idx, G: tl.constexpr):
     return new_lo, new_hi
 
 
+@triton.jit
+def _finite(w_ptr, rows, m):
+    """The norms of ``rows`` (0 where ``m`` is off), a non-finite one as 0, as the torch rules take them."""
+    w = tl.load(w_ptr + rows, mask=m, other=0.0)
+    return tl.where((w == w) & (w < float("inf")), w, 0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _cutoff_kernel(
     w_ptr, xn2_ptr, q_ptr, dw_norm_ptr, tau_ptr, M, budget, var_tau,
@@ -42,8 +49,7 @@ def _cutoff_kernel(
     for c0 in range(0, M, BLOCK):
         rows = c0 + offs
         m = rows < M
-        w = tl.load(w_ptr + rows, mask=m, other=0.0)
-        w = tl.where((w == w) & (w < float("inf")), w, 0.0)
+        w = _finite(w_ptr, rows, m)
         n_pos += tl.sum((w > 0).to(tl.float32), axis=0)
         if AUTO:
             xn2 = tl.load(xn2_ptr + rows, mask=m, other=0.0)
@@ -68,8 +74,7 @@ def _cutoff_kernel(
             for c0 in range(0, M, BLOCK):
                 rows = c0 + offs
                 m = rows < M
-                w = tl.load(w_ptr + rows, mask=m, other=0.0)
-                w = tl.where((w == w) & (w < float("inf")), w, 0.0)
+                w = _finite(w_ptr, rows, m)
                 xn2 = tl.load(xn2_ptr + rows, mask=m, other=0.0)
                 d = cand[:, None] * w[None, :] - (w * w)[None, :]
                 var += tl.sum(xn2[None, :] * tl.where(d > 0, d, 0.0), axis=1)
@@ -85,8 +90,7 @@ def _cutoff_kernel(
             for c0 in range(0, M, BLOCK):
                 rows = c0 + offs
                 m = rows < M
-                w = tl.load(w_ptr + rows, mask=m, other=0.0)
-                w = tl.where((w == w) & (w < float("inf")), w, 0.0)
+                w = _finite(w_ptr, rows, m)
                 t = w[None, :] * r[:, None]
                 t = tl.where(t == t, tl.minimum(t, 1.0), 1.0)  # 0 / 0: NaN, counted as 1 as torch's nan_to_num
                 share += tl.sum(tl.where(m[None, :], t, 0.0), axis=1)
