@@ -23,7 +23,7 @@ class SEBPConfig:
     top_n:   the row capacity of ``topk`` mode (> 0).
     backend: ``torch`` (gather/GEMM/scatter), ``triton`` (fused GPU kernels) or ``auto`` (triton on CUDA
              when available, else torch). ``sampled`` on the Triton kernels draws, compacts and rescales its
-             rows on the device (:mod:`sebp_kernels._triton.sampled`; ``sample_dx`` runs through torch).
+             rows on the device (:mod:`sebp_kernels._triton.sampled`).
     triton_op: inside ``torch.compile``, the backward is a ``torch.library.triton_op`` whose kernels the
              compiled graph launches itself (no Python call a layer; :mod:`sebp_kernels._triton.traced`):
              exact and threshold modes on the Triton kernels only, without the density fallback, row hints or

@@ -206,7 +206,7 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
     xn2 = (x.float() ** 2).sum(1) if x is not None and need_dw and (auto or state.armed) else torch.ones_like(w)
     solved = state.tau is None
     if solved:  # the first backward: the cutoff from its own rows (it depends on dY and X alone: still unbiased)
-        state.tau = w.new_zeros(()) if auto else solve_tau(w, _share(config, state))
+        state.tau = w.new_zeros(()) if auto else solve_tau(w, layer_share(config, state))
     q = None
     if state.calls >= config.warmup:
         q = keep_probabilities(w, state.tau.to(w.device))
@@ -227,7 +227,7 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
     if state.armed and need_dw:
         exact = dw if q is None else backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), False, True,
                                                         False)[1]
-        state.guard = guard_numbers(dw, exact, w, xn2, qa, active, kept, _var_tau(config, state))
+        state.guard = guard_numbers(dw, exact, w, xn2, qa, active, kept, variance_budget(config, state))
     state.armed = False
     if not solved:
         update_cutoff(state, config, w, xn2, qa, dw if need_dw else None)
@@ -242,19 +242,20 @@ def update_cutoff(state: SampleState, config, w: torch.Tensor, xn2: torch.Tensor
     into the layer's tensor in place, so that a CUDA graph's replays read and update the same one."""
     if config.budget == "auto":  # ||G||² from the sample: E||dW||² = ||G||² + V_s
         g_sq = (dw.float() ** 2).sum() - sampling_variance(w, xn2, q) if dw is not None else w.new_zeros(())
-        tau = solve_cutoff_for_variance(w, xn2, _var_tau(config, state) * sgd_variance(w, xn2, g_sq))
+        tau = solve_cutoff_for_variance(w, xn2, variance_budget(config, state) * sgd_variance(w, xn2, g_sq))
     else:
-        tau = solve_tau(w, _share(config, state))
+        tau = solve_tau(w, layer_share(config, state))
     if state.tau is not None and state.tau.device == tau.device and state.tau.shape == tau.shape:
         state.tau.copy_(tau)
     else:
         state.tau = tau
 
 
-def _var_tau(config, state: SampleState) -> float:
+def variance_budget(config, state: SampleState) -> float:
+    """The layer's variance budget (``auto``): the config's ``variance_tau``, or the smaller one the guard gave it."""
     return config.variance_tau if state.var_tau is None else state.var_tau
 
 
-def _share(config, state: SampleState) -> float:
+def layer_share(config, state: SampleState) -> float:
     """A fixed budget's share for the layer: the config's, or the larger one the guard gave it."""
     return float(config.budget) if state.share is None else state.share

@@ -95,10 +95,10 @@ else:
             assert kept[3] and kept[7] and 0 < k < a  # NaN and Inf rows kept; the tail sampled
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    @pytest.mark.parametrize("budget", [0.3, "auto", 1.0])
-    def test_backwards_match_the_torch_reference(dtype, budget):
+    @pytest.mark.parametrize("budget, sample_dx", [(0.3, False), ("auto", False), (1.0, False), (0.3, True)])
+    def test_backwards_match_the_torch_reference(dtype, budget, sample_dx):
         x, w, dy = _skewed(dtype=dtype)
-        cfg = SEBPConfig("sampled", budget=budget, seed=3, warmup=1)
+        cfg = SEBPConfig("sampled", budget=budget, seed=3, warmup=1, sample_dx=sample_dx)
         ref, tri = SampleState(5), SampleState(5)
         tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
         for t in range(4):
