@@ -253,3 +253,19 @@ else:
                 update_cutoff_device(tau, w, q, xn2, d, 1.0, var_tau, True)
                 close(tau, solve_cutoff_for_variance(w, xn2, target),
                       (target + (fin ** 2 * xn2).sum()) / (fin * xn2).sum(), 5)
+
+    @pytest.mark.parametrize("budget", [0.3, "auto"])
+    def test_no_value_is_read_on_the_host_after_the_first_backward(budget, monkeypatch):
+        """The CPU stand-in of the GPU's sync check: a backward on the Triton path calls none of the tensor
+        methods that read a value on the host."""
+        x, w, dy = _skewed()
+        cfg, state = SEBPConfig("sampled", budget=budget, seed=1), SampleState(2)
+        for _ in range(2):
+            sampled_backward_triton(dy, x, w, cfg, state)
+
+        def host_read(*args, **kwargs):
+            raise AssertionError("a value read on the host")
+
+        for name in ("item", "__bool__", "nonzero", "tolist", "__int__", "__float__"):
+            monkeypatch.setattr(torch.Tensor, name, host_read)
+        sampled_backward_triton(dy, x, w, cfg, state)
