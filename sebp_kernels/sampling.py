@@ -156,14 +156,23 @@ class SampleState:
 
     def device_hash(self, seed: int, device: torch.device) -> torch.Tensor:
         """int64 (2,) on ``device``: the stream key mix64(seed * golden + layer key) and the backward count, which
-        the Triton path's kernels read and advance. Built anew (a host-to-device copy) only when the count on the
-        host moved without it (the torch path ran, a state was loaded) or the seed or device changed."""
+        the Triton path's kernels read and advance (and :meth:`advance_on_host` after a torch backward). Built
+        anew (a host-to-device copy) only when the count on the host moved without it (a state was loaded) or the
+        seed or device changed."""
         at = (seed, device, self.calls)
         if self._hash is None or self._hash_at != at:
             key = _signed(mix64_int(seed * 0x9E3779B97F4A7C15 + self.layer_key))
             self._hash = torch.tensor([key, self.calls], dtype=torch.int64, device=device)
         self._hash_at = (seed, device, self.calls + 1)  # what it holds once the kernels advanced it
         return self._hash
+
+    def advance_on_host(self) -> None:
+        """Count a backward that ran on the torch path: the host count, and the device's where the Triton path
+        keeps one (no copy to the device on the next Triton backward)."""
+        if self._hash is not None and self._hash_at[2] == self.calls:
+            self._hash[1:].add_(1)
+            self._hash_at = (*self._hash_at[:2], self.calls + 1)
+        self.calls += 1
 
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""
@@ -215,7 +224,7 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
         state.count(m, active.sum(), kept.sum())
     else:
         kept = active
-    state.calls += 1
+    state.advance_on_host()
     scale = None if q is None else (1.0 / q).to(dy.dtype)  # exactly 1 where q = 1
     kept_rows = kept.nonzero().squeeze(1)
     if config.sample_dx or not need_dx or scale is None:

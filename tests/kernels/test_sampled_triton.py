@@ -269,3 +269,20 @@ else:
         for name in ("item", "__bool__", "nonzero", "tolist", "__int__", "__float__"):
             monkeypatch.setattr(torch.Tensor, name, host_read)
         sampled_backward_triton(dy, x, w, cfg, state)
+
+    def test_a_torch_backward_between_advances_the_device_count(monkeypatch):
+        """A guard's backward (torch path) advances the device's backward count too: the Triton path goes on from
+        it without a copy to the device, and its draws are the uninterrupted run's."""
+        x, w, dy = _skewed()
+        cfg = SEBPConfig("sampled", budget=0.3, seed=2)
+        one, two = SampleState(3), SampleState(3)
+        for t in range(5):
+            two.tau = None if one.tau is None else one.tau.clone()  # one cutoff (the solvers' last step may differ)
+            a = sampled_backward_triton(dy * (1 + t), x, w, cfg, one)[1]
+            if t == 2:
+                b = sampled_backward_torch(dy * (1 + t), x, w, cfg, two)[1]
+                built = two._hash
+            else:
+                b = sampled_backward_triton(dy * (1 + t), x, w, cfg, two)[1]
+            assert torch.equal(a, b) if t != 2 else torch.allclose(a, b)
+        assert two._hash is built and two.state_dict()["calls"] == one.state_dict()["calls"] == 5
