@@ -83,7 +83,8 @@ def _compiled(out: Path, gpu: str) -> list[Job]:
 
 
 def _sampled(out: Path, gpu: str) -> list[Job]:
-    """Sampled mode (budget auto, torch path) beside dense, SEBP and CCE, packed and `longest`, eager and compiled."""
+    """Sampled mode (budget auto; on the GPU its Triton path) beside dense, SEBP and CCE, packed and `longest`, eager
+    and compiled."""
     return [bench(out, f"model_{case}_sampled", case, "--scope", "model", "--compile", "default", "--layouts",
                   "packed,longest", "--methods", methods, "--model-batches", "4",
                   add=("model_compiled.json", f"{case}_sampled"))

@@ -22,7 +22,8 @@ class SEBPConfig:
     eps:     the threshold of ``threshold`` mode (>= 0).
     top_n:   the row capacity of ``topk`` mode (> 0).
     backend: ``torch`` (gather/GEMM/scatter), ``triton`` (fused GPU kernels) or ``auto`` (triton on CUDA
-             when available, else torch). ``sampled`` runs through torch (no Triton kernel yet).
+             when available, else torch). ``sampled`` on the Triton kernels draws, compacts and rescales its
+             rows on the device (:mod:`sebp_kernels._triton.sampled`).
     triton_op: inside ``torch.compile``, the backward is a ``torch.library.triton_op`` whose kernels the
              compiled graph launches itself (no Python call a layer; :mod:`sebp_kernels._triton.traced`):
              exact and threshold modes on the Triton kernels only, without the density fallback, row hints or
@@ -87,8 +88,6 @@ class SEBPConfig:
             raise ValueError(f"sampled mode's seed must be an integer, got {self.seed!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"sampled mode's warmup must be an integer >= 0, got {self.warmup!r}")
-        if self.backend == "triton":
-            raise ValueError("sampled mode has no Triton kernels yet: use backend auto or torch")
 
     def __reduce__(self):  # copies and pickles are built afresh: the op key is this process's own
         return (SEBPConfig, (self.mode, self.eps, self.top_n, self.backend, self.triton_op, self.budget,

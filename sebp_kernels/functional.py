@@ -8,7 +8,8 @@ leading dimensions flattened (M = batch x seq):
     dW = dYᵀ @ X         (out x M) @ (M x in)     -> the sum runs over active rows only
     db = dY.sum(0)                                -> likewise
 
-Which rows are active is set by :class:`SEBPConfig` (``exact``, ``threshold``, ``topk``). Products whose
+Which rows are active is set by :class:`SEBPConfig` (``exact``, ``threshold``, ``topk``; ``sampled`` draws them,
+:mod:`.sampling`). Products whose
 input does not need a gradient (``ctx.needs_input_grad``) are skipped: a frozen weight costs no dW at all,
 and its input is not even saved.
 """
@@ -44,6 +45,14 @@ def _triton_backward():
     except ImportError:
         return None
     return sebp_backward_triton
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_sampled():
+    """Sampled mode's Triton backward (:mod:`._triton.sampled`; imported where :func:`_triton_backward` is)."""
+    from ._triton.sampled import sampled_backward_triton
+
+    return sampled_backward_triton
 
 
 def resolve_backend(config: SEBPConfig, device: torch.device):
@@ -86,10 +95,13 @@ def linear_grads(dy, x, weight, config, need_dx, need_dw, need_db, state=None, h
     """(dX as 2-D rows, dW, db) of the SEBP linear, None where not asked for (shared by the autograd Function
     and the compiled op :func:`linear_backward`). ``pool``: dX may come from :mod:`.zero_rows` (when it is enabled;
     never for the compiled op, whose output memory the compiled code may reuse)."""
-    if config.mode == "sampled":  # approximate, through torch alone for now (.sampling)
-        return sebp_sampled(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]) if x is not None else None,
-                            weight, config, state, need_dx, need_dw, need_db)
     impl = resolve_backend(config, dy.device)
+    if config.mode == "sampled":  # approximate (.sampling); the Triton path: ._triton.sampled
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]) if x is not None else None
+        if impl is sebp_backward_torch:
+            return sebp_sampled(dy2, x2, weight, config, state, need_dx, need_dw, need_db)
+        buf = zero_rows.pooled(dy2.shape[0], weight.shape[1], dy.dtype, dy.device) if pool and need_dx else None
+        return _triton_sampled()(dy2, x2, weight, config, state, need_dx, need_dw, need_db, dx_buffer=buf)
     # rows of dy that can be non-zero, from the backward that wrote dy (an SEBP activation): no selection
     rows = (hint.take(dy) if hint is not None and config.mode == "exact" and impl is not sebp_backward_torch
             else None)

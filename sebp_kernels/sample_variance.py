@@ -52,7 +52,7 @@ def solve_cutoff_for_variance(w: torch.Tensor, xn2: torch.Tensor, target: torch.
         var = (xn2[None, :] * (cand[:, None] * w[None, :] - (w * w)[None, :]).clamp(min=0)).sum(1)
         idx = (var <= target).sum()  # V_s grows with c: the first idx candidates stay under the target
         ext = torch.cat([lo[None], cand])
-        lo, hi = ext[idx], ext[(idx + 1).clamp(max=grid)]
+        lo, hi = ext.index_select(0, torch.stack((idx, (idx + 1).clamp(max=grid))))  # a gather: no host sync
     return torch.where((target > 0) & (s1 > 0), lo, w.new_zeros(()))
 
 

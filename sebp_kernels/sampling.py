@@ -107,18 +107,21 @@ def solve_tau(w: torch.Tensor, budget: float, rounds: int = 4, grid: int = 16) -
         share = (w[None, :] / cand[:, None]).clamp(max=1.0).nan_to_num(1.0).sum(1)
         idx = (share >= target).sum()  # the first idx candidates meet the target
         ext = torch.cat([lo[None], cand])
-        lo, hi = ext[idx], ext[(idx + 1).clamp(max=grid)]
+        lo, hi = ext.index_select(0, torch.stack((idx, (idx + 1).clamp(max=grid))))  # a gather: no host sync
     return torch.where(target > 0, lo, w.new_zeros(()))
 
 
 class SampleState:
     """One layer's sampling state: the cutoff ``tau`` (a device scalar; None before the first backward, which then
     solves it from its own rows), its backward count ``calls`` (the hash's step counter; warm-up counts in it),
-    and device counters of the rows sampled after warm-up: all of dY's rows, the non-zero ones, those kept for dW.
-    Nothing here syncs with the host except :meth:`counts` and :meth:`state_dict`."""
+    and counters of the rows sampled after warm-up: all of dY's rows, the non-zero ones and those kept for dW (a
+    device int64 triple). The Triton path keeps the stream key and the count on the device too
+    (:meth:`device_hash`), advanced by its kernels, so that CUDA-graph replays draw anew; ``calls`` on the host
+    then lags, and :meth:`state_dict` reads the device's. Nothing here syncs with the host except
+    :meth:`counts` and :meth:`state_dict`."""
 
-    __slots__ = ("layer_key", "tau", "calls", "_rows", "_nonzero", "_kept", "key", "share", "var_tau", "armed",
-                 "guard", "__weakref__")
+    __slots__ = ("layer_key", "tau", "calls", "_stats", "_hash", "_hash_at", "key", "share", "var_tau",
+                 "armed", "guard", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -129,7 +132,9 @@ class SampleState:
         """Back to a fresh layer: no cutoff, no backward counted (e.g. after calibration's timing passes)."""
         self.tau: torch.Tensor | None = None
         self.calls = 0
-        self._rows = self._nonzero = self._kept = None
+        self._stats: torch.Tensor | None = None
+        self._hash: torch.Tensor | None = None
+        self._hash_at = None  # the (seed, device, calls) that _hash holds
         self.share: float | None = None  # a fixed budget's share for this layer, once the guard raised it
         self.var_tau: float | None = None  # the variance budget for this layer, once the guard lowered it
         self.armed = False  # the guard's step: the next backward also computes the exact dW
@@ -138,22 +143,46 @@ class SampleState:
     def __reduce__(self):  # copies start afresh, with the same layer key
         return (SampleState, (self.layer_key,))
 
+    def stats(self, device: torch.device) -> torch.Tensor:
+        """int64 (3,) on ``device``: the rows, non-zero rows and kept rows counted so far (added to in place)."""
+        if self._stats is None or self._stats.device != device:
+            prev = (0, 0, 0) if self._stats is None else self._stats.tolist()
+            self._stats = torch.tensor(prev, dtype=torch.int64, device=device)
+        return self._stats
+
     def count(self, rows: int, nonzero: torch.Tensor, kept: torch.Tensor) -> None:
-        if self._rows is None:
-            self._rows, self._nonzero, self._kept = 0, torch.zeros_like(nonzero), torch.zeros_like(kept)
-        self._rows += rows
-        self._nonzero += nonzero
-        self._kept += kept
+        """Add a sampled backward's ``rows`` and its ``nonzero`` and ``kept`` counts (device scalars)."""
+        self.stats(nonzero.device).add_(torch.stack((nonzero.new_tensor(rows), nonzero, kept)).to(torch.int64))
+
+    def device_hash(self, seed: int, device: torch.device) -> torch.Tensor:
+        """int64 (2,) on ``device``: the stream key mix64(seed * golden + layer key) and the backward count, which
+        the Triton path's kernels read and advance (and :meth:`advance_on_host` after a torch backward). Built
+        anew (a host-to-device copy) only when the count on the host moved without it (a state was loaded) or the
+        seed or device changed."""
+        at = (seed, device, self.calls)
+        if self._hash is None or self._hash_at != at:
+            key = _signed(mix64_int(seed * 0x9E3779B97F4A7C15 + self.layer_key))
+            self._hash = torch.tensor([key, self.calls], dtype=torch.int64, device=device)
+        self._hash_at = (seed, device, self.calls + 1)  # what it holds once the kernels advanced it
+        return self._hash
+
+    def advance_on_host(self) -> None:
+        """Count a backward that ran on the torch path: the host count, and the device's where the Triton path
+        keeps one (no copy to the device on the next Triton backward)."""
+        if self._hash is not None and self._hash_at[2] == self.calls:
+            self._hash[1:].add_(1)
+            self._hash_at = (*self._hash_at[:2], self.calls + 1)
+        self.calls += 1
 
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""
-        if self._rows is None:
-            return {"rows": 0, "nonzero": 0, "kept": 0}
-        return {"rows": int(self._rows), "nonzero": int(self._nonzero), "kept": int(self._kept)}
+        rows, nonzero, kept = self._stats.tolist() if self._stats is not None else (0, 0, 0)
+        return {"rows": rows, "nonzero": nonzero, "kept": kept}
 
     def state_dict(self) -> dict:
         """JSON-able state (tau as a float: fp32 converts exactly), from which :meth:`load_state_dict` resumes."""
-        return {"tau": None if self.tau is None else float(self.tau), "calls": self.calls, **self.counts(),
+        calls = self.calls if self._hash is None else max(self.calls, int(self._hash[1]))  # replays ran on
+        return {"tau": None if self.tau is None else float(self.tau), "calls": calls, **self.counts(),
                 **({"share": self.share} if self.share is not None else {}),
                 **({"var_tau": self.var_tau} if self.var_tau is not None else {})}
 
@@ -161,11 +190,10 @@ class SampleState:
         self.tau = None if d.get("tau") is None else torch.tensor(d["tau"], dtype=torch.float32, device=device)
         self.calls = int(d.get("calls", 0))
         self.share, self.var_tau = d.get("share"), d.get("var_tau")
-        self._rows = None
+        self._stats = self._hash = self._hash_at = None
         if d.get("rows"):
-            self._rows = int(d["rows"])
-            self._nonzero = torch.tensor(int(d["nonzero"]), device=device)
-            self._kept = torch.tensor(int(d["kept"]), device=device)
+            self._stats = torch.tensor([int(d["rows"]), int(d["nonzero"]), int(d["kept"])], dtype=torch.int64,
+                                       device=device)
 
 
 def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, config,
@@ -187,7 +215,7 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
     xn2 = (x.float() ** 2).sum(1) if x is not None and need_dw and (auto or state.armed) else torch.ones_like(w)
     solved = state.tau is None
     if solved:  # the first backward: the cutoff from its own rows (it depends on dY and X alone: still unbiased)
-        state.tau = w.new_zeros(()) if auto else solve_tau(w, _share(config, state))
+        state.tau = w.new_zeros(()) if auto else solve_tau(w, layer_share(config, state))
     q = None
     if state.calls >= config.warmup:
         q = keep_probabilities(w, state.tau.to(w.device))
@@ -196,7 +224,7 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
         state.count(m, active.sum(), kept.sum())
     else:
         kept = active
-    state.calls += 1
+    state.advance_on_host()
     scale = None if q is None else (1.0 / q).to(dy.dtype)  # exactly 1 where q = 1
     kept_rows = kept.nonzero().squeeze(1)
     if config.sample_dx or not need_dx or scale is None:
@@ -205,20 +233,38 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
         dx, _, _ = backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), True, False, False)
         _, dw, db = backward_over_rows(dy, x, weight, kept_rows, False, need_dw, need_db, scale=scale)
     qa = torch.ones_like(w) if q is None else torch.where(active, q, torch.ones_like(q))
-    var_tau = config.variance_tau if state.var_tau is None else state.var_tau
     if state.armed and need_dw:
         exact = dw if q is None else backward_over_rows(dy, x, weight, active.nonzero().squeeze(1), False, True,
                                                         False)[1]
-        state.guard = guard_numbers(dw, exact, w, xn2, qa, active, kept, var_tau)
+        state.guard = guard_numbers(dw, exact, w, xn2, qa, active, kept, variance_budget(config, state))
     state.armed = False
-    if not solved and auto:  # ||G||² from the sample: E||dW||² = ||G||² + V_s
-        g_sq = (dw.float() ** 2).sum() - sampling_variance(w, xn2, qa) if need_dw else w.new_zeros(())
-        state.tau = solve_cutoff_for_variance(w, xn2, var_tau * sgd_variance(w, xn2, g_sq))
-    elif not solved:
-        state.tau = solve_tau(w, _share(config, state))
+    if not solved:
+        update_cutoff(state, config, w, xn2, qa, dw if need_dw else None)
     return dx, dw, db
 
 
-def _share(config, state: SampleState) -> float:
+def update_cutoff(state: SampleState, config, w: torch.Tensor, xn2: torch.Tensor | None, q: torch.Tensor,
+                  dw: torch.Tensor | None) -> None:
+    """The layer's cutoff for its next backward, on the device, from this backward's row norms ``w``, keep
+    probabilities ``q`` (1 on rows not sampled) and, for ``budget="auto"``, ``xn2`` = ||X_i||² and the sampled
+    ``dw`` (None where dW was not asked for: ||G||² is then taken as 0). No host sync. The cutoff is written
+    into the layer's tensor in place, so that a CUDA graph's replays read and update the same one."""
+    if config.budget == "auto":  # ||G||² from the sample: E||dW||² = ||G||² + V_s
+        g_sq = (dw.float() ** 2).sum() - sampling_variance(w, xn2, q) if dw is not None else w.new_zeros(())
+        tau = solve_cutoff_for_variance(w, xn2, variance_budget(config, state) * sgd_variance(w, xn2, g_sq))
+    else:
+        tau = solve_tau(w, layer_share(config, state))
+    if state.tau is not None and state.tau.device == tau.device and state.tau.shape == tau.shape:
+        state.tau.copy_(tau)
+    else:
+        state.tau = tau
+
+
+def variance_budget(config, state: SampleState) -> float:
+    """The layer's variance budget (``auto``): the config's ``variance_tau``, or the smaller one the guard gave it."""
+    return config.variance_tau if state.var_tau is None else state.var_tau
+
+
+def layer_share(config, state: SampleState) -> float:
     """A fixed budget's share for the layer: the config's, or the larger one the guard gave it."""
     return float(config.budget) if state.share is None else state.share

@@ -330,8 +330,6 @@ class FinetuneConfig:
                                 ("--auto-eps", self.auto_eps), ("--report", bool(self.report))) if v]
         if clash:
             raise ValueError(f"--mode sampled takes --budget, not {', '.join(clash)}")
-        if self.backend == "triton":
-            raise ValueError("--mode sampled has no Triton kernels yet: it runs through the torch backend")
 
     @property
     def sebp_mode(self) -> str:

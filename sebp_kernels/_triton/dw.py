@@ -38,12 +38,20 @@ MIN_CHUNK = 2048  # rows per split at least: a split must amortise its partial's
 
 
 @triton.jit
+def _scaled(a, scale_ptr, rows, valid):
+    """The (rows, cols) tile ``a`` of dY with each row multiplied by its fp32 factor ``scale_ptr[rows]`` (sampled
+    mode's 1/q), rounded back to dY's dtype as the torch reference rounds ``dy * scale``."""
+    s = tl.load(scale_ptr + rows, mask=valid, other=0.0)
+    return (a.to(tl.float32) * s[:, None]).to(a.dtype)
+
+
+@triton.jit
 def _dw_loop(
     dy_ptr, x_ptr, perm_ptr, start, end,
     offs_o, offs_i, o_mask, i_mask,
     stride_dym, stride_dyo, stride_xm, stride_xi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, BIG: tl.constexpr,
+    IEEE: tl.constexpr, BIG: tl.constexpr, scale_ptr, SCALED: tl.constexpr,
 ):
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
@@ -58,6 +66,8 @@ def _dw_loop(
                 rows = tl.load(perm_ptr + pos, mask=valid, other=0).to(tl.int64)
                 a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
                             mask=valid[:, None] & o_mask[None, :], other=0.0)
+                if SCALED:
+                    a = _scaled(a, scale_ptr, rows, valid)
                 b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
                             mask=valid[:, None] & i_mask[None, :], other=0.0)
                 part = tl.dot(tl.trans(a), b, part, input_precision="ieee")
@@ -77,6 +87,8 @@ def _dw_loop(
                     rows = rows.to(tl.int64)
                 a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
                             mask=o_mask[None, :], other=0.0)
+                if SCALED:
+                    a = _scaled(a, scale_ptr, rows, rows >= 0)
                 b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
                             mask=i_mask[None, :], other=0.0)
                 acc = tl.dot(tl.trans(a), b, acc)
@@ -87,6 +99,8 @@ def _dw_loop(
                     rows = rows.to(tl.int64)
                 a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
                             mask=valid[:, None] & o_mask[None, :], other=0.0)
+                if SCALED:
+                    a = _scaled(a, scale_ptr, rows, valid)
                 b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
                             mask=valid[:, None] & i_mask[None, :], other=0.0)
                 acc = tl.dot(tl.trans(a), b, acc)
@@ -104,6 +118,8 @@ def _dw_loop(
                 valid = (j + offs_k) < end
                 a = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_o[None, :] * stride_dyo,
                             mask=valid[:, None] & o_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_M) of dY
+                if SCALED:
+                    a = _scaled(a, scale_ptr, rows, valid)
                 b = tl.load(x_ptr + rows[:, None] * stride_xm + offs_i[None, :] * stride_xi,
                             mask=valid[:, None] & i_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_N) of X
                 acc = tl.dot(tl.trans(a), b, acc)
@@ -118,10 +134,11 @@ def _dw_tile(
     stride_dym, stride_dyo, stride_xm, stride_xi,
     IEEE: tl.constexpr, BIG: tl.constexpr, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    scale_ptr, SCALED: tl.constexpr,
 ):
     """Split ``pid_s`` of dW tile ``pid`` (also called by the fused gradient kernel).
     part_ptr: fp32 partials [SPLIT, N_OUT*N_IN] (unused when SPLIT == 1); ticket_ptr: one int32 counter per
-    tile, zero between launches."""
+    tile, zero between launches. ``SCALED``: each row of dY is multiplied by ``scale_ptr``'s factor first."""
     pid_m, pid_n = grouped_tile(pid, N_OUT, N_IN, BLOCK_M, BLOCK_N, GROUP_M)
     start, end, n_split = _split_rows(count, pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
     if pid_s < n_split:
@@ -130,7 +147,8 @@ def _dw_tile(
         o_mask = offs_o < N_OUT
         i_mask = offs_i < N_IN
         acc = _dw_loop(dy_ptr, x_ptr, perm_ptr, start, end, offs_o, offs_i, o_mask, i_mask,
-                       stride_dym, stride_dyo, stride_xm, stride_xi, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BIG)
+                       stride_dym, stride_dyo, stride_xm, stride_xi, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BIG,
+                       scale_ptr, SCALED)
         offs = offs_o.to(tl.int64)[:, None] * N_IN + offs_i[None, :]
         _store_split(dw_ptr, offs, part_ptr, offs, tl.cast(N_OUT, tl.int64) * N_IN, ticket_ptr, pid, acc,
                      o_mask[:, None] & i_mask[None, :], pid_s, n_split)
@@ -138,16 +156,17 @@ def _dw_tile(
 
 @triton.jit(do_not_specialize=["M", "SPLIT", "count_ptr"])
 def _dw_kernel(
-    dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
+    dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, scale_ptr,
     M, N_OUT, N_IN, SPLIT,
     stride_dym, stride_dyo, stride_xm, stride_xi,
     IEEE: tl.constexpr, BIG: tl.constexpr, ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     _dw_tile(dy_ptr, x_ptr, dw_ptr, part_ptr, perm_ptr, tl.load(count_ptr), ticket_ptr,
              tl.program_id(0), tl.program_id(1), M, N_OUT, N_IN, SPLIT,
              stride_dym, stride_dyo, stride_xm, stride_xi,
-             IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+             IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, scale_ptr, SCALED)
 
 
 @triton.jit
@@ -155,9 +174,10 @@ def _db_cols(
     dy_ptr, db_ptr, part_ptr, perm_ptr, count, ticket_ptr, pid, pid_s,
     M, N, SPLIT, stride_m, stride_n,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    scale_ptr, SCALED: tl.constexpr,
 ):
-    """Split ``pid_s`` of db column block ``pid``: the sum of the active rows of dY, fp32, the last arriver
-    adds the splits (also called by the fused gradient kernel)."""
+    """Split ``pid_s`` of db column block ``pid``: the sum of the active rows of dY (``SCALED``: each times its
+    ``scale_ptr`` factor), fp32, the last arriver adds the splits (also called by the fused gradient kernel)."""
     start, end, n_split = _split_rows(count, pid_s, SPLIT, ROW_ALIGN, MIN_CHUNK)
     if pid_s < n_split:
         cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -169,20 +189,25 @@ def _db_cols(
             nxt = j + BLOCK_R + offs_r
             rows_next = tl.load(perm_ptr + nxt, mask=nxt < end, other=0)  # one block ahead
             valid = (j + offs_r) < end
-            acc += tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n,
-                           mask=valid[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+            v = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n,
+                        mask=valid[:, None] & c_mask[None, :], other=0.0)
+            if SCALED:
+                v = _scaled(v, scale_ptr, rows, valid)
+            acc += v.to(tl.float32)
             rows = rows_next
         _store_split(db_ptr, cols, part_ptr, cols, N, ticket_ptr, pid, tl.sum(acc, axis=0), c_mask, pid_s, n_split)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT", "count_ptr"])
 def _db_kernel(
-    dy_ptr, db_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr,
+    dy_ptr, db_ptr, part_ptr, perm_ptr, count_ptr, ticket_ptr, scale_ptr,
     M, N, SPLIT, stride_m, stride_n,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     _db_cols(dy_ptr, db_ptr, part_ptr, perm_ptr, tl.load(count_ptr), ticket_ptr, tl.program_id(0),
-             tl.program_id(1), M, N, SPLIT, stride_m, stride_n, ROW_ALIGN, MIN_CHUNK, BLOCK_R, BLOCK_C)
+             tl.program_id(1), M, N, SPLIT, stride_m, stride_n, ROW_ALIGN, MIN_CHUNK, BLOCK_R, BLOCK_C,
+             scale_ptr, SCALED)
 
 
 _dw = FastLaunch(_dw_kernel)
@@ -270,8 +295,9 @@ def _db_splits(m: int, cols: int, n_sm: int, min_chunk: int) -> int:
 
 
 def db_rows(dy: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, n_sm: int = 1,
-            interpret: bool = False, split: int | None = None) -> torch.Tensor:
-    """db (out,) = dY[perm[:count]].sum(0), accumulated in fp32; deterministic."""
+            interpret: bool = False, split: int | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """db (out,) = dY[perm[:count]].sum(0) (``scale``: each row times its fp32 factor), accumulated in fp32;
+    deterministic."""
     m, n = dy.shape
     block_c, block_r, min_chunk = (16, 8, 8) if interpret else (DB_BLOCK_C, DB_BLOCK_R, DB_MIN_CHUNK)
     cols = cdiv(n, block_c)
@@ -279,17 +305,17 @@ def db_rows(dy: torch.Tensor, perm: torch.Tensor, count: torch.Tensor, n_sm: int
         split = _db_splits(m, cols, n_sm, min_chunk)
     db = torch.empty(n, dtype=dy.dtype, device=dy.device)
     part = torch.empty(split * n, dtype=torch.float32, device=dy.device) if split > 1 else db
-    _db[(cols, split)](dy, db, part, perm, count, _tickets(dy.device, cols), m, n, split,
-                              dy.stride(0), dy.stride(1), ROW_ALIGN=block_r, MIN_CHUNK=min_chunk,
-                              BLOCK_R=block_r, BLOCK_C=block_c, num_warps=1 if interpret else 4)
+    _db[(cols, split)](dy, db, part, perm, count, _tickets(dy.device, cols), perm if scale is None else scale,
+                       m, n, split, dy.stride(0), dy.stride(1), ROW_ALIGN=block_r, MIN_CHUNK=min_chunk,
+                       BLOCK_R=block_r, BLOCK_C=block_c, SCALED=scale is not None, num_warps=1 if interpret else 4)
     return db
 
 
 def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: torch.Tensor,
                need_db: bool, split: int | None = None, interpret: bool = False, ieee: bool = True,
-               w_dtype: torch.dtype | None = None, n_sm: int = 1):
+               w_dtype: torch.dtype | None = None, n_sm: int = 1, scale: torch.Tensor | None = None):
     """(dW, db or None) over rows perm[:count]; at most ``split`` row splits per dW tile (None: chosen from
-    the shapes and ``n_sm``, see :func:`dw_splits`)."""
+    the shapes and ``n_sm``, see :func:`dw_splits`). ``scale`` (fp32, M): each row of dY times its factor."""
     m, n_out = dy.shape
     n_in = x.shape[1]
     dev = dy.device
@@ -302,8 +328,8 @@ def dw_db_rows(dy: torch.Tensor, x: torch.Tensor, perm: torch.Tensor, count: tor
     align, min_chunk = (16, 16) if interpret else (ROW_ALIGN, MIN_CHUNK)
     big = max(dy.stride(0), x.stride(0)) * m >= 2**31
     _dw[(tiles, split)](
-        dy, x, dw, part, perm, count, _tickets(dev, tiles),
+        dy, x, dw, part, perm, count, _tickets(dev, tiles), perm if scale is None else scale,
         m, n_out, n_in, split, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-        IEEE=ieee, BIG=big, ROW_ALIGN=align, MIN_CHUNK=min_chunk, **cfg)
-    db = db_rows(dy, perm, count, n_sm, interpret, split if interpret else None) if need_db else None
+        IEEE=ieee, BIG=big, ROW_ALIGN=align, MIN_CHUNK=min_chunk, SCALED=scale is not None, **cfg)
+    db = db_rows(dy, perm, count, n_sm, interpret, split if interpret else None, scale) if need_db else None
     return dw, db

@@ -97,7 +97,7 @@ def _dx_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BIG: tl.constexpr, STAGES: tl.constexpr,
     MIN_K: tl.constexpr, MAX_SPLIT: tl.constexpr, REUSE: tl.constexpr, ZERO_PROGRAMS: tl.constexpr,
-    bias_ptr, HAS_BIAS: tl.constexpr,
+    bias_ptr, HAS_BIAS: tl.constexpr, scale_ptr, SCALED: tl.constexpr,
 ):
     """Program ``g`` of the dX grid (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) + EXTRA`` programs; also called by
     the fused gradient kernel). STAGES: software-pipeline depth of the main loop.
@@ -111,6 +111,7 @@ def _dx_program(
     the dirty ones; ``zt_ticket_ptr``: a counter per row tile, zero between launches); the rest exit.
     ``HAS_BIAS`` (the forward over rows, never with ``REUSE``): every row gets ``bias_ptr``'s N values added,
     the computed ones in fp32 before their one rounding (to the first K piece's partial), the others as they are.
+    ``SCALED`` (sampled mode's ``sample_dx``): each computed row times its fp32 factor ``scale_ptr[row]``.
     """
     # M rows of dY/dX, N = in_features, K = out_features.
     n_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -132,6 +133,8 @@ def _dx_program(
         acc = _dx_acc(dy_ptr, w_ptr, rows, pos < count, offs_n, n_mask, k_start, tl.minimum(k_start + chunk, K),
                       K, stride_dym, stride_dyk, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE,
                       STAGES)
+        if SCALED:
+            acc = acc * tl.load(scale_ptr + rows, mask=in_m, other=0.0)[:, None]
         if HAS_BIAS:
             b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc += tl.where(pid_s == 0, 1.0, 0.0) * b[None, :]
@@ -193,7 +196,7 @@ def _dx_kernel(
     _dx_program(dy_ptr, w_ptr, dx_ptr, part_ptr, perm_ptr, ticket_ptr, perm_ptr, perm_ptr, tl.load(count_ptr),
                 tl.program_id(0), FILL, EXTRA, M, N, K, stride_dym, stride_dyk, stride_wk, stride_wn, stride_dxm,
                 stride_dxn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, STAGES, MIN_K, MAX_SPLIT, False,
-                1, bias_ptr, HAS_BIAS)
+                1, bias_ptr, HAS_BIAS, perm_ptr, False)
 
 
 _dx = FastLaunch(_dx_kernel)

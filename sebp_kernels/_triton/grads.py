@@ -24,22 +24,27 @@ from .tuning import LEVELS, cdiv, few_rows, gemm_config
 
 
 @triton.jit(do_not_specialize=["M", "DW_SPLIT", "DB_SPLIT", "DW_TILES", "N_DW", "N_DX", "DX_FILL",
-                               "DX_EXTRA", "DB_COLS", "count_ptr"])
+                               "DX_EXTRA", "DB_COLS", "count_ptr", "dx_count_ptr"])
 def _grads_kernel(
     dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, dw_part_ptr, db_part_ptr, dx_part_ptr, perm_ptr, count_ptr,
-    ticket_ptr, dirty_ptr, zt_ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES, N_DW, N_DX, DB_COLS,
-    DX_FILL, DX_EXTRA,
+    dx_count_ptr, scale_ptr, ticket_ptr, dirty_ptr, zt_ticket_ptr, M, N_OUT, N_IN, DW_SPLIT, DB_SPLIT, DW_TILES,
+    N_DW, N_DX, DB_COLS, DX_FILL, DX_EXTRA,
     stride_dym, stride_dyo, stride_xm, stride_xi, stride_wo, stride_wi, stride_dxm, stride_dxi,
     DO_DX: tl.constexpr, DO_DW: tl.constexpr, DO_DB: tl.constexpr,
     IEEE: tl.constexpr, BIG: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, MIN_CHUNK: tl.constexpr, DB_ALIGN: tl.constexpr, DB_MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DB_BLOCK_R: tl.constexpr, DB_BLOCK_C: tl.constexpr, DX_STAGES: tl.constexpr, DX_MIN_K: tl.constexpr,
-    DX_MAX_SPLIT: tl.constexpr, DX_REUSE: tl.constexpr, DX_ZERO_PROGRAMS: tl.constexpr,
+    DX_MAX_SPLIT: tl.constexpr, DX_REUSE: tl.constexpr, DX_ZERO_PROGRAMS: tl.constexpr, SCALED: tl.constexpr,
+    SCALED_DX: tl.constexpr,
 ):
     # ticket_ptr: the dW tiles' split counters, then the db column blocks', then the dX tiles'.
+    # count_ptr: the rows perm[:count] of dW and db; dx_count_ptr: dX's, perm[:dx_count] (the same count but in
+    # sampled mode, where dW and db take the kept rows, each times its scale_ptr factor, and dX all non-zero ones,
+    # or with SCALED_DX the kept rows too, scaled).
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
+    dx_count = tl.load(dx_count_ptr)
     # Longest programs first (the GPU starts programs in pid order): a dX tile reduces over N_OUT, a dW split
     # over its share of the k active rows. With the longer ones last, their tail runs on a few SMs. The dX
     # programs that only write zero rows (or exit) always come after both.
@@ -47,7 +52,7 @@ def _grads_kernel(
     dw_pid = pid
     dx_pid = pid - N_DW
     if N_OUT > dw_end - dw_start:
-        t_act, dx_split = _dx_work(count, N_IN, N_OUT, DX_FILL, DX_EXTRA, BLOCK_M, BLOCK_N, DX_MIN_K,
+        t_act, dx_split = _dx_work(dx_count, N_IN, N_OUT, DX_FILL, DX_EXTRA, BLOCK_M, BLOCK_N, DX_MIN_K,
                                    DX_MAX_SPLIT)
         n_first = tl.minimum(t_act * dx_split, N_DX)  # dX programs that compute
         dw_pid = pid - n_first
@@ -56,20 +61,20 @@ def _grads_kernel(
         if DO_DW:
             _dw_tile(dy_ptr, x_ptr, dw_ptr, dw_part_ptr, perm_ptr, count, ticket_ptr, dw_pid % DW_TILES,
                      dw_pid // DW_TILES, M, N_OUT, N_IN, DW_SPLIT, stride_dym, stride_dyo, stride_xm, stride_xi,
-                     IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                     IEEE, BIG, ROW_ALIGN, MIN_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, scale_ptr, SCALED)
     elif (dx_pid >= 0) & (dx_pid < N_DX):
         if DO_DX:
             _dx_program(dy_ptr, w_ptr, dx_ptr, dx_part_ptr, perm_ptr, ticket_ptr + DW_TILES + DB_COLS, dirty_ptr,
-                        zt_ticket_ptr, count, dx_pid, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
+                        zt_ticket_ptr, dx_count, dx_pid, DX_FILL, DX_EXTRA, M, N_IN, N_OUT,
                         stride_dym, stride_dyo, stride_wo, stride_wi, stride_dxm, stride_dxi,
                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, IEEE, BIG, DX_STAGES, DX_MIN_K, DX_MAX_SPLIT,
-                        DX_REUSE, DX_ZERO_PROGRAMS, dy_ptr, False)
+                        DX_REUSE, DX_ZERO_PROGRAMS, dy_ptr, False, scale_ptr, SCALED_DX)
     else:
         if DO_DB:
             g = pid - N_DW - N_DX
             _db_cols(dy_ptr, db_ptr, db_part_ptr, perm_ptr, count, ticket_ptr + DW_TILES, g % DB_COLS,
                      g // DB_COLS, M, N_OUT, DB_SPLIT, stride_dym, stride_dyo, DB_ALIGN, DB_MIN_CHUNK,
-                     DB_BLOCK_R, DB_BLOCK_C)
+                     DB_BLOCK_R, DB_BLOCK_C, scale_ptr, SCALED)
 
 
 _grads = FastLaunch(_grads_kernel)
@@ -83,11 +88,11 @@ class _Plan:
     __slots__ = ("idx", "grid", "part_n", "ints", "kw", "n_tickets")
 
 
-_N_TENSORS = 14  # the kernel's leading tensor arguments
+_N_TENSORS = 16  # the kernel's leading tensor arguments
 
 
 def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
-          dy_stride, xs_stride, w_stride, level, zero_programs=0) -> _Plan:
+          dy_stride, xs_stride, w_stride, level, zero_programs=0, scaled=False, scaled_dx=False) -> _Plan:
     reuse = zero_programs > 0  # dX kept between backwards: ZERO_PROGRAMS programs zero its dirty rows
     small = few_rows(m, n_in, n_sm)
     cfg = dict(gemm_config("dw", dtype, interpret, level, small))
@@ -122,7 +127,8 @@ def _plan(m, n_out, n_in, dtype, need_dx, need_dw, need_db, ieee, n_sm, interpre
         ROW_ALIGN=16 if interpret else ROW_ALIGN, MIN_CHUNK=16 if interpret else MIN_CHUNK,
         DB_ALIGN=db_block_r, DB_MIN_CHUNK=db_min, DB_BLOCK_R=db_block_r, DB_BLOCK_C=db_block_c,
         DX_STAGES=gemm_config("dx", dtype, interpret, level, small).get("num_stages", 1), DX_MIN_K=dx_min_k,
-        DX_MAX_SPLIT=MAX_SPLIT, DX_REUSE=reuse, DX_ZERO_PROGRAMS=max(zero_programs, 1), **cfg, **opts)
+        DX_MAX_SPLIT=MAX_SPLIT, DX_REUSE=reuse, DX_ZERO_PROGRAMS=max(zero_programs, 1), SCALED=scaled,
+        SCALED_DX=scaled_dx, **cfg, **opts)
     plan.n_tickets = dw_tiles + db_cols + 2 * n_sm
     return plan
 
@@ -133,9 +139,13 @@ _LEVEL: dict = {}  # device index -> the tile setting (tuning.gemm_config level)
 def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, perm: torch.Tensor,
                count: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool, ieee: bool, n_sm: int,
                interpret: bool = False, dw_split: int | None = None, db_split: int | None = None,
-               dx_buffer=None):
+               dx_buffer=None, dx_count: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+               scale_dx: bool = False):
     """(dX or None, dW or None, db or None) over rows ``perm[:count]`` in one launch; the same results as
     :func:`~.dx.dx_rows` and :func:`~.dw.dw_db_rows` (the same device code).
+
+    Sampled mode: ``dx_count`` (int32, (1,)) the rows ``perm[:dx_count]`` of dX, where ``perm[:count]`` (dW
+    and db's) are its first ones; ``scale`` (fp32, M): each row's factor in dW and db (``scale_dx``: in dX too).
 
     ``dx_buffer``: a :class:`~.zero_rows.ZeroRowBuffer` of dX's shape and dtype; dX is then its tensor, and
     only the rows active now or marked dirty are written.
@@ -145,22 +155,23 @@ def grads_rows(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, p
     says so once."""
     return fit_to_device(_LEVEL, dy.device, range(LEVELS), lambda level: _grads_at(
         level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split, db_split,
-        dx_buffer), "smaller GEMM tiles")
+        dx_buffer, dx_count, scale, scale_dx), "smaller GEMM tiles")
 
 
 def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee, n_sm, interpret, dw_split,
-              db_split, dx_buffer=None):
+              db_split, dx_buffer=None, dx_count=None, scale=None, scale_dx=False):
     m, n_out = dy.shape
     n_in = weight.shape[1]
     xs = x if need_dw else dy
     zero_programs = _dx_module.ZERO_PROGRAMS_PER_SM * n_sm if dx_buffer is not None and need_dx else 0
     key = (m, n_out, n_in, dy.dtype, xs.dtype, weight.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
-           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, zero_programs)
+           dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level, zero_programs, scale is not None,
+           scale_dx)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, _plan(m, n_out, n_in, dy.dtype, need_dx, need_dw, need_db, ieee, n_sm, interpret,
                                      dw_split, db_split, dy.stride(), xs.stride(), weight.stride(), level,
-                                     zero_programs))
+                                     zero_programs, scale is not None, scale_dx))
     dev = dy.device
     if zero_programs:
         dx, dirty, zt_tickets = dx_buffer.take(m, n_in, dy.dtype)
@@ -178,5 +189,6 @@ def _grads_at(level, dy, x, weight, perm, count, need_dx, need_dw, need_db, ieee
     _grads.launch_planned(
         plan.grid, plan.idx, _N_TENSORS,
         (dy, xs, weight, dx if need_dx else dy, dw if need_dw else dy, db if need_db else dy, dw_part, db_part,
-         dx_part, perm, count, _tickets(dev, plan.n_tickets), dirty, zt_tickets, *plan.ints), plan.kw)
+         dx_part, perm, count, count if dx_count is None else dx_count, perm if scale is None else scale,
+         _tickets(dev, plan.n_tickets), dirty, zt_tickets, *plan.ints), plan.kw)
     return dx, dw, db

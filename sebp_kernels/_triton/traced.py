@@ -80,6 +80,7 @@ def linear_grads_traced(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, ne
     parts = [torch.empty(max(k, 1), dtype=torch.float32, device=dev) for k in (dw_part_n, db_part_n, dx_part_n)]
     unused = [torch.empty(1, dtype=t, device=dev) for t in (torch.int8, torch.int32)]  # no reused dX
     tickets = torch.zeros(plan.n_tickets, dtype=torch.int32, device=dev)
-    wrap_triton(_grads_kernel)[plan.grid](dy, xs, weight, dx, dw, db, *parts, perm, count, tickets, *unused,
-                                          m, *plan.ints[1:], **plan.kw)
+    # count and perm again as dX's count and the (unused) row scales: both are only read
+    wrap_triton(_grads_kernel)[plan.grid](dy, xs, weight, dx, dw, db, *parts, perm, count, count, perm, tickets,
+                                          *unused, m, *plan.ints[1:], **plan.kw)
     return dx, dw, db

@@ -2,8 +2,9 @@
 entry's linears in sampled mode (:mod:`sebp_kernels.sampling`, approximate), each layer drawing its rows with the
 ``budget`` (``auto`` by default, or a share in (0, 1]) from its first backward on, no warm-up. The entry's row
 gives the share of the non-zero rows of dL/dY its linears skipped in dW over the timed and warm-up steps
-(``sampled_rows``). Sampled mode runs through the torch path (one host sync per layer to gather the kept rows),
-so it has no CUDA-graph timing."""
+(``sampled_rows``). On a GPU sampled mode runs on the Triton kernels (each layer's first backward, which solves
+its cutoff, through torch); a whole step of it is not timed as CUDA graphs: its capture is tested on one layer
+only (tests/kernels/test_sampled_gpu.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,7 @@ from ..model.sampled import sampled_summary
 
 VARIANTS = (("sampled", "full"), ("sampled", "labelled"))
 METHODS = ("sampled",)  # not among the bench's default methods: asked for by name
-GRAPHS_REASON = "sampled mode gathers its kept rows on the host (nonzero)"
+GRAPHS_REASON = "sampled mode's CUDA-graph capture of a whole step is not tested"
 
 
 def sampled_config(budget: float | str = "auto", seed: int = 0) -> SEBPConfig:

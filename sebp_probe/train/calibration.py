@@ -193,7 +193,7 @@ def calibrate(model, batches: list[dict], candidates: dict[str, SEBPConfig], fal
             layers = {n: c for n, c in candidates.items() if density[n] <= fallback or c.mode == "sampled"}
             if_slower = if_slower and not any(c.mode == "sampled" for c in layers.values())
         if not timed_batches or (layers and all(c.mode == "sampled" for c in layers.values()) and not (norms or acts)):
-            # untimed (the budget) or nothing to choose (sampled: the torch path, every layer kept)
+            # untimed (the budget) or nothing to choose (sampled: every layer kept, its backend as asked)
             norm_names = apply_sebp(model, layers, norms, acts) if layers or norms or acts else []
             if spent and spent["cut"] and answer is None:
                 answer = (f"SEBP on the {len(layers)} of {len(candidates)} layers whose share of active rows is at "
