@@ -57,7 +57,8 @@ def _case(rows: int, cols: int, dtype: torch.dtype, flush: Flush, repeats: int) 
     ms = time_methods({"rowstats": (kernel, True), "rowstats_no_groups": (kernel_no_groups, True),
                        "plain_read": (plain_read, True)}, repeats, flush)
     gbytes = g.numel() * g.element_size() / 1e9
-    return {"us": {k: round(v * 1e3, 2) for k, v in ms.items()}, "rowstats_gb_s": round(gbytes / (ms["rowstats"] / 1e3)),
+    return {"us": {k: round(v * 1e3, 2) for k, v in ms.items()},
+            "rowstats_gb_s": round(gbytes / (ms["rowstats"] / 1e3)),
             "rowstats_over_plain_read": round(ms["rowstats"] / ms["plain_read"], 3)}
 
 

@@ -110,7 +110,8 @@ def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: s
     spread = (statistics.median(abs(t - med["unprobed"]) for t in times["unprobed"]) / med["unprobed"]
               if repeats >= 3 else None)  # fewer repeats say nothing of the noise
     return {**{f"{a}_ms": m for a, m in med.items()},
-            **{f"{a}_host_ms": statistics.median(t) for a, t in host.items()}, "spread": spread, "layers": len(record["layers"]),
+            **{f"{a}_host_ms": statistics.median(t) for a, t in host.items()}, "spread": spread,
+            "layers": len(record["layers"]),
             "rows": sum(e["rows"] for e in record["layers"].values())}
 
 
@@ -156,13 +157,14 @@ def _row(key: tuple, per: list[dict], recompiles: int | None) -> dict:
     eager = mean("eager_ms") if "eager_ms" in per[0] else unprobed
     row = dict(zip(("layout", "method", "head", "timing"), key), unprobed_ms=round(unprobed, 3),
                probed_ms=round(probed, 3), unprobed_host_ms=round(mean("unprobed_host_ms"), 3),
-               probed_host_ms=round(mean("probed_host_ms"), 3), ratio=round(probed / unprobed, 4), hooks_ratio=round(probed / eager, 4),
+               probed_host_ms=round(mean("probed_host_ms"), 3), ratio=round(probed / unprobed, 4),
+               hooks_ratio=round(probed / eager, 4),
                probed_step_runs="eager",
                spread=None if per[0]["spread"] is None else round(mean("spread"), 4),
                per_batch_ratio=[round(p["probed_ms"] / p["unprobed_ms"], 4) for p in per],
                layers=per[-1]["layers"], rows=per[-1]["rows"])
     if key[3] == "compiled":
-        row.update(eager_ms=round(eager, 3), recompiles=recompiles)
+        row.update(eager_ms=round(eager, 3), eager_host_ms=round(mean("eager_host_ms"), 3), recompiles=recompiles)
     return row
 
 
