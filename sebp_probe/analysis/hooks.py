@@ -6,12 +6,17 @@ the same numbers:
 
 * Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): one kernel per hook call
   (:mod:`sebp_kernels._triton.rowstats`) adds the layer's counts, largest bit pattern and both histograms
-  into a per-collector int64 buffer, preallocated once per device; a batch ends with one device->host copy
-  of it. The backward then costs one launch per layer, the batch a few operations: the steps of small
-  models are bound by host time, so this is what keeps the collector cheap.
+  into a per-collector int64 buffer, preallocated once per device; a window (a batch, or a training step's
+  micro-batches) ends with one device->host copy of it that nothing waits for
+  (:class:`~sebp_probe.analysis.grad_records.Snapshot`); the host reads it later. The backward then costs one
+  launch per layer, the window a few operations and no host sync: the steps of small models are bound by host
+  time, so this is what keeps the collector cheap.
 * torch (everything else, e.g. plain CPU runs): the hook keeps each row's max |g|, its count of non-zeros
   and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
   (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
+
+The hooks' Python is kept to a few attribute reads and one launch per call: everything per model (targets,
+names, buffers, the hook callables) is made once per collector, which can be entered again and again.
 
 Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.analysis.knee`): an integer shift, no
 logarithm, and every bucket edge is an exact float32, so row counts above a threshold at an edge are exact.
@@ -39,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -48,78 +54,16 @@ from torch import nn
 
 from sebp_kernels.interpret import INTERPRET
 
-from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT, octave_histogram
+from .grad_records import (_GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _WIDTH, N_GROUPS,
+                           ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals, append_batch)
+from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
 from ..model.linears import features
 from ..model.patch import _logical_name, find_targets
 
+__all__ = ["ELEMENT_SAMPLE", "N_GROUPS", "ROW_GROUPS", "GradCall", "GradientStats", "GradientStatsCollector",
+           "LayerStats", "Totals", "bucket_counts", "reduce_calls", "reduce_grad", "summarize_grad"]
+
 _ABS_MASK = 0x7FFFFFFF
-# Per-layer row of a batch's statistics, in both paths (the layout of sebp_kernels._triton.rowstats):
-# non-zero elements, non-finite rows, float32 bits of the largest |g| (0 without a call), then the
-# fine-bucket histogram of the rows' max |g| (its bucket 0 counts the zero rows).
-_NONZERO, _NONFINITE_ROWS, _MAX_BITS = range(3)
-_N_SCALARS = 3
-# The row groups a batch can name (values 1, 2 of its int8 ``row_groups``; 0 is every other row). Each has an
-# octave histogram of its rows' max |g| after the fine one: a batch's row of statistics is _WIDTH wide.
-ROW_GROUPS = ("padding", "label_less")
-N_GROUPS = len(ROW_GROUPS)
-_GROUPS_AT = _N_SCALARS + N_FINE
-_WIDTH = _GROUPS_AT + N_GROUPS * N_OCTAVE
-
-
-@dataclass
-class LayerStats:
-    """What the collector learned about one linear layer; per-batch lists hold one entry per batch.
-
-    A batch in which the layer received no gradient has ``rows == 0``.
-    """
-
-    name: str
-    in_features: int
-    out_features: int
-    rows: list[int] = field(default_factory=list)
-    zero_rows: list[int] = field(default_factory=list)
-    nonfinite_rows: list[int] = field(default_factory=list)
-    elements: list[int] = field(default_factory=list)
-    zero_elements: list[int] = field(default_factory=list)
-    max_abs: list[float] = field(default_factory=list)
-    row_octaves: list[np.ndarray] = field(default_factory=list)  # per batch, row max|g| per octave bucket
-    group_octaves: list[np.ndarray] = field(default_factory=list)  # per batch, (N_GROUPS, N_OCTAVE): the same per group
-    element_hist: np.ndarray = field(default_factory=lambda: np.zeros(N_FINE, dtype=np.int64))
-    row_hist: np.ndarray = field(default_factory=lambda: np.zeros(N_FINE, dtype=np.int64))
-
-    @property
-    def seen(self) -> np.ndarray:
-        """Mask of the batches in which this layer received a gradient."""
-        return np.asarray(self.rows) > 0
-
-    def zero_row_fraction(self) -> np.ndarray:
-        """Per seen batch: share of rows of dL/dY that are exactly zero."""
-        m = self.seen
-        return np.asarray(self.zero_rows)[m] / np.asarray(self.rows)[m]
-
-    def zero_element_fraction(self) -> np.ndarray:
-        m = self.seen
-        return np.asarray(self.zero_elements)[m] / np.asarray(self.elements)[m]
-
-    def octaves(self) -> np.ndarray:
-        """(batches, N_OCTAVE) row-max histograms of the seen batches."""
-        rows = [o for o, s in zip(self.row_octaves, self.seen) if s]
-        return np.stack(rows) if rows else np.zeros((0, N_OCTAVE), dtype=np.int64)
-
-    def group_octaves_seen(self) -> np.ndarray:
-        """(batches, N_GROUPS, N_OCTAVE) row-max histograms of each row group, seen batches."""
-        rows = [o for o, s in zip(self.group_octaves, self.seen) if s]
-        return np.stack(rows) if rows else np.zeros((0, N_GROUPS, N_OCTAVE), dtype=np.int64)
-
-
-@dataclass
-class GradientStats:
-    """Everything a run of the collector gathered: per-layer statistics and the batches' token lengths."""
-
-    layers: dict[str, LayerStats]
-    lengths: list[np.ndarray] = field(default_factory=list)  # real tokens per sample, per batch
-    padded_lengths: list[int] = field(default_factory=list)  # sequence length of each batch
-    batches: int = 0
 
 
 _HISTC_CHUNK = 1 << 24  # float32 counts are exact up to 2**24
@@ -288,59 +232,44 @@ def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tenso
 
 
 class _DeviceBuffers:
-    """Where the row-statistics kernel accumulates a batch, on one device (allocated once per collector).
+    """Where the row-statistics kernel accumulates a window, on one device (allocated once per collector).
 
     One int64 allocation holds ``stats`` (layers, _WIDTH; the layout of :func:`reduce_calls`) and
-    ``sample`` (layers, N_FINE, this batch's element histogram), so discarding a batch is one memset;
-    ``element_acc`` sums the element histograms of the kept batches.
+    ``sample`` (layers, N_FINE, this window's element histogram), so discarding a window is one memset;
+    ``element_acc`` sums the element histograms of the kept windows.
     """
 
     def __init__(self, n_layers: int, device: torch.device, kernel) -> None:
-        self._kernel = kernel
         self._flat = torch.zeros(n_layers * (_WIDTH + N_FINE), dtype=torch.int64, device=device)
         self.stats = self._flat[: n_layers * _WIDTH].view(n_layers, _WIDTH)
         self.groups = self.stats[:, _GROUPS_AT:]  # the kernel's group histograms: in ``stats``, one transfer
         self.sample = self._flat[n_layers * _WIDTH:].view(n_layers, N_FINE)
         self.element_acc = torch.zeros(n_layers, N_FINE, dtype=torch.int64, device=device)
-        self._host: torch.Tensor | None = None  # pinned on CUDA: the copy is one DMA, reused every batch
+        # add(grad2d, slot=layer, row_step=..., groups=...): one launch, no host sync
+        self.add = partial(kernel.row_stats_, stats=self.stats, sample_hist=self.sample, shift=FINE_SHIFT,
+                           group_hist=self.groups, n_groups=N_GROUPS, group_shift=OCTAVE_SHIFT)
 
-    def add(self, layer: int, grad2d: torch.Tensor, groups: torch.Tensor | None) -> None:
-        """One launch, no host sync."""
-        self._kernel.row_stats_(grad2d, self.stats, self.sample, layer, _sample_step(grad2d), FINE_SHIFT,
-                                groups, self.groups, N_GROUPS, OCTAVE_SHIFT)
-
-    def take(self) -> np.ndarray:
-        """This batch's ``stats`` on the host (valid until the next call); the device side starts over."""
-        if self._host is None:
-            self._host = torch.empty(self.stats.shape, dtype=torch.int64, pin_memory=self.stats.is_cuda)
+    def fold_sample(self) -> None:
+        """Add this window's element histogram to ``element_acc`` (queued, no sync)."""
         self.element_acc += self.sample
-        self._host.copy_(self.stats)  # waits for the batch's kernels
-        self._flat.zero_()
-        return self._host.numpy()
 
     def discard(self) -> None:
+        """Start over (after the window's ``stats`` were copied, or to drop them)."""
         self._flat.zero_()
-
-
-def _merge(parts: list[np.ndarray], n_layers: int) -> np.ndarray:
-    """Batch statistics from several sources (devices, paths) in one array: sums, and the max of max bits."""
-    if not parts:
-        return np.zeros((n_layers, _WIDTH), dtype=np.int64)
-    out = parts[0]
-    for p in parts[1:]:
-        top = np.maximum(out[:, _MAX_BITS], p[:, _MAX_BITS])
-        out = out + p
-        out[:, _MAX_BITS] = top
-    return out
 
 
 class GradientStatsCollector:
-    """Context manager that gathers dL/dY statistics of target linears, batch by batch.
+    """Context manager that gathers dL/dY statistics of target linears, window by window.
 
     Targets are found with :func:`sebp_probe.model.patch.find_targets` (same names as patching; default: the
     attention and MLP projections), so it works on plain and SEBP-patched models alike. Layer names are the
-    logical ones (a peft ``...q_proj.base_layer`` is reported as ``...q_proj``). All hooks are removed when
-    the ``with`` block ends, also on error.
+    logical ones (a peft ``...q_proj.base_layer`` is reported as ``...q_proj``). Everything per model (targets,
+    buffers, hooks) is made once; entering the ``with`` block puts the forward hooks on, leaving it takes them
+    off (also on error), and a collector can be entered again, as ``finetune --probe-every`` does each probed step.
+
+    Two ways to use it: :meth:`batch` keeps a record per batch (``analyze``; :meth:`stats`); :meth:`accumulate`
+    adds the statistics of the block to the open window until :meth:`snapshot` sends them to the host
+    (``finetune --probe-every``: a step's micro-batches, one transfer).
     """
 
     def __init__(self, model: nn.Module, target_modules=None, exclude_modules=None):
@@ -350,32 +279,34 @@ class GradientStatsCollector:
             raise ValueError("no linear layer to collect statistics from (check the target/exclude patterns)")
         self._modules = {_logical_name(n): model.get_submodule(n) for n in real}
         self.names = list(self._modules)
-        self._layers = {
-            n: LayerStats(n, *features(m)) for n, m in self._modules.items()
-        }
+        self._layers = {n: LayerStats(n, *features(m)) for n, m in self._modules.items()}
         self._handles: list = []
-        self._pending: list[tuple[int, GradCall]] | None = None  # torch-path calls of the open batch
+        self._calls: list[tuple[int, GradCall]] = []  # torch-path calls of the open window
+        self._pending: list[tuple[int, GradCall]] | None = None  # ``_calls`` while a block runs, else None
         self._element_acc: torch.Tensor | None = None  # (layers, N_FINE) on the device, torch path
         self._buffers: dict[torch.device, _DeviceBuffers] = {}  # Triton path
-        self._route: dict = {}  # (device, dtype) -> _DeviceBuffers, or None for the torch path
+        self._route: dict = {}  # (device index, dtype) -> _DeviceBuffers, or None for the torch path
         n = len(self.names)
-        self._rows, self._elements = [0] * n, [0] * n  # of the open batch, per layer
+        self._rows, self._elements = [0] * n, [0] * n  # of the open window, per layer
         self._row_hist = np.zeros((n, N_FINE), dtype=np.int64)  # LayerStats.row_hist are rows of this
         self._lengths: list[np.ndarray] = []
         self._padded: list[int] = []
         self._batches = 0
-        self._groups: dict[torch.device, torch.Tensor] = {}  # the open batch's row groups, per device
-        self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]  # made once: hooks run every step
+        self._queue: deque[Snapshot] = deque()  # batches on their way to the host, oldest first
+        self._groups: torch.Tensor | None = None  # the open window's row groups
+        self._groups_on: dict[torch.device, torch.Tensor] = {}  # ... copied to other devices
+        # made once: the hooks run every step
+        self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]
+        self._forward_hooks = [(m, partial(self._on_forward, i)) for i, m in enumerate(self._modules.values())]
 
     def __enter__(self) -> "GradientStatsCollector":
-        for i, module in enumerate(self._modules.values()):
-            self._handles.append(module.register_forward_hook(partial(self._on_forward, i)))
+        self._handles = [m.register_forward_hook(hook) for m, hook in self._forward_hooks]
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
-        self._handles.clear()
+        self._handles = []
         self._pending = None
 
     def _on_forward(self, index: int, module, args, output) -> None:
@@ -383,28 +314,33 @@ class GradientStatsCollector:
             output.register_hook(self._grad_hooks[index])
 
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
-        if self._pending is None or not grad.numel():
+        if self._pending is None:
             return
-        g = _rows_view(grad)
+        g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
         rows, cols = g.shape
+        if not rows or not cols:
+            return
         self._rows[index] += rows
         self._elements[index] += rows * cols
         key = (g.get_device(), g.dtype)
         buffers = self._route[key] if key in self._route else self._add_route(key, g)
-        groups = self._groups_for(g) if self._groups else None
+        groups = self._groups
+        if groups is not None:
+            if groups.get_device() != g.get_device():
+                groups = self._groups_for(g)
+            if groups.shape[0] != rows:  # a pooler's or classifier's rows are sequences: no groups
+                groups = None
         if buffers is None:
             self._pending.append((index, summarize_grad(g, groups)))
         else:
-            buffers.add(index, g, groups)
+            buffers.add(g, slot=index, row_step=max(1, -(-rows * cols // ELEMENT_SAMPLE)), groups=groups)
 
-    def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor | None:
-        """The batch's row groups on the gradient's device, where it has one row per token (else None: a
-        pooler's or classifier's rows are sequences)."""
-        groups = self._groups.get(grad2d.device)
+    def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor:
+        """The window's row groups on the gradient's device (copied there once)."""
+        groups = self._groups_on.get(grad2d.device)
         if groups is None:
-            groups = self._groups[grad2d.device] = next(iter(self._groups.values())).to(grad2d.device,
-                                                                                       non_blocking=True)
-        return groups if groups.shape[0] == grad2d.shape[0] else None
+            groups = self._groups_on[grad2d.device] = self._groups.to(grad2d.device, non_blocking=True)
+        return groups
 
     def _add_route(self, key, grad2d: torch.Tensor) -> _DeviceBuffers | None:
         kernel = _kernel_for(grad2d)
@@ -417,69 +353,78 @@ class GradientStatsCollector:
         return buffers
 
     @contextlib.contextmanager
-    def batch(self, attention_mask: torch.Tensor | None = None, row_groups: torch.Tensor | None = None):
-        """Collect the forward + backward run inside the block as one batch.
-
-        ``attention_mask`` (batch x seq, 1 on real tokens) gives the token lengths for the padding
-        statistics; ``row_groups`` (int8, one per token, flattened as the rows of dL/dY: 1 padding,
-        2 label-less, 0 other) splits each layer's rows by group. If the block raises, the batch is discarded.
-        """
+    def accumulate(self, row_groups: torch.Tensor | None = None):
+        """Add the statistics of the forward + backward run inside the block to the open window (no record,
+        no transfer). ``row_groups`` (int8, one per token, flattened as the rows of dL/dY: 1 padding,
+        2 label-less, 0 other) splits each layer's rows by group. If the block raises, the whole window is
+        discarded."""
         if not self._handles:
             raise RuntimeError("use the collector inside its `with` block")
         if self._pending is not None:
             raise RuntimeError("batches cannot nest")
-        self._pending = []
-        n = len(self.names)
-        self._rows, self._elements = [0] * n, [0] * n
-        self._groups = {} if row_groups is None else {row_groups.device: row_groups.reshape(-1).to(torch.int8)}
+        self._pending = self._calls
+        self._groups = None if row_groups is None else row_groups.reshape(-1).to(torch.int8)
         try:
             yield self
-            self._flush(attention_mask)
         except BaseException:
-            for buffers in self._buffers.values():
-                buffers.discard()
+            self.discard()
             raise
         finally:
             self._pending = None
-            self._groups = {}
+            self._groups, self._groups_on = None, {}
 
-    def _flush(self, attention_mask) -> None:
+    def discard(self) -> None:
+        """Drop the open window's statistics (nothing was sent)."""
+        for buffers in self._buffers.values():
+            buffers.discard()
+        self._calls = []
         n = len(self.names)
-        parts = [buffers.take() for buffers in self._buffers.values()]  # one transfer per device
-        if self._pending:
-            batch, element_hist = reduce_calls([c for _, c in self._pending], [i for i, _ in self._pending], n)
-            if self._element_acc is None:
-                self._element_acc = element_hist
-            else:
-                self._element_acc += element_hist
-            parts.append(batch.cpu().numpy())  # the one transfer of the torch path
-        host = _merge(parts, n)
-        fine = host[:, _N_SCALARS:_GROUPS_AT]
-        groups = host[:, _GROUPS_AT:].reshape(n, N_GROUPS, N_OCTAVE).astype(np.int32)
-        zero_rows = fine[:, 0].tolist()
-        nonfinite = host[:, _NONFINITE_ROWS].tolist()
-        zero_elements = (np.asarray(self._elements, dtype=np.int64) - host[:, _NONZERO]).tolist()
-        max_abs = host[:, _MAX_BITS].astype(np.int32).view(np.float32).tolist()  # bits in [0, 2**31)
-        octaves = octave_histogram(fine).astype(np.int32)
-        self._row_hist = self._row_hist + fine  # a new array per batch: row_hist taken earlier stay as they were
-        for i, layer in enumerate(self._layers.values()):
-            layer.rows.append(self._rows[i])
-            layer.elements.append(self._elements[i])
-            layer.zero_rows.append(zero_rows[i])
-            layer.nonfinite_rows.append(nonfinite[i])
-            layer.zero_elements.append(zero_elements[i])
-            layer.max_abs.append(max_abs[i])
-            layer.row_octaves.append(octaves[i])
-            layer.group_octaves.append(groups[i])
-            layer.row_hist = self._row_hist[i]
+        self._rows, self._elements = [0] * n, [0] * n
+
+    def snapshot(self, attention_mask: torch.Tensor | None = None) -> Snapshot:
+        """Send the open window's statistics to the host (queued copies, no host sync) and start a new one."""
+        n = len(self.names)
+        parts = [buffers.stats for buffers in self._buffers.values()]  # one transfer per device
+        for buffers in self._buffers.values():
+            buffers.fold_sample()
+        calls = self._calls
+        if calls:
+            batch, element_hist = reduce_calls([c for _, c in calls], [i for i, _ in calls], n)
+            self._element_acc = element_hist if self._element_acc is None else self._element_acc + element_hist
+            parts.append(batch)
+        lengths = padded = None
         if attention_mask is not None:
             mask = attention_mask.reshape(attention_mask.shape[0], -1)
-            self._lengths.append(mask.sum(dim=1).cpu().numpy())
-            self._padded.append(int(mask.shape[1]))
-        self._batches += 1
+            lengths, padded = mask.sum(dim=1), int(mask.shape[1])
+        snap = Snapshot(parts, self._rows, self._elements, n, lengths, padded)  # the copies are queued first
+        self.discard()
+        return snap
+
+    @contextlib.contextmanager
+    def batch(self, attention_mask: torch.Tensor | None = None, row_groups: torch.Tensor | None = None):
+        """Collect the forward + backward run inside the block as one batch (a record of its own, see
+        :meth:`accumulate`); ``attention_mask`` (batch x seq, 1 on real tokens) gives the token lengths for the
+        padding statistics. The batch's numbers reach the host without a host sync: they are read at the start
+        of a later batch (once arrived) or by :meth:`stats`."""
+        self._drain(keep=1)
+        with self.accumulate(row_groups):
+            yield self
+        self._queue.append(self.snapshot(attention_mask))
+
+    def _drain(self, keep: int = 0) -> None:
+        """Record the queued batches that have reached the host, waiting on the oldest while more than ``keep``
+        are on their way."""
+        while self._queue and (len(self._queue) > keep or self._queue[0].ready()):
+            t = self._queue.popleft().wait()
+            self._row_hist = append_batch(list(self._layers.values()), t, self._row_hist)
+            if t.lengths is not None:
+                self._lengths.append(t.lengths)
+                self._padded.append(t.padded)
+            self._batches += 1
 
     def stats(self) -> GradientStats:
         """The statistics gathered so far (histograms copied to the host)."""
+        self._drain()
         accs = [b.element_acc for b in self._buffers.values()]
         accs += [self._element_acc] if self._element_acc is not None else []
         if accs:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .analyze import by_layer_type
 from .causes import CAUSES, LABEL_LESS, PADDING
-from .hooks import N_GROUPS, GradientStats
+from .grad_records import _GROUPS_AT, _N_SCALARS, _NONFINITE_ROWS, N_GROUPS, GradientStats, Totals
 from .knee import N_FINE, N_OCTAVE, OCTAVE_SHIFT, FINE_SHIFT, bucket_edges, detect_eps, lower_edges, octave_histogram
 
 RECORD = "grad_stats"  # the ``type`` of a probed step's line in metrics.jsonl
@@ -77,6 +77,15 @@ def step_counts(stats: GradientStats) -> StepCounts:
     fine = np.stack([np.asarray(layer.row_hist, dtype=np.int64) for layer in stats.layers.values()])
     return StepCounts(names, np.asarray(rows, dtype=np.int64), np.asarray(nonfinite, dtype=np.int64), fine,
                       np.stack(groups).astype(np.int64))
+
+
+def totals_counts(names: list[str], t: Totals) -> StepCounts:
+    """The counts of a window the collector accumulated on the device (a step's micro-batches together): what
+    :func:`step_counts` gives for the same micro-batches recorded one by one."""
+    s = t.stats
+    return StepCounts(list(names), np.asarray(t.rows, dtype=np.int64), s[:, _NONFINITE_ROWS].astype(np.int64),
+                      s[:, _N_SCALARS:_GROUPS_AT].astype(np.int64),
+                      s[:, _GROUPS_AT:].reshape(len(names), N_GROUPS, N_OCTAVE).astype(np.int64))
 
 
 def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray]:

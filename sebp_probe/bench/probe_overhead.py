@@ -4,9 +4,10 @@ For each eager and compiled entry of the dense and SEBP methods the bench ran (t
 on the same model, batches and settings, a probed step takes turns with an unprobed one on each batch of the
 layout: ``warmup`` rounds untimed, then ``repeats`` rounds, each arm first in every other round. A probed step is
 what ``finetune --probe-every`` runs on a probed step (:class:`~sebp_probe.train.probe_steps.StepProbe`): the
-collector's hooks on the model for that step, the step's own forward and backward, the counts reduced on the
-device and brought to the host in one transfer; the record made from them (host work after the step) is left
-out, as it is out of finetune's step time. Every step is timed by the wall clock from a synchronized device to a
+collector's hooks on the model for that step (one collector per run, as finetune makes it), the step's own forward
+and backward, the counts reduced on the device and sent to the host in one copy nothing waits for; the record made
+from them (:meth:`~sebp_probe.train.probe_steps.StepProbe.take`, host work after the step) is left out, as it is
+out of finetune's step time. Every step is timed by the wall clock from a synchronized device to a
 synchronized device (a finetune step waits for its loss anyway), the optimizer left out as in the rest of the
 bench (it costs both arms the same, so the ratios here are the largest a training step can see).
 
@@ -19,6 +20,9 @@ against the eager one (the hooks' own cost, like with like). For an eager entry 
 compiled row of the bench counts its own, without probes, to compare. ``spread``: the median absolute deviation
 of the unprobed steps over their median (mean over batches), the noise a ratio is read against (None under 3
 repeats).
+``unprobed_host_ms``/``probed_host_ms``: the same steps' host time, from the start until the step returned with
+its last kernel queued (medians, mean over batches): where the probed host time nears its wall time, the step
+waits on the host (hooks, launches), not on the device.
 ``layers``/``rows``: what the last probed step's record holds, a check that the hooks ran.
 """
 from __future__ import annotations
@@ -54,14 +58,17 @@ def probe_plan(keys) -> tuple[list[tuple], list[dict]]:
     return run, skipped
 
 
-def _wall_ms(fn: Callable[[], None], cuda: bool) -> float:
+def _wall_ms(fn: Callable[[], None], cuda: bool) -> tuple[float, float]:
+    """(wall ms from a synchronized device to a synchronized device, host ms: until ``fn`` returned, its last
+    launch queued)."""
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
+    t1 = time.perf_counter()
     if cuda:
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
 
 
 def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: str | None, compiled: bool,
@@ -70,7 +77,8 @@ def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: s
     without hooks) taking turns, with the last probed step's record size (see the module docstring)."""
     from sebp_kernels import label_checks
 
-    probes: list[StepProbe] = []
+    probe = StepProbe(1, model, task, compiled, None)  # one per run, as finetune makes it
+    record = None
 
     def plain(eager: bool) -> Callable[[], None]:
         def run():
@@ -79,29 +87,31 @@ def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: s
         return run
 
     def probed() -> None:
-        probe = probes[-1]
         with probe.step(1) as around, around(batch):
             loss_fn().backward()
 
     arms = {"unprobed": plain(False), "probed": probed, **({"eager": plain(True)} if compiled else {})}
     times: dict[str, list[float]] = {a: [] for a in arms}
+    host: dict[str, list[float]] = {a: [] for a in arms}
     with label_checks.deferred() as checks:
         for i in range(warmup + repeats):
             names = list(arms)
             for name in names[i % len(names):] + names[:i % len(names)]:  # each arm first in turn
-                if name == "probed":
-                    probes.append(StepProbe(1, model, task, compiled, None))
                 model.zero_grad(set_to_none=True)
-                ms = _wall_ms(arms[name], cuda)
+                ms, host_ms = _wall_ms(arms[name], cuda)
                 checks.check()
+                if name == "probed":
+                    record = probe.take(1)  # the record, after the step as in finetune: untimed
                 if i >= warmup:
                     times[name].append(ms)
+                    host[name].append(host_ms)
     model.zero_grad(set_to_none=True)
-    record = probes[-1].take(1)
     med = {a: statistics.median(t) for a, t in times.items()}
     spread = (statistics.median(abs(t - med["unprobed"]) for t in times["unprobed"]) / med["unprobed"]
               if repeats >= 3 else None)  # fewer repeats say nothing of the noise
-    return {**{f"{a}_ms": m for a, m in med.items()}, "spread": spread, "layers": len(record["layers"]),
+    return {**{f"{a}_ms": m for a, m in med.items()},
+            **{f"{a}_host_ms": statistics.median(t) for a, t in host.items()}, "spread": spread,
+            "layers": len(record["layers"]),
             "rows": sum(e["rows"] for e in record["layers"].values())}
 
 
@@ -146,13 +156,15 @@ def _row(key: tuple, per: list[dict], recompiles: int | None) -> dict:
     unprobed, probed = mean("unprobed_ms"), mean("probed_ms")
     eager = mean("eager_ms") if "eager_ms" in per[0] else unprobed
     row = dict(zip(("layout", "method", "head", "timing"), key), unprobed_ms=round(unprobed, 3),
-               probed_ms=round(probed, 3), ratio=round(probed / unprobed, 4), hooks_ratio=round(probed / eager, 4),
+               probed_ms=round(probed, 3), unprobed_host_ms=round(mean("unprobed_host_ms"), 3),
+               probed_host_ms=round(mean("probed_host_ms"), 3), ratio=round(probed / unprobed, 4),
+               hooks_ratio=round(probed / eager, 4),
                probed_step_runs="eager",
                spread=None if per[0]["spread"] is None else round(mean("spread"), 4),
                per_batch_ratio=[round(p["probed_ms"] / p["unprobed_ms"], 4) for p in per],
                layers=per[-1]["layers"], rows=per[-1]["rows"])
     if key[3] == "compiled":
-        row.update(eager_ms=round(eager, 3), recompiles=recompiles)
+        row.update(eager_ms=round(eager, 3), eager_host_ms=round(mean("eager_host_ms"), 3), recompiles=recompiles)
     return row
 
 
@@ -168,8 +180,10 @@ def probe_lines(model_result: dict) -> list[str]:
     for r in probe["rows"]:
         hooks = f", hooks {r['hooks_ratio']:.3f}x" if r["timing"] == "compiled" else ""
         noise = "noise unknown: under 3 repeats" if r["spread"] is None else f"noise +-{100 * r['spread']:.1f}%"
+        host = (f"; host until the last launch {r['unprobed_host_ms']:.2f} -> {r['probed_host_ms']:.2f} ms"
+                if "probed_host_ms" in r else "")  # rows of earlier results have no host split
         lines.append(f"  {r['layout']} {r['method']} {r['head']} {r['timing']}: {r['unprobed_ms']:.2f} -> "
-                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{hooks} ({noise})")
+                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{hooks} ({noise}){host}")
     lines += [f"  not probed: {s['layout']} {s['method']} {s['head']} {s['timing']} ({s['reason']})"
               for s in probe["skipped"]]
     return lines

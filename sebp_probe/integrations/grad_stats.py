@@ -10,7 +10,9 @@ TensorBoard, W&B or whatever the user set).
 Steps 1, every + 1, ... are probed: their micro-batches run through the collector of ``analyze``
 (:class:`~sebp_probe.analysis.hooks.GradientStatsCollector`), the trainer's ``training_step`` wrapped for that
 step only (each call is one micro-batch's forward and backward, whose rows it groups by cause), eagerly under
-``torch_compile`` (the compiled graphs run no hooks added after tracing). Under DDP every process all-reduces
+``torch_compile`` (the compiled graphs run no hooks added after tracing). As in ``finetune``, one collector serves
+the run, the step's micro-batches add up on the device and the counts go to the host in one copy, read after
+the optimizer step. Under DDP every process all-reduces
 its counts (a sum) and logs the same record; the trainer's loggers write from the main process. Per layer type
 the log holds the rows by cause (shares of its rows) and the share of active rows holding 50/90/99% of the
 squared norm of dL/dY and the knee (:mod:`sebp_probe.analysis.through_training`); ``records`` keeps the whole
@@ -25,8 +27,9 @@ import torch
 from transformers import TrainerCallback
 
 from ..analysis.causes import CAUSES, grouper
+from ..analysis.grad_records import Snapshot
 from ..analysis.hooks import GradientStatsCollector
-from ..analysis.through_training import SHARES, StepCounts, share_key, step_counts, step_record
+from ..analysis.through_training import SHARES, StepCounts, share_key, step_record, totals_counts
 from ..train.compiling import evaluating_eagerly
 
 PREFIX = "grad_stats"
@@ -67,8 +70,9 @@ class GradStatsCallback(TrainerCallback):
         self.trainer, self.every, self.task = trainer, every, task
         self.records: list[dict] = []
         self._stack: contextlib.ExitStack | None = None
-        self._collector: GradientStatsCollector | None = None
-        self._pending: dict | None = None
+        self._collector: GradientStatsCollector | None = None  # made at the first probed step, kept
+        self._groups = None
+        self._pending: tuple[Snapshot, int] | None = None  # a probed step's counts on their way, its number
 
     def due(self, step: int) -> bool:
         """Is optimizer step ``step`` (1-based) probed?"""
@@ -79,42 +83,47 @@ class GradStatsCallback(TrainerCallback):
             return
         trainer = self.trainer
         model = trainer.accelerator.unwrap_model(trainer.model)
-        groups = grouper(model, self.task)
+        if self._collector is None or self._collector.model is not model:  # made once per model, kept
+            self._collector, self._groups = GradientStatsCollector(model), grouper(model, self.task)
+        collector, groups = self._collector, self._groups
         stack = contextlib.ExitStack()
         stack.enter_context(evaluating_eagerly(bool(getattr(args, "torch_compile", False))))
-        collector = stack.enter_context(GradientStatsCollector(model))
+        stack.enter_context(collector)
+        stack.callback(collector.discard)  # a step stopped half-way leaves nothing for the next
         had = "training_step" in vars(trainer)
         own, previous = trainer.training_step, vars(trainer).get("training_step")
 
         def training_step(model, inputs, *a, **kw):
-            with collector.batch(inputs.get("attention_mask"), groups(inputs)):
+            with collector.accumulate(groups(inputs)):  # the step's micro-batches add up on the device
                 return own(model, inputs, *a, **kw)
 
         trainer.training_step = training_step
         stack.callback(lambda: setattr(trainer, "training_step", previous) if had
                        else vars(trainer).pop("training_step", None))
-        self._stack, self._collector = stack, collector
+        self._stack = stack
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """The step's backwards are done: hooks off, counts reduced over the processes, the record made."""
+        """The step's backwards are done: hooks off, the counts sent to the host (nothing waits for them)."""
         if self._stack is None:
             return
+        self._pending = (self._collector.snapshot(), state.global_step + 1)  # before the stack's discard
         self._stack.close()
-        counts = step_counts(self._collector.stats())
-        self._stack = self._collector = None
-        self._pending = step_record(_all_reduce(counts, args.device), state.global_step + 1)
+        self._stack = None
 
     def on_step_end(self, args, state, control, **kwargs):
+        """After the optimizer step: the counts read, reduced over the processes, the record made and logged."""
         if self._pending is None:
             return
-        record, self._pending = self._pending, None
+        (snapshot, step), self._pending = self._pending, None
+        counts = totals_counts(self._collector.names, snapshot.wait())
+        record = step_record(_all_reduce(counts, args.device), step)
         self.records.append(record)
         self.trainer.log(log_values(record))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._stack is not None:  # a run stopped inside a probed step
             self._stack.close()
-            self._stack = self._collector = None
+            self._stack = None
 
 
 def add_grad_stats(trainer, every: int = 10, task: str | None = None) -> GradStatsCallback:

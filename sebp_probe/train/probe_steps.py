@@ -1,17 +1,20 @@
 """``finetune --probe-every N``: the collector of ``analyze`` on the backward of every Nth optimizer step.
 
-Steps 1, N + 1, 2N + 1, ... are probed (step 1's backward is at the weights the run starts from). On a probed
-step the collector's hooks (:class:`~sebp_probe.analysis.hooks.GradientStatsCollector`) are put on the model
-before its micro-batches and taken off after them: the statistics come from that step's own forward and
-backward, reduced on the device, one host transfer per micro-batch; the steps in between run without a hook.
+Steps 1, N + 1, 2N + 1, ... are probed (step 1's backward is at the weights the run starts from). One collector
+(:class:`~sebp_probe.analysis.hooks.GradientStatsCollector`) serves the whole run, made with the probe (targets,
+buffers, hooks: nothing per model is redone per step). On a probed step its forward hooks are put on the
+model before the micro-batches and taken off after them: the statistics come from that step's own forward and
+backward, added up on the device over its micro-batches, then sent to the host in one copy that nothing waits
+for; the steps in between run without a hook.
 Under ``--compile`` a probed step runs eagerly (``torch.compiler.set_stance("force_eager")``, as the held-out
 evaluation does): the compiled graphs do not run hooks added after they were traced, and eager steps add
 neither graphs nor recompiles. CUDA-graph replays run no hooks either, so ``--cuda-graphs`` is refused with it
 (:class:`~sebp_probe.config.FinetuneConfig`).
 
-A probed step's counts are summed over the processes (one all-reduce) before its record
-(:func:`~sebp_probe.analysis.through_training.step_record`) is made, after the step's own record: the
-host-side summary is not in the step's time.
+Inside a probed step the host neither waits for the device nor does per-layer bookkeeping: the copy is read in
+:meth:`StepProbe.take`, after the step's own record, where the counts are summed over the processes (one
+all-reduce) and the record (:func:`~sebp_probe.analysis.through_training.step_record`) is made: the host-side
+summary is not in the step's time.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import torch
 
 from ..analysis.causes import grouper
 from ..analysis.hooks import GradientStatsCollector
-from ..analysis.through_training import StepCounts, series, step_counts, step_record
+from ..analysis.grad_records import Snapshot
+from ..analysis.through_training import StepCounts, series, step_record, totals_counts
 from .compiling import evaluating_eagerly
 
 Around = Callable[[dict], contextlib.AbstractContextManager]
@@ -37,7 +41,9 @@ class StepProbe:
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None, device: torch.device | None = None):
         self.every, self.model, self.compiled, self.reduce, self.device = every, model, compiled, reduce, device
         self.groups = grouper(model, task) if every else None
-        self._counts: StepCounts | None = None
+        # made once per run (targets, buffers, hooks); a probed step only puts its forward hooks on and off
+        self._collector = GradientStatsCollector(model) if every else None
+        self._snapshot: Snapshot | None = None  # the last probed step's counts, on their way to the host
 
     def due(self, step: int) -> bool:
         """Is optimizer step ``step`` (1-based) probed?"""
@@ -50,14 +56,26 @@ class StepProbe:
         if not self.due(step):
             yield None
             return
-        collector = GradientStatsCollector(self.model)
+        collector, groups = self._collector, self.groups
+        self._snapshot = None
         with evaluating_eagerly(self.compiled), collector:
-            yield lambda batch: collector.batch(batch.get("attention_mask"), self.groups(batch))
-        self._counts = step_counts(collector.stats())
+            try:
+                yield lambda batch: collector.accumulate(groups(batch))
+            except BaseException:
+                collector.discard()  # a step that failed leaves nothing for the next probed step
+                raise
+        self._snapshot = collector.snapshot()
+
+    @property
+    def _counts(self) -> StepCounts | None:
+        """The probed step's counts on the host (waits for their copy); None when the last step was not probed."""
+        if self._snapshot is None:
+            return None
+        return totals_counts(self._collector.names, self._snapshot.wait())
 
     def take(self, step: int) -> dict | None:
         """The record of the probed step just run (None when it was not probed); every process calls it."""
-        counts, self._counts = self._counts, None
+        counts, self._snapshot = self._counts, None
         if counts is None:
             return None
         if self.reduce is not None:

@@ -68,11 +68,14 @@ def test_ratio_of_a_probed_step_by_a_fake_clock(monkeypatch):
         assert row["ratio"] == row["hooks_ratio"] == pytest.approx(2.4) and row["spread"] == 0
         assert row["per_batch_ratio"] == pytest.approx([2.4, 2.4]) and row["probed_step_runs"] == "eager"
         assert row["layers"] == 14 and row["rows"] > 0
+        # no device here: the step returns when its work is done, so its host time is its wall time
+        assert (row["unprobed_host_ms"], row["probed_host_ms"]) == pytest.approx((10.0, 24.0))
     full, labelled = out["rows"]
     assert labelled["rows"] < full["rows"]  # the labelled head's last layer runs on the labelled rows only
     assert not any(mod._forward_hooks for mod in model.modules())  # no hook left behind
     lines = probe_overhead.probe_lines({"case": {"name": "tiny"}, "probe": out})
     assert "longest dense full eager: 10.00 -> 24.00 ms, 2.400x (noise +-0.0%)" in lines[1]
+    assert lines[1].endswith("; host until the last launch 10.00 -> 24.00 ms")
     assert "not probed: longest cce labelled eager" in lines[-2]
 
 

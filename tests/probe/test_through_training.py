@@ -107,6 +107,39 @@ def test_the_sum_over_processes_is_the_record_of_all_their_rows():
         "attention.self.query"]["rows"]
 
 
+def test_one_collector_serves_every_probed_step_of_a_run(monkeypatch):
+    """A run's probe makes its collector once; each probed step records only its own micro-batches (a fresh
+    probe's record), a step that raised leaves nothing behind, and an unprobed step records nothing."""
+    from sebp_probe.analysis import hooks
+
+    model = tiny_model("bert")
+    batches = [padded_batch("bert", (11, 4, 7), seed=s) for s in range(3)]
+    made = []
+    real_init = hooks.GradientStatsCollector.__init__
+    monkeypatch.setattr(hooks.GradientStatsCollector, "__init__",
+                        lambda self, *a, **k: (made.append(1), real_init(self, *a, **k))[1])
+    probe = StepProbe(2, model, "classification", False, None)
+    assert len(made) == 1
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe.step(1) as around:
+            with around(batches[2]):
+                model(**batches[2]).loss.backward()
+            raise RuntimeError("boom")  # between micro-batches: the step's counts are dropped
+    assert probe.take(1) is None
+    got = []
+    for step, micro in ((1, batches[:2]), (2, []), (3, batches[2:])):
+        model.zero_grad(set_to_none=True)
+        with probe.step(step) as around:
+            for b in micro if around else []:
+                with around(b):
+                    model(**b).loss.backward()
+        got.append(probe.take(step))
+    assert got[1] is None and len(made) == 1
+    for rec, micro in ((got[0], batches[:2]), (got[2], batches[2:])):
+        want = _probe_step(model, micro, StepProbe(1, model, "classification", False, None))
+        assert {k: v for k, v in rec.items() if k != "step"} == {k: v for k, v in want.items() if k != "step"}
+
+
 def test_non_finite_rows_are_recorded_as_such():
     model = tiny_model("bert")
     batch = padded_batch("bert")
