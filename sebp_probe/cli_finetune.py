@@ -77,11 +77,14 @@ def finetune_cmd(
                              "(approximate, experimental: unbiased row sampling, see --budget) (default: from the "
                              "other options)."),
     budget: str = typer.Option(None, "--budget", rich_help_panel=METHOD, help="sampled mode: auto (the "
-                               "default: per layer, the fewest rows whose added variance in dW stays under 0.025 "
-                               "of the SGD variance) or a fixed share of each layer's non-zero rows of dL/dY kept "
+                               "default: per layer, the fewest rows whose added variance in dW stays under "
+                               "--variance-tau of the SGD variance) or a fixed share of each layer's non-zero rows of dL/dY kept "
                                "for dW in expectation, in (0, 1] (rescaled: unbiased)."),
     sample_dx: bool = typer.Option(False, "--sample-dx", rich_help_panel=METHOD, help="sampled mode: dX from the "
                                    "sample too (default: dX exact)."),
+    variance_tau: float = typer.Option(0.025, "--variance-tau", rich_help_panel=METHOD, help="sampled mode, "
+                                       "--budget auto: each layer's variance budget, a share of the SGD variance "
+                                       "of its dW (VCAS's 0.025; larger keeps fewer rows)."),
     sample_warmup: int = typer.Option(10, "--sample-warmup", rich_help_panel=METHOD, help="sampled mode: exact "
                                       "optimizer steps first."),
     guard_every: int = typer.Option(50, "--guard-every", rich_help_panel=METHOD, help="sampled mode: the first "
@@ -194,7 +197,7 @@ def finetune_cmd(
         sebp_first=sebp_first,
         mode=mode,
         eps=eps, top_n=top_n, budget=_budget(budget), sample_dx=sample_dx, sample_warmup=sample_warmup,
-        guard_every=guard_every,
+        guard_every=guard_every, variance_tau=variance_tau,
         auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,
         dense_fallback=dense_fallback, fallback_if_slower=not always_sebp, calib_budget=calib_budget,

@@ -103,7 +103,7 @@ class FinetuneConfig:
     ``threshold`` with ``eps``, ``auto_eps`` or ``report``, else ``exact``. ``sampled`` (approximate,
     experimental: :mod:`sebp_kernels.sampling`) keeps the ``budget`` share of each layer's non-zero rows for dW
     in expectation (``auto``, the default: per layer, the fewest rows whose added variance stays under the
-    variance budget), rescaled so that the gradient is unbiased (dX too with ``sample_dx``), after
+    variance budget, ``variance_tau`` of the SGD variance), rescaled so that the gradient is unbiased (dX too with ``sample_dx``), after
     ``sample_warmup`` exact optimizer steps; its draws come from ``seed``; every ``guard_every`` steps the
     exact gradient is computed beside it (:mod:`~sebp_probe.train.sample_guard`). ``auto_eps`` runs the analysis
     first; ``report`` reads one.
@@ -152,6 +152,7 @@ class FinetuneConfig:
     sample_dx: bool = False
     sample_warmup: int = 10
     guard_every: int = 50
+    variance_tau: float = 0.025
     auto_eps: bool = False
     report: str | None = None
     targets: tuple[str, ...] | None = None
@@ -322,10 +323,16 @@ class FinetuneConfig:
                              f"got {b!r}")
         _pos_int(self.sample_warmup, "sample warm-up steps", 0)
         _pos_int(self.guard_every, "--guard-every")
+        t = self.variance_tau
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"--variance-tau must be a number > 0 (a share of the SGD variance), got {t!r}")
         if self.sebp_mode != "sampled":
-            if b is not None or self.sample_dx:
-                raise ValueError(f"--budget and --sample-dx belong to --mode sampled, not {self.sebp_mode}")
+            if b is not None or self.sample_dx or t != 0.025:
+                raise ValueError(f"--budget, --sample-dx and --variance-tau belong to --mode sampled, "
+                                 f"not {self.sebp_mode}")
             return
+        if t != 0.025 and b not in (None, "auto"):
+            raise ValueError("--variance-tau sets --budget auto's rule; a fixed --budget share does not use it")
         clash = [n for n, v in (("--eps", self.eps is not None), ("--top-n", self.top_n is not None),
                                 ("--auto-eps", self.auto_eps), ("--report", bool(self.report))) if v]
         if clash:
@@ -365,7 +372,8 @@ class FinetuneConfig:
         if self.sebp_mode == "sampled":  # the warm-up counts each layer's backwards: grad_accum per step
             b = self.budget if self.budget not in (None, "auto") else "auto"
             return SEBPConfig(mode="sampled", backend=self.backend, budget=b if b == "auto" else float(b),
-                              sample_dx=self.sample_dx, seed=self.seed, warmup=self.sample_warmup * self.grad_accum)
+                              sample_dx=self.sample_dx, seed=self.seed, warmup=self.sample_warmup * self.grad_accum,
+                              variance_tau=float(self.variance_tau))
         return SEBPConfig(mode=self.sebp_mode, eps=float(self.eps or 0.0), top_n=self.top_n, backend=self.backend)
 
     def methods(self) -> tuple[str, ...]:

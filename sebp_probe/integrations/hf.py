@@ -126,7 +126,7 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
                fallback_if_slower: bool = True, norms: bool = False, acts: bool = False,
                backend: str = "auto", keep_cudnn_attention: bool = False,
                compile_scope: str = "layers", mode: str = "exact", budget: float | str | None = None,
-               sample_dx: bool = False, sample_warmup: int = 0) -> SEBPTrainer:
+               sample_dx: bool = False, sample_warmup: int = 0, variance_tau: float = 0.025) -> SEBPTrainer:
     """Apply SEBP to a Hugging Face ``Trainer`` or TRL ``SFTTrainer``, in place, before ``train()``.
 
     The trainer's model gets the SEBP layers that pay on its own first batches, and its training loss the
@@ -161,10 +161,12 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
             the trainer's seed. The trainer's checkpoints do not hold the layers' cutoffs and draw counters: a
             resumed trainer draws afresh (sebp-probe's own ``finetune --resume`` continues them).
         budget: ``sampled``: ``"auto"`` (None: the default; per layer, the fewest rows whose added variance
-            stays under 0.025 of the SGD variance) or the expected share of each layer's non-zero rows kept, in
+            stays under ``variance_tau`` of the SGD variance) or the expected share of each layer's non-zero rows kept, in
             (0, 1]. The exact-gradient guard of ``finetune --guard-every`` does not run under a Trainer.
         sample_dx: ``sampled``: dX from the sample too (default: dX exact).
         sample_warmup: ``sampled``: exact optimizer steps before sampling starts.
+        variance_tau: ``sampled`` with budget ``"auto"``: each layer's variance budget, a share of the SGD
+            variance of its dW (VCAS's 0.025; larger keeps fewer rows).
 
     Returns:
         An :class:`SEBPTrainer`: whether SEBP was applied (and why not), the head the loss runs, the
@@ -192,6 +194,7 @@ def apply_sebp(trainer, *, report: str | os.PathLike | Mapping | None = None, ta
     if why is None:
         sampling = {} if mode == "exact" else {
             "mode": mode, "budget": budget, "sample_dx": sample_dx, "sample_warmup": sample_warmup,
+            "variance_tau": variance_tau,
             "seed": trainer.args.seed, "grad_accum": trainer.args.gradient_accumulation_steps}
         cands, why = _candidates(model, report, targets, backend, sampling)
     if why is not None:

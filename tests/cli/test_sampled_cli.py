@@ -24,6 +24,8 @@ SAMPLED = ["--mode", "sampled", "--budget", "0.3", "--sample-warmup", "1"]
     (["--mode", "sampled", "--budget", "0.3", "--top-n", "8"], "takes --budget, not --top-n"),
     (["--mode", "sampled", "--budget", "0.3", "--sample-warmup", "-1"], "sample warm-up steps must be"),
     (["--method", "dense", "--budget", "0.3"], "method dense uses no SEBP settings"),
+    (["--mode", "sampled", "--variance-tau", "0"], "--variance-tau must be a number > 0"),
+    (["--mode", "sampled", "--budget", "0.3", "--variance-tau", "0.1"], "a fixed --budget share does not use it"),
 ])
 def test_bad_budget_is_one_line_and_writes_nothing(tiny, tmp_path, args, needle):
     out = tmp_path / "run"
@@ -37,6 +39,18 @@ def test_budget_alone_means_sampled_and_reaches_the_layers():
     assert cfg.sebp_mode == "sampled"
     s = cfg.sebp_config()
     assert (s.mode, s.budget, s.warmup, s.seed, s.sample_dx) == ("sampled", 0.4, 6, 7, False)
+
+
+def test_variance_tau_reaches_the_layers_and_belongs_to_sampled_mode():
+    cfg = FinetuneConfig(data=DataConfig(), mode="sampled", variance_tau=0.1)
+    assert (cfg.sebp_config().budget, cfg.sebp_config().variance_tau) == ("auto", 0.1)
+    assert FinetuneConfig(data=DataConfig(), mode="sampled").sebp_config().variance_tau == 0.025  # VCAS's
+    for bad in ({"mode": "exact"}, {}):
+        with pytest.raises(ValueError, match="belong to --mode sampled"):
+            FinetuneConfig(data=DataConfig(), variance_tau=0.1, **bad)
+    for bad in (float("nan"), float("inf"), -1.0, True):
+        with pytest.raises(ValueError, match="--variance-tau must be a number > 0"):
+            FinetuneConfig(data=DataConfig(), mode="sampled", variance_tau=bad)
 
 
 def test_sampled_mode_defaults_to_budget_auto():

@@ -30,9 +30,10 @@ def test_sampled_mode_reaches_the_layers_and_trains(tmp_path):
 
 def test_sampled_mode_without_a_budget_is_auto(tmp_path):
     trainer = _trainer(tmp_path)
-    handle = apply_sebp(trainer, mode="sampled", calibrate=False)
+    handle = apply_sebp(trainer, mode="sampled", calibrate=False, variance_tau=0.1)
     layers = [m for m in trainer.model.modules() if isinstance(m, SEBPLinear)]
     assert layers and all(m.sebp_config.budget == "auto" for m in layers)
+    assert all(m.sebp_config.variance_tau == 0.1 for m in layers)
     handle.undo()
 
 
