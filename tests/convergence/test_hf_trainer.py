@@ -167,23 +167,27 @@ def _dynamo_counts(run):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("scope", ["layers", "loss"])
-def test_trainer_torch_compile_compiles_the_labelled_rows_loss(tmp_path, monkeypatch, device, scope):
+def test_trainer_torch_compile_compiles_the_labelled_rows_loss(tmp_path, monkeypatch, device):
     """torch_compile=True: each layer of the model compiled in place (``layers``: the layers share one graph, the
     last one runs eagerly on the labelled rows), or the labelled-rows loss (backbone, last layer on the labelled
     rows, head) compiled as one graph (``loss``: the labelled-row counts come as Python ints), with the trainer's
     backend, no graph break, and the losses and gradients of the plain Trainer compiled as torch_compile=True
     compiles it (on a GPU, where torch_compile=True turns TF32 on and Inductor compiles each run on its own: the
-    losses, within 1e-3). Undo leaves no layer compiled."""
+    losses, within 1e-3). Undo leaves no layer compiled. Both scopes against one plain run."""
     from transformers import Trainer
-
-    from sebp_probe.families import layer_stack
 
     def make(callbacks):
         return Trainer(model=tiny_model("llama"), args=_args(tmp_path, **_compiled(monkeypatch, device)),
                        train_dataset=_Rows("llama"), callbacks=callbacks)
 
     plain, _ = _dynamo_counts(lambda: _train(make, None))
+    for scope in ("layers", "loss"):
+        _check_compiled_labelled_rows_loss(make, plain, device, scope)
+
+
+def _check_compiled_labelled_rows_loss(make, plain, device, scope):
+    from sebp_probe.families import layer_stack
+
     ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope},
                                                            watch="lm_head"))
     handle, trainer = ours[2], ours[4]
@@ -203,11 +207,10 @@ def test_trainer_torch_compile_compiles_the_labelled_rows_loss(tmp_path, monkeyp
     assert all(layer._compiled_call_impl is None for layer in layers)
 
 
-@pytest.mark.parametrize("scope", ["layers", "loss"])
-def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch, scope):
+def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch):
     """A masked LM (a tiny BERT, 15% of the tokens labelled) under torch_compile=True: its labelled rows counted on
     the host too, so the compiled labelled-rows loss has no graph break, with the plain compiled trainer's
-    losses and gradients."""
+    losses and gradients (each layer compiled, or the loss; both against one plain run)."""
     from transformers import AutoModelForMaskedLM, Trainer
 
     from tests.tiny_models import tiny_config
@@ -229,9 +232,11 @@ def test_trainer_torch_compile_masked_lm(tmp_path, monkeypatch, scope):
                        callbacks=callbacks)
 
     plain, _ = _dynamo_counts(lambda: _train(make, None))
-    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope}))
-    _assert_same(plain, ours)
-    assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0
+    for scope in ("layers", "loss"):
+        ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope}))
+        _assert_same(plain, ours)
+        assert ours[2].head == "labelled" and ours[2].compile_scope == scope and 1 <= graphs <= 2 and breaks == 0, \
+            scope
 
 
 @pytest.mark.parametrize("scope,what", [("loss", "the labelled-rows loss"), ("layers", "a layer of the model")])
@@ -321,16 +326,18 @@ def test_sft_tiny_llama_completion_only(tmp_path, padding_free, accum, smoothing
     assert logged[0] == logged[1]
 
 
-@pytest.mark.parametrize("scope", ["layers", "loss"])
-def test_sft_padding_free_torch_compile(tmp_path, monkeypatch, scope):
+def test_sft_padding_free_torch_compile(tmp_path, monkeypatch):
     """SFTTrainer with torch_compile=True on padding-free batches (one flattened row, position_ids): the layers or
-    the labelled-rows loss compiled, no graph break, the plain compiled trainer's losses and gradients."""
+    the labelled-rows loss compiled, no graph break, the plain compiled trainer's losses and gradients (both
+    scopes against one plain run)."""
     make = _sft(tmp_path, lambda: tiny_model("llama"), _completions(), word_tokenizer(), padding_free=True,
                 **_compiled(monkeypatch))
     plain, _ = _dynamo_counts(lambda: _train(make, None))
-    ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope}))
-    _assert_same(plain, ours)
-    assert ours[2].head == "labelled" and 1 <= graphs <= 2 and breaks == 0  # as in the Trainer test above
+    for scope in ("layers", "loss"):
+        ours, (graphs, breaks) = _dynamo_counts(lambda: _train(make, {"calibrate": False, "compile_scope": scope}))
+        _assert_same(plain, ours)
+        assert ours[2].head == "labelled" and ours[2].compile_scope == scope and 1 <= graphs <= 2 and breaks == 0, \
+            scope  # as in the Trainer test above
 
 
 @pytest.mark.parametrize("padding_free,accum,lora", [(False, 2, False), (True, 1, False), (False, 1, True)])

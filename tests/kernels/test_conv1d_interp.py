@@ -91,8 +91,8 @@ else:
         labels = torch.tensor([0, 2, 1, 1]) if task == "classification" else ids.masked_fill(mask == 0, -100)
         batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
         out = []
-        for model in (dense, sebp):
-            for _ in range(3):  # the check, then batches that take the rows
+        for model, steps in ((dense, 1), (sebp, 2)):  # SEBP: the check, then a step that takes the rows
+            for _ in range(steps):  # (no update between: each step has the same loss and gradients)
                 model.zero_grad(set_to_none=True)
                 loss = model(**batch).loss
                 loss.backward()

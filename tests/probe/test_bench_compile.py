@@ -275,15 +275,17 @@ def test_compiled_and_cce_entries_give_dense_loss(packed_run):
 @pytest.mark.slow
 def test_compiled_sebp_patches_the_linears_only():
     """SEBP under compile (Dynamo and AOTAutograd; Inductor's own compile is the test above) patches the
-    linears only by default, and gives dense's loss."""
+    linears only by default, and gives dense's loss (the full head: each entry compiles on its own, and the
+    labelled head's compiled entries are test_probe_in_the_whole_bench_eager_and_compiled's)."""
     dynamo.reset()
     try:
         r = bench_model.bench_model(LLAMA, torch.float32, repeats=1, n_batches=2, device="cpu", warmup=0,
                                     compile="default", compile_backend="aot_eager", layouts=("longest",),
-                                    methods=("dense", "sebp"))
+                                    methods=("dense:full", "sebp:full"))
     finally:
         dynamo.reset()
     rows = {(r["method"], r["head"], r["timing"]): r for r in r["rows"]}
+    assert set(rows) == {(m, "full", t) for m in ("dense", "sebp") for t in ("eager", "compiled")}
     sebp = rows[("sebp", "full", "compiled")]
     assert sebp["sebp_layers"]["linears"] > 0 and sebp["sebp_layers"]["norms"] == sebp["sebp_layers"]["acts"] == 0
     assert sebp["loss_gap"] < 1e-5 and sebp["recompiles"] == 0 and sebp["graph_breaks"] == 0

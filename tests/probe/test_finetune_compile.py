@@ -149,29 +149,33 @@ def test_a_model_without_a_layer_stack_compiles_whole_under_layers_scope(monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["model", "layers"])
-def test_compiled_packed_causal_lm_trains_with_the_labelled_head_as_the_eager_one(tmp_path, monkeypatch, scope):
+def test_compiled_packed_causal_lm_trains_with_the_labelled_head_as_the_eager_one(tmp_path, monkeypatch):
     """A tiny Llama on packed batches: the labelled-rows head (gathered rows, fused head, last layer on the
-    labelled rows) compiled inside the step, without a graph break, to the eager run's losses. aot_eager
-    stands in for Inductor (the same graphs; Inductor's C++ build of this model's recompiles took over four
-    minutes on two CPU cores; the BERT run above compiles with Inductor)."""
+    labelled rows) compiled inside the step (model scope) or with each layer (layers scope), without a graph
+    break, to the eager run's losses (one eager run for both). aot_eager stands in for Inductor (the same graphs;
+    Inductor's C++ build of this model's recompiles took over four minutes on two CPU cores; the BERT run above
+    compiles with Inductor)."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="aot_eager"))
     monkeypatch.setattr(compiling, "inductor_problem", lambda device: None)
     data = synthetic_data("causal-lm", n=40, n_eval=8, prompt=0.5)
     runs = {}
-    for name, mode in (("eager", None), ("compiled", "default")):
+    for name, mode, scope in (("eager", None, "model"), ("model", "default", "model"),
+                              ("layers", "default", "layers")):
         dynamo.reset()
         runs[name] = _run(tmp_path, name, lambda: tiny_model("llama"), method="dense", compile=mode,
                           data=DataConfig(max_length=24, batch_size=8, padding="packed"), task_data=data,
                           compile_scope=scope)
     dynamo.reset()
-    eager, compiled = runs["eager"], runs["compiled"]
-    assert compiled["head"] == eager["head"] == "labelled" and "head_fallback_reason" not in compiled
-    assert compiled["compile"]["scope"] == {"model": "step", "layers": "layers"}[scope]
-    assert compiled["compile"]["graph_breaks"] == 0 and compiled["compile"]["graphs"] >= 1
-    got, want = _losses(tmp_path / "compiled" / "metrics.jsonl"), _losses(tmp_path / "eager" / "metrics.jsonl")
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
+    eager, want = runs["eager"], _losses(tmp_path / "eager" / "metrics.jsonl")
+    assert eager["head"] == "labelled" and "compile" not in eager
+    for scope in ("model", "layers"):
+        compiled = runs[scope]
+        assert compiled["head"] == "labelled" and "head_fallback_reason" not in compiled, scope
+        assert compiled["compile"]["scope"] == {"model": "step", "layers": "layers"}[scope]
+        assert compiled["compile"]["graph_breaks"] == 0 and compiled["compile"]["graphs"] >= 1, scope
+        got = _losses(tmp_path / scope / "metrics.jsonl")
+        assert len(got) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-4), scope
 
 
 @pytest.mark.gpu
