@@ -161,7 +161,7 @@ else:
         assert three.counts() == one.counts()
 
     def test_mean_over_draws_is_the_dense_gradient():
-        """300 draws of the Triton path (dW and db): their mean is the dense gradient within its standard error
+        """100 draws of the Triton path (dW and db): their mean is the dense gradient within its standard error
         (rows independent: Var = sum_i g_i^2 (1 - q_i) / q_i)."""
         x, w, dy = _skewed(m=40, n=6, k=8, power=2, floor=0.05, dtype=torch.float64)
         x, w, dy = x.float(), w.float(), dy.float()
@@ -169,7 +169,7 @@ else:
                                         dy.double())
         cfg, state = SEBPConfig("sampled", budget=0.3, seed=5), SampleState(9)
         sampled_backward_triton(dy, x, w, cfg, state)  # the first backward: torch, solves the cutoff
-        draws = 300
+        draws = 100  # the z-scores below are scaled by the draws: fewer draws, same test
         got = [sampled_backward_triton(dy, x, w, cfg, state, need_dx=False) for _ in range(draws)]
         c = state.counts()
         assert 0.2 < c["kept"] / c["nonzero"] < 0.45, c
