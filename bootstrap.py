@@ -41,10 +41,7 @@ def _python(use_venv: bool) -> str:
 
 
 def _pip(py: str, *args: str) -> None:
-    # --no-compile: pip would byte-compile all of torch, transformers and the rest (about 18k files, 40 s on two
-    # cores); Python compiles the modules actually imported on first use instead.
-    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", *args],
-                   check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], check=True)
 
 
 def _setup(py: str, torch_spec: str, extras: str) -> None:
