@@ -14,8 +14,6 @@ import triton
 import triton.language as tl
 
 from .launch import FastLaunch
-from .select import _row_blocks, _row_sumsq
-from .tuning import cdiv
 
 GRID = 16  # candidates a round, as the torch versions
 
@@ -100,16 +98,6 @@ def _cutoff_kernel(
 
 
 _cutoff = FastLaunch(_cutoff_kernel)
-
-
-def row_sumsq(x: torch.Tensor, interpret: bool = False) -> torch.Tensor:
-    """fp32 (M,) = ||X_i||² of 2-D ``x``, one pass (non-finite rows +Inf; :func:`~.select._row_sumsq_kernel`)."""
-    m, cols = x.shape
-    block_r, block_c, warps = _row_blocks(cols, interpret)
-    out = torch.empty(m, dtype=torch.float32, device=x.device)
-    _row_sumsq[(cdiv(m, block_r),)](x, out, m, cols, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c,
-                                    num_warps=warps)
-    return out
 
 
 def update_cutoff_device(tau: torch.Tensor, w: torch.Tensor, q: torch.Tensor, xn2: torch.Tensor | None,

@@ -16,18 +16,13 @@ row scales in one pass over dY, then one compaction; no host sync, no sort.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .launch import FastLaunch
-from .select import compact_plan
+from .select import _row_blocks, compact_plan
 from .tuning import cdiv
-
-GOLDEN = 0x9E3779B97F4A7C15
-
 
 @triton.jit
 def _mix64(z):
@@ -132,15 +127,6 @@ _flags = FastLaunch(_sampled_flags_kernel)
 _compact = FastLaunch(_sampled_compact_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps): the tiles of topk mode's sum-of-squares pass, which also reads every
-    column (:func:`~.select._row_blocks`)."""
-    if interpret:
-        return 8, 16, 1
-    return 8, max(64, min(triton.next_power_of_2(n), 512)), 8
-
-
 def select_sampled(dy: torch.Tensor, tau: torch.Tensor, hash_state: torch.Tensor, stats: torch.Tensor,
                    warmup: int, interpret: bool = False):
     """(perm, counts, w, q, scale) of one sampled backward of 2-D ``dy`` (M, out): the int32 permutation (kept
@@ -149,7 +135,7 @@ def select_sampled(dy: torch.Tensor, tau: torch.Tensor, hash_state: torch.Tensor
     device scalar); ``hash_state``: int64 (2,), the layer's stream key and backward count (advanced here);
     ``stats``: int64 (3,), the rows, non-zero rows and kept rows summed once the count reaches ``warmup``."""
     m, n = dy.shape
-    block_r, block_c, warps = _blocks(n, interpret)
+    block_r, block_c, warps = _row_blocks(n, interpret)  # the sum-of-squares pass's tiles: it too reads every column
     nb = cdiv(m, block_r)
     dev = dy.device
     perm, flags, kept_count, active_count, counts = torch.empty(2 * m + 2 * nb + 2, dtype=torch.int32,

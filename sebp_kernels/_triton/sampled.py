@@ -25,9 +25,9 @@ from ..reference import unit_col_stride, weight_view
 from ..sampling import SampleState, layer_share, sampled_backward_torch, variance_budget
 from .backward import _ieee, supported
 from .grads import grads_rows
-from .sample_cutoff import row_sumsq, update_cutoff_device
+from .sample_cutoff import update_cutoff_device
 from .sample_select import select_sampled
-from .select import _sm_count
+from .select import _sm_count, row_sumsq
 
 
 def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, config,

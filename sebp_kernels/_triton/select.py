@@ -220,17 +220,24 @@ def _select_plan(m, n, dtype, stride, mode, eps, interpret):
     return next(plan_ids), nb, n_compact, (m, n, *stride, _eps_in(eps, dtype)), flags_kw, compact_kw
 
 
+def row_sumsq(x: torch.Tensor, interpret: bool = False) -> torch.Tensor:
+    """fp32 (M,) = ||X_i||² of 2-D ``x`` in one pass (non-finite rows +Inf; :func:`_row_sumsq_kernel`): topk
+    mode's ranking, sampled mode's ||X_i||²."""
+    m, cols = x.shape
+    block_r, block_c, warps = _row_blocks(cols, interpret)
+    out = torch.empty(m, dtype=torch.float32, device=x.device)
+    _row_sumsq[(cdiv(m, block_r),)](x, out, m, cols, x.stride(0), x.stride(1), BLOCK_R=block_r, BLOCK_C=block_c,
+                                    num_warps=warps)
+    return out
+
+
 def _topk_perm(dy: torch.Tensor, n: int, interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
     m, cols = dy.shape
     dev = dy.device
     count = torch.full((1,), min(n, m), dtype=torch.int32, device=dev)
     if n >= m:
         return torch.arange(m, dtype=torch.int32, device=dev), count
-    block_r, block_c, warps = _row_blocks(cols, interpret)
-    sumsq = torch.empty(m, dtype=torch.float32, device=dev)
-    _row_sumsq[(cdiv(m, block_r),)](dy, sumsq, m, cols, dy.stride(0), dy.stride(1),
-                                                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    top = torch.topk(sumsq, n, sorted=False).indices
+    top = torch.topk(row_sumsq(dy, interpret), n, sorted=False).indices
     outside = torch.ones(m, dtype=torch.uint8, device=dev).index_fill_(0, top, 0)
     perm = torch.sort(outside, stable=True).indices  # chosen rows first, each group in row order
     return perm.to(torch.int32), count

@@ -224,7 +224,8 @@ else:
         """One launch gives the cutoff that solve_tau / solve_cutoff_for_variance give (the same rounds and
         candidates; sums in another order), for a fixed share and for the variance rule, zero and non-finite
         norms included."""
-        from sebp_kernels._triton.sample_cutoff import row_sumsq, update_cutoff_device
+        from sebp_kernels._triton.sample_cutoff import update_cutoff_device
+        from sebp_kernels._triton.select import row_sumsq
         from sebp_kernels.sample_variance import sampling_variance, sgd_variance, solve_cutoff_for_variance
         from sebp_kernels.sampling import solve_tau
 
