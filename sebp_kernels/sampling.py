@@ -66,9 +66,15 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def stream_key(seed: int, layer_key: int) -> int:
+    """One layer's stream key in a run (unsigned 64-bit): what :func:`stream_base` mixes with each backward's
+    count, and what the Triton path keeps on the device (:meth:`SampleState.device_hash`)."""
+    return mix64_int(seed * 0x9E3779B97F4A7C15 + layer_key)
+
+
 def stream_base(seed: int, layer_key: int, step: int) -> int:
     """The hash state of one backward of one layer (host ints, no device work), as a signed int64."""
-    return _signed(mix64_int(mix64_int(seed * 0x9E3779B97F4A7C15 + layer_key) + step * 0x9E3779B97F4A7C15))
+    return _signed(mix64_int(stream_key(seed, layer_key) + step * 0x9E3779B97F4A7C15))
 
 
 def row_draws(seed: int, layer_key: int, step: int, m: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -161,7 +167,7 @@ class SampleState:
         seed or device changed."""
         at = (seed, device, self.calls)
         if self._hash is None or self._hash_at != at:
-            key = _signed(mix64_int(seed * 0x9E3779B97F4A7C15 + self.layer_key))
+            key = _signed(stream_key(seed, self.layer_key))
             self._hash = torch.tensor([key, self.calls], dtype=torch.int64, device=device)
         self._hash_at = (seed, device, self.calls + 1)  # what it holds once the kernels advanced it
         return self._hash
