@@ -79,8 +79,7 @@ def _read_by_loss(batch: dict, task: str | None, pooling: str, pad_token_id: int
         pos = (torch.arange(shape[1], device=device) * (ids != pad_token_id)).argmax(dim=1)
     else:
         pos = torch.full((shape[0],), shape[1] - 1, dtype=torch.long, device=device)
-    read[torch.arange(shape[0], device=device), pos] = True
-    return read
+    return read.scatter_(1, pos.unsqueeze(1), True)  # (indexing with tensors would sync: index_put_)
 
 
 def row_groups(batch: dict, task: str | None, pooling: str = "first",
