@@ -124,9 +124,10 @@ def assert_same_stats(got, want):
         assert np.array_equal(x, y), _first_mismatches(x, y, f"{name}.group_octaves")
 
 
-def run_file_under_interpreter(test_file: str) -> None:
-    """Run one test file in a pytest subprocess with TRITON_INTERPRET=1 (the variable must be set before
-    the kernels are decorated, and other tests may have imported them already); fail with its output."""
+def run_under_interpreter(*test_files) -> None:
+    """Run test files in one pytest subprocess with TRITON_INTERPRET=1 (the variable must be set before the
+    kernels are decorated, and other tests have imported them already); fail with its output, which names
+    the failing tests."""
     import os
     import subprocess
     import sys
@@ -139,22 +140,9 @@ def run_file_under_interpreter(test_file: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(test_file)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-
-
-def interpreter_suite(test_file: str):
-    """A slow test that runs ``test_file`` under the Triton interpreter (:func:`run_file_under_interpreter`):
-    ``test_interpreter_suite = interpreter_suite(__file__)`` in a file whose interpreter tests are defined only
-    when ``TRITON_INTERPRET=1``."""
-    import pytest
-
-    @pytest.mark.slow
-    def test_interpreter_suite():
-        run_file_under_interpreter(test_file)
-
-    return test_interpreter_suite
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE",
+         *map(str, test_files)], cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"interpreter suites failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
 
 
 def fail_launches(monkeypatch, launcher, failing: set) -> list:

@@ -17,15 +17,10 @@ import torch.nn.functional as F
 from sebp_kernels import SEBPConfig
 from sebp_kernels.activations import RowHint, sebp_gelu, sebp_swiglu
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16]
 BACKEND = "triton" if INTERPRET else "torch"
-
-if not INTERPRET:
-    test_interpreter_suite = interpreter_suite(__file__)
-
 
 def _case(kind, shape, dtype, seed=0, bad_rows=()):
     """Inputs with NaN/Inf in ``bad_rows`` (of the flattened rows), and a dL/dH whose padding rows are zero

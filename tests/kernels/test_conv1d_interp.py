@@ -9,13 +9,8 @@ import os
 import pytest
 import torch
 
-from tests.helpers import interpreter_suite
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if os.environ.get("TRITON_INTERPRET") == "1":
     from sebp_kernels import SEBPConfig, SEBPConv1D, SEBPLinear
     from sebp_kernels._triton import sebp_backward_triton
     from sebp_kernels.forward_rows import linear_over_rows

@@ -17,7 +17,6 @@ from sebp_kernels.forward_rows import linear_maybe_over_rows, linear_over_rows, 
 from sebp_kernels.pad_rows import ON, PadRows, forward_rows_traced
 from sebp_kernels.reference import linear_rows_torch
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -169,8 +168,6 @@ def test_rows_only_once_checked_and_only_for_the_batch_tokens():
 
 
 if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

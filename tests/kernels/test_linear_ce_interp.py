@@ -10,15 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if INTERPRET:
     from sebp_kernels import linear_ce
     from sebp_kernels._triton import ce
 

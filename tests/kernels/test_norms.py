@@ -14,7 +14,7 @@ from torch import nn
 
 from sebp_kernels import SEBPConfig, SEBPNorm, sebp_layer_norm, sebp_rms_norm
 from sebp_kernels.reference import norm_backward_torch
-from tests.helpers import assert_within_torch_error, interpreter_suite
+from tests.helpers import assert_within_torch_error
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.bfloat16]
@@ -118,8 +118,6 @@ def test_nan_rows_stay_active():
 
 
 if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
 
     def test_reference_skips_zero_rows_and_matches_dense():
         x, dy = torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)

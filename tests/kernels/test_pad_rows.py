@@ -15,7 +15,6 @@ import torch
 
 from sebp_kernels.pad_rows import CHECKING, OFF, ON, PadRows
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -314,23 +313,24 @@ def _check_prompt_masked_lm(device, dtype, backend, atol, rtol):
     assert pad_rows_summary(model) == {"state": ON, "taken": 2 * (5 * (last + 1) - 3), "own": 4}
 
 
-def _check_compiled_layers(arch, device, dtype, backend, atol, rtol):
-    """Each layer compiled (the pre-hook eager): the linears' backward operators take the padding rows their
-    forward passed on as graph inputs, checked first; the verdict "on" compiles nothing again, and a batch of
-    another length (dynamic shapes) neither. The whole model compiled: the traced pre-hook names no rows (no earlier
-    batch's rows are read), and the linears select theirs. The layers call the forward over rows (the autouse
-    fixture lets every shape pay; shapes that never pay: test_interp_compiled_layers_told_the_most_rows_...)."""
+def _check_compiled_layers(arch, device, dtype, backend, atol, rtol, row_bound=None):
+    """Each layer compiled (the pre-hook eager; ``row_bound`` given to :func:`compile_layers`): the linears'
+    backward operators take the padding rows their forward passed on as graph inputs, checked first; the verdict
+    "on" compiles nothing again, and a batch of another length (dynamic shapes) neither. The whole model compiled:
+    the traced pre-hook names no rows (no earlier batch's rows are read), and the linears select theirs. The
+    layers call the forward over rows (the autouse fixture lets every shape pay; shapes that never pay:
+    test_interp_compiled_layers_not_told_the_most_rows_...)."""
     from sebp_kernels import functional
 
     calls = []
     real = functional.linear_maybe_over_rows  # what the forward operator runs
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(functional, "linear_maybe_over_rows", lambda *a: calls.append(1) or real(*a))
-        _compiled_layers_steps(arch, device, dtype, backend, atol, rtol)
+        _compiled_layers_steps(arch, device, dtype, backend, atol, rtol, row_bound)
     assert calls and _FORWARD_ROWS
 
 
-def _compiled_layers_steps(arch, device, dtype, backend, atol, rtol):
+def _compiled_layers_steps(arch, device, dtype, backend, atol, rtol, row_bound):
     """The steps of :func:`_check_compiled_layers`."""
     from sebp_probe.train.compiling import compile_layers, dynamo_counts
     from tests.tiny_models import padded_batch
@@ -338,10 +338,11 @@ def _compiled_layers_steps(arch, device, dtype, backend, atol, rtol):
     dense, model, pad = _dense_and_patched(arch, device, dtype, backend)
     dense.train(), model.train()  # compile_layers runs a layer eagerly in eval mode (no dropout here)
     batches = [{k: v.to(device) for k, v in padded_batch(arch, lengths, seed=i).items()}
-               for i, lengths in enumerate(((11, 4, 7), (9, 3, 5)))]
+               for i, lengths in enumerate(((11, 4, 7), (9, 3, 5), (6, 11, 10)))]
     torch._dynamo.reset()
-    undo = compile_layers(model, backend="aot_eager", dynamic=True)
+    undo = compile_layers(model, backend="aot_eager", dynamic=True, row_bound=row_bound)
     try:
+        assert pad.row_bound == row_bound
         _same_step(model, dense, batches[0], atol, rtol)
         assert pad.state == CHECKING and pad.checked > 0 and pad.taken == 0
         graphs = dynamo_counts()[0]
@@ -349,8 +350,11 @@ def _compiled_layers_steps(arch, device, dtype, backend, atol, rtol):
         _same_step(model, dense, batches[1], atol, rtol)  # another length, after the verdict
         assert pad.state == ON and pad.taken == _taking(model, arch)
         assert dynamo_counts()[0] == graphs  # neither the verdict nor the length compiled again
+        _same_step(model, dense, batches[2], atol, rtol)  # the first batch's length again
+        assert pad.taken == 2 * _taking(model, arch) and dynamo_counts()[0] == graphs
     finally:
         undo()
+        assert pad.row_bound is None
         torch._dynamo.reset()
     taken = pad.taken
     whole = torch.compile(model, backend="aot_eager", dynamic=True)
@@ -381,8 +385,6 @@ def _check_labels_on_padding(device, backend):
 
 
 if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("arch", ["bert", "llama"])
@@ -417,19 +419,25 @@ else:
     def test_interp_linears_far_sparser_than_the_padding_select_their_own_rows():
         _check_prompt_masked_lm("cpu", torch.float32, "triton", 1e-5, 1e-4)
 
-    def test_interp_compiled_layers_take_the_padding_rows():
+    def test_interp_compiled_layers_take_the_padding_rows(monkeypatch):
         """The compiled path on one architecture: compiling does not depend on it (bert's own-rows layers, its
         LayerNorm and GELU take the rows eagerly in test_interp_models_with_padding_rows_match_dense[bert], and
-        compiled on a GPU in test_gpu_models_with_padding_rows_match_dense[compiled_layers-bert])."""
-        _check_compiled_layers("llama", "cpu", torch.float32, "triton", 1e-5, 1e-4)
+        compiled on a GPU in test_gpu_models_with_padding_rows_match_dense[compiled_layers-bert]). The forward's
+        line (MIN_ROWS) at 30 lies between the batches' 33 and 27 rows and the layers are told the run's most
+        rows (33): they call the forward operator at every size (it decides per batch: the second batch's rows
+        under the line, the third's over it) and compile once. Not
+        told, or told a bound under the line: test_interp_compiled_layers_not_told_the_most_rows_..."""
+        from sebp_kernels import forward_rows
 
-    def test_interp_compiled_layers_told_the_most_rows_compile_once_across_the_forward_line():
-        """Batches on both sides of the row count at which the forward over real rows can pay: told the run's
-        most rows, the layers call the forward operator at every size (it decides per batch) and compile once;
-        not told, the batch under the line compiles them again (a guard on its row count): layers whose rows can
-        never pay trace F.linear, with the dense gradients and the padding rows still taken in the backward."""
-        first, last, calls = _graphs_over_min_rows(33)  # the most rows of its batches
-        assert first > 0 and last == first and calls > 0
+        monkeypatch.setattr(forward_rows, "MIN_ROWS", 30)
+        _check_compiled_layers("llama", "cpu", torch.float32, "triton", 1e-5, 1e-4, row_bound=33)
+
+    def test_interp_compiled_layers_not_told_the_most_rows_compile_again_under_the_forward_line():
+        """Batches on both sides of the row count at which the forward over real rows can pay (told the run's
+        most rows, the layers compile once: test_interp_compiled_layers_take_the_padding_rows): not told, the
+        batch under the line compiles them again (a guard on its row count); told a bound under the line, layers
+        whose rows can never pay trace F.linear, with the dense gradients and the padding rows still taken in the
+        backward."""
         first, last, _ = _graphs_over_min_rows(None)
         assert last > first
         first, last, calls = _graphs_over_min_rows(20)  # a bound under the line: F.linear traced, never the operator

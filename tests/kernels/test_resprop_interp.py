@@ -11,12 +11,8 @@ import os
 import pytest
 import torch
 
-from tests.helpers import interpreter_suite
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if os.environ.get("TRITON_INTERPRET") == "1":
     from sebp_kernels import resprop_grads
     from tests.helpers import assert_close_report
     from tests.kernels.test_resprop import _inputs, reference

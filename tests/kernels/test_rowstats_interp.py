@@ -13,15 +13,10 @@ import os
 import pytest
 import torch
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if INTERPRET:
     import numpy as np
 
     from sebp_probe.analysis import hooks

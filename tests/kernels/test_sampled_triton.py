@@ -13,15 +13,10 @@ import random
 import pytest
 import torch
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if INTERPRET:
     import triton
     import triton.language as tl
 

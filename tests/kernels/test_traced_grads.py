@@ -10,7 +10,6 @@ import torch
 from sebp_kernels import SEBPConfig, functional, registry
 from sebp_kernels.interpret import INTERPRET
 from sebp_kernels.modules import SEBPLinear
-from tests.helpers import interpreter_suite
 
 pytest.importorskip("triton")
 from sebp_kernels._triton import traced  # noqa: E402
@@ -150,8 +149,6 @@ if INTERPRET:
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
             else:
                 assert g.numel() == 0
-else:
-    test_interpreter_suite = interpreter_suite(__file__)
 
 
 @pytest.mark.gpu

@@ -11,15 +11,10 @@ import os
 import pytest
 import torch
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if INTERPRET:
     from sebp_kernels import SEBPConfig, sebp_linear
     from sebp_kernels._triton import sebp_backward_triton
     from sebp_kernels._triton.backward import supported

@@ -14,7 +14,6 @@ import torch
 from sebp_kernels import zero_rows
 from sebp_kernels.zero_rows import ZeroRowBuffer
 
-from tests.helpers import interpreter_suite
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -112,11 +111,7 @@ def test_pool_is_off_by_default_and_off_on_cpu():
         zero_rows.enable(False)
 
 
-if not INTERPRET:
-
-    test_interpreter_suite = interpreter_suite(__file__)
-
-else:
+if INTERPRET:
     import torch.nn.functional as F
 
     from sebp_kernels import RowHint, SEBPConfig, sebp_gelu, sebp_linear
