@@ -28,8 +28,11 @@ def _row(run: Path) -> dict:
     smp = s.get("sampled")
     if s["method"] == "dense" or not smp:
         arm = s["method"]
-    else:
-        arm = f"sampled {smp['budget'] if smp['budget'] == 'auto' else format(smp['budget'], 'g')}"
+    elif smp["budget"] != "auto":
+        arm = f"sampled {format(smp['budget'], 'g')}"
+    else:  # auto's variance budget, when it is not the default
+        tau = smp.get("variance_tau", 0.025)
+        arm = "sampled auto" + ("" if tau == 0.025 else f" (tau {format(tau, 'g')})")
     return {"arm": arm, "seed": cfg["seed"], "status": s["status"], "steps": s["steps"],
             "eval_accuracy": s["final_eval"].get("eval_accuracy"), "eval_loss": s["final_eval"].get("eval_loss"),
             "final_train_loss": s.get("final_train_loss"), "median_step_ms": s.get("median_step_ms"),

@@ -5,10 +5,12 @@ from __future__ import annotations
 from docgen import DocsError, Page, block, captioned, table
 
 # (run of results/sampled.json, what it trained); in the table's order
-RUNS = (("sampled.json#minilm_tweets_cpu", "MiniLM, tweets"),
-        ("sampled.json#minilm_tweets_auto_cpu", "MiniLM, tweets"),
-        ("sampled.json#minilm_drugreviews_auto_cpu", "MiniLM, drug reviews"),
-        ("sampled.json#smollm2_tweets_sft_auto_cpu", "SmolLM2-135M, tweets-sft"))
+RUNS = (("sampled.json#minilm_tweets_cpu", "MiniLM, tweets, 60 steps"),
+        ("sampled.json#minilm_tweets_auto_cpu", "MiniLM, tweets, 60 steps"),
+        ("sampled.json#minilm_tweets_300_cpu", "MiniLM, tweets, 300 steps"),
+        ("sampled.json#minilm_drugreviews_auto_cpu", "MiniLM, drug reviews, 60 steps"),
+        ("sampled.json#minilm_drugreviews_tau_cpu", "MiniLM, drug reviews, 60 steps"),
+        ("sampled.json#smollm2_tweets_sft_auto_cpu", "SmolLM2-135M, tweets-sft, 16 steps"))
 
 
 def _sd(v) -> str:
@@ -61,3 +63,36 @@ def sampled_quality(page: Page) -> str:
     header = ["model, data", "arm", "seeds", "held-out (mean ± sd)", "vs dense", "non-zero rows skipped in dW",
               "guard"]
     return captioned(page, srcs, table(header, body, "llrrrrl"))
+
+
+SPEED = (("model_eager.json#bert-base_sampled", "bert-base"),
+         ("model_eager.json#llama-3.2-1b-sft_sampled", "llama-3.2-1b-sft"))
+
+
+@block("sampled_speed")
+def sampled_speed(page: Page) -> str:
+    """Per whole-model bench run (``bench --scope model`` with a ``sampled`` method): each layout's dense, exact
+    SEBP and sampled step and backward, the sampled step against dense, and the rows the sampled linears
+    skipped in dW over the timed steps."""
+    srcs, body = [], []
+    for rel, name in SPEED:
+        try:
+            src = page.load(rel)
+        except DocsError:
+            continue
+        srcs.append(src)
+        for model in src.data["models"]:
+            layers = next((v for k, v in model["sebp_layers"].items() if k.startswith("sampled")), {})
+            for layout in model["layouts_run"]:
+                got = {r["method"]: r for r in model["rows"] if r["layout"] == layout and r["timing"] == "eager"}
+                if not {"dense", "sebp", "sampled"} <= set(got):
+                    continue
+                d, e, s = got["dense"], got["sebp"], got["sampled"]
+                body.append([name, layout, s["head"], f"{d['ms']:.2f} ({d['backward_ms']:.2f})",
+                             f"{e['ms']:.2f} ({e['backward_ms']:.2f})", f"{s['ms']:.2f} ({s['backward_ms']:.2f})",
+                             f"{d['ms'] / s['ms']:.2f}x", f"{100 * layers.get('skipped_of_nonzero', 0):.0f}%"])
+    if not body:
+        raise DocsError("no sampled bench run in results/model_eager.json")
+    header = ["model", "layout", "head", "dense ms (backward)", "exact SEBP ms (backward)", "sampled ms (backward)",
+              "sampled vs dense", "non-zero rows skipped in dW"]
+    return captioned(page, srcs, table(header, body, "lllrrrrr"))
