@@ -48,6 +48,17 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_survivors():
+    """After each test module, collect and freeze what is still alive (Dynamo's caches of the compiled tests
+    and other objects that live as long as the process): the runs that call ``gc.collect()`` walk only what
+    the next module creates. Without it an xdist worker that had run the compile tests spent three times the
+    CPU on the later fine-tuning tests (tests/convergence/test_finetune_convergence.py: 77 s against 26)."""
+    yield
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_unconfigure(config):
     gc.unfreeze()  # the interpreter's own teardown sees every object again
 
