@@ -16,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
+from sebp_probe.config import FinetuneConfig
+
 
 def _runs(path: Path) -> list[Path]:
     return [p for p in (path / "dense", path / "sebp") if (p / "summary.json").exists()] or [path]
@@ -30,9 +32,9 @@ def _row(run: Path) -> dict:
         arm = s["method"]
     elif smp["budget"] != "auto":
         arm = f"sampled {format(smp['budget'], 'g')}"
-    else:  # auto's variance budget, when it is not the default
-        tau = smp.get("variance_tau", 0.025)
-        arm = "sampled auto" + ("" if tau == 0.025 else f" (tau {format(tau, 'g')})")
+    else:  # auto's variance budget, when it is not the run's default
+        tau = smp.get("variance_tau", FinetuneConfig.variance_tau)
+        arm = "sampled auto" + ("" if tau == FinetuneConfig.variance_tau else f" (tau {format(tau, 'g')})")
     return {"arm": arm, "seed": cfg["seed"], "status": s["status"], "steps": s["steps"],
             "eval_accuracy": s["final_eval"].get("eval_accuracy"), "eval_loss": s["final_eval"].get("eval_loss"),
             "final_train_loss": s.get("final_train_loss"), "median_step_ms": s.get("median_step_ms"),

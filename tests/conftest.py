@@ -21,9 +21,10 @@ APART = "SEBP_MULTIPROCESS_APART"
 
 
 def pytest_collection_modifyitems(config, items):
-    # The interpreter suites (one subprocess each, up to three minutes on 2 cores) go first: xdist splits the
-    # list into one run of tests per worker and a worker that is done takes from the end of another's, so a
-    # long test left at the end of a run keeps one worker busy while the other has nothing left to take.
+    # The interpreter suite (one subprocess for every file with interpreter cases, about six minutes on 2 cores)
+    # goes first: xdist splits the list into one run of tests per worker and a worker that is done takes from the
+    # end of another's, so a long test left at the end of a run keeps one worker busy while the other has nothing
+    # left to take.
     items.sort(key=lambda item: item.name != "test_interpreter_suite")
     if os.environ.get(APART) == "1":
         apart = [item for item in items if "multiprocess" in item.keywords]

@@ -24,6 +24,7 @@ from .launch import FastLaunch
 from .select import _row_blocks, compact_plan
 from .tuning import cdiv
 
+
 @triton.jit
 def _mix64(z):
     """splitmix64's mixer on uint64 (products wrap mod 2^64; ``>>`` on unsigned is logical), as

@@ -425,8 +425,8 @@ else:
         compiled on a GPU in test_gpu_models_with_padding_rows_match_dense[compiled_layers-bert]). The forward's
         line (MIN_ROWS) at 30 lies between the batches' 33 and 27 rows and the layers are told the run's most
         rows (33): they call the forward operator at every size (it decides per batch: the second batch's rows
-        under the line, the third's over it) and compile once. Not
-        told, or told a bound under the line: test_interp_compiled_layers_not_told_the_most_rows_..."""
+        under the line, the third's over it) and compile once. Not told, or told a bound under the line:
+        test_interp_compiled_layers_not_told_the_most_rows_..."""
         from sebp_kernels import forward_rows
 
         monkeypatch.setattr(forward_rows, "MIN_ROWS", 30)
