@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .sample_buckets import bucket_sums, solve_variance
+
 
 def _finite(w: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(w), w, torch.zeros_like(w)).float()
@@ -37,23 +39,11 @@ def sgd_variance(w: torch.Tensor, xn2: torch.Tensor, g_sq: torch.Tensor) -> torc
     return ((w * w * xn2.float()).sum() - g_sq.float() / n).clamp(min=0)
 
 
-def solve_cutoff_for_variance(w: torch.Tensor, xn2: torch.Tensor, target: torch.Tensor, rounds: int = 5,
-                              grid: int = 16) -> torch.Tensor:
-    """fp32 scalar cutoff c, the largest found with V_s(c) <= ``target`` (grid bisection between 0 and a c whose
-    V_s is past the target, as :func:`~.sampling.solve_tau`; the lower bound is returned, so the variance stays
-    under the target). 0 (keep every row) where the target is 0 or no row carries dW."""
-    w, xn2 = _finite(w), xn2.float()
-    s1 = (w * xn2).sum()
-    hi = (target + (w * w * xn2).sum()) / s1.clamp(min=1e-30)  # V_s(hi) >= hi * s1 - sum(a) = target
-    lo = w.new_zeros(())
-    steps = torch.arange(1, grid + 1, dtype=torch.float32, device=w.device) / grid
-    for _ in range(rounds):
-        cand = lo + (hi - lo) * steps
-        var = (xn2[None, :] * (cand[:, None] * w[None, :] - (w * w)[None, :]).clamp(min=0)).sum(1)
-        idx = (var <= target).sum()  # V_s grows with c: the first idx candidates stay under the target
-        ext = torch.cat([lo[None], cand])
-        lo, hi = ext.index_select(0, torch.stack((idx, (idx + 1).clamp(max=grid))))  # a gather: no host sync
-    return torch.where((target > 0) & (s1 > 0), lo, w.new_zeros(()))
+def solve_cutoff_for_variance(w: torch.Tensor, xn2: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """fp32 scalar cutoff c with V_s(c) <= ``target``, the largest up to a bucket's rows (one pass over the rows,
+    :mod:`.sample_buckets`; V_s grows with c, so this is the smallest keep ratio under the target). 0 (keep every
+    row) where the target is 0 or no row carries dW."""
+    return solve_variance(*bucket_sums(w, xn2), target)
 
 
 GUARD_FIELDS = ("cosine", "rel_error", "rel_variance", "rel_budget", "rel_expected", "kept_share")

@@ -10,8 +10,9 @@ choice: a sampled dX would feed its noise into every layer below). Rows that are
 exact mode; rows holding NaN or Inf are always kept (p = 1), so a diverging run is never hidden.
 
 After every backward the layer solves, on the device, the cutoff for its next one from this backward's row
-norms: the tau whose expected kept share of the non-zero rows is the budget (a few rounds of a grid bisection,
-no sort, no host sync). Budget 1 keeps tau = 0: every non-zero row, unscaled, exactly the exact-mode gradient.
+norms: the tau whose expected kept share of the non-zero rows is the budget (one histogram of the norms and a
+closed form, :mod:`.sample_buckets`; no sort, no host sync). Budget 1 keeps tau = 0: every non-zero row,
+unscaled, exactly the exact-mode gradient.
 
 Randomness is counter-based: each row's draw is an integer hash (splitmix64's mixer, in int64 torch ops, so
 that a Triton kernel can compute the same bits) of (run seed, layer key, the layer's backward count, row
@@ -25,8 +26,11 @@ import zlib
 
 import torch
 
+from .density import DENSE_ABOVE, OBSERVE_EVERY
+from .readback import ShareReader
 from .reference import backward_over_rows
 from .registry import register
+from .sample_buckets import bucket_sums, solve_share
 from .sample_variance import guard_numbers, sampling_variance, sgd_variance, solve_cutoff_for_variance
 
 _M64 = (1 << 64) - 1
@@ -96,25 +100,13 @@ def keep_probabilities(w: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return torch.ceil(p * GRID) / GRID
 
 
-def solve_tau(w: torch.Tensor, budget: float, rounds: int = 4, grid: int = 16) -> torch.Tensor:
+def solve_tau(w: torch.Tensor, budget: float) -> torch.Tensor:
     """fp32 scalar tau whose expected kept share, sum(min(1, w_i / tau)) / n over the n rows with w_i > 0 (finite
-    weights only), is the ``budget``; 0 at budget 1 (keep all), and 0 where no row has a positive weight. All on
-    the device: ``rounds`` rounds, each evaluating ``grid`` candidates between the bounds (the expected share falls
-    with tau; at tau = sum(w) / target it is at most the target), shrink the interval ``grid``-fold; the lower
-    bound is returned, so the expected share is at least the budget."""
-    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w)).float()
+    weights only), is at least the ``budget`` and within a bucket's rows of it (:mod:`.sample_buckets`); 0 at
+    budget 1 (keep all), and 0 where no row has a positive weight. On the device, no host sync."""
     if budget >= 1.0 or w.numel() == 0:
-        return w.new_zeros(())
-    target = (w > 0).sum().float() * budget
-    lo, hi = w.new_zeros(()), w.sum() / target.clamp(min=1.0)
-    steps = torch.arange(1, grid + 1, dtype=torch.float32, device=w.device) / grid
-    for _ in range(rounds):
-        cand = lo + (hi - lo) * steps
-        share = (w[None, :] / cand[:, None]).clamp(max=1.0).nan_to_num(1.0).sum(1)
-        idx = (share >= target).sum()  # the first idx candidates meet the target
-        ext = torch.cat([lo[None], cand])
-        lo, hi = ext.index_select(0, torch.stack((idx, (idx + 1).clamp(max=grid))))  # a gather: no host sync
-    return torch.where(target > 0, lo, w.new_zeros(()))
+        return w.new_zeros((), dtype=torch.float32)
+    return solve_share(*bucket_sums(w, None), budget)
 
 
 class SampleState:
@@ -127,7 +119,7 @@ class SampleState:
     :meth:`counts` and :meth:`state_dict`."""
 
     __slots__ = ("layer_key", "tau", "calls", "_stats", "_hash", "_hash_at", "key", "share", "var_tau",
-                 "armed", "guard", "__weakref__")
+                 "armed", "guard", "nonzero_share", "_reader", "_reads", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -145,6 +137,9 @@ class SampleState:
         self.var_tau: float | None = None  # the variance budget for this layer, once the guard lowered it
         self.armed = False  # the guard's step: the next backward also computes the exact dW
         self.guard: torch.Tensor | None = None  # that backward's numbers (.sample_variance.GUARD_FIELDS)
+        self.nonzero_share: float | None = None  # the share of non-zero rows last read back (Triton path)
+        self._reader = ShareReader()
+        self._reads = 0
 
     def __reduce__(self):  # copies start afresh, with the same layer key
         return (SampleState, (self.layer_key,))
@@ -179,6 +174,26 @@ class SampleState:
             self._hash[1:].add_(1)
             self._hash_at = (*self._hash_at[:2], self.calls + 1)
         self.calls += 1
+
+    def dense_dx(self, capturing: bool = False) -> bool:
+        """Whether this backward's exact dX takes the dense GEMM (cuBLAS, ``dY @ W``: the same dX, its zero rows
+        give zero rows): nearly every row of dY was non-zero when last read back (:data:`~.density.DENSE_ABOVE`,
+        as exact mode's :class:`~.density.RowDensity`; the read is a step or more stale, never a sync)."""
+        if not capturing:
+            share = self._reader.poll()
+            if share is not None:
+                self.nonzero_share = share
+        return self.nonzero_share is not None and self.nonzero_share >= DENSE_ABOVE
+
+    def observe_nonzero(self, count: torch.Tensor, rows: int, capturing: bool = False) -> None:
+        """Start reading back a backward's device-side non-zero row ``count`` of ``rows`` (every
+        :data:`~.density.OBSERVE_EVERY`-th backward, none while a read is in flight or a graph is captured)."""
+        calls, self._reads = self._reads, self._reads + 1
+        if capturing or self._reader.busy or calls % OBSERVE_EVERY:
+            return
+        share = self._reader.start(count, rows)  # CPU (the interpreter): read at once
+        if share is not None:
+            self.nonzero_share = share
 
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""

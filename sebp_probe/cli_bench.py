@@ -5,7 +5,7 @@ import sys
 
 import typer
 
-from .cli_common import UserError, one_line_errors
+from .cli_common import UserError, one_line_errors, parse_budget
 from .config import COMPILE_MODES
 from .tables import bench_tables, console
 
@@ -64,8 +64,11 @@ def bench_cmd(
     layouts: str = typer.Option(None, "--layouts", help="Whole model: only these layouts, comma-separated "
                                 "(max_length, longest, bucket, packed; default all)."),
     methods: str = typer.Option(None, "--methods", help="Whole model: only these methods, comma-separated "
-                                "(dense, sebp, liger, cce; default all; sampled, opt-in: sampled mode at budget "
-                                "auto), or one head of a method as method:head (sebp:labelled)."),
+                                "(dense, sebp, liger, cce; default all; sampled, opt-in: sampled mode at --budget), "
+                                "or one head of a method as method:head (sebp:labelled)."),
+    budget: str = typer.Option("auto", "--budget", help="Whole model: the sampled method's budget: auto (each "
+                               "layer's variance rule) or the share of each layer's non-zero rows kept for dW, "
+                               "in (0, 1]."),
     probe: bool = typer.Option(False, "--probe", help="Whole model: time each dense and SEBP entry also as "
                                "finetune --probe-every's probed step (the gradient statistics' hooks on the "
                                "step's own backward), interleaved with the unprobed step; the ratio per row."),
@@ -141,6 +144,7 @@ def bench_cmd(
         raise UserError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     if compile_scope not in bench_compile.SCOPES:
         raise UserError(f"--compile-scope must be one of {', '.join(bench_compile.SCOPES)}, got {compile_scope!r}")
+    budget = parse_budget(budget)
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
     chosen = dict(layouts=split(layouts) if layouts is not None else bench_cases.LAYOUTS,
                   methods=split(methods) if methods is not None else bench_model.METHODS)
@@ -183,7 +187,7 @@ def bench_cmd(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
                 pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
                 pad_rows=pad_rows, compile=compile_mode, compile_scope=compile_scope, note=note, partial=partial,
-                probe=probe, **chosen))
+                probe=probe, budget=budget, **chosen))
     if output:  # first: what was measured survives any trouble with the tables
         write_json(Path(output), result)
     if figure and result["models"]:

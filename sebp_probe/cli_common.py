@@ -80,6 +80,21 @@ _DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N.")
 
 
 
+def parse_budget(value: str | None) -> float | str | None:
+    """``--budget``: ``auto`` or a share of the non-zero rows in (0, 1]; None where not given."""
+    if value is None:
+        return None
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        share = float(value)
+    except ValueError:
+        share = None
+    if share is None or not 0 < share <= 1:
+        raise UserError(f"--budget must be a share in (0, 1] or auto, got {value!r}")
+    return share
+
+
 def in_panel(option, panel: str):
     """A copy of a shared ``option`` listed under the help panel ``panel`` (the command's own grouping)."""
     option = copy.copy(option)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import typer
 
 from .cli_common import (EXIT_INTERRUPTED, _DATA_HELP, _LABEL, _MODEL_HELP, _TASK, _TEXT, UserError, err_console,
-                         in_panel, one_line_errors)
+                         in_panel, one_line_errors, parse_budget)
 from .config import padding_help
 from .tables import console, finetune_progress, print_finetune_summary
 
@@ -24,17 +24,6 @@ def _compile_setting(given: str | None, padding: str, cuda_graphs: bool) -> str 
     return given
 
 
-
-def _budget(value: str | None) -> float | None:
-    """``--budget``: ``auto`` or a share (checked by FinetuneConfig)."""
-    if value is None:
-        return None
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return float(value)
-    except ValueError:
-        raise UserError(f"--budget must be a share in (0, 1] or auto, got {value!r}") from None
 
 @one_line_errors
 def finetune_cmd(
@@ -196,7 +185,7 @@ def finetune_cmd(
         model=model, data=data, output_dir=output_dir, task=task, method=method, reuse=reuse, compare=compare,
         sebp_first=sebp_first,
         mode=mode,
-        eps=eps, top_n=top_n, budget=_budget(budget), sample_dx=sample_dx, sample_warmup=sample_warmup,
+        eps=eps, top_n=top_n, budget=parse_budget(budget), sample_dx=sample_dx, sample_warmup=sample_warmup,
         guard_every=guard_every, variance_tau=variance_tau,
         auto_eps=auto_eps, report=report,
         targets=tuple(t.strip() for t in targets.split(",") if t.strip()) if targets else None,

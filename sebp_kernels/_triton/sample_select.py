@@ -48,7 +48,7 @@ def _row_draws(hash_ptr, rows):
 
 @triton.jit(do_not_specialize=["M"])
 def _sampled_flags_kernel(
-    dy_ptr, tau_ptr, hash_ptr, flags_ptr, kept_count_ptr, active_count_ptr, w_ptr, q_ptr, scale_ptr,
+    dy_ptr, tau_ptr, hash_ptr, flags_ptr, kept_count_ptr, active_count_ptr, w_ptr, q_ptr, scale_ptr, wmax_ptr,
     M, N, stride_m, stride_n, WARMUP,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -80,6 +80,7 @@ def _sampled_flags_kernel(
     tl.store(scale_ptr + rows, tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), q), mask=rmask)
     tl.store(kept_count_ptr + pid, tl.sum(kept, axis=0))
     tl.store(active_count_ptr + pid, tl.sum(active, axis=0))
+    tl.store(wmax_ptr + pid, tl.max(tl.where((w == w) & (w < float("inf")), w, 0.0), axis=0))  # for the cutoff
 
 
 @triton.jit(do_not_specialize=["M", "NB", "count_ptr"])
@@ -130,9 +131,10 @@ _compact = FastLaunch(_sampled_compact_kernel)
 
 def select_sampled(dy: torch.Tensor, tau: torch.Tensor, hash_state: torch.Tensor, stats: torch.Tensor,
                    warmup: int, interpret: bool = False):
-    """(perm, counts, w, q, scale) of one sampled backward of 2-D ``dy`` (M, out): the int32 permutation (kept
-    rows, the other non-zero rows, zero rows), int32 counts (2,) = (kept, non-zero), and fp32 (M,) row norms,
-    keep probabilities (1 on zero rows and in warm-up) and their inverses. ``tau``: the layer's fp32 cutoff (a
+    """(perm, counts, w, q, scale, wmax) of one sampled backward of 2-D ``dy`` (M, out): the int32 permutation
+    (kept rows, the other non-zero rows, zero rows), int32 counts (2,) = (kept, non-zero), fp32 (M,) row norms,
+    keep probabilities (1 on zero rows and in warm-up) and their inverses, and each row block's largest finite
+    norm. ``tau``: the layer's fp32 cutoff (a
     device scalar); ``hash_state``: int64 (2,), the layer's stream key and backward count (advanced here);
     ``stats``: int64 (3,), the rows, non-zero rows and kept rows summed once the count reaches ``warmup``."""
     m, n = dy.shape
@@ -141,9 +143,9 @@ def select_sampled(dy: torch.Tensor, tau: torch.Tensor, hash_state: torch.Tensor
     dev = dy.device
     perm, flags, kept_count, active_count, counts = torch.empty(2 * m + 2 * nb + 2, dtype=torch.int32,
                                                                device=dev).split((m, m, nb, nb, 2))
-    w, q, scale = torch.empty(3 * m, dtype=torch.float32, device=dev).split((m, m, m))
-    _flags[(nb,)](dy, tau, hash_state, flags, kept_count, active_count, w, q, scale, m, n, dy.stride(0),
+    w, q, scale, wmax = torch.empty(3 * m + nb, dtype=torch.float32, device=dev).split((m, m, m, nb))
+    _flags[(nb,)](dy, tau, hash_state, flags, kept_count, active_count, w, q, scale, wmax, m, n, dy.stride(0),
                   dy.stride(1), warmup, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     n_compact, kw = compact_plan(m, block_r, interpret)
     _compact[(n_compact,)](flags, kept_count, active_count, perm, counts, hash_state, stats, m, nb, warmup, **kw)
-    return perm, counts, w, q, scale
+    return perm, counts, w, q, scale, wmax

@@ -6,9 +6,12 @@ and a norm of dW), all on the device, no host sync.
    compaction into a permutation whose first rows are the kept ones and whose next are the other non-zero rows.
 2. The fused gradient kernel (:func:`~.grads.grads_rows`): dW and db over the kept rows, each row of dY times
    its 1/q inside the kernel; dX exact over every non-zero row (the same permutation, a larger count), or with
-   ``sample_dx`` over the kept rows, each times its 1/q.
+   ``sample_dx`` over the kept rows, each times its 1/q. Where nearly every row of dY was non-zero when last
+   read back (:meth:`~sebp_kernels.sampling.SampleState.dense_dx`, exact mode's rule), the exact dX is the
+   dense GEMM (cuBLAS) instead: there is nothing to skip in it.
 3. The cutoff of the layer's next backward from this one's norms, written in place in one launch
-   (:mod:`.sample_cutoff`; the torch reference's rule, :func:`~sebp_kernels.sampling.update_cutoff`).
+   (:mod:`.sample_cutoff`; the torch reference's rule, :func:`~sebp_kernels.sampling.update_cutoff`), whose
+   programs each bucket a share of the rows.
 
 The reference takes over where this path does not apply: inputs the kernels do not take, the layer's first
 backward (its cutoff comes from its own rows, solved before any draw) and the guard's backwards (they also
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..interpret import INTERPRET
-from ..reference import unit_col_stride, weight_view
+from ..reference import dense_products, unit_col_stride, weight_view
 from ..sampling import SampleState, layer_share, sampled_backward_torch, variance_budget
 from .backward import _ieee, supported
 from .grads import grads_rows
@@ -45,19 +48,26 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
     if state.tau.device != dev or state.tau.dtype != torch.float32 or state.tau.dim():
         state.tau = state.tau.to(dev, torch.float32).reshape(())  # e.g. loaded onto the CPU: once
     warm = state.calls < config.warmup
-    perm, counts, w, q, scale = select_sampled(dy, state.tau, state.device_hash(config.seed, dev),
+    perm, counts, w, q, scale, wmax = select_sampled(dy, state.tau, state.device_hash(config.seed, dev),
                                                state.stats(dev), config.warmup, INTERPRET)
     state.calls += 1  # (the device's count, and the counters of rows, advanced in the compaction)
     sample_dx = config.sample_dx and not warm  # dX over the kept rows, scaled, too
-    dx, dw, db = grads_rows(dy, x, weight, perm, counts[:1], need_dx, need_dw, need_db, _ieee(dy.dtype),
-                            _sm_count(dev), INTERPRET, 1 if INTERPRET else None, dx_buffer=dx_buffer,
-                            dx_count=counts[:1] if sample_dx else counts[1:], scale=None if warm else scale,
-                            scale_dx=sample_dx)
+    capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
+    dense_dx = need_dx and not sample_dx and state.dense_dx(capturing)  # nearly all rows non-zero: cuBLAS
+    dx = dw = db = None
+    if need_dw or need_db or (need_dx and not dense_dx):
+        dx, dw, db = grads_rows(dy, x, weight, perm, counts[:1], need_dx and not dense_dx, need_dw, need_db,
+                                _ieee(dy.dtype), _sm_count(dev), INTERPRET, 1 if INTERPRET else None,
+                                dx_buffer=dx_buffer, dx_count=counts[:1] if sample_dx else counts[1:],
+                                scale=None if warm else scale, scale_dx=sample_dx)
+    if dense_dx:
+        dx = dense_products(dy, None, weight, True, False, False)[0]
+    state.observe_nonzero(counts[1:], dy.shape[0], capturing)
     # the next cutoff, in place; ||X_i||² for the variance rule only (a fixed share reads dY alone)
     if config.budget == "auto":
         xn2 = row_sumsq(x, INTERPRET) if need_dw else torch.ones_like(w)
         update_cutoff_device(state.tau, w, q, xn2, dw if need_dw else None, 1.0, variance_budget(config, state),
-                             INTERPRET)
+                             INTERPRET, wmax)
     else:
-        update_cutoff_device(state.tau, w, q, None, None, layer_share(config, state), 0.0, INTERPRET)
+        update_cutoff_device(state.tau, w, q, None, None, layer_share(config, state), 0.0, INTERPRET, wmax)
     return dx, dw, db

@@ -87,7 +87,8 @@ def test_dry_run_explicit_layer():
      (["bert-base", "--keep-dx", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--tiny", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--scope", "model", "--figure", "f.txt", "--dry-run"], "unsupported image format"),
-     (["bert-base", "--scope", "model", "--model-batches", "0"], "--model-batches must be >= 1")],
+     (["bert-base", "--scope", "model", "--model-batches", "0"], "--model-batches must be >= 1"),
+     (["bert-base", "--scope", "model", "--budget", "2", "--dry-run"], "--budget must be a share in (0, 1] or auto")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
     res = _run(*args)
@@ -126,6 +127,16 @@ def test_tiny_whole_model_run_writes_json_figure_and_80_column_tables(tmp_path, 
     assert "…" not in res.output and max(len(line) for line in lines if not line.startswith(prose)) <= 80
     assert "fastest dense" in res.output and "--padding auto would pick" in res.output
     assert any(line.split()[:3] == ["packed", "sebp", "labelled"] for line in lines)
+
+
+def test_budget_reaches_the_sampled_entries(tmp_path):
+    out = tmp_path / "r.json"
+    res = _run("bert-base", "--scope", "model", "--tiny", "--model-batches", "1", "--model-repeats", "1",
+               "--layouts", "packed", "--methods", "sampled:full", "--budget", "0.4", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    (m,) = json.loads(out.read_text())["models"]
+    c = m["sebp_layers"]["sampled full"]
+    assert c["budget"] == 0.4 and 0.3 < c["kept"] / c["nonzero"] < 0.6, c
 
 
 def test_padded_rows():
