@@ -76,7 +76,7 @@ def solve_share(k_max: torch.Tensor, counts: torch.Tensor, sums: torch.Tensor, b
     total = sums.sum()
     above = counts.cumsum(0)  # rows at or above E_j
     below = _under(sums)  # sum of w under E_j
-    f = above + torch.where(lo > 0, below / lo.clamp(min=1e-38), torch.zeros_like(below))
+    f = above + torch.where(lo > 0, below / lo.clamp(min=1e-30), torch.zeros_like(below))
     j = torch.arange(BUCKETS, device=counts.device)
     big = torch.full_like(j, BUCKETS - 1)
     jj = torch.where(f >= target, j, big).min()

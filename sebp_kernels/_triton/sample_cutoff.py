@@ -124,7 +124,7 @@ def _cutoff_kernel(
             total = tl.sum(h1, axis=0)
             above = tl.cumsum(cnt, axis=0)
             below = _under(h1)
-            f = above + tl.where(lo > 0, tl.div_rn(below, tl.maximum(lo, 1e-38)), 0.0)
+            f = above + tl.where(lo > 0, tl.div_rn(below, tl.maximum(lo, 1e-30)), 0.0)
             jj = tl.min(tl.where(f >= target, j, B - 1), axis=0)
             lo_j = _at(lo, j, jj)
             c = tl.div_rn(_at(below, j, jj) + _at(cnt, j, jj) * lo_j,
