@@ -22,7 +22,6 @@ k < ceil(p * 2^24), whose probability is exactly q = ceil(p * 2^24) / 2^24; the 
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import torch
@@ -120,7 +119,7 @@ class SampleState:
     :meth:`counts` and :meth:`state_dict`."""
 
     __slots__ = ("layer_key", "tau", "calls", "_stats", "_hash", "_hash_at", "key", "share", "var_tau",
-                 "armed", "guard", "nonzero_share", "kept_share", "_reader", "_kept_reader", "_reads", "__weakref__")
+                 "armed", "guard", "nonzero_share", "_reader", "_reads", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -139,8 +138,7 @@ class SampleState:
         self.armed = False  # the guard's step: the next backward also computes the exact dW
         self.guard: torch.Tensor | None = None  # that backward's numbers (.sample_variance.GUARD_FIELDS)
         self.nonzero_share: float | None = None  # the share of non-zero rows last read back (Triton path)
-        self.kept_share: float | None = None  # ... and of the rows kept for dW
-        self._reader, self._kept_reader = ShareReader(), ShareReader()
+        self._reader = ShareReader()
         self._reads = 0
 
     def __reduce__(self):  # copies start afresh, with the same layer key
@@ -182,33 +180,20 @@ class SampleState:
         give zero rows): nearly every row of dY was non-zero when last read back (:data:`~.density.DENSE_ABOVE`,
         as exact mode's :class:`~.density.RowDensity`; the read is a step or more stale, never a sync)."""
         if not capturing:
-            for reader, field in ((self._reader, "nonzero_share"), (self._kept_reader, "kept_share")):
-                share = reader.poll()
-                if share is not None:
-                    setattr(self, field, share)
+            share = self._reader.poll()
+            if share is not None:
+                self.nonzero_share = share
         return self.nonzero_share is not None and self.nonzero_share >= DENSE_ABOVE
 
-    def kept_capacity(self, rows: int) -> int:
-        """Rows to gather for dW out of ``rows``: the kept share last read back, with room for a draw's spread
-        (4 standard deviations at most) and for a share that grew (10%), in multiples of 64; every row before
-        the first read."""
-        if self.kept_share is None:
-            return rows
-        want = self.kept_share * rows * 1.1 + 4 * math.sqrt(rows) + 64
-        return min(rows, 64 * math.ceil(want / 64))
-
-    def observe(self, counts: torch.Tensor, rows: int, capturing: bool = False) -> None:
-        """Start reading back a backward's device-side kept and non-zero row ``counts`` (int32 (2,)) of ``rows``
-        (every :data:`~.density.OBSERVE_EVERY`-th backward, none while a read is in flight or a graph is
-        captured)."""
+    def observe_nonzero(self, count: torch.Tensor, rows: int, capturing: bool = False) -> None:
+        """Start reading back a backward's device-side non-zero row ``count`` of ``rows`` (every
+        :data:`~.density.OBSERVE_EVERY`-th backward, none while a read is in flight or a graph is captured)."""
         calls, self._reads = self._reads, self._reads + 1
-        if capturing or self._reader.busy or self._kept_reader.busy or calls % OBSERVE_EVERY:
+        if capturing or self._reader.busy or calls % OBSERVE_EVERY:
             return
-        for reader, count, field in ((self._reader, counts[1:], "nonzero_share"),
-                                     (self._kept_reader, counts[:1], "kept_share")):
-            share = reader.start(count, rows)  # CPU (the interpreter): read at once
-            if share is not None:
-                setattr(self, field, share)
+        share = self._reader.start(count, rows)  # CPU (the interpreter): read at once
+        if share is not None:
+            self.nonzero_share = share
 
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""

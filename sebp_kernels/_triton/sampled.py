@@ -8,8 +8,7 @@ and a norm of dW), all on the device, no host sync.
    its 1/q inside the kernel; dX exact over every non-zero row (the same permutation, a larger count), or with
    ``sample_dx`` over the kept rows, each times its 1/q. Where nearly every row of dY was non-zero when last
    read back (:meth:`~sebp_kernels.sampling.SampleState.dense_dx`, exact mode's rule), the exact dX is the
-   dense GEMM (cuBLAS) instead (there is nothing to skip in it), and dW and db are cuBLAS's over the kept rows
-   gathered into contiguous buffers (:mod:`.sample_gemm`).
+   dense GEMM (cuBLAS) instead: there is nothing to skip in it.
 3. The cutoff of the layer's next backward from this one's norms, written in place in one launch
    (:mod:`.sample_cutoff`; the torch reference's rule, :func:`~sebp_kernels.sampling.update_cutoff`), whose
    programs each bucket a share of the rows.
@@ -30,7 +29,6 @@ from ..sampling import SampleState, layer_share, sampled_backward_torch, varianc
 from .backward import _ieee, supported
 from .grads import grads_rows
 from .sample_cutoff import update_cutoff_device
-from .sample_gemm import gathered_dw_db
 from .sample_select import select_sampled
 from .select import _sm_count, row_sumsq
 
@@ -55,20 +53,16 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
     state.calls += 1  # (the device's count, and the counters of rows, advanced in the compaction)
     sample_dx = config.sample_dx and not warm  # dX over the kept rows, scaled, too
     capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
-    dense = state.dense_dx(capturing) and not sample_dx  # nearly all rows non-zero: cuBLAS
+    dense_dx = need_dx and not sample_dx and state.dense_dx(capturing)  # nearly all rows non-zero: cuBLAS
     dx = dw = db = None
-    if dense and (need_dw or need_db):  # dW and db on the kept rows, gathered (sample_gemm)
-        dw, db = gathered_dw_db(dy, x, weight, perm, counts[:1], None if warm else scale,
-                                state.kept_capacity(dy.shape[0]), need_dw, need_db, _ieee(dy.dtype),
-                                _sm_count(dev), INTERPRET)
-    elif need_dw or need_db or need_dx:
-        dx, dw, db = grads_rows(dy, x, weight, perm, counts[:1], need_dx and not dense, need_dw, need_db,
+    if need_dw or need_db or (need_dx and not dense_dx):
+        dx, dw, db = grads_rows(dy, x, weight, perm, counts[:1], need_dx and not dense_dx, need_dw, need_db,
                                 _ieee(dy.dtype), _sm_count(dev), INTERPRET, 1 if INTERPRET else None,
                                 dx_buffer=dx_buffer, dx_count=counts[:1] if sample_dx else counts[1:],
                                 scale=None if warm else scale, scale_dx=sample_dx)
-    if dense and need_dx:
+    if dense_dx:
         dx = dense_products(dy, None, weight, True, False, False)[0]
-    state.observe(counts, dy.shape[0], capturing)
+    state.observe_nonzero(counts[1:], dy.shape[0], capturing)
     # the next cutoff, in place; ||X_i||² for the variance rule only (a fixed share reads dY alone)
     if config.budget == "auto":
         xn2 = row_sumsq(x, INTERPRET) if need_dw else torch.ones_like(w)
