@@ -3,7 +3,8 @@
 Each run directory is a `finetune ... -o DIR` (a `--compare` directory holds `dense/` and `sebp/`); per run the
 file keeps the arm, seed, held-out accuracy and loss, the step and backward medians, and the sampled layers'
 measured rows (skipped share of the non-zero rows of dL/dY in dW/db, after the warm-up), then the mean and sd of
-each arm. The runs themselves were started by the command recorded in ``--command``.
+each arm. An arm trained again from one seed (the dense arm of two `--compare` runs) counts once, as first
+given. The runs themselves were started by the command recorded in ``--command``.
 
     python benchmarks/sampled_quality.py --out results/sampled.json \
         --command "..." RUN_DIR [RUN_DIR ...]
@@ -71,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from sebp_probe.train.rundir import versions
 
-    rows = [_row(r) for d in args.dirs for r in _runs(d)]
+    first: dict[tuple, dict] = {}  # one row an arm and seed: the first given
+    for row in (_row(r) for d in args.dirs for r in _runs(d)):
+        first.setdefault((row["arm"], row["seed"]), row)
+    rows = list(first.values())
     created = min(json.loads(((d / "run_config.json") if (d / "run_config.json").exists() else
                               (d / "dense" / "run_config.json")).read_text()).get("created", "") for d in args.dirs)
     doc = {"environment": {"device": rows[0]["device"], **versions(), "date": created,

@@ -46,3 +46,17 @@ def test_arms_name_the_budget_and_a_variance_budget_that_is_not_the_default(scri
     assert arms["dense"]["eval_accuracy_sd"] == pytest.approx(0.0707, abs=1e-4)
     assert arms["sampled auto (tau 0.1)"]["skipped_of_nonzero_mean"] == pytest.approx(0.6)
     assert doc["environment"]["command"] == "the runs" and len(doc["rows"]) == 8
+
+
+def test_an_arm_trained_again_from_one_seed_counts_once(script, tmp_path):
+    sampled = {"budget": "auto", "variance_tau": 0.1, "skipped_of_nonzero": 0.6, "skipped_of_rows": 0.6,
+               "rows": 10, "nonzero": 8, "kept": 4}
+    dirs = []
+    for name in ("a", "b"):
+        _run(tmp_path / name / "dense", 0, 0.7 if name == "a" else 0.9)
+        _run(tmp_path / name / "sebp", 0, 0.7, sampled)
+        dirs.append(str(tmp_path / name))
+    out = tmp_path / "out.json"
+    assert script.main(["--out", str(out), "--command", "the runs", *dirs]) == 0
+    dense = json.loads(out.read_text())["arms"][0]
+    assert dense["arm"] == "dense" and dense["seeds"] == [0] and dense["eval_accuracy_mean"] == pytest.approx(0.7)
