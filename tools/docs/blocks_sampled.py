@@ -11,6 +11,7 @@ RUNS = (("sampled.json#minilm_tweets_cpu", "MiniLM, tweets, 60 steps"),
         ("sampled.json#minilm_tweets_mlm_cpu", "MiniLM, tweets, masked LM, 60 steps"),
         ("sampled.json#minilm_drugreviews_auto_cpu", "MiniLM, drug reviews, 60 steps"),
         ("sampled.json#minilm_drugreviews_tau_cpu", "MiniLM, drug reviews, 60 steps"),
+        ("sampled.json#minilm_drugreviews_tau02_cpu", "MiniLM, drug reviews, 60 steps"),
         ("sampled.json#smollm2_tweets_sft_auto_cpu", "SmolLM2-135M, tweets-sft, 16 steps"),
         ("sampled.json#smollm2_tweets_sft_tau_cpu", "SmolLM2-135M, tweets-sft, 16 steps"))
 
