@@ -26,8 +26,7 @@ import zlib
 
 import torch
 
-from .density import DENSE_ABOVE, OBSERVE_EVERY
-from .readback import ShareReader
+from .density import RowDensity
 from .reference import backward_over_rows
 from .registry import register
 from .sample_buckets import bucket_sums, solve_share
@@ -119,7 +118,7 @@ class SampleState:
     :meth:`counts` and :meth:`state_dict`."""
 
     __slots__ = ("layer_key", "tau", "calls", "_stats", "_hash", "_hash_at", "key", "share", "var_tau",
-                 "armed", "guard", "nonzero_share", "_reader", "_reads", "__weakref__")
+                 "armed", "guard", "density", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -137,9 +136,7 @@ class SampleState:
         self.var_tau: float | None = None  # the variance budget for this layer, once the guard lowered it
         self.armed = False  # the guard's step: the next backward also computes the exact dW
         self.guard: torch.Tensor | None = None  # that backward's numbers (.sample_variance.GUARD_FIELDS)
-        self.nonzero_share: float | None = None  # the share of non-zero rows last read back (Triton path)
-        self._reader = ShareReader()
-        self._reads = 0
+        self.density = RowDensity()  # the share of non-zero rows, read back without a sync (Triton path)
 
     def __reduce__(self):  # copies start afresh, with the same layer key
         return (SampleState, (self.layer_key,))
@@ -177,23 +174,10 @@ class SampleState:
 
     def dense_dx(self, capturing: bool = False) -> bool:
         """Whether this backward's exact dX takes the dense GEMM (cuBLAS, ``dY @ W``: the same dX, its zero rows
-        give zero rows): nearly every row of dY was non-zero when last read back (:data:`~.density.DENSE_ABOVE`,
-        as exact mode's :class:`~.density.RowDensity`; the read is a step or more stale, never a sync)."""
-        if not capturing:
-            share = self._reader.poll()
-            if share is not None:
-                self.nonzero_share = share
-        return self.nonzero_share is not None and self.nonzero_share >= DENSE_ABOVE
-
-    def observe_nonzero(self, count: torch.Tensor, rows: int, capturing: bool = False) -> None:
-        """Start reading back a backward's device-side non-zero row ``count`` of ``rows`` (every
-        :data:`~.density.OBSERVE_EVERY`-th backward, none while a read is in flight or a graph is captured)."""
-        calls, self._reads = self._reads, self._reads + 1
-        if capturing or self._reader.busy or calls % OBSERVE_EVERY:
-            return
-        share = self._reader.start(count, rows)  # CPU (the interpreter): read at once
-        if share is not None:
-            self.nonzero_share = share
+        give zero rows): exact mode's rule on the layer's non-zero rows (:class:`~.density.RowDensity`, read a step
+        or more stale, never a sync; its periodic probes take the dense dX too, the count being there anyway).
+        Pass each backward's non-zero count to ``self.density.observe``."""
+        return self.density.choose(capturing) != "sebp"
 
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""

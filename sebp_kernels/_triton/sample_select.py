@@ -134,9 +134,9 @@ def select_sampled(dy: torch.Tensor, tau: torch.Tensor, hash_state: torch.Tensor
     """(perm, counts, w, q, scale, wmax) of one sampled backward of 2-D ``dy`` (M, out): the int32 permutation
     (kept rows, the other non-zero rows, zero rows), int32 counts (2,) = (kept, non-zero), fp32 (M,) row norms,
     keep probabilities (1 on zero rows and in warm-up) and their inverses, and each row block's largest finite
-    norm. ``tau``: the layer's fp32 cutoff (a
-    device scalar); ``hash_state``: int64 (2,), the layer's stream key and backward count (advanced here);
-    ``stats``: int64 (3,), the rows, non-zero rows and kept rows summed once the count reaches ``warmup``."""
+    norm. ``tau``: the layer's fp32 cutoff (a device scalar); ``hash_state``: int64 (2,), the layer's stream
+    key and backward count (advanced here); ``stats``: int64 (3,), the rows, non-zero rows and kept rows summed
+    once the count reaches ``warmup``."""
     m, n = dy.shape
     block_r, block_c, warps = _row_blocks(n, interpret)  # the sum-of-squares pass's tiles: it too reads every column
     nb = cdiv(m, block_r)

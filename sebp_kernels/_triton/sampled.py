@@ -49,7 +49,7 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
         state.tau = state.tau.to(dev, torch.float32).reshape(())  # e.g. loaded onto the CPU: once
     warm = state.calls < config.warmup
     perm, counts, w, q, scale, wmax = select_sampled(dy, state.tau, state.device_hash(config.seed, dev),
-                                               state.stats(dev), config.warmup, INTERPRET)
+                                                     state.stats(dev), config.warmup, INTERPRET)
     state.calls += 1  # (the device's count, and the counters of rows, advanced in the compaction)
     sample_dx = config.sample_dx and not warm  # dX over the kept rows, scaled, too
     capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
@@ -62,7 +62,7 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
                                 scale=None if warm else scale, scale_dx=sample_dx)
     if dense_dx:
         dx = dense_products(dy, None, weight, True, False, False)[0]
-    state.observe_nonzero(counts[1:], dy.shape[0], capturing)
+    state.density.observe(counts[1:], dy.shape[0], capturing)
     # the next cutoff, in place; ||X_i||² for the variance rule only (a fixed share reads dY alone)
     if config.budget == "auto":
         xn2 = row_sumsq(x, INTERPRET) if need_dw else torch.ones_like(w)
