@@ -15,6 +15,10 @@ quiet NaN ``0x7FC00000`` (payloads say nothing about a gradient, and differ betw
 is the largest bit pattern: NaN sorts above +Inf, so a diverging row wins. A row's histogram bucket is that
 of its max ``|g|``; an all-zero row lands in bucket 0.
 
+:func:`row_stats_many_` does the same for many gradients in one launch (the collector holds a layer's gradient
+until a few have come, so a backward launches a few kernels, not one per layer): each program finds its
+gradient in a small table of addresses, shapes and slots.
+
 Counts live in int64 buffers and are added with int64 atomics, so they cannot overflow across calls and
 batches; in registers they are per-row int32 (at most ``cols`` each) and summed as int64. A program
 reduces its rows first: one atomic per scalar, one for its zero rows, one per non-zero row, and, for the
@@ -49,18 +53,12 @@ def _abs_bits(x, KIND: tl.constexpr):
     return tl.where(bits > 0x7F800000, 0x7FC00000, bits)
 
 
-# slot and row_step change from call to call: specialising on them (== 1, multiple of 16) would only compile
-# more variants of the kernel.
-@triton.jit(do_not_specialize=["slot", "row_step"])
-def _row_stats_kernel(
-    g_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr,
-    M, N, stride_m,
-    slot, stats_stride, sample_stride, group_stride, row_step,
-    KIND: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    r0 = pid * BLOCK_R
+@triton.jit
+def _row_block(g_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr, r0, M, N, stride_m, slot, stats_stride,
+               sample_stride, group_stride, row_step, use_groups,
+               KIND: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows ``r0 .. r0 + BLOCK_R`` of one gradient into row ``slot`` of the buffers (both kernels' body)."""
     rows = r0 + tl.arange(0, BLOCK_R)
     rmask = rows < M
     row_ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_m
@@ -101,19 +99,69 @@ def _row_stats_kernel(
     tl.atomic_add(row_hist, n_zero_rows, mask=n_zero_rows > 0, sem="relaxed")
     if has_sample:
         tl.atomic_add(sample, tl.sum(sample_zero.to(tl.int64), axis=0), sem="relaxed")
-    if GROUPS > 0:  # zero rows summed per group first: pad rows would all hit one counter
-        group = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        hist = group_hist_ptr + slot * group_stride
-        n_buckets = (1 << (31 - GROUP_SHIFT)) + 1
-        at = (group - 1) * n_buckets + ((row_max - 1) >> GROUP_SHIFT) + 1
-        tl.atomic_add(hist + at, tl.full(at.shape, 1, tl.int64), mask=rmask & (group > 0) & (row_max != 0),
-                      sem="relaxed")
-        for k in tl.static_range(GROUPS):
-            zeros = tl.sum((rmask & (group == k + 1) & (row_max == 0)).to(tl.int64), axis=0)
-            tl.atomic_add(hist + k * n_buckets, zeros, mask=zeros > 0, sem="relaxed")
+    if GROUPS > 0:
+        if use_groups != 0:  # zero rows summed per group first: pad rows would all hit one counter
+            group = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
+            hist = group_hist_ptr + slot * group_stride
+            n_buckets = (1 << (31 - GROUP_SHIFT)) + 1
+            at = (group - 1) * n_buckets + ((row_max - 1) >> GROUP_SHIFT) + 1
+            tl.atomic_add(hist + at, tl.full(at.shape, 1, tl.int64), mask=rmask & (group > 0) & (row_max != 0),
+                          sem="relaxed")
+            for k in tl.static_range(GROUPS):
+                zeros = tl.sum((rmask & (group == k + 1) & (row_max == 0)).to(tl.int64), axis=0)
+                tl.atomic_add(hist + k * n_buckets, zeros, mask=zeros > 0, sem="relaxed")
+
+
+# slot and row_step change from call to call: specialising on them (== 1, multiple of 16) would only compile
+# more variants of the kernel.
+@triton.jit(do_not_specialize=["slot", "row_step"])
+def _row_stats_kernel(
+    g_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr,
+    M, N, stride_m,
+    slot, stats_stride, sample_stride, group_stride, row_step,
+    KIND: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    _row_block(g_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr, tl.program_id(0) * BLOCK_R, M, N,
+               stride_m, slot, stats_stride, sample_stride, group_stride, row_step, 1,
+               KIND, SHIFT, GROUPS, GROUP_SHIFT, BLOCK_R, BLOCK_C)
+
+
+# One row of the many-gradient kernel's table (int64): where each gradient is and what it adds to.
+# (pointer, rows, cols, row stride, slot, row_step, grouped, first program): the kernel reads it at these offsets
+
+
+@triton.jit(do_not_specialize=["n_grads"])
+def _row_stats_many_kernel(
+    table_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr,
+    n_grads, stats_stride, sample_stride, group_stride,
+    KIND: tl.constexpr, SHIFT: tl.constexpr, GROUPS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid * 0  # the gradient this program reads: the last whose first program is at or before pid
+    for k in range(1, n_grads):
+        t += (pid >= tl.load(table_ptr + k * 8 + 7)).to(tl.int32)  # row k's first program
+    row = table_ptr + t * 8
+    if KIND == 1:
+        g_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+    elif KIND == 0:
+        g_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
+    else:
+        g_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    # the host sends only gradients whose address is 16-byte aligned and whose width and row stride are
+    # multiples of 16 (:func:`batchable`): with these hints the loads are as wide as the one-gradient kernel's
+    g_ptr = tl.multiple_of(g_ptr, 16)
+    n = tl.multiple_of(tl.load(row + 2), 16)
+    stride_m = tl.multiple_of(tl.load(row + 3), 16)
+    r0 = (pid - tl.load(row + 7)) * BLOCK_R
+    _row_block(g_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr, r0, tl.load(row + 1), n, stride_m,
+               tl.load(row + 4), stats_stride, sample_stride, group_stride, tl.load(row + 5), tl.load(row + 6),
+               KIND, SHIFT, GROUPS, GROUP_SHIFT, BLOCK_R, BLOCK_C)
 
 
 _row_stats = FastLaunch(_row_stats_kernel)
+_row_stats_many = FastLaunch(_row_stats_many_kernel)
 _KIND = {torch.float16: _FP16, torch.bfloat16: _BF16, torch.float32: _FP32}
 
 
@@ -156,3 +204,46 @@ def row_stats_(g: torch.Tensor, stats: torch.Tensor, sample_hist: torch.Tensor, 
         KIND=_KIND[g.dtype], SHIFT=shift, GROUPS=n_groups, GROUP_SHIFT=group_shift, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=1 if INTERPRET else 4,
     )
+
+
+def batchable(g: torch.Tensor) -> bool:
+    """Whether :func:`row_stats_many_` takes this 2-D gradient (a supported one, 16-byte aligned, its width and
+    row stride multiples of 16, unit column stride); others go through :func:`row_stats_`."""
+    n = g.shape[1]
+    return (supported(g) and not g.data_ptr() & 15 and not n & 15 and not g.stride(0) & 15 and g.stride(1) == 1
+            and g.shape[0] > 0 and n > 0)
+
+
+def row_stats_many_(grads: list[tuple[torch.Tensor, int, int, bool]], stats: torch.Tensor, sample_hist: torch.Tensor,
+                    shift: int, groups: torch.Tensor | None = None, group_hist: torch.Tensor | None = None,
+                    n_groups: int = 0, group_shift: int = 23) -> None:
+    """:func:`row_stats_` for many gradients in one launch per dtype: ``grads`` holds ``(g, slot, row_step,
+    grouped)``, each ``g`` :func:`batchable`, all on one device; ``grouped`` says whether ``groups`` (one int8 per
+    row, shared by all) splits that gradient's rows. The gradients' addresses go to the device in a small table
+    (one copy from pinned memory, no host sync); the caller keeps nothing alive: the kernel is queued on the
+    current stream before the gradients can be freed and their memory reused."""
+    by_kind: dict[int, list] = {}
+    for entry in grads:
+        by_kind.setdefault(_KIND[entry[0].dtype], []).append(entry)
+    if groups is None:
+        groups, group_hist, n_groups = stats, stats, 0
+    for kind, entries in by_kind.items():
+        if INTERPRET:
+            block_r, block_c = 4, 16
+        else:
+            block_c = max(16, min(triton.next_power_of_2(max(g.shape[1] for g, *_ in entries)), 1024))
+            block_r = max(1, min(32, 8192 // block_c))
+        table, first = [], 0
+        for g, slot, row_step, grouped in entries:
+            table += [g.data_ptr(), g.shape[0], g.shape[1], g.stride(0), slot, row_step, int(grouped), first]
+            first += triton.cdiv(g.shape[0], block_r)
+        device = entries[0][0].device
+        table = torch.tensor(table, dtype=torch.int64)
+        if device.type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
+        _row_stats_many[(first,)](
+            table, stats, sample_hist, groups, group_hist, len(entries), stats.stride(0), sample_hist.stride(0),
+            group_hist.stride(0),
+            KIND=kind, SHIFT=shift, GROUPS=n_groups, GROUP_SHIFT=group_shift, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=1 if INTERPRET else 4,
+        )

@@ -4,18 +4,21 @@ A forward hook on every target linear puts a tensor hook on its output; in the b
 dL/dY (flattened to rows x features) on the device and never copies the gradient itself. Two paths give
 the same numbers:
 
-* Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): one kernel per hook call
-  (:mod:`sebp_kernels._triton.rowstats`) adds the layer's counts, largest bit pattern and both histograms
-  into a per-collector int64 buffer, preallocated once per device; a window (a batch, or a training step's
-  micro-batches) ends with one device->host copy of it that nothing waits for
-  (:class:`~sebp_probe.analysis.grad_records.Snapshot`); the host reads it later. The backward then costs one
-  launch per layer, the window a few operations and no host sync: the steps of small models are bound by host
-  time, so this is what keeps the collector cheap.
+* Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): the hook holds the layer's dL/dY, and one
+  kernel (:mod:`sebp_kernels._triton.rowstats`) reads the held ones at a time (up to ``HOLD_GRADS`` tensors or
+  ``HOLD_BYTES``, and whatever is held when the block ends), adding each layer's counts, largest bit pattern
+  and both histograms into a per-collector int64 buffer, preallocated once per device; a window (a batch, or
+  a training step's micro-batches) ends with one device->host copy of it that nothing waits for
+  (:class:`~sebp_probe.analysis.grad_records.Snapshot`); the host reads it later. The backward then costs a
+  few launches, the window a few operations and no host sync: the steps of small models are bound by host
+  time, and a launch from inside the backward costs a host tens of microseconds, so this is what keeps the
+  collector cheap. A gradient the batched kernel cannot read with wide loads (unaligned, or a width or row
+  stride not a multiple of 16) gets a launch of its own.
 * torch (everything else, e.g. plain CPU runs): the hook keeps each row's max |g|, its count of non-zeros
   and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
   (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
 
-The hooks' Python is kept to a few attribute reads and one launch per call: everything per model (targets,
+The hooks' Python is kept to a few attribute reads and an append per call: everything per model (targets,
 names, buffers, the hook callables) is made once per collector, which can be entered again and again.
 
 Magnitudes are bucketed by their float32 bit pattern (see :mod:`sebp_probe.analysis.knee`): an integer shift, no
@@ -231,12 +234,19 @@ def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tenso
     return rows, elements, scalars, element_hist[0], b[_N_SCALARS:_GROUPS_AT]
 
 
+# A layer's gradient waits in :class:`_DeviceBuffers` until this many have come, or this many bytes: then one
+# launch reads them all. The bytes bound what a probed backward keeps alive beyond its own (dL/dY tensors it
+# would otherwise have freed one layer earlier).
+HOLD_GRADS, HOLD_BYTES = 32, 128 << 20
+
+
 class _DeviceBuffers:
     """Where the row-statistics kernel accumulates a window, on one device (allocated once per collector).
 
     One int64 allocation holds ``stats`` (layers, _WIDTH; the layout of :func:`reduce_calls`) and
     ``sample`` (layers, N_FINE, this window's element histogram), so discarding a window is one memset;
-    ``element_acc`` sums the element histograms of the kept windows.
+    ``element_acc`` sums the element histograms of the kept windows. :meth:`add` holds gradients and launches
+    one kernel for up to ``HOLD_GRADS`` of them (``HOLD_BYTES``); :meth:`flush` launches for those held.
     """
 
     def __init__(self, n_layers: int, device: torch.device, kernel) -> None:
@@ -245,16 +255,42 @@ class _DeviceBuffers:
         self.groups = self.stats[:, _GROUPS_AT:]  # the kernel's group histograms: in ``stats``, one transfer
         self.sample = self._flat[n_layers * _WIDTH:].view(n_layers, N_FINE)
         self.element_acc = torch.zeros(n_layers, N_FINE, dtype=torch.int64, device=device)
-        # add(grad2d, slot=layer, row_step=..., groups=...): one launch, no host sync
-        self.add = partial(kernel.row_stats_, stats=self.stats, sample_hist=self.sample, shift=FINE_SHIFT,
-                           group_hist=self.groups, n_groups=N_GROUPS, group_shift=OCTAVE_SHIFT)
+        self._kernel = kernel
+        self._held: list[tuple[torch.Tensor, int, int, bool]] = []  # (grad2d, slot, row_step, grouped)
+        self._held_bytes = 0
+        self._row_groups: torch.Tensor | None = None  # the held gradients' row groups (one window's)
+        buffers = dict(stats=self.stats, sample_hist=self.sample, shift=FINE_SHIFT, group_hist=self.groups,
+                       group_shift=OCTAVE_SHIFT)
+        self._one = partial(kernel.row_stats_, n_groups=N_GROUPS, **buffers)  # (grad2d, slot, row_step, groups)
+        self._many = partial(kernel.row_stats_many_, n_groups=N_GROUPS, **buffers)  # (held, groups)
+
+    def add(self, grad2d: torch.Tensor, slot: int, row_step: int, groups: torch.Tensor | None) -> None:
+        """Add one gradient's statistics to row ``slot`` (queued; no host sync)."""
+        if not self._kernel.batchable(grad2d):
+            self._one(grad2d, slot=slot, row_step=row_step, groups=groups)
+            return
+        if groups is not None and groups is not self._row_groups:
+            self.flush()
+            self._row_groups = groups
+        self._held.append((grad2d, slot, row_step, groups is not None))
+        self._held_bytes += grad2d.numel() * grad2d.element_size()
+        if len(self._held) >= HOLD_GRADS or self._held_bytes >= HOLD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Launch the kernel for the gradients held (queued; no host sync)."""
+        if self._held:
+            self._many(self._held, groups=self._row_groups)
+        self._held, self._held_bytes = [], 0
 
     def fold_sample(self) -> None:
         """Add this window's element histogram to ``element_acc`` (queued, no sync)."""
+        self.flush()
         self.element_acc += self.sample
 
     def discard(self) -> None:
         """Start over (after the window's ``stats`` were copied, or to drop them)."""
+        self._held, self._held_bytes, self._row_groups = [], 0, None
         self._flat.zero_()
 
 
@@ -333,7 +369,7 @@ class GradientStatsCollector:
         if buffers is None:
             self._pending.append((index, summarize_grad(g, groups)))
         else:
-            buffers.add(g, slot=index, row_step=max(1, -(-rows * cols // ELEMENT_SAMPLE)), groups=groups)
+            buffers.add(g, index, max(1, -(-rows * cols // ELEMENT_SAMPLE)), groups)
 
     def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor:
         """The window's row groups on the gradient's device (copied there once)."""
@@ -366,6 +402,8 @@ class GradientStatsCollector:
         self._groups = None if row_groups is None else row_groups.reshape(-1).to(torch.int8)
         try:
             yield self
+            for buffers in self._buffers.values():  # the gradients held: launched while their groups are known
+                buffers.flush()
         except BaseException:
             self.discard()
             raise

@@ -161,11 +161,47 @@ if INTERPRET:
         assert_same_stats(got, want)
         assert got.layers["proj.0"].max_abs == [np.float32(1e30)] * 2 and got.batches == 2
 
-    @pytest.mark.parametrize("arch, side", [("bert", "right"), ("llama", "left")])
-    def test_tiny_models_triton_path_equals_torch_path(arch, side):
-        """Real backward passes: pad rows, CLS-only rows, left-padding noise rows."""
+    def test_many_gradients_in_one_launch_equal_one_launch_each():
+        """row_stats_many_ (fp32 and fp16 together, a slot twice, grouped and not, a sampled element histogram)
+        adds exactly what row_stats_ adds gradient by gradient; odd shapes and unaligned views are not batchable."""
+        from sebp_kernels._triton import rowstats
+
+        from sebp_probe.analysis.knee import FINE_SHIFT, N_OCTAVE, OCTAVE_SHIFT
+
+        grads = [(special_rows_grad((37, 32), torch.float32, seed=1), 0, 1, True),
+                 (special_rows_grad((37, 48), torch.float16, seed=2), 1, 3, True),
+                 (special_rows_grad((5, 16), torch.float32, seed=3), 2, 1, False),
+                 (special_rows_grad((37, 32), torch.float32, seed=4), 0, 7, True)]
+        groups = torch.randint(0, hooks.N_GROUPS + 1, (37,), generator=torch.Generator().manual_seed(0),
+                               dtype=torch.int8)
+
+        def buffers():
+            return (torch.zeros(3, rowstats.N_SCALARS + hooks.N_FINE, dtype=torch.int64),
+                    torch.zeros(3, hooks.N_FINE, dtype=torch.int64),
+                    torch.zeros(3, hooks.N_GROUPS * N_OCTAVE, dtype=torch.int64))
+
+        assert all(rowstats.batchable(g) for g, *_ in grads)
+        many = buffers()
+        rowstats.row_stats_many_(grads, many[0], many[1], FINE_SHIFT, groups, many[2], hooks.N_GROUPS, OCTAVE_SHIFT)
+        one = buffers()
+        for g, slot, step, grouped in grads:
+            rowstats.row_stats_(g, one[0], one[1], slot, step, FINE_SHIFT, groups if grouped else None,
+                                one[2] if grouped else None, hooks.N_GROUPS if grouped else 0, OCTAVE_SHIFT)
+        for got, want in zip(many, one):
+            assert torch.equal(got, want)
+        assert one[2][:2].sum() > 0 and one[1][1].sum() > 0  # the groups and the sample were counted
+        wide = torch.zeros(8, 40)
+        assert not any(rowstats.batchable(g) for g in (torch.zeros(8, 19), wide, wide[:, 1:17], wide.t()))
+
+    @pytest.mark.parametrize("arch, side, hold", [("bert", "right", None), ("llama", "left", None),
+                                                  ("bert", "right", 3)])
+    def test_tiny_models_triton_path_equals_torch_path(arch, side, hold, monkeypatch):
+        """Real backward passes: pad rows, CLS-only rows, left-padding noise rows; ``hold`` 3: the collector
+        launches for every three gradients held, inside the backward."""
         from sebp_probe.analysis.causes import grouper
 
+        if hold:
+            monkeypatch.setattr(hooks, "HOLD_GRADS", hold)
         model = tiny_model(arch)
         batches = [padded_batch(arch, (11, 4, 7, 9, 2), side=side, seed=s) for s in range(2)]
         groups = grouper(model, None)
