@@ -13,7 +13,12 @@ the same numbers:
   few launches, the window a few operations and no host sync: the steps of small models are bound by host
   time, and a launch from inside the backward costs a host tens of microseconds, so this is what keeps the
   collector cheap. A gradient the batched kernel cannot read with wide loads (unaligned, or a width or row
-  stride not a multiple of 16) gets a launch of its own.
+  stride not a multiple of 16) gets a launch of its own. A held gradient is read after later backward
+  operations: autograd then adds into it out of place (it accumulates in place only into a gradient nothing
+  else holds), but a backward that overwrites its incoming gradient (Liger's RMSNorm does, to save memory)
+  would be read after its write where that incoming gradient is a target linear's output gradient. In Llama-
+  and BERT-style blocks a norm's incoming gradient is a sum (of the next linears' input gradients, and of the
+  residual's after a post-norm), never one linear's output gradient.
 * torch (everything else, e.g. plain CPU runs): the hook keeps each row's max |g|, its count of non-zeros
   and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
   (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
