@@ -127,10 +127,8 @@ def _row_stats_kernel(
                KIND, SHIFT, GROUPS, GROUP_SHIFT, BLOCK_R, BLOCK_C)
 
 
-# One row of the many-gradient kernel's table (int64): where each gradient is and what it adds to.
-# (pointer, rows, cols, row stride, slot, row_step, grouped, first program): the kernel reads it at these offsets
-
-
+# A row of the many-gradient kernel's table holds 8 int64, read at these offsets: the gradient's address, its rows,
+# cols and row stride, its slot, row_step and whether the groups split it, and its first program.
 @triton.jit(do_not_specialize=["n_grads"])
 def _row_stats_many_kernel(
     table_ptr, stats_ptr, sample_ptr, group_ptr, group_hist_ptr,
@@ -165,14 +163,19 @@ _row_stats_many = FastLaunch(_row_stats_many_kernel)
 _KIND = {torch.float16: _FP16, torch.bfloat16: _BF16, torch.float32: _FP32}
 
 
+def _tile(n: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for rows ``n`` wide: tiles of up to 8K elements."""
+    if INTERPRET:
+        return 4, 16  # small tiles: several programs and column blocks on test shapes
+    block_c = max(16, min(triton.next_power_of_2(n), 1024))
+    return max(1, min(32, 8192 // block_c)), block_c
+
+
 @functools.lru_cache(maxsize=1024)
 def _blocks(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, grid): tiles of up to 8K elements, rows per program halved until ~256 programs."""
-    if INTERPRET:
-        return 4, 16, triton.cdiv(m, 4)  # small tiles: several programs and column blocks on test shapes
-    block_c = max(16, min(triton.next_power_of_2(n), 1024))
-    block_r = max(1, min(32, 8192 // block_c))
-    while block_r > 1 and triton.cdiv(m, block_r) < 256:
+    """(BLOCK_R, BLOCK_C, grid): :func:`_tile`'s, rows per program halved until ~256 programs."""
+    block_r, block_c = _tile(n)
+    while not INTERPRET and block_r > 1 and triton.cdiv(m, block_r) < 256:
         block_r //= 2
     return block_r, block_c, triton.cdiv(m, block_r)
 
@@ -228,11 +231,7 @@ def row_stats_many_(grads: list[tuple[torch.Tensor, int, int, bool]], stats: tor
     if groups is None:
         groups, group_hist, n_groups = stats, stats, 0
     for kind, entries in by_kind.items():
-        if INTERPRET:
-            block_r, block_c = 4, 16
-        else:
-            block_c = max(16, min(triton.next_power_of_2(max(g.shape[1] for g, *_ in entries)), 1024))
-            block_r = max(1, min(32, 8192 // block_c))
+        block_r, block_c = _tile(max(g.shape[1] for g, *_ in entries))  # many programs already: no halving
         table, first = [], 0
         for g, slot, row_step, grouped in entries:
             table += [g.data_ptr(), g.shape[0], g.shape[1], g.stride(0), slot, row_step, int(grouped), first]
