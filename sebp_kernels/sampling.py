@@ -26,7 +26,8 @@ import zlib
 
 import torch
 
-from .density import RowDensity
+from .density import OBSERVE_EVERY, RowDensity
+from .readback import ShareReader
 from .reference import backward_over_rows
 from .registry import register
 from .sample_buckets import bucket_sums, solve_share
@@ -35,6 +36,11 @@ from .sample_variance import guard_numbers, sampling_variance, sgd_variance, sol
 _M64 = (1 << 64) - 1
 GRID_BITS = 24
 GRID = float(1 << GRID_BITS)
+# The Triton path's gathered rows (SampleState.capacity): the recent kept share of the rows times CAP_MARGIN,
+# plus CAP_ROUND, rounded up to a multiple of CAP_ROUND. A backward that keeps more takes a random window of
+# the kept rows (unbiased, see window); one that keeps fewer multiplies zero rows.
+CAP_MARGIN = 1.1
+CAP_ROUND = 64
 
 
 def _signed(v: int) -> int:
@@ -86,6 +92,30 @@ def row_draws(seed: int, layer_key: int, step: int, m: int, device: torch.device
     return _shr(mix64(rows * GOLDEN + stream_base(seed, layer_key, step)), 64 - GRID_BITS)
 
 
+WINDOW = 0xD1B54A32D192ED03  # mixed into a backward's stream state for its window offset (no row's draw)
+
+
+def window_offset(seed: int, layer_key: int, step: int, kept: int) -> int:
+    """Where a backward's window of kept rows starts when more rows were kept than its capacity
+    (:mod:`sebp_kernels._triton.sample_gather`): an integer in [0, kept), (h >> 32) * kept >> 32 for a 64-bit
+    hash h of the backward's stream state (each offset's probability is within kept / 2^32 of 1 / kept)."""
+    h = mix64_int((stream_base(seed, layer_key, step) + WINDOW) & _M64)
+    return ((h >> 32) * kept) >> 32
+
+
+def window(kept_rows: torch.Tensor, cap: int, seed: int, layer_key: int, step: int):
+    """(rows, factor): ``cap`` of the ``kept_rows`` (in row order) and their extra scale, for a capacity of
+    ``cap`` slots. All of them, factor 1, when they fit; else ``cap`` consecutive ones, cyclically from
+    :func:`window_offset`, and factor kept / cap (fp32): each kept row is in the window with probability
+    cap / kept, so the sampled gradient stays unbiased."""
+    k = kept_rows.numel()
+    if k <= cap:
+        return kept_rows, None
+    off = window_offset(seed, layer_key, step, k)
+    idx = (off + torch.arange(cap, device=kept_rows.device)) % k
+    return kept_rows[idx], torch.tensor(k, dtype=torch.float32) / cap
+
+
 def layer_key(name: str) -> int:
     """A layer's key in the hash, from its module name: the same in every run of a model (CRC-32)."""
     return zlib.crc32(name.encode())
@@ -118,7 +148,7 @@ class SampleState:
     :meth:`counts` and :meth:`state_dict`."""
 
     __slots__ = ("layer_key", "tau", "calls", "_stats", "_hash", "_hash_at", "key", "share", "var_tau",
-                 "armed", "guard", "density", "__weakref__")
+                 "armed", "guard", "density", "kept_share", "_kept_reader", "_kept_calls", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -137,6 +167,9 @@ class SampleState:
         self.armed = False  # the guard's step: the next backward also computes the exact dW
         self.guard: torch.Tensor | None = None  # that backward's numbers (.sample_variance.GUARD_FIELDS)
         self.density = RowDensity()  # the share of non-zero rows, read back without a sync (Triton path)
+        self.kept_share: float | None = None  # the share of the rows kept, read back likewise (Triton path)
+        self._kept_reader = ShareReader()
+        self._kept_calls = 0
 
     def __reduce__(self):  # copies start afresh, with the same layer key
         return (SampleState, (self.layer_key,))
@@ -179,6 +212,32 @@ class SampleState:
         Pass each backward's non-zero count to ``self.density.observe``."""
         return self.density.choose(capturing) != "sebp"
 
+    def capacity(self, m: int, config, capturing: bool = False) -> int | None:
+        """The Triton path's slots for the kept rows of a backward over ``m`` rows (see ``CAP_MARGIN``): from
+        the kept share last read back (:meth:`observe_kept`, a step or more stale, never a sync), or before
+        one, a fixed budget's share; None under ``auto`` before the first read (the fused kernel runs then)."""
+        if not capturing:
+            share = self._kept_reader.poll()
+            if share is not None:
+                self.kept_share = share
+        share = self.kept_share
+        if share is None:
+            if config.budget == "auto":
+                return None
+            share = layer_share(config, self)
+        cap = -(-(int(m * share * CAP_MARGIN) + CAP_ROUND) // CAP_ROUND) * CAP_ROUND
+        return min(m, cap)
+
+    def observe_kept(self, count: torch.Tensor, m: int, capturing: bool = False) -> None:
+        """Start reading back a backward's kept ``count`` (a device int32 (1,)) over its ``m`` rows, every
+        ``OBSERVE_EVERY``-th backward (as :class:`~.density.RowDensity` reads the non-zero count)."""
+        calls, self._kept_calls = self._kept_calls, self._kept_calls + 1
+        if capturing or self._kept_reader.busy or calls % OBSERVE_EVERY:
+            return
+        share = self._kept_reader.start(count, m)
+        if share is not None:
+            self.kept_share = share
+
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""
         rows, nonzero, kept = self._stats.tolist() if self._stats is not None else (0, 0, 0)
@@ -203,10 +262,11 @@ class SampleState:
 
 def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, config,
                            state: SampleState | None, need_dx: bool = True, need_dw: bool = True,
-                           need_db: bool = True):
+                           need_db: bool = True, cap: int | None = None):
     """(dX, dW, db) of ``Y = X Wᵀ + b`` for 2-D ``dy`` (M, out) in ``sampled`` mode, in torch: the CPU path, the
     fallback on GPUs and the oracle of a kernel. Draws this backward's rows with ``state``'s cutoff, then updates
-    the cutoff and the counters (see the module docstring). During the first ``config.warmup`` backwards of the
+    the cutoff and the counters (see the module docstring). ``cap``: the capacity of the Triton path's gathered
+    rows (:func:`window`; None: no limit). During the first ``config.warmup`` backwards of the
     layer every non-zero row is kept unscaled (the exact gradient) while the cutoff is still solved. With
     ``budget="auto"`` the cutoff keeps dW's added variance under the layer's variance budget
     (:mod:`.sample_variance`; the first backward keeps every row). A backward of an ``armed`` state also
@@ -229,9 +289,14 @@ def sampled_backward_torch(dy: torch.Tensor, x: torch.Tensor | None, weight: tor
         state.count(m, active.sum(), kept.sum())
     else:
         kept = active
+    step = state.calls
     state.advance_on_host()
-    scale = None if q is None else (1.0 / q).to(dy.dtype)  # exactly 1 where q = 1
+    inv = None if q is None else 1.0 / q  # exactly 1 where q = 1
     kept_rows = kept.nonzero().squeeze(1)
+    if inv is not None and cap is not None:
+        kept_rows, factor = window(kept_rows, cap, config.seed, state.layer_key, step)
+        inv = inv if factor is None else inv * factor
+    scale = None if inv is None else inv.to(dy.dtype)
     if config.sample_dx or not need_dx or scale is None:
         dx, dw, db = backward_over_rows(dy, x, weight, kept_rows, need_dx, need_dw, need_db, scale=scale)
     else:

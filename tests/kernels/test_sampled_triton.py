@@ -93,6 +93,14 @@ if INTERPRET:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     @pytest.mark.parametrize("budget, sample_dx", [(0.3, False), ("auto", False), (1.0, False), (0.3, True)])
     def test_backwards_match_the_torch_reference(dtype, budget, sample_dx):
+        _match_the_reference(dtype, budget, sample_dx)
+
+    @pytest.mark.parametrize("budget, sample_dx", [(0.3, False), ("auto", True)])
+    def test_a_full_capacity_takes_the_reference_window(budget, sample_dx):
+        """8 slots for about 17 kept rows: the kernel's window and scale are the reference's."""
+        _match_the_reference(torch.float32, budget, sample_dx, cap=8)
+
+    def _match_the_reference(dtype, budget, sample_dx, cap=None):
         x, w, dy = _skewed(dtype=dtype)
         cfg = SEBPConfig("sampled", budget=budget, seed=3, warmup=1, sample_dx=sample_dx)
         ref, tri = SampleState(5), SampleState(5)
@@ -101,8 +109,8 @@ if INTERPRET:
             d = dy * (1 + 0.5 * t)  # a new dY each backward
             if tri.tau is not None:  # the same cutoff (the two solvers may differ in its last candidate step)
                 ref.tau = tri.tau.clone()
-            want = sampled_backward_torch(d, x, w, cfg, ref)
-            got = sampled_backward_triton(d, x, w, cfg, tri)
+            want = sampled_backward_torch(d, x, w, cfg, ref, cap=cap)
+            got = sampled_backward_triton(d, x, w, cfg, tri, cap=cap)
             for g, e in zip(got, want):
                 torch.testing.assert_close(g, e, **tol)
             assert ref.counts() == tri.counts() and ref.calls == tri.calls
@@ -112,9 +120,9 @@ if INTERPRET:
 
     @pytest.mark.parametrize("zero_every, dense", [(100, True), (2, False)])
     def test_exact_dx_of_nearly_dense_rows_is_the_dense_gemm(zero_every, dense, monkeypatch):
-        """Once a layer's rows were read back as nearly all non-zero, its exact dX is ``dY @ W`` (the fused kernel
-        computes dW and db only); with many zero rows the kernel computes dX too. The gradients match the
-        reference's either way."""
+        """Once a layer's rows were read back as nearly all non-zero, its exact dX is ``dY @ W``; with many zero
+        rows (or before the first read) the fused kernel computes it over the non-zero rows (dW and db are GEMMs
+        over the gathered kept rows either way). The gradients match the reference's either way."""
         from sebp_kernels._triton import sampled
 
         asked = []
@@ -129,7 +137,7 @@ if INTERPRET:
             want = sampled_backward_torch(dy, x, w, cfg, ref)
             for g, e in zip(got, want):
                 torch.testing.assert_close(g, e)
-        assert asked == [True, not dense]  # the first backward ran on the torch path
+        assert asked == [True] + ([] if dense else [True])  # the first backward ran on the torch path
 
     def test_the_triton_path_runs_inside_sebp_linear(monkeypatch):
         """Through the autograd Function (backend triton on the interpreter), each backward after the first runs
