@@ -245,7 +245,7 @@ STEPS: dict[str, Step] = {
                              _compiled_longest),
     "probe": Step("a finetune --probe-every step against an unprobed one, eager and compiled", "method.md",
                   _probe),
-    "sampled": Step("sampled mode (budget auto) beside dense, SEBP and CCE, eager and compiled", "method.md",
+    "sampled": Step("sampled mode (budget 0.5) beside dense, SEBP and CCE, eager and compiled", "method.md",
                     _sampled),
     "head": Step("the labelled-rows head against the full head, CCE and Liger", "benchmarks.md", _head),
     "trainer": Step("SFTTrainer with and without apply_sebp, eager, padding-free and compiled", "trainer.md",

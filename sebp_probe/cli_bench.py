@@ -24,7 +24,8 @@ def bench_cmd(
                                   help="Fractions of active rows, comma-separated."),
     scope: str = typer.Option("layers", "--scope", help="layers | model (whole-model forward+backward) | all."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32."),
-    mode: str = typer.Option("exact", "--mode", help="exact | threshold | topk (N = active rows)."),
+    mode: str = typer.Option("exact", "--mode", help="exact | threshold | topk (N = active rows) | sampled (at "
+                             "--budget, dX exact and sampled, CUDA graphs and eager)."),
     repeats: int = typer.Option(30, "--repeats", help="Timed repeats per measurement (median)."),
     model_repeats: int = typer.Option(5, "--model-repeats", help="Timed steps per batch in the whole-model run."),
     model_batches: int = typer.Option(8, "--model-batches", help="Whole model: batches in the pool of sequences "
@@ -69,6 +70,8 @@ def bench_cmd(
     budget: str = typer.Option("auto", "--budget", help="Whole model: the sampled method's budget: auto (each "
                                "layer's variance rule) or the share of each layer's non-zero rows kept for dW, "
                                "in (0, 1]."),
+    sample_dx: bool = typer.Option(False, "--sample-dx", help="Whole model: the sampled method takes dX from the "
+                                   "sample too (as finetune --sample-dx)."),
     probe: bool = typer.Option(False, "--probe", help="Whole model: time each dense and SEBP entry also as "
                                "finetune --probe-every's probed step (the gradient statistics' hooks on the "
                                "step's own backward), interleaved with the unprobed step; the ratio per row."),
@@ -107,15 +110,18 @@ def bench_cmd(
 
     import torch
 
-    from .bench import bench, bench_cases, bench_compile, bench_model, probe_overhead
+    from .bench import bench, bench_cases, bench_compile, bench_model, bench_sampled, probe_overhead
     from .analysis.plots import check_image_path, plot_bench_models
 
     if scope not in ("layers", "model", "all"):
         raise UserError(f"--scope must be layers, model or all, got {scope!r}")
     if dtype not in bench.DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(bench.DTYPES)}, got {dtype!r}")
-    if mode not in ("exact", "threshold", "topk"):
-        raise UserError(f"--mode must be exact, threshold or topk, got {mode!r}")
+    if mode not in ("exact", "threshold", "topk", "sampled"):
+        raise UserError(f"--mode must be exact, threshold, topk or sampled, got {mode!r}")
+    if mode == "sampled" and (scope != "layers" or budget == "auto"):
+        raise UserError("--mode sampled times one layer at a fixed share: use --scope layers and --budget B "
+                        "(for the whole model: --methods sampled)")
     if repeats < 1 or model_repeats < 1 or model_batches < 1:
         raise UserError("--repeats, --model-repeats and --model-batches must be >= 1")
     if mode == "topk" and scope != "layers":
@@ -176,7 +182,10 @@ def bench_cmd(
             console.print(msg, highlight=False, soft_wrap=True)
 
         for s in shapes:
-            for r in bench.bench_layer(s, dens, bench.DTYPES[dtype], mode, repeats, progress=progress):
+            rs = (bench_sampled.bench_layer_sampled(s, dens, bench.DTYPES[dtype], budget, repeats, progress=progress)
+                  if mode == "sampled" else bench.bench_layer(s, dens, bench.DTYPES[dtype], mode, repeats,
+                                                              progress=progress))
+            for r in rs:
                 result["layers"].append(r.to_dict())
         def partial(model_so_far: dict) -> None:  # a run cut short keeps what it measured
             if output:
@@ -187,7 +196,7 @@ def bench_cmd(
                 case, bench.DTYPES[dtype], model_repeats, model_batches, mode=mode, graphs=graphs, progress=progress,
                 pad_mask=pad_mask, breakdown=breakdown, norms=norms, acts=acts, keep_dx=keep_dx, device=device,
                 pad_rows=pad_rows, compile=compile_mode, compile_scope=compile_scope, note=note, partial=partial,
-                probe=probe, budget=budget, **chosen))
+                probe=probe, budget=budget, sample_dx=sample_dx, **chosen))
     if output:  # first: what was measured survives any trouble with the tables
         write_json(Path(output), result)
     if figure and result["models"]:

@@ -235,7 +235,9 @@ def bench_tables(result: dict) -> None:
     from rich import box
     from rich.table import Table
 
-    if result.get("layers"):
+    if result.get("layers") and result.get("mode") == "sampled":
+        _sampled_layers(result)
+    elif result.get("layers"):
         what = f"{result['dtype']}, {result['mode']}"
         times = ("k", "dense", "ideal", "ideal +io", "triton", "torch ref")
         speedups = ("x ideal", "x triton", "x adaptive", "x torch ref", "peak MiB d/t")
@@ -282,6 +284,26 @@ def bench_tables(result: dict) -> None:
             console.print(table)
     for m in result.get("models", []):
         _model_tables(m)
+
+
+def _sampled_layers(result: dict) -> None:
+    """``bench --scope layers --mode sampled``: each layer's backward, dense and sampled (dX exact, dX sampled),
+    as CUDA-graph replays and eagerly, with the speedups."""
+    from rich.table import Table
+
+    table = Table(title=f"Sampled backward per layer ({result['dtype']}; median ms; x: speedup vs dense; "
+                        "graph: CUDA-graph replay, eager: launched from the host)")
+    cols = ("dense", "sampled", "sampled_dx", "dense_eager", "sampled_eager", "sampled_dx_eager")
+    for col in ("layer", "density", *(c.replace("_", " ") for c in cols), "x graph", "x dX graph", "x eager",
+                "x dX eager"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for r in result["layers"]:
+        ms = r["ms"]
+        table.add_row(r["shape"]["name"], f"{r['density']:g}", *(f"{ms[c]:.3f}" for c in cols),
+                      *(f"{ms[d] / ms[c]:.2f}" for d, c in (("dense", "sampled"), ("dense", "sampled_dx"),
+                                                             ("dense_eager", "sampled_eager"),
+                                                             ("dense_eager", "sampled_dx_eager"))))
+    console.print(table)
 
 
 def _ms(v: float | None) -> str:

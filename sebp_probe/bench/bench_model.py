@@ -223,7 +223,7 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 keep_dx: bool = False, device: str = "cuda", warmup: int = WARMUP, seed: int = 0,
                 pad_rows: bool = True, compile: str | None = None, compile_backend: str = "inductor",
                 compile_scope: str = "layers", layouts=LAYOUTS, methods=METHODS, budget: float | str = "auto",
-                note: Callable[[str], None] | None = None,
+                sample_dx: bool = False, note: Callable[[str], None] | None = None,
                 partial: Callable[[dict], None] | None = None, probe: bool = False) -> dict:
     """Every entry of ``case`` (see the module docstring) on a pool of ``n_batches`` batches. ``pad_mask=False``:
     decoders' padded layouts without the padding mask (right padding: same loss and gradients, the causal
@@ -272,7 +272,8 @@ def bench_model(case: ModelCase, dtype: torch.dtype = torch.bfloat16, repeats: i
                 counts[head] = patched
                 yield model
         elif method == "sampled":  # ``budget``: its budget (bench_sampled)
-            with bench_sampled.sampled_patched(model, case, head, counts, budget, seed, pad_rows) as m:
+            with bench_sampled.sampled_patched(model, case, head, counts, budget, seed, pad_rows,
+                                               sample_dx) as m:
                 yield m
         else:
             yield model

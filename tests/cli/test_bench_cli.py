@@ -88,7 +88,10 @@ def test_dry_run_explicit_layer():
      (["bert-base", "--tiny", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--scope", "model", "--figure", "f.txt", "--dry-run"], "unsupported image format"),
      (["bert-base", "--scope", "model", "--model-batches", "0"], "--model-batches must be >= 1"),
-     (["bert-base", "--scope", "model", "--budget", "2", "--dry-run"], "--budget must be a share in (0, 1] or auto")],
+     (["bert-base", "--scope", "model", "--budget", "2", "--dry-run"], "--budget must be a share in (0, 1] or auto"),
+     (["bert-base", "--mode", "sampled", "--dry-run"], "--mode sampled times one layer at a fixed share"),
+     (["bert-base", "--scope", "model", "--mode", "sampled", "--budget", "0.5"], "use --scope layers"),
+     (["bert-base", "--mode", "sampled", "--budget", "1.5"], "--budget must be a share in (0, 1]")],
 )
 def test_bad_arguments_are_one_line_errors(args, msg):
     res = _run(*args)
@@ -136,7 +139,16 @@ def test_budget_reaches_the_sampled_entries(tmp_path):
     assert res.exit_code == 0, res.output
     (m,) = json.loads(out.read_text())["models"]
     c = m["sebp_layers"]["sampled full"]
-    assert c["budget"] == 0.4 and 0.3 < c["kept"] / c["nonzero"] < 0.6, c
+    assert c["budget"] == 0.4 and not c["sample_dx"] and 0.3 < c["kept"] / c["nonzero"] < 0.6, c
+
+
+def test_sample_dx_reaches_the_sampled_entries(tmp_path):
+    out = tmp_path / "r.json"
+    res = _run("bert-base", "--scope", "model", "--tiny", "--model-batches", "1", "--model-repeats", "1",
+               "--layouts", "packed", "--methods", "sampled:full", "--budget", "0.4", "--sample-dx", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    (m,) = json.loads(out.read_text())["models"]
+    assert m["sebp_layers"]["sampled full"]["sample_dx"] is True
 
 
 def test_padded_rows():
@@ -294,3 +306,18 @@ def test_layer_tables_fit_80_columns(capsys, monkeypatch):
     tables.bench_tables(result)
     first = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llama-3.2-3b")]
     assert first[2 * n].split()[-4] == "-"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times a layer on a GPU")
+def test_sampled_layer_bench_times_every_variant(tmp_path):
+    out = tmp_path / "s.json"
+    res = _run("--rows", "2048", "--in-features", "256", "--out-features", "512", "--mode", "sampled", "--budget",
+               "0.5", "--densities", "0.5,1.0", "--repeats", "3", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    layers = json.loads(out.read_text())["layers"]
+    assert [r["density"] for r in layers] == [0.5, 1.0]
+    for r in layers:
+        assert set(r["ms"]) == {"dense", "sampled", "sampled_dx", "dense_eager", "sampled_eager",
+                                "sampled_dx_eager"} and all(v > 0 for v in r["ms"].values())
+    assert "Sampled backward per layer" in res.output
