@@ -173,7 +173,8 @@ def bench_cmd(
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
     result = {"command": "sebp-probe " + shlex.join(sys.argv[1:]), "environment": bench.environment(),
-              "dtype": dtype, "mode": mode, "densities": dens, "layers": [], "models": []}
+              "dtype": dtype, "mode": mode, "densities": dens, "layers": [], "models": [],
+              **({"budget": budget} if mode == "sampled" else {})}
     with console.status("benchmarking") as status:
         def progress(msg: str) -> None:
             status.update(msg)

@@ -322,6 +322,25 @@ class LayerResult:
         return d
 
 
+def layer_setup(shape: LayerShape, dtype: torch.dtype, seed: int):
+    """(device, generator, X, W, flush) of one layer's benchmark: X and W drawn from ``seed`` (the generator
+    then draws dY), and the process's first timing thrown away."""
+    _require_cuda()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
+    x = torch.randn(m, n_in, device=dev, dtype=dtype, generator=g)
+    w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(dtype)
+    flush = _Flush()
+    if not _WARM:  # the first timing of a process (graph capture included) is thrown away: it came out 1.5x
+        # slow (158 vs 106 us, H100, 2026-11-22). A 0.3 s busy loop before every layer, tried too, made the
+        # first dense timing of several layers 5-25% slower instead, so there is none.
+        dy = torch.randn(m, n_out, device=dev, dtype=dtype)
+        time_fn(lambda: (dy @ w, dy.t() @ x, dy.sum(0) if shape.bias else None), 5, flush, True)
+        _WARM.append(True)
+    return dev, g, x, w, flush
+
+
 def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtype = torch.bfloat16,
                 mode: str = "exact", repeats: int = 30, seed: int = 0,
                 progress: Callable[[str], None] | None = None) -> list[LayerResult]:
@@ -333,19 +352,9 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
     from sebp_kernels.reference import backward_over_rows, sebp_backward_torch
     from sebp_kernels.zero_rows import ZeroRowBuffer
 
-    _require_cuda()
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(seed)
+    dev, g, x, w, flush = layer_setup(shape, dtype, seed)
     m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-    x = torch.randn(m, n_in, device=dev, dtype=dtype, generator=g)
-    w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(dtype)
     dy_full = torch.randn(m, n_out, device=dev, dtype=dtype, generator=g)
-    flush = _Flush()
-    if not _WARM:  # the first timing of a process (graph capture included) is thrown away: it came out 1.5x
-        # slow (158 vs 106 us, H100, 2026-11-22). A 0.3 s busy loop before every layer, tried too, made the
-        # first dense timing of several layers 5-25% slower instead, so there is none.
-        time_fn(lambda: (dy_full @ w, dy_full.t() @ x, dy_full.sum(0) if shape.bias else None), 5, flush, True)
-        _WARM.append(True)
     fill_tb_s = fill_bandwidth(flush, repeats)
     results = []
     for density in densities:

@@ -61,17 +61,13 @@ def bench_layer_sampled(shape, densities, dtype, budget: float, repeats: int = 3
     from sebp_kernels._triton.sampled import sampled_backward_triton
     from sebp_kernels.sampling import SampleState
 
-    from .bench import LayerResult, _Flush, _require_cuda, padded_rows, time_methods
+    from .bench import LayerResult, layer_setup, padded_rows, time_methods
 
-    _require_cuda()
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(seed)
-    m, n_in, n_out = shape.rows, shape.in_features, shape.out_features
-    x = torch.randn(m, n_in, device=dev, dtype=dtype, generator=g)
-    w = (torch.randn(n_out, n_in, device=dev, generator=g) / n_in**0.5).to(dtype)
+    dev, g, x, w, flush = layer_setup(shape, dtype, seed)
+    m, n_out = shape.rows, shape.out_features
     spread = torch.exp(1.5 * torch.randn(m, 1, device=dev, generator=g))
     dy_full = (torch.randn(m, n_out, device=dev, generator=g) * spread).to(dtype)
-    flush, results = _Flush(), []
+    results = []
     for density in densities:
         mask = padded_rows(m, shape.seq, density, dev)
         dy = dy_full * mask.unsqueeze(1).to(dtype)
