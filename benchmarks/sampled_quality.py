@@ -36,6 +36,8 @@ def _row(run: Path) -> dict:
     else:  # auto's variance budget, when it is not the run's default
         tau = smp.get("variance_tau", FinetuneConfig.variance_tau)
         arm = "sampled auto" + ("" if tau == FinetuneConfig.variance_tau else f" (tau {format(tau, 'g')})")
+    if smp and smp.get("sample_dx"):
+        arm += ", dX sampled"
     return {"arm": arm, "seed": cfg["seed"], "status": s["status"], "steps": s["steps"],
             "eval_accuracy": s["final_eval"].get("eval_accuracy"), "eval_loss": s["final_eval"].get("eval_loss"),
             "final_train_loss": s.get("final_train_loss"), "median_step_ms": s.get("median_step_ms"),
