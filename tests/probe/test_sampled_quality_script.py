@@ -1,5 +1,5 @@
 """benchmarks/sampled_quality.py: `finetune` run folders of dense and sampled mode become one tidy file whose arms
-name the budget (and the variance budget where it is not VCAS's default), with the mean and sd over seeds."""
+name the budget (the variance budget where it is not VCAS's default, and a sampled dX), with the mean and sd over seeds."""
 from __future__ import annotations
 
 import json
@@ -26,9 +26,9 @@ def _run(path, seed, acc, sampled=None):
 
 
 def test_arms_name_the_budget_and_a_variance_budget_that_is_not_the_default(script, tmp_path):
-    def sampled(budget, tau, skipped):
+    def sampled(budget, tau, skipped, sample_dx=False):
         return {"budget": budget, "variance_tau": tau, "skipped_of_nonzero": skipped, "skipped_of_rows": skipped,
-                "rows": 10, "nonzero": 8, "kept": 4}
+                "rows": 10, "nonzero": 8, "kept": 4, "sample_dx": sample_dx}
 
     dirs = []
     for seed in (0, 1):
@@ -36,16 +36,18 @@ def test_arms_name_the_budget_and_a_variance_budget_that_is_not_the_default(scri
         _run(tmp_path / f"cmp{seed}" / "sebp", seed, 0.7, sampled("auto", 0.1, 0.6))
         _run(tmp_path / f"def{seed}", seed, 0.75, sampled("auto", 0.025, 0.5))
         _run(tmp_path / f"fix{seed}", seed, 0.72, sampled(0.3, 0.025, 0.7))
-        dirs += [tmp_path / f"cmp{seed}", tmp_path / f"def{seed}", tmp_path / f"fix{seed}"]
+        _run(tmp_path / f"dx{seed}", seed, 0.71, sampled(0.3, 0.025, 0.7, sample_dx=True))
+        dirs += [tmp_path / f"cmp{seed}", tmp_path / f"def{seed}", tmp_path / f"fix{seed}", tmp_path / f"dx{seed}"]
     out = tmp_path / "out.json"
     assert script.main(["--out", str(out), "--command", "the runs", *map(str, dirs)]) == 0
     doc = json.loads(out.read_text())
     arms = {a["arm"]: a for a in doc["arms"]}
-    assert list(arms) == ["dense", "sampled auto (tau 0.1)", "sampled auto", "sampled 0.3"]
+    assert list(arms) == ["dense", "sampled auto (tau 0.1)", "sampled auto", "sampled 0.3",
+                          "sampled 0.3, dX sampled"]
     assert arms["dense"]["seeds"] == [0, 1] and arms["dense"]["eval_accuracy_mean"] == pytest.approx(0.75)
     assert arms["dense"]["eval_accuracy_sd"] == pytest.approx(0.0707, abs=1e-4)
     assert arms["sampled auto (tau 0.1)"]["skipped_of_nonzero_mean"] == pytest.approx(0.6)
-    assert doc["environment"]["command"] == "the runs" and len(doc["rows"]) == 8
+    assert doc["environment"]["command"] == "the runs" and len(doc["rows"]) == 10
 
 
 def test_an_arm_trained_again_from_one_seed_counts_once(script, tmp_path):
