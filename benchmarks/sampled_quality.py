@@ -1,8 +1,8 @@
 """Collect `finetune` runs of dense against `--mode sampled` into one tidy results file.
 
-Each run directory is a `finetune ... -o DIR` (a `--compare` directory holds `dense/` and `sebp/`); per run the
-file keeps the arm, seed, held-out accuracy and loss, the step and backward medians, and the sampled layers'
-measured rows (skipped share of the non-zero rows of dL/dY in dW/db, after the warm-up), then the mean and sd of
+Each run directory is a `finetune ... -o DIR` (a `--compare` directory holds `dense/` and `sebp/`, each of which
+may also be given alone); per run the file keeps the arm, seed, held-out accuracy and loss, the step and
+backward medians, and the sampled layers' measured rows (skipped share of the non-zero rows of dL/dY in dW/db, after the warm-up), then the mean and sd of
 each arm. An arm trained again from one seed (the dense arm of two `--compare` runs) counts once, as first
 given. The runs themselves were started by the command recorded in ``--command``.
 
@@ -24,10 +24,15 @@ def _runs(path: Path) -> list[Path]:
     return [p for p in (path / "dense", path / "sebp") if (p / "summary.json").exists()] or [path]
 
 
+def _run_config(run: Path) -> dict:
+    """A run's run_config.json: its own, or its `--compare` folder's (an arm given by itself too)."""
+    own = run / "run_config.json"
+    return json.loads((own if own.exists() else run.parent / "run_config.json").read_text())
+
+
 def _row(run: Path) -> dict:
     s = json.loads((run / "summary.json").read_text())
-    cfg = json.loads((run.parent / "run_config.json").read_text() if not (run / "run_config.json").exists()
-                     else (run / "run_config.json").read_text())["config"]
+    cfg = _run_config(run)["config"]
     smp = s.get("sampled")
     if s["method"] == "dense" or not smp:
         arm = s["method"]
@@ -78,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in (_row(r) for d in args.dirs for r in _runs(d)):
         first.setdefault((row["arm"], row["seed"]), row)
     rows = list(first.values())
-    created = min(json.loads(((d / "run_config.json") if (d / "run_config.json").exists() else
-                              (d / "dense" / "run_config.json")).read_text()).get("created", "") for d in args.dirs)
+    created = min(_run_config(r).get("created", "") for d in args.dirs for r in _runs(d))
     doc = {"environment": {"device": rows[0]["device"], **versions(), "date": created,
                            "collected": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                            "command": args.command},

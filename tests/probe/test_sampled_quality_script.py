@@ -62,3 +62,16 @@ def test_an_arm_trained_again_from_one_seed_counts_once(script, tmp_path):
     assert script.main(["--out", str(out), "--command", "the runs", *dirs]) == 0
     dense = json.loads(out.read_text())["arms"][0]
     assert dense["arm"] == "dense" and dense["seeds"] == [0] and dense["eval_accuracy_mean"] == pytest.approx(0.7)
+
+
+def test_one_arm_of_a_compare_folder_can_be_given_alone(script, tmp_path):
+    _run(tmp_path / "cmp" / "dense", 0, 0.7)
+    _run(tmp_path / "cmp" / "sebp", 0, 0.6, {"budget": 0.3, "skipped_of_nonzero": 0.7, "skipped_of_rows": 0.7,
+                                            "rows": 10, "nonzero": 8, "kept": 3})
+    (tmp_path / "cmp" / "run_config.json").write_text((tmp_path / "cmp" / "dense" / "run_config.json").read_text())
+    for arm in ("dense", "sebp"):
+        (tmp_path / "cmp" / arm / "run_config.json").unlink()  # as --compare writes it: the folder's own
+    out = tmp_path / "out.json"
+    assert script.main(["--out", str(out), "--command", "the runs", str(tmp_path / "cmp" / "dense")]) == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert [a["arm"] for a in arms] == ["dense"] and arms[0]["eval_accuracy_mean"] == pytest.approx(0.7)
