@@ -85,12 +85,23 @@ def _compiled(out: Path, gpu: str) -> list[Job]:
 def _sampled(out: Path, gpu: str) -> list[Job]:
     """Sampled mode (on the GPU its Triton path) beside dense, SEBP and CCE, packed and `longest`, eager and
     compiled, keeping half of each layer's non-zero rows for dW: the share the quality runs' ``auto`` budget
-    skipped (the bench's models are built from configs, whose gradients ``auto`` would judge otherwise)."""
-    return [bench(out, f"model_{case}_sampled", case, "--scope", "model", "--compile", "default", "--layouts",
-                  "packed,longest", "--methods", methods, "--budget", "0.5", "--model-batches", "4",
+    skipped (the bench's models are built from configs, whose gradients ``auto`` would judge otherwise); the
+    1B decoder also with dX sampled; and one layer at a time at 0.5 and 0.3, as graphs and eagerly."""
+    jobs = [bench(out, f"model_{case}_sampled", case, "--scope", "model", "--compile", "default", "--layouts",
+                  layouts, "--methods", methods, "--budget", "0.5", "--model-batches", batches,
                   add=("model_compiled.json", f"{case}_sampled"))
-            for case, methods in (("llama-3.2-1b-sft", "dense:labelled,cce:labelled,sebp:labelled,sampled:labelled"),
-                                  ("bert-base", "dense:full,sebp:full,sampled:full"))]
+            for case, layouts, batches, methods in (
+                ("llama-3.2-1b-sft", "packed", "2", "dense:labelled,cce:labelled,sebp:labelled,sampled:labelled"),
+                ("bert-base", "packed,longest", "4", "dense:full,sebp:full,sampled:full"))]
+    jobs.append(bench(out, "model_llama-3.2-1b-sft_sampled_dx", "llama-3.2-1b-sft", "--scope", "model", "--compile",
+                      "default", "--layouts", "packed", "--methods", "dense:labelled,cce:labelled,sampled:labelled",
+                      "--budget", "0.5", "--sample-dx", "--model-batches", "2",
+                      add=("model_compiled.json", "llama-3.2-1b-sft_sampled_dx")))
+    for budget in ("0.5", "0.3"):
+        jobs += [bench(out, f"layers_{m}_sampled_{budget}", m, *rows, "--mode", "sampled", "--budget", budget,
+                       "--densities", "1.0,0.5", add=("layers.json", f"{gpu}_{m}_sampled_{budget}"))
+                 for m, rows in (("llama-3.2-1b", ("--rows", "16384")), ("bert-base", ()))]
+    return jobs
 
 
 def _compiled_longest(out: Path, gpu: str) -> list[Job]:
