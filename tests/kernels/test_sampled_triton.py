@@ -100,7 +100,13 @@ if INTERPRET:
         """8 slots for about 17 kept rows: the kernel's window and scale are the reference's."""
         _match_the_reference(torch.float32, budget, sample_dx, cap=8)
 
-    def _match_the_reference(dtype, budget, sample_dx, cap=None):
+    @pytest.mark.parametrize("need", [(True, False, False), (True, False, True), (False, True, True)])
+    def test_frozen_weights_and_no_dx_take_the_reference_rows(need):
+        """A frozen weight (dX and maybe db, no X gathered) and a layer whose input needs no gradient, with the
+        window taken (a sampled dX: the gathered rows' GEMM scattered into zero rows)."""
+        _match_the_reference(torch.float32, 0.3, True, cap=8, need=need)
+
+    def _match_the_reference(dtype, budget, sample_dx, cap=None, need=(True, True, True)):
         x, w, dy = _skewed(dtype=dtype)
         cfg = SEBPConfig("sampled", budget=budget, seed=3, warmup=1, sample_dx=sample_dx)
         ref, tri = SampleState(5), SampleState(5)
@@ -109,10 +115,12 @@ if INTERPRET:
             d = dy * (1 + 0.5 * t)  # a new dY each backward
             if tri.tau is not None:  # the same cutoff (the two solvers may differ in its last candidate step)
                 ref.tau = tri.tau.clone()
-            want = sampled_backward_torch(d, x, w, cfg, ref, cap=cap)
-            got = sampled_backward_triton(d, x, w, cfg, tri, cap=cap)
-            for g, e in zip(got, want):
-                torch.testing.assert_close(g, e, **tol)
+            want = sampled_backward_torch(d, x, w, cfg, ref, *need, cap=cap)
+            got = sampled_backward_triton(d, x, w, cfg, tri, *need, cap=cap)
+            for g, e, asked in zip(got, want, need):
+                assert (g is None) == (e is None) == (not asked)
+                if asked:
+                    torch.testing.assert_close(g, e, **tol)
             assert ref.counts() == tri.counts() and ref.calls == tri.calls
             torch.testing.assert_close(tri.tau, ref.tau, rtol=1e-3, atol=0)
         c = tri.counts()
