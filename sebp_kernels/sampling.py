@@ -38,7 +38,7 @@ GRID_BITS = 24
 GRID = float(1 << GRID_BITS)
 # The Triton path's gathered rows (SampleState.capacity): the recent kept share of the rows times CAP_MARGIN,
 # plus CAP_ROUND, rounded up to a multiple of CAP_ROUND. A backward that keeps more takes a random window of
-# the kept rows (unbiased, see window); one that keeps fewer multiplies zero rows.
+# the kept rows (unbiased, see window); one that keeps fewer fills the other slots with zeros.
 CAP_MARGIN = 1.1
 CAP_ROUND = 64
 
