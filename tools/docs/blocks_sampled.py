@@ -19,7 +19,8 @@ RUNS = (("sampled.json#minilm_tweets_cpu", "MiniLM, tweets, 60 steps"),
         ("sampled.json#minilm_drugreviews_tau02_cpu", "MiniLM, drug reviews, 60 steps"),
         ("sampled.json#smollm2_tweets_sft_auto_cpu", "SmolLM2-135M, tweets-sft, 16 steps"),
         ("sampled.json#smollm2_tweets_sft_tau_cpu", "SmolLM2-135M, tweets-sft, 16 steps"),
-        ("sampled.json#smollm2_tweets_sft_sdx_cpu", "SmolLM2-135M, tweets-sft, 16 steps"))
+        ("sampled.json#smollm2_tweets_sft_sdx_cpu", "SmolLM2-135M, tweets-sft, 16 steps"),
+        ("sampled.json#smollm2_tweets_sft_b03_cpu", "SmolLM2-135M, tweets-sft, 16 steps"))
 
 
 def _sd(v) -> str:
