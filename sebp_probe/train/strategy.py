@@ -402,10 +402,10 @@ def choose_padding(model, cfg: FinetuneConfig, data: TrainData, candidates: dict
 def _sebp_patch(model, cfg: FinetuneConfig, row: dict, batches: list[dict], candidates: dict[str, SEBPConfig],
                 device, autocast, head: Head = FULL) -> Callable[[], None] | None:
     """What patches SEBP into ``model`` for ``row``'s layout and head: the candidate layers whose share of active
-    rows on ``batches`` is at most ``dense_fallback``, as a run's calibration would (None: no layer, norm or
-    activation to patch); ``row["sebp_layers"]`` says how many."""
+    rows on ``batches`` is at most ``dense_fallback``, and every sampled one, as a run's calibration would (None:
+    no layer, norm or activation to patch); ``row["sebp_layers"]`` says how many."""
     density = measure_density(model, batches, candidates, device, autocast, head)
-    layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback}
+    layers = {n: c for n, c in candidates.items() if density[n] <= cfg.dense_fallback or c.mode == "sampled"}
     row["sebp_layers"] = len(layers)
     if not (layers or cfg.sebp_norms or cfg.sebp_acts):
         return None

@@ -267,3 +267,27 @@ def test_compare_halves_share_one_choice_under_a_timer_that_flips_between_choice
     assert patched == (fallback == 1.0)
     assert (comparison["verdict"] == "same computation") == (not patched)
     assert comparison["max_abs_loss_gap"] <= (1e-5 if patched else 0.0)
+
+
+def test_padding_auto_times_every_sampled_layer_whatever_its_density():
+    """``--padding auto``'s SEBP candidate keeps a sampled layer on dense rows, as the run's calibration does
+    (the user asked for the approximation); an exact layer there is left dense (the classifier's last layer
+    has few rows that carry gradient, and keeps SEBP)."""
+    import contextlib
+
+    from sebp_probe.train.calibration import candidate_layers
+    from sebp_probe.train.strategy import _sebp_patch
+
+    model = tiny_model("bert")
+    ids = torch.randint(3, 100, (4, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 0, 1])}
+    got = {}
+    for mode in ("sampled", "exact"):
+        extra = {"budget": 0.5} if mode == "sampled" else {}
+        cfg = FinetuneConfig(model="tiny", data=DataConfig(max_length=12, batch_size=4, padding="auto"),
+                             mode=mode, **extra)
+        candidates = candidate_layers(model, cfg, None)
+        row: dict = {}
+        _sebp_patch(model, cfg, row, [batch], candidates, torch.device("cpu"), contextlib.nullcontext)
+        got[mode] = row["sebp_layers"]
+    assert got["sampled"] == len(candidates) and 0 < got["exact"] < len(candidates), got
