@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .readback import ShareReader
+from .readback import PeriodicShare
 from .registry import register
 
 # Take the dense backward when at least this share of rows was active last time. H100, bf16, the seven
@@ -30,41 +30,37 @@ OBSERVE_EVERY = 8  # while sparse, read the count back every OBSERVE_EVERY-th ba
 class RowDensity:
     """Host-side estimate of one layer's active-row share (see the module docstring)."""
 
-    __slots__ = ("density", "_reader", "_calls", "_dense_calls", "key", "__weakref__")
+    __slots__ = ("_share", "_dense_calls", "key", "__weakref__")
 
     def __init__(self) -> None:
         self.key = register(self)  # names it inside compiled graphs (see .registry); a copy gets its own
-        self.density: float | None = None  # the last share read back; None before the first
-        self._reader = ShareReader()  # the count in flight
-        self._calls = 0
+        self._share = PeriodicShare(OBSERVE_EVERY)  # the count read back, and the one in flight
         self._dense_calls = 0
 
     def __reduce__(self):  # copies and pickles (deepcopy of a model) start afresh: no event, no pinned buffer
         return (RowDensity, ())
 
+    @property
+    def density(self) -> float | None:
+        """The last share read back; None before the first."""
+        return self._share.share
+
     def choose(self, capturing: bool = False) -> str:
         """This backward's path: ``sebp``, ``dense``, or ``probe`` (dense, plus the row selection alone, whose
         count is then passed to :meth:`observe`)."""
-        if capturing:
-            return "dense" if self.density is not None and self.density >= DENSE_ABOVE else "sebp"
-        share = self._reader.poll()
-        if share is not None:
-            self.density = share
-        if self.density is None or self.density < DENSE_ABOVE:
+        density = self._share.share if capturing else self._share.poll()
+        if density is None or density < DENSE_ABOVE:
             return "sebp"
+        if capturing:
+            return "dense"
         self._dense_calls += 1
         if self._dense_calls >= PROBE_EVERY:
             self._dense_calls = 0
-            self._calls = 0  # so that observe() reads this probe's count back
+            self._share.calls = 0  # so that observe() reads this probe's count back
             return "probe"
         return "dense"
 
     def observe(self, count: torch.Tensor, rows: int, capturing: bool = False) -> None:
-        """Start reading back the device-side active-row ``count`` of a backward over ``rows`` rows."""
-        calls, self._calls = self._calls, self._calls + 1
-        if capturing or self._reader.busy or calls % OBSERVE_EVERY:
-            return
-        share = self._reader.start(count, rows)  # CPU (the Triton interpreter): read at once, no sync to avoid
-        if share is not None:
-            self.density = share
-
+        """Start reading back the device-side active-row ``count`` of a backward over ``rows`` rows (every
+        ``OBSERVE_EVERY``-th call; on the CPU, the Triton interpreter, at once)."""
+        self._share.observe(count, rows, capturing)

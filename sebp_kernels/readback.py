@@ -2,8 +2,9 @@
 
 :class:`ShareReader` copies a device-side count into pinned memory behind the work already queued and records an
 event; a later :meth:`~ShareReader.poll` reads it once the event has completed. Used by
-:class:`~.density.RowDensity` (a layer's active-row share) and :class:`~.pad_rows.PadRows` (a batch's real-row
-share). This module imports none of the modules that use it.
+:class:`~.pad_rows.PadRows` (a batch's real-row share), and through :class:`PeriodicShare` (a read every few
+calls, the latest kept) by :class:`~.density.RowDensity` (a layer's active-row share) and sampled mode's
+:class:`~.sampling.SampleState` (a layer's kept share). This module imports none of the modules that use it.
 """
 from __future__ import annotations
 
@@ -42,3 +43,33 @@ class ShareReader:
             return None
         self._event = None
         return int(self._host[0]) / self._n
+
+
+class PeriodicShare:
+    """The latest share of a count that :meth:`observe` reads back every ``every``-th call (none while a read is
+    in flight or a CUDA graph is captured), never waiting: :attr:`share` is None before the first read, and on
+    a GPU a step or more stale. ``calls`` counts the observations (set it to 0 to read the next one)."""
+
+    __slots__ = ("share", "calls", "every", "_reader")
+
+    def __init__(self, every: int) -> None:
+        self.share: float | None = None
+        self.calls = 0
+        self.every = every
+        self._reader = ShareReader()
+
+    def poll(self) -> float | None:
+        """:attr:`share`, first updated with a read whose copy has completed."""
+        share = self._reader.poll()
+        if share is not None:
+            self.share = share
+        return self.share
+
+    def observe(self, count: torch.Tensor, n: int, capturing: bool = False) -> None:
+        """Start reading ``count`` (a 1-element tensor) / ``n`` back when this call is due (a CPU count: at once)."""
+        calls, self.calls = self.calls, self.calls + 1
+        if capturing or self._reader.busy or calls % self.every:
+            return
+        share = self._reader.start(count, n)
+        if share is not None:
+            self.share = share

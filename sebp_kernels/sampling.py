@@ -27,7 +27,7 @@ import zlib
 import torch
 
 from .density import OBSERVE_EVERY, RowDensity
-from .readback import ShareReader
+from .readback import PeriodicShare
 from .reference import backward_over_rows
 from .registry import register
 from .sample_buckets import bucket_sums, solve_share
@@ -148,7 +148,7 @@ class SampleState:
     :meth:`counts` and :meth:`state_dict`."""
 
     __slots__ = ("layer_key", "tau", "calls", "_stats", "_hash", "_hash_at", "key", "share", "var_tau",
-                 "armed", "guard", "density", "kept_share", "_kept_reader", "_kept_calls", "__weakref__")
+                 "armed", "guard", "density", "kept", "__weakref__")
 
     def __init__(self, layer_key: int = 0) -> None:
         self.layer_key = int(layer_key)
@@ -167,9 +167,7 @@ class SampleState:
         self.armed = False  # the guard's step: the next backward also computes the exact dW
         self.guard: torch.Tensor | None = None  # that backward's numbers (.sample_variance.GUARD_FIELDS)
         self.density = RowDensity()  # the share of non-zero rows, read back without a sync (Triton path)
-        self.kept_share: float | None = None  # the share of the rows kept, read back likewise (Triton path)
-        self._kept_reader = ShareReader()
-        self._kept_calls = 0
+        self.kept = PeriodicShare(OBSERVE_EVERY)  # the share of the rows kept, read back likewise (Triton path)
 
     def __reduce__(self):  # copies start afresh, with the same layer key
         return (SampleState, (self.layer_key,))
@@ -214,29 +212,16 @@ class SampleState:
 
     def capacity(self, m: int, config, capturing: bool = False) -> int | None:
         """The Triton path's slots for the kept rows of a backward over ``m`` rows (see ``CAP_MARGIN``): from
-        the kept share last read back (:meth:`observe_kept`, a step or more stale, never a sync), or before
-        one, a fixed budget's share; None under ``auto`` before the first read (the fused kernel runs then)."""
-        if not capturing:
-            share = self._kept_reader.poll()
-            if share is not None:
-                self.kept_share = share
-        share = self.kept_share
+        the kept share last read back (pass each backward's kept count to ``self.kept.observe``; a step or more
+        stale, never a sync), or before one, a fixed budget's share; None under ``auto`` before the first read
+        (the fused kernel runs then)."""
+        share = self.kept.share if capturing else self.kept.poll()
         if share is None:
             if config.budget == "auto":
                 return None
             share = layer_share(config, self)
         cap = -(-(int(m * share * CAP_MARGIN) + CAP_ROUND) // CAP_ROUND) * CAP_ROUND
         return min(m, cap)
-
-    def observe_kept(self, count: torch.Tensor, m: int, capturing: bool = False) -> None:
-        """Start reading back a backward's kept ``count`` (a device int32 (1,)) over its ``m`` rows, every
-        ``OBSERVE_EVERY``-th backward (as :class:`~.density.RowDensity` reads the non-zero count)."""
-        calls, self._kept_calls = self._kept_calls, self._kept_calls + 1
-        if capturing or self._kept_reader.busy or calls % OBSERVE_EVERY:
-            return
-        share = self._kept_reader.start(count, m)
-        if share is not None:
-            self.kept_share = share
 
     def counts(self) -> dict:
         """Rows of dY, non-zero rows and rows kept for dW over the sampled backwards so far (reads the device)."""

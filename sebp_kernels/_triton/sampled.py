@@ -67,7 +67,7 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
     if cap is None and not warm:
         cap = state.capacity(dy.shape[0], config, capturing)
     if not warm:
-        state.observe_kept(counts[:1], dy.shape[0], capturing)
+        state.kept.observe(counts[:1], dy.shape[0], capturing)
     if cap is not None and not warm and (need_dw or need_db or (need_dx and sample_dx)):
         # the kept rows, scaled, in cap dense slots: dW, db (and a sampled dX) are cuBLAS's GEMMs over them
         dyk, xk, rows = gather_kept(dy, x if need_dw else None, perm, counts[:1], scale, hash_state, cap,

@@ -76,7 +76,7 @@ def test_capacity_follows_the_budget_then_the_kept_share_read_back():
     assert cap % CAP_ROUND == 0 and 1000 * 0.3 * 1.1 + CAP_ROUND <= cap < 1000 * 0.3 * 1.1 + 2 * CAP_ROUND
     assert state.capacity(100, fixed) == 100  # never more than the rows
     assert state.capacity(1000, auto) is None  # auto: the fused kernel until a share was read
-    state.observe_kept(torch.tensor([50], dtype=torch.int32), 1000)  # a CPU count is read at once
-    assert state.kept_share == 0.05 and state.capacity(1000, auto) == 2 * CAP_ROUND
-    state.observe_kept(torch.tensor([900], dtype=torch.int32), 1000)  # not every backward is read
-    assert state.kept_share == 0.05
+    state.kept.observe(torch.tensor([50], dtype=torch.int32), 1000)  # a CPU count is read at once
+    assert state.kept.share == 0.05 and state.capacity(1000, auto) == 2 * CAP_ROUND
+    state.kept.observe(torch.tensor([900], dtype=torch.int32), 1000)  # not every backward is read
+    assert state.kept.share == 0.05
