@@ -64,11 +64,12 @@ def sampled_backward_triton(dy: torch.Tensor, x: torch.Tensor | None, weight: to
     capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
     dense_dx = need_dx and not sample_dx and state.dense_dx(capturing)  # nearly all rows non-zero: cuBLAS
     dx = dw = db = None
-    if cap is None and not warm:
-        cap = state.capacity(dy.shape[0], config, capturing)
-    if not warm:
+    if warm:  # every non-zero row, unscaled: the fused kernel
+        cap = None
+    else:
+        cap = state.capacity(dy.shape[0], config, capturing) if cap is None else cap
         state.kept.observe(counts[:1], dy.shape[0], capturing)
-    if cap is not None and not warm and (need_dw or need_db or (need_dx and sample_dx)):
+    if cap is not None and (need_dw or need_db or (need_dx and sample_dx)):
         # the kept rows, scaled, in cap dense slots: dW, db (and a sampled dX) are cuBLAS's GEMMs over them
         dyk, xk, rows = gather_kept(dy, x if need_dw else None, perm, counts[:1], scale, hash_state, cap,
                                     INTERPRET)

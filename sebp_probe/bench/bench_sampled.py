@@ -77,7 +77,7 @@ def bench_layer_sampled(shape, densities, dtype, budget: float, repeats: int = 3
             return dy @ w, dy.t() @ x, (dy.sum(0) if bias else None)
 
         def sampled(sample_dx: bool):
-            cfg, state = SEBPConfig("sampled", budget=budget, seed=seed, sample_dx=sample_dx), SampleState(1)
+            cfg, state = sampled_config(budget, seed, sample_dx), SampleState(1)
             return lambda: sampled_backward_triton(dy, x, w, cfg, state, need_db=bias)
 
         methods = {"dense": (dense, True), "sampled": (sampled(False), True), "sampled_dx": (sampled(True), True),
