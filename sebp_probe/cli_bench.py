@@ -142,10 +142,10 @@ def bench_cmd(
         if figure:
             check_image_path(figure)
     elif (not pad_mask or breakdown or norms or acts or keep_dx or tiny or figure or not pad_rows or compile_mode
-          or layouts or methods or probe):
+          or layouts or methods or probe or sample_dx):
         raise UserError("--no-pad-mask, --breakdown, --norms, --acts, --keep-dx, --no-pad-rows, --tiny, --figure, "
-                        "--compile, --layouts, --methods and --probe are for the whole-model run (--scope model or "
-                        "all)")
+                        "--compile, --layouts, --methods, --probe and --sample-dx are for the whole-model run "
+                        "(--scope model or all; the per-layer sampled bench times dX both ways)")
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise UserError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     if compile_scope not in bench_compile.SCOPES:

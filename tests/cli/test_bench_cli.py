@@ -86,6 +86,7 @@ def test_dry_run_explicit_layer():
      (["bert-base", "--breakdown", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--keep-dx", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--tiny", "--dry-run"], "are for the whole-model run"),
+     (["bert-base", "--mode", "sampled", "--budget", "0.5", "--sample-dx", "--dry-run"], "are for the whole-model run"),
      (["bert-base", "--scope", "model", "--figure", "f.txt", "--dry-run"], "unsupported image format"),
      (["bert-base", "--scope", "model", "--model-batches", "0"], "--model-batches must be >= 1"),
      (["bert-base", "--scope", "model", "--budget", "2", "--dry-run"], "--budget must be a share in (0, 1] or auto"),
