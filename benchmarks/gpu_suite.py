@@ -83,15 +83,16 @@ def _compiled(out: Path, gpu: str) -> list[Job]:
 
 
 def _sampled(out: Path, gpu: str) -> list[Job]:
-    """Sampled mode (on the GPU its Triton path) beside dense, SEBP and CCE, packed and `longest`, eager and
-    compiled, keeping half of each layer's non-zero rows for dW: the share the quality runs' ``auto`` budget
+    """Sampled mode (on the GPU its Triton path) beside dense, SEBP, CCE and Liger (decoder), packed and
+    `longest`, eager and compiled, keeping half of each layer's non-zero rows for dW: the share the quality runs' ``auto`` budget
     skipped (the bench's models are built from configs, whose gradients ``auto`` would judge otherwise); the
     1B decoder also with dX sampled; and one layer at a time at 0.5 and 0.3, as graphs and eagerly."""
     jobs = [bench(out, f"model_{case}_sampled", case, "--scope", "model", "--compile", "default", "--layouts",
                   layouts, "--methods", methods, "--budget", "0.5", "--model-batches", batches,
                   add=("model_compiled.json", f"{case}_sampled"))
             for case, layouts, batches, methods in (
-                ("llama-3.2-1b-sft", "packed", "2", "dense:labelled,cce:labelled,sebp:labelled,sampled:labelled"),
+                ("llama-3.2-1b-sft", "packed,longest", "2",
+                 "dense:labelled,cce:labelled,liger:full,sebp:labelled,sampled:labelled"),
                 ("bert-base", "packed,longest", "4", "dense:full,sebp:full,sampled:full"))]
     jobs.append(bench(out, "model_llama-3.2-1b-sft_sampled_dx", "llama-3.2-1b-sft", "--scope", "model", "--compile",
                       "default", "--layouts", "packed", "--methods", "dense:labelled,cce:labelled,sampled:labelled",
@@ -256,7 +257,7 @@ STEPS: dict[str, Step] = {
                              _compiled_longest),
     "probe": Step("a finetune --probe-every step against an unprobed one, eager and compiled", "method.md",
                   _probe),
-    "sampled": Step("sampled mode (budget 0.5) beside dense, SEBP and CCE, eager and compiled", "method.md",
+    "sampled": Step("sampled mode (budget 0.5) beside dense, SEBP, CCE and Liger, eager and compiled", "method.md",
                     _sampled),
     "head": Step("the labelled-rows head against the full head, CCE and Liger", "benchmarks.md", _head),
     "trainer": Step("SFTTrainer with and without apply_sebp, eager, padding-free and compiled", "trainer.md",

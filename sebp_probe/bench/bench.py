@@ -322,6 +322,11 @@ class LayerResult:
         return d
 
 
+def dense_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: bool):
+    """One linear's dense backward over all rows: (dX, dW, db or None), what every layer bench times against."""
+    return dy @ w, dy.t() @ x, (dy.sum(0) if bias else None)
+
+
 def layer_setup(shape: LayerShape, dtype: torch.dtype, seed: int):
     """(device, generator, X, W, flush) of one layer's benchmark: X and W drawn from ``seed`` (the generator
     then draws dY), and the process's first timing thrown away."""
@@ -336,7 +341,7 @@ def layer_setup(shape: LayerShape, dtype: torch.dtype, seed: int):
         # slow (158 vs 106 us, H100, 2026-11-22). A 0.3 s busy loop before every layer, tried too, made the
         # first dense timing of several layers 5-25% slower instead, so there is none.
         dy = torch.randn(m, n_out, device=dev, dtype=dtype)
-        time_fn(lambda: (dy @ w, dy.t() @ x, dy.sum(0) if shape.bias else None), 5, flush, True)
+        time_fn(lambda: dense_backward(dy, x, w, shape.bias), 5, flush, True)
         _WARM.append(True)
     return dev, g, x, w, flush
 
@@ -369,7 +374,7 @@ def bench_layer(shape: LayerShape, densities: Sequence[float], dtype: torch.dtyp
         bias = shape.bias
 
         def dense():
-            return dy @ w, dy.t() @ x, (dy.sum(0) if bias else None)
+            return dense_backward(dy, x, w, bias)
 
         def ideal():
             return dy_k @ w, dy_k.t() @ x_k, (dy_k.sum(0) if bias else None)

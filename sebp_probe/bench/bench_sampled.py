@@ -61,7 +61,7 @@ def bench_layer_sampled(shape, densities, dtype, budget: float, repeats: int = 3
     from sebp_kernels._triton.sampled import sampled_backward_triton
     from sebp_kernels.sampling import SampleState
 
-    from .bench import LayerResult, layer_setup, padded_rows, time_methods
+    from .bench import LayerResult, dense_backward, layer_setup, padded_rows, time_methods
 
     dev, g, x, w, flush = layer_setup(shape, dtype, seed)
     m, n_out = shape.rows, shape.out_features
@@ -74,7 +74,7 @@ def bench_layer_sampled(shape, densities, dtype, budget: float, repeats: int = 3
         bias = shape.bias
 
         def dense():
-            return dy @ w, dy.t() @ x, (dy.sum(0) if bias else None)
+            return dense_backward(dy, x, w, bias)
 
         def sampled(sample_dx: bool):
             cfg, state = sampled_config(budget, seed, sample_dx), SampleState(1)

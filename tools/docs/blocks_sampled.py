@@ -85,7 +85,7 @@ LAYERS = ("h100_llama-3.2-1b_sampled_0.5", "h100_llama-3.2-1b_sampled_0.3", "h10
 @block("sampled_speed")
 def sampled_speed(page: Page) -> str:
     """Per whole-model bench run (``bench --scope model`` with a ``sampled`` method): each layout and timing's
-    fastest other entry (dense, or dense + CCE where run), exact SEBP (where run) and sampled step and backward,
+    fastest other entry (dense, dense + CCE or Liger, of those run), exact SEBP (where run) and sampled step and backward,
     the sampled step against that fastest, whether dX was sampled, and the rows the sampled linears skipped in
     dW over the timed steps."""
     srcs, body = [], []
@@ -105,9 +105,9 @@ def sampled_speed(page: Page) -> str:
             for layout in model["layouts_run"]:
                 for timing in ("eager", "compiled"):
                     got = {r["method"]: r for r in model["rows"] if r["layout"] == layout and r["timing"] == timing}
-                    if "sampled" not in got or not {"dense", "cce"} & set(got):
+                    if "sampled" not in got or not {"dense", "cce", "liger"} & set(got):
                         continue
-                    best = min((got[m] for m in ("dense", "cce") if m in got), key=lambda r: r["ms"])
+                    best = min((got[m] for m in ("dense", "cce", "liger") if m in got), key=lambda r: r["ms"])
                     e, s_ = got.get("sebp"), got["sampled"]
                     body.append([name, layout, timing, s_["head"],
                                  f"{best['method']} {best['ms']:.2f} ({best['backward_ms']:.2f})",
