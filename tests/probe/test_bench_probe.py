@@ -112,4 +112,4 @@ def test_probe_is_for_the_whole_model_run():
     from sebp_probe.cli import app
 
     bad = CliRunner().invoke(app, ["bench", "bert-base", "--probe"])
-    assert bad.exit_code == 1 and "--probe are for the whole-model run" in " ".join(bad.output.split())
+    assert bad.exit_code == 1 and "--probe and --sample-dx are for the whole-model run" in " ".join(bad.output.split())
