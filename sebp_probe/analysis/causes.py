@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..data.batching import PackingError, padding_share
-from .hooks import ROW_GROUPS, LayerStats
+from .grad_records import ROW_GROUPS, LayerStats
 from .knee import backward_gemm_flops, rows_above
 from ..layouts import LAYOUTS
 

@@ -1,10 +1,19 @@
-"""Per-layer statistics of dL/dY, reduced on the device while the backward pass runs.
+"""Per-layer statistics of dL/dY, reduced on the device, read without a host sync.
 
-A forward hook on every target linear puts a tensor hook on its output; in the backward that hook reduces
-dL/dY (flattened to rows x features) on the device and never copies the gradient itself. Two paths give
-the same numbers:
+A forward hook on every target linear asks its output for its gradient, one of two ways:
 
-* Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): the hook holds the layer's dL/dY, and one
+* retained (most outputs): the output keeps its gradient (``retain_grad``, autograd's own C++ hook, which stores
+  a copy), and the collector reads the kept gradients when the block's backward is done: no Python runs in the
+  backward, where each call costs a host tens of microseconds. Within a budget per block (``RETAIN_SHARE`` of
+  the device's memory), since the outputs and the copies stay alive until the block ends. A layer whose output
+  is changed in place after it (its version moved) kept the gradient of the changed tensor, not its dL/dY: that
+  block leaves the layer out, with a warning, and later blocks hook it.
+* hooked (outputs past the budget): a tensor hook on the output hands dL/dY over in the backward, uncopied.
+
+Either way the gradient (flattened to rows x features) then takes one of two paths, which give the same
+numbers:
+
+* Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): the collector holds the layer's dL/dY, and one
   kernel (:mod:`sebp_kernels._triton.rowstats`) reads the held ones at a time (up to ``HOLD_GRADS`` tensors or
   ``HOLD_BYTES``, and whatever is held when the block ends), adding each layer's counts, largest bit pattern
   and both histograms into a per-collector int64 buffer, preallocated once per device; a window (a batch, or
@@ -19,9 +28,10 @@ the same numbers:
   would be read after its write where that incoming gradient is a target linear's output gradient. In Llama-
   and BERT-style blocks a norm's incoming gradient is a sum (of the next linears' input gradients, and of the
   residual's after a post-norm), never one linear's output gradient.
-* torch (everything else, e.g. plain CPU runs): the hook keeps each row's max |g|, its count of non-zeros
+* torch (everything else, e.g. plain CPU runs): the collector keeps each row's max |g|, its count of non-zeros
   and a small sample (:func:`summarize_grad`); once per batch these are bucketed for all layers together
-  (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer.
+  (:func:`reduce_calls`, a few kernels whatever the number of layers) and travel in one transfer. Both
+  paths' reductions live in :mod:`sebp_probe.analysis.grad_reduce`.
 
 The hooks' Python is kept to a few attribute reads and an append per call: everything per model (targets,
 names, buffers, the hook callables) is made once per collector, which can be entered again and again.
@@ -50,199 +60,37 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 from torch import nn
 
-from sebp_kernels.interpret import INTERPRET
-
-from .grad_records import (_GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _WIDTH, N_GROUPS,
-                           ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals, append_batch)
-from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
+from . import grad_reduce
+from .grad_records import _GROUPS_AT, _WIDTH, N_GROUPS, ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals, append_batch
+from .grad_reduce import GradCall, bucket_counts, reduce_calls, reduce_grad, summarize_grad
+from .knee import FINE_SHIFT, N_FINE, OCTAVE_SHIFT
 from ..model.linears import features
 from ..model.patch import _logical_name, find_targets
 
-__all__ = ["ELEMENT_SAMPLE", "N_GROUPS", "ROW_GROUPS", "GradCall", "GradientStats", "GradientStatsCollector",
+__all__ = ["N_GROUPS", "ROW_GROUPS", "GradCall", "GradientStats", "GradientStatsCollector",
            "LayerStats", "Totals", "bucket_counts", "reduce_calls", "reduce_grad", "summarize_grad"]
-
-_ABS_MASK = 0x7FFFFFFF
-
-
-_HISTC_CHUNK = 1 << 24  # float32 counts are exact up to 2**24
-
-
-def bucket_counts(ids: torch.Tensor, n: int, sync_free: bool | None = None) -> torch.Tensor:
-    """int64 counts of the integers ``ids`` (all in [0, n)) per value.
-
-    On CUDA ``torch.bincount`` reads ``ids.max()`` back to the host, a sync per call; ``torch.histc`` with a
-    fixed range does not, so the GPU path (``sync_free``, default: on CUDA) uses it on bucket centres, in
-    chunks small enough for its float32 counts to stay exact.
-    """
-    flat = ids.reshape(-1)
-    if not (flat.is_cuda if sync_free is None else sync_free):
-        return torch.bincount(flat, minlength=n)
-    out = torch.zeros(n, dtype=torch.int64, device=flat.device)
-    for chunk in flat.split(_HISTC_CHUNK):
-        out += torch.histc(chunk.float().add_(0.5), bins=n, min=0, max=n).to(torch.int64)
-    return out
-
-
-ELEMENT_SAMPLE = 1 << 14  # the element histogram reads at most about this many values per call
-
-
-def _abs_bits(x: torch.Tensor) -> torch.Tensor:
-    """float32 bit patterns of |x| as int32, NaN as ``_NAN_BITS`` (bfloat16 is the top half of a float32:
-    no conversion)."""
-    if x.dtype == torch.bfloat16:
-        bits = (x.view(torch.int16).to(torch.int32) << 16) & _ABS_MASK
-    else:
-        bits = (x if x.dtype == torch.float32 else x.float()).view(torch.int32) & _ABS_MASK
-    return bits.masked_fill_(bits > _INF_BITS, _NAN_BITS)
-
-
-def _buckets(bits: torch.Tensor) -> torch.Tensor:
-    """Fine bucket of each bit pattern: ceil(bits / 2**20), so bucket j holds ((j-1) << 20, j << 20]."""
-    return (bits.to(torch.int64) + ((1 << FINE_SHIFT) - 1)) >> FINE_SHIFT
-
-
-@dataclass
-class GradCall:
-    """What the backward hook keeps of one dL/dY until the end of the batch (all small)."""
-
-    rows: int
-    elements: int
-    row_max: torch.Tensor  # (rows,) max |g| of each row, on the device
-    nonzero: torch.Tensor  # (rows,) count of non-zero elements of each row, on the device
-    sample: torch.Tensor  # a copy of every ``step``-th row (all rows when small), for the element histogram
-    groups: torch.Tensor | None = None  # (rows,) int8 row group of each row, when the batch named them
-
-
-def summarize_grad(grad: torch.Tensor, groups: torch.Tensor | None = None) -> GradCall:
-    """The per-call work of the hook: two row reductions over dL/dY and a small copy; no host sync.
-
-    Everything else (bucketing, histograms) happens once per batch for all layers together in
-    :func:`reduce_calls`, so the hook launches only a handful of kernels.
-    """
-    g = grad.detach()
-    g2 = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
-    rows, cols = g2.shape
-    if g2.is_cuda:  # fused reductions, no full-size temporary (count_nonzero would make an int64 copy)
-        row_max = torch.linalg.vector_norm(g2, ord=float("inf"), dim=1)  # max |g| per row, NaN kept
-        nonzero = torch.linalg.vector_norm(g2, ord=0, dim=1, dtype=torch.float32)  # exact: <= cols
-    else:  # on the CPU these are ~10x faster than the norms
-        row_max = g2.abs().amax(dim=1)
-        nonzero = (g2 != 0).sum(dim=1)
-    return GradCall(rows, rows * cols, row_max, nonzero, g2[::_sample_step(g2)].clone(), groups)
-
-
-def _sample_step(grad2d: torch.Tensor) -> int:
-    """Every how many rows the element histogram reads one (both paths)."""
-    return max(1, -(-grad2d.numel() // ELEMENT_SAMPLE))
-
-
-@functools.lru_cache(maxsize=None)
-def _rowstats():
-    """The Triton row-statistics module, imported on first use; None when triton cannot be used here."""
-    try:
-        from sebp_kernels._triton import rowstats
-    except Exception as exc:  # no triton, or one that fails to initialise: the torch path still works
-        if torch.cuda.is_available() or INTERPRET:
-            warnings.warn(f"Triton row statistics unavailable ({exc!r}); the collector uses torch ops",
-                          RuntimeWarning, stacklevel=3)
-        return None
-    assert (rowstats.NONZERO, rowstats.NONFINITE_ROWS, rowstats.MAX_BITS, rowstats.N_SCALARS) == \
-        (_NONZERO, _NONFINITE_ROWS, _MAX_BITS, _N_SCALARS)
-    return rowstats
-
-
-def _kernel_for(grad2d: torch.Tensor):
-    """The rowstats module when its kernel handles this 2-D gradient, else None (torch path)."""
-    if not (grad2d.is_cuda or INTERPRET):
-        return None
-    mod = _rowstats()
-    return mod if mod is not None and mod.supported(grad2d) else None
-
-
-def _per_layer(layer: torch.Tensor, counts: list[int], total: int) -> torch.Tensor:
-    """The layer index of every row: layer[i] repeated counts[i] times (output size given: no sync)."""
-    return torch.repeat_interleave(layer, torch.tensor(counts, device=layer.device), output_size=total)
-
-
-def _group_hist(calls: list[GradCall], row_layer: torch.Tensor, rbits: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """(L, N_GROUPS * N_OCTAVE) octave histograms of the rows' max |g| per layer and row group."""
-    size = n_layers * N_GROUPS * N_OCTAVE
-    if all(c.groups is None for c in calls):
-        return torch.zeros(n_layers, N_GROUPS * N_OCTAVE, dtype=torch.int64, device=rbits.device)
-    group = torch.cat([c.groups if c.groups is not None else
-                       torch.zeros(c.rows, dtype=torch.int8, device=rbits.device) for c in calls]).to(torch.int64)
-    octave = (rbits.to(torch.int64) + ((1 << OCTAVE_SHIFT) - 1)) >> OCTAVE_SHIFT
-    ids = torch.where(group > 0, row_layer * (N_GROUPS * N_OCTAVE) + (group - 1) * N_OCTAVE + octave, size)
-    return bucket_counts(ids, size + 1)[:size].view(n_layers, N_GROUPS * N_OCTAVE)  # the last bin: no group
-
-
-def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int):
-    """Per-layer statistics of a batch's calls, on the device: (batch (L, _WIDTH), element hist
-    (L, N_FINE)), int64.
-
-    A row of ``batch``: non-zero elements, non-finite rows, float32 bits of the largest |g| (0: no call),
-    then the histogram of the rows' max |g| (bucket 0: zero rows), then that of each row group in octave
-    buckets (zeros where the calls named no groups). The row statistics are exact; the
-    element histogram counts every value of a gradient of at most ``ELEMENT_SAMPLE`` values and otherwise
-    an evenly strided sample of its rows (it only draws the CDF of |g|; every decision uses the exact row
-    statistics).
-    """
-    device = calls[0].row_max.device
-    layer = torch.tensor(layer_of_call, device=device)
-    rows = [c.rows for c in calls]
-    row_layer = _per_layer(layer, rows, sum(rows))
-    rbits = _abs_bits(torch.cat([c.row_max.reshape(-1) for c in calls]))
-    row_hist = bucket_counts(row_layer * N_FINE + _buckets(rbits), n_layers * N_FINE).view(n_layers, N_FINE)
-    nonfinite = bucket_counts(row_layer * 2 + (rbits >= _INF_BITS), n_layers * 2).view(n_layers, 2)[:, 1]
-    max_bits = torch.zeros(n_layers, dtype=torch.int64, device=device)
-    max_bits.scatter_reduce_(0, row_layer, rbits.to(torch.int64), "amax")
-    nonzero = torch.zeros(n_layers, dtype=torch.int64, device=device)
-    nonzero.index_add_(0, row_layer, torch.cat([c.nonzero for c in calls]).to(torch.int64))
-    samples = [c.sample.reshape(-1) for c in calls]
-    sizes = [s.numel() for s in samples]
-    sample_layer = _per_layer(layer, sizes, sum(sizes))
-    ebits = _abs_bits(torch.cat(samples))
-    element_hist = bucket_counts(sample_layer * N_FINE + _buckets(ebits), n_layers * N_FINE).view(n_layers, N_FINE)
-    scalars = torch.stack([nonzero, nonfinite, max_bits], dim=1)
-    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers)], dim=1), element_hist
-
-
-def _rows_view(grad: torch.Tensor) -> torch.Tensor:
-    return grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
-
-
-def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All statistics of one dL/dY: (rows, elements, scalars, element histogram, row-max histogram), with
-    scalars = [zero rows, non-finite rows, zero elements, float32 bits of the largest |g|]. Takes the path
-    the collector would take for this tensor (Triton or torch)."""
-    g2 = _rows_view(grad.detach())
-    rows, elements = g2.shape[0], g2.numel()
-    kernel = _kernel_for(g2)
-    if kernel is None:
-        batch, element_hist = reduce_calls([summarize_grad(g2)], [0], 1)
-    else:
-        batch = torch.zeros(1, _WIDTH, dtype=torch.int64, device=g2.device)
-        element_hist = torch.zeros(1, N_FINE, dtype=torch.int64, device=g2.device)
-        kernel.row_stats_(g2, batch, element_hist, 0, _sample_step(g2), FINE_SHIFT)
-    b = batch[0]
-    scalars = torch.stack([b[_N_SCALARS], b[_NONFINITE_ROWS], elements - b[_NONZERO], b[_MAX_BITS]])
-    return rows, elements, scalars, element_hist[0], b[_N_SCALARS:_GROUPS_AT]
-
 
 # A layer's gradient waits in :class:`_DeviceBuffers` until this many have come, or this many bytes: then one
 # launch reads them all. The bytes bound what a probed backward keeps alive beyond its own (dL/dY tensors it
 # would otherwise have freed one layer earlier).
 HOLD_GRADS, HOLD_BYTES = 32, 128 << 20
+
+# Most gradients of a window are read without a Python call in the backward: the layer's output retains its
+# gradient (autograd's own C++ hook, which keeps a copy of it), and the collector reads it when the block's backward
+# is done. Every Python hook in a backward costs the host tens of microseconds (a no-op hook on each of BERT-base's
+# 72 linears made a host-bound step 9% slower on an H100 host), which is what bounds a small model's probed step.
+# Retained outputs and their gradients' copies stay alive until the block ends, so a block retains at most this
+# share of the device's memory (an output counted twice: itself and the copy; 256 MiB on the CPU); outputs past
+# it get a hook, as does a layer whose output was seen changed in place (its retained gradient is not dL/dY).
+RETAIN_SHARE, RETAIN_CPU_BYTES = 0.02, 256 << 20
 
 
 class _DeviceBuffers:
@@ -313,7 +161,7 @@ class GradientStatsCollector:
     (``finetune --probe-every``: a step's micro-batches, one transfer).
     """
 
-    def __init__(self, model: nn.Module, target_modules=None, exclude_modules=None):
+    def __init__(self, model: nn.Module, target_modules=None, exclude_modules=None, retain_bytes: int | None = None):
         self.model = model
         real = find_targets(model, target_modules, exclude_modules)
         if not real:
@@ -336,6 +184,10 @@ class GradientStatsCollector:
         self._queue: deque[Snapshot] = deque()  # batches on their way to the host, oldest first
         self._groups: torch.Tensor | None = None  # the open window's row groups
         self._groups_on: dict[torch.device, torch.Tensor] = {}  # ... copied to other devices
+        self._retain_bytes = retain_bytes  # None: RETAIN_SHARE of the device's memory; 0: a hook on every output
+        self._retain_left: int | None = None  # of the open block's budget (None: not set yet)
+        self._retained: list[tuple[int, torch.Tensor, int]] = []  # (layer, output, its version when retained)
+        self._hooked: set[int] = set()  # layers whose output was changed in place: always a hook
         # made once: the hooks run every step
         self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]
         self._forward_hooks = [(m, partial(self._on_forward, i)) for i, m in enumerate(self._modules.values())]
@@ -351,8 +203,42 @@ class GradientStatsCollector:
         self._pending = None
 
     def _on_forward(self, index: int, module, args, output) -> None:
-        if self._pending is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+        if self._pending is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        size = 2 * output.numel() * output.element_size()
+        if self._retain_left is None:
+            self._retain_left = self._budget(output.device)
+        if (size <= self._retain_left and output.grad_fn is not None and not output.retains_grad
+                and index not in self._hooked):
+            self._retain_left -= size
+            output.retain_grad()
+            self._retained.append((index, output, output._version))
+        else:
             output.register_hook(self._grad_hooks[index])
+
+    def _budget(self, device: torch.device) -> int:
+        """Bytes a block may retain on ``device`` (see ``RETAIN_SHARE``)."""
+        if self._retain_bytes is not None:
+            return self._retain_bytes
+        if device.type == "cuda":
+            return int(RETAIN_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        return RETAIN_CPU_BYTES
+
+    def _read_retained(self) -> None:
+        """Hand the gradients the block's outputs retained to :meth:`_on_grad`, and let the outputs go."""
+        retained, self._retained, self._retain_left = self._retained, [], None
+        for index, output, version in retained:
+            grad = output.grad
+            if grad is None:  # no backward reached it
+                continue
+            output.grad = None
+            if output._version != version:
+                self._hooked.add(index)
+                warnings.warn(f"{self.names[index]}: its output was changed in place after the layer, so the "
+                              "gradient it kept is not the layer's dL/dY: this window leaves the layer out, later "
+                              "ones read it through a hook", RuntimeWarning, stacklevel=2)
+                continue
+            self._on_grad(index, grad)
 
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         if self._pending is None:
@@ -374,7 +260,7 @@ class GradientStatsCollector:
         if buffers is None:
             self._pending.append((index, summarize_grad(g, groups)))
         else:
-            buffers.add(g, index, max(1, -(-rows * cols // ELEMENT_SAMPLE)), groups)
+            buffers.add(g, index, grad_reduce.sample_step(g), groups)
 
     def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor:
         """The window's row groups on the gradient's device (copied there once)."""
@@ -384,7 +270,7 @@ class GradientStatsCollector:
         return groups
 
     def _add_route(self, key, grad2d: torch.Tensor) -> _DeviceBuffers | None:
-        kernel = _kernel_for(grad2d)
+        kernel = grad_reduce.kernel_for(grad2d)
         buffers = None
         if kernel is not None:
             buffers = self._buffers.get(grad2d.device)
@@ -407,6 +293,7 @@ class GradientStatsCollector:
         self._groups = None if row_groups is None else row_groups.reshape(-1).to(torch.int8)
         try:
             yield self
+            self._read_retained()
             for buffers in self._buffers.values():  # the gradients held: launched while their groups are known
                 buffers.flush()
         except BaseException:
@@ -420,7 +307,7 @@ class GradientStatsCollector:
         """Drop the open window's statistics (nothing was sent)."""
         for buffers in self._buffers.values():
             buffers.discard()
-        self._calls = []
+        self._calls, self._retained, self._retain_left = [], [], None
         n = len(self.names)
         self._rows, self._elements = [0] * n, [0] * n
 

@@ -19,7 +19,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     import numpy as np
 
-    from sebp_probe.analysis import hooks
+    from sebp_probe.analysis import grad_reduce, hooks
     from sebp_probe.analysis.knee import fine_histogram
     from tests.helpers import LinearStack, assert_same_stats, collect_with_grads, special_rows_grad
     from tests.tiny_models import padded_batch, tiny_model
@@ -30,7 +30,7 @@ if INTERPRET:
     def torch_path():
         """Inside this block the collector and reduce_grad take the torch path (the oracle)."""
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(hooks, "_kernel_for", lambda g: None)
+            mp.setattr(grad_reduce, "kernel_for", lambda g: None)
             yield
 
     def _brute_force(g: torch.Tensor, step: int):
@@ -44,7 +44,7 @@ if INTERPRET:
                 int(row_max.max()), fine_histogram(a[::step]), row_hist)
 
     def _uses_kernel(g: torch.Tensor) -> bool:
-        return hooks._kernel_for(g.reshape(-1, g.shape[-1])) is not None
+        return grad_reduce.kernel_for(g.reshape(-1, g.shape[-1])) is not None
 
     def _check_reduce_grad(g):
         assert _uses_kernel(g)  # else the comparison below would be torch against torch
@@ -55,7 +55,7 @@ if INTERPRET:
         for name, x, y in zip(("scalars", "element_hist", "row_hist"), got[2:], want[2:]):
             assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y), \
                 f"{name}: first mismatches at {(x != y).nonzero()[:6].flatten().tolist()}"
-        step = -(-g.numel() // hooks.ELEMENT_SAMPLE)
+        step = -(-g.numel() // grad_reduce.ELEMENT_SAMPLE)
         zr, nf, ze, mb, eh, rh = _brute_force(g, step)
         assert got[2].tolist() == [zr, nf, ze, mb]
         np.testing.assert_array_equal(got[3].numpy(), eh)
@@ -65,7 +65,7 @@ if INTERPRET:
     @pytest.mark.parametrize("shape", [(37, 19), (1, 17), (5, 3), (130, 40), (8, 32), (3, 7, 23)])
     @pytest.mark.parametrize("sample", [1 << 14, 100])
     def test_reduce_grad_equals_torch_path_and_brute_force(shape, dtype, sample, monkeypatch):
-        monkeypatch.setattr(hooks, "ELEMENT_SAMPLE", sample)  # 100: every 2nd..53rd row is sampled
+        monkeypatch.setattr(grad_reduce, "ELEMENT_SAMPLE", sample)  # 100: every 2nd..53rd row is sampled
         g = special_rows_grad(shape, dtype, seed=sum(shape))
         _check_reduce_grad(g)
 
@@ -112,7 +112,7 @@ if INTERPRET:
     @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("sample", [1 << 14, 64])
     def test_collector_triton_path_equals_torch_path(dtype, sample, monkeypatch):
-        monkeypatch.setattr(hooks, "ELEMENT_SAMPLE", sample)
+        monkeypatch.setattr(grad_reduce, "ELEMENT_SAMPLE", sample)
         model = LinearStack(SHAPES, dtype)
         steps = _steps(dtype, seed=int(sample))
         groups = _groups(steps, seed=int(sample))
@@ -196,8 +196,8 @@ if INTERPRET:
     @pytest.mark.parametrize("arch, side, hold", [("bert", "right", None), ("llama", "left", None),
                                                   ("bert", "right", 3)])
     def test_tiny_models_triton_path_equals_torch_path(arch, side, hold, monkeypatch):
-        """Real backward passes: pad rows, CLS-only rows, left-padding noise rows; ``hold`` 3: the collector
-        launches for every three gradients held, inside the backward."""
+        """Real backward passes: pad rows, CLS-only rows, left-padding noise rows; ``hold`` 3: every output
+        gets a hook, and the collector launches for every three gradients held, inside the backward."""
         from sebp_probe.analysis.causes import grouper
 
         if hold:
@@ -207,7 +207,7 @@ if INTERPRET:
         groups = grouper(model, None)
 
         def collect():
-            with hooks.GradientStatsCollector(model) as col:
+            with hooks.GradientStatsCollector(model, retain_bytes=0 if hold else None) as col:
                 for b in batches:
                     model.zero_grad(set_to_none=True)
                     with col.batch(b["attention_mask"], groups(b)):

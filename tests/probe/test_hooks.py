@@ -108,12 +108,12 @@ def test_bfloat16_and_float16_gradients_bucket_like_float32():
 
 
 def test_large_gradients_sample_rows_for_the_element_histogram_only():
-    from sebp_probe.analysis import hooks
+    from sebp_probe.analysis import grad_reduce
 
     g = torch.randn(1000, 600) * torch.logspace(-9, 1, 600)
     g[::7] = 0
     rows, elems, scalars, eh, rh = reduce_grad(g)
-    step = -(-g.numel() // hooks.ELEMENT_SAMPLE)
+    step = -(-g.numel() // grad_reduce.ELEMENT_SAMPLE)
     assert step > 1
     ref = g.numpy()
     np.testing.assert_array_equal(eh.numpy(), fine_histogram(ref[::step]))  # sampled rows
@@ -123,18 +123,18 @@ def test_large_gradients_sample_rows_for_the_element_histogram_only():
 
 def test_sync_free_bucket_counts_equal_bincount():
     """The GPU path (histc on bucket centres, chunked) is exercised on the CPU against bincount."""
-    from sebp_probe.analysis import hooks
+    from sebp_probe.analysis import grad_reduce
 
     ids = torch.randint(0, 2049, (100_003,), dtype=torch.int32)
     ids[:5000] = 0
     ids[-7:] = 2048
     want = torch.bincount(ids, minlength=2049)
-    old = hooks._HISTC_CHUNK
+    old = grad_reduce._HISTC_CHUNK
     try:
-        hooks._HISTC_CHUNK = 4096  # several chunks, the last one short
-        got = hooks.bucket_counts(ids, 2049, sync_free=True)
+        grad_reduce._HISTC_CHUNK = 4096  # several chunks, the last one short
+        got = grad_reduce.bucket_counts(ids, 2049, sync_free=True)
     finally:
-        hooks._HISTC_CHUNK = old
+        grad_reduce._HISTC_CHUNK = old
     assert got.dtype == torch.int64 and torch.equal(got, want)
 
 
