@@ -7,7 +7,8 @@ A forward hook on every target linear asks its output for its gradient, one of t
   backward, where each call costs a host tens of microseconds. Within a budget per block (``RETAIN_SHARE`` of
   the device's memory), since the outputs and the copies stay alive until the block ends. A layer whose output
   is changed in place after it (its version moved) kept the gradient of the changed tensor, not its dL/dY: that
-  block leaves the layer out, with a warning, and later blocks hook it.
+  block leaves the layer out, with a warning, and later blocks hook it. A block that runs two backwards through
+  one forward (two losses) counts a retained layer's summed gradient once, where a hook counts each.
 * hooked (outputs past the budget): a tensor hook on the output hands dL/dY over in the backward, uncopied.
 
 Either way the gradient (flattened to rows x features) then takes one of two paths, which give the same
