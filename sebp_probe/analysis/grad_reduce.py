@@ -16,8 +16,8 @@ from sebp_kernels.interpret import INTERPRET
 from .grad_records import _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _WIDTH, N_GROUPS
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
 
-__all__ = ["ELEMENT_SAMPLE", "GradCall", "bucket_counts", "kernel_for", "reduce_calls", "reduce_grad", "sample_step",
-           "summarize_grad"]
+__all__ = ["ELEMENT_SAMPLE", "GradCall", "bucket_counts", "kernel_for", "reduce_calls", "reduce_grad",
+           "rows_view", "sample_step", "summarize_grad"]
 
 _ABS_MASK = 0x7FFFFFFF
 
@@ -59,6 +59,11 @@ def _buckets(bits: torch.Tensor) -> torch.Tensor:
     return (bits.to(torch.int64) + ((1 << FINE_SHIFT) - 1)) >> FINE_SHIFT
 
 
+def rows_view(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as rows x features (a view where it can be)."""
+    return grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+
+
 @dataclass
 class GradCall:
     """What the backward hook keeps of one dL/dY until the end of the batch (all small)."""
@@ -77,8 +82,7 @@ def summarize_grad(grad: torch.Tensor, groups: torch.Tensor | None = None) -> Gr
     Everything else (bucketing, histograms) happens once per batch for all layers together in
     :func:`reduce_calls`, so the hook launches only a handful of kernels.
     """
-    g = grad.detach()
-    g2 = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
+    g2 = rows_view(grad.detach())
     rows, cols = g2.shape
     if g2.is_cuda:  # fused reductions, no full-size temporary (count_nonzero would make an int64 copy)
         row_max = torch.linalg.vector_norm(g2, ord=float("inf"), dim=1)  # max |g| per row, NaN kept
@@ -165,15 +169,11 @@ def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int)
     return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers)], dim=1), element_hist
 
 
-def _rows_view(grad: torch.Tensor) -> torch.Tensor:
-    return grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
-
-
 def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All statistics of one dL/dY: (rows, elements, scalars, element histogram, row-max histogram), with
     scalars = [zero rows, non-finite rows, zero elements, float32 bits of the largest |g|]. Takes the path
     the collector would take for this tensor (Triton or torch)."""
-    g2 = _rows_view(grad.detach())
+    g2 = rows_view(grad.detach())
     rows, elements = g2.shape[0], g2.numel()
     kernel = kernel_for(g2)
     if kernel is None:

@@ -70,7 +70,8 @@ import torch
 from torch import nn
 
 from . import grad_reduce
-from .grad_records import _GROUPS_AT, _WIDTH, N_GROUPS, ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals, append_batch
+from .grad_records import (_GROUPS_AT, _WIDTH, N_GROUPS, ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals,
+                           append_batch)
 from .grad_reduce import GradCall, bucket_counts, reduce_calls, reduce_grad, summarize_grad
 from .knee import FINE_SHIFT, N_FINE, OCTAVE_SHIFT
 from ..model.linears import features
@@ -244,7 +245,7 @@ class GradientStatsCollector:
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         if self._pending is None:
             return
-        g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+        g = grad_reduce.rows_view(grad)
         rows, cols = g.shape
         if not rows or not cols:
             return
