@@ -4,7 +4,8 @@ Each run directory is a `finetune ... -o DIR` (a `--compare` directory holds `de
 may also be given alone); per run the file keeps the arm, seed, held-out accuracy and loss, the step and
 backward medians, and the sampled layers' measured rows (skipped share of the non-zero rows of dL/dY in dW/db,
 after the warm-up), then the mean and sd of each arm. An arm trained again from one seed (the dense arm of two
-`--compare` runs) counts once, as first given. The runs themselves were started by the command recorded in ``--command``.
+`--compare` runs) counts once, as first given. The runs themselves were started by the command recorded in
+``--command``.
 
     python benchmarks/sampled_quality.py --out results/sampled.json \
         --command "..." RUN_DIR [RUN_DIR ...]

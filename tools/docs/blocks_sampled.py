@@ -85,9 +85,9 @@ LAYERS = ("h100_llama-3.2-1b_sampled_0.5", "h100_llama-3.2-1b_sampled_0.3", "h10
 @block("sampled_speed")
 def sampled_speed(page: Page) -> str:
     """Per whole-model bench run (``bench --scope model`` with a ``sampled`` method): each layout and timing's
-    fastest other entry (dense, dense + CCE or Liger, of those run), exact SEBP (where run) and sampled step and backward,
-    the sampled step against that fastest, whether dX was sampled, and the rows the sampled linears skipped in
-    dW over the timed steps."""
+    fastest other entry (dense, dense + CCE or Liger, of those run), exact SEBP (where run) and sampled step and
+    backward, the sampled step against that fastest, whether dX was sampled, and the rows the sampled linears
+    skipped in dW over the timed steps."""
     srcs, body = [], []
     for run, name in SPEED:
         src = None
