@@ -16,7 +16,7 @@ from sebp_kernels.interpret import INTERPRET
 from .grad_records import _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _WIDTH, N_GROUPS
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
 
-__all__ = ["ELEMENT_SAMPLE", "GradCall", "bucket_counts", "kernel_for", "reduce_calls", "reduce_grad",
+__all__ = ["ELEMENT_SAMPLE", "GradCall", "bucket_counts", "kernel_for", "kernel_on", "reduce_calls", "reduce_grad",
            "rows_view", "sample_step", "summarize_grad"]
 
 _ABS_MASK = 0x7FFFFFFF
@@ -111,6 +111,13 @@ def _rowstats():
     assert (rowstats.NONZERO, rowstats.NONFINITE_ROWS, rowstats.MAX_BITS, rowstats.N_SCALARS) == \
         (_NONZERO, _NONFINITE_ROWS, _MAX_BITS, _N_SCALARS)
     return rowstats
+
+
+def kernel_on(device: torch.device):
+    """The rowstats module when its kernel runs on ``device``, else None (torch path)."""
+    if device.type != ("cpu" if INTERPRET else "cuda"):
+        return None
+    return _rowstats()
 
 
 def kernel_for(grad2d: torch.Tensor):

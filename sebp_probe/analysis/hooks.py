@@ -11,6 +11,10 @@ A forward hook on every target linear asks its output for its gradient, one of t
   one forward (two losses) counts a retained layer's summed gradient once, where a hook counts each.
 * hooked (outputs past the budget): a tensor hook on the output hands dL/dY over in the backward, uncopied.
 
+A collector made with ``graph=True`` (a compiled run's) puts neither on: taps in the linears themselves hand
+dL/dY over from inside compiled graphs (:mod:`.graph_tap`), each read at once into the buffer below; a tapped
+layer that runs eagerly calls the forward hook itself.
+
 Either way the gradient (flattened to rows x features) then takes one of two paths, which give the same
 numbers:
 
@@ -73,6 +77,7 @@ from . import grad_reduce
 from .grad_records import (_GROUPS_AT, _WIDTH, N_GROUPS, ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals,
                            append_batch)
 from .grad_reduce import GradCall, bucket_counts, reduce_calls, reduce_grad, summarize_grad
+from .graph_tap import GraphTaps
 from .knee import FINE_SHIFT, N_FINE, OCTAVE_SHIFT
 from ..model.linears import features
 from ..model.patch import _logical_name, find_targets
@@ -114,10 +119,20 @@ class _DeviceBuffers:
         self._held: list[tuple[torch.Tensor, int, int, bool]] = []  # (grad2d, slot, row_step, grouped)
         self._held_bytes = 0
         self._row_groups: torch.Tensor | None = None  # the held gradients' row groups (one window's)
-        buffers = dict(stats=self.stats, sample_hist=self.sample, shift=FINE_SHIFT, group_hist=self.groups,
-                       group_shift=OCTAVE_SHIFT)
-        self._one = partial(kernel.row_stats_, n_groups=N_GROUPS, **buffers)  # (grad2d, slot, row_step, groups)
-        self._many = partial(kernel.row_stats_many_, n_groups=N_GROUPS, **buffers)  # (held, groups)
+        if kernel is not None:  # (None: a compiled graph's buffer where the torch path adds, see views)
+            buffers = dict(stats=self.stats, sample_hist=self.sample, shift=FINE_SHIFT, group_hist=self.groups,
+                           group_shift=OCTAVE_SHIFT)
+            self._one = partial(kernel.row_stats_, n_groups=N_GROUPS, **buffers)  # (grad2d, slot, row_step, groups)
+            self._many = partial(kernel.row_stats_many_, n_groups=N_GROUPS, **buffers)  # (held, groups)
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stats, sample, group histograms) of ``flat``, this buffer as a compiled graph hands it over (itself,
+        or where the graph did not write in place, its copy)."""
+        if flat is self._flat:
+            return self.stats, self.sample, self.groups
+        n = self.stats.shape[0]
+        stats = flat[: n * _WIDTH].view(n, _WIDTH)
+        return stats, flat[n * _WIDTH:].view(n, N_FINE), stats[:, _GROUPS_AT:]
 
     def add(self, grad2d: torch.Tensor, slot: int, row_step: int, groups: torch.Tensor | None) -> None:
         """Add one gradient's statistics to row ``slot`` (queued; no host sync)."""
@@ -158,12 +173,17 @@ class GradientStatsCollector:
     buffers, hooks) is made once; entering the ``with`` block puts the forward hooks on, leaving it takes them
     off (also on error), and a collector can be entered again, as ``finetune --probe-every`` does each probed step.
 
+    ``graph``: for a model that runs compiled, the statistics come from inside its graphs (:mod:`.graph_tap`;
+    the linears get classes of their own until :meth:`close`). ``retain_bytes``: a block's budget of retained
+    outputs (None: ``RETAIN_SHARE`` of the device's memory; 0: a hook on every output).
+
     Two ways to use it: :meth:`batch` keeps a record per batch (``analyze``; :meth:`stats`); :meth:`accumulate`
     adds the statistics of the block to the open window until :meth:`snapshot` sends them to the host
     (``finetune --probe-every``: a step's micro-batches, one transfer).
     """
 
-    def __init__(self, model: nn.Module, target_modules=None, exclude_modules=None, retain_bytes: int | None = None):
+    def __init__(self, model: nn.Module, target_modules=None, exclude_modules=None, retain_bytes: int | None = None,
+                 graph: bool = False):
         self.model = model
         real = find_targets(model, target_modules, exclude_modules)
         if not real:
@@ -193,16 +213,33 @@ class GradientStatsCollector:
         # made once: the hooks run every step
         self._grad_hooks = [partial(self._on_grad, i) for i in range(n)]
         self._forward_hooks = [(m, partial(self._on_forward, i)) for i, m in enumerate(self._modules.values())]
+        self._entered = False
+        self._taps = None if not graph else GraphTaps(
+            self, list(self._modules.values()), lambda d: self._device_buffers(d, grad_reduce.kernel_on(d))._flat,
+            lambda i: self._forward_hooks[i][1])
 
     def __enter__(self) -> "GradientStatsCollector":
-        self._handles = [m.register_forward_hook(hook) for m, hook in self._forward_hooks]
+        if self._taps is not None:
+            self._taps.state.on = True
+        else:
+            self._handles = [m.register_forward_hook(hook) for m, hook in self._forward_hooks]
+        self._entered = True
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._taps is not None:
+            self._taps.state.on = False
+        self._entered = False
         self._pending = None
+
+    def close(self) -> None:
+        """Give the model back as it came (with ``graph``: the taps off its linears)."""
+        if self._taps is not None:
+            self._taps.remove()
+            self._taps = None
 
     def _on_forward(self, index: int, module, args, output) -> None:
         if self._pending is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -242,27 +279,52 @@ class GradientStatsCollector:
                 continue
             self._on_grad(index, grad)
 
-    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
+    def _counted(self, index: int, grad: torch.Tensor):
+        """(``grad`` as rows x features, its row groups or None), counted in the open window; (None, None)
+        outside a block or for an empty gradient."""
         if self._pending is None:
-            return
+            return None, None
         g = grad_reduce.rows_view(grad)
         rows, cols = g.shape
         if not rows or not cols:
-            return
+            return None, None
         self._rows[index] += rows
         self._elements[index] += rows * cols
-        key = (g.get_device(), g.dtype)
-        buffers = self._route[key] if key in self._route else self._add_route(key, g)
         groups = self._groups
         if groups is not None:
             if groups.get_device() != g.get_device():
                 groups = self._groups_for(g)
             if groups.shape[0] != rows:  # a pooler's or classifier's rows are sequences: no groups
                 groups = None
+        return g, groups
+
+    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
+        g, groups = self._counted(index, grad)
+        if g is None:
+            return
+        key = (g.get_device(), g.dtype)
+        buffers = self._route[key] if key in self._route else self._add_route(key, g)
         if buffers is None:
             self._pending.append((index, summarize_grad(g, groups)))
         else:
             buffers.add(g, index, grad_reduce.sample_step(g), groups)
+
+    def graph_grad(self, index: int, grad: torch.Tensor, flat: torch.Tensor) -> None:
+        """dL/dY of layer ``index`` from a compiled graph (:mod:`.graph_tap`), added at once into ``flat``, the
+        buffer of its device as the graph hands it over: the graph may reuse the gradient's memory as soon as
+        this returns, so nothing is held."""
+        g, groups = self._counted(index, grad)
+        if g is None:
+            return
+        stats, sample, group_hist = self._buffers[g.device].views(flat)
+        kernel = grad_reduce.kernel_for(g)
+        if kernel is None:
+            batch, element_hist = reduce_calls([summarize_grad(g, groups)], [index], len(self.names))
+            stats += batch
+            sample += element_hist
+        else:
+            kernel.row_stats_(g, stats, sample, index, grad_reduce.sample_step(g), FINE_SHIFT, groups, group_hist,
+                              N_GROUPS, OCTAVE_SHIFT)
 
     def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor:
         """The window's row groups on the gradient's device (copied there once)."""
@@ -273,12 +335,15 @@ class GradientStatsCollector:
 
     def _add_route(self, key, grad2d: torch.Tensor) -> _DeviceBuffers | None:
         kernel = grad_reduce.kernel_for(grad2d)
-        buffers = None
-        if kernel is not None:
-            buffers = self._buffers.get(grad2d.device)
-            if buffers is None:
-                buffers = self._buffers[grad2d.device] = _DeviceBuffers(len(self.names), grad2d.device, kernel)
+        buffers = None if kernel is None else self._device_buffers(grad2d.device, kernel)
         self._route[key] = buffers
+        return buffers
+
+    def _device_buffers(self, device: torch.device, kernel) -> _DeviceBuffers:
+        """The buffers of ``device`` (made on first use)."""
+        buffers = self._buffers.get(device)
+        if buffers is None:
+            buffers = self._buffers[device] = _DeviceBuffers(len(self.names), device, kernel)
         return buffers
 
     @contextlib.contextmanager
@@ -287,7 +352,7 @@ class GradientStatsCollector:
         no transfer). ``row_groups`` (int8, one per token, flattened as the rows of dL/dY: 1 padding,
         2 label-less, 0 other) splits each layer's rows by group. If the block raises, the whole window is
         discarded."""
-        if not self._handles:
+        if not self._entered:
             raise RuntimeError("use the collector inside its `with` block")
         if self._pending is not None:
             raise RuntimeError("batches cannot nest")

@@ -11,13 +11,11 @@ out of finetune's step time. Every step is timed by the wall clock from a synchr
 synchronized device (a finetune step waits for its loss anyway), the optimizer left out as in the rest of the
 bench (it costs both arms the same, so the ratios here are the largest a training step can see).
 
-A compiled entry's probed step runs eagerly, by design (``torch.compiler.set_stance("force_eager")``: the
-compiled graphs run no hooks added after tracing, and an eager step adds no graph): there a third arm, the same
-step forced eager without hooks, takes its turn too, and the row holds two ratios: ``ratio``, the probed step
-against the compiled one (what a compiled run pays on a probed step), and ``hooks_ratio``, the probed step
-against the eager one (the hooks' own cost, like with like). For an eager entry both are the same ratio.
-``recompiles``: graphs Dynamo compiled after the entry's first (compiling) step, probed steps among them; the
-compiled row of the bench counts its own, without probes, to compare. ``spread``: the median absolute deviation
+A compiled entry's probed step runs compiled, the statistics inside its graphs
+(:mod:`~sebp_probe.analysis.graph_tap`): the entry's first step compiles the unprobed graphs, a probed step
+after it the probed ones (``probe_graphs``: how many), both untimed; ``recompiles``: graphs Dynamo compiled
+after those two steps, probed steps among them (the compiled row of the bench counts its own, without probes,
+to compare). ``probed_step_runs``: ``eager`` or ``compiled``, as the entry. ``spread``: the median absolute deviation
 of the unprobed steps over their median (mean over batches), the noise a ratio is read against (None under 3
 repeats).
 ``unprobed_host_ms``/``probed_host_ms``: the same steps' host time, from the start until the step returned with
@@ -35,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ..data.train_data import to_device
-from ..train.compiling import dynamo_counts, evaluating_eagerly
+from ..train.compiling import dynamo_counts
 from ..train.probe_steps import StepProbe
 from .bench_compile import compiled_step
 
@@ -71,26 +69,22 @@ def _wall_ms(fn: Callable[[], None], cuda: bool) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
 
 
-def interleaved(model, loss_fn: Callable[[], torch.Tensor], batch: dict, task: str | None, compiled: bool,
-                repeats: int, warmup: int, cuda: bool) -> dict:
-    """One batch: the medians of the probed and unprobed steps (and, ``compiled``, of the step forced eager
-    without hooks) taking turns, with the last probed step's record size (see the module docstring)."""
+def interleaved(probe: StepProbe, loss_fn: Callable[[], torch.Tensor], batch: dict, repeats: int, warmup: int,
+                cuda: bool) -> dict:
+    """One batch: the medians of the probed and unprobed steps taking turns, with the last probed step's record
+    size (see the module docstring)."""
     from sebp_kernels import label_checks
 
-    probe = StepProbe(1, model, task, compiled, None)  # one per run, as finetune makes it
-    record = None
+    model, record = probe.model, None
 
-    def plain(eager: bool) -> Callable[[], None]:
-        def run():
-            with evaluating_eagerly(eager):
-                loss_fn().backward()
-        return run
+    def plain() -> None:
+        loss_fn().backward()
 
     def probed() -> None:
         with probe.step(1) as around, around(batch):
             loss_fn().backward()
 
-    arms = {"unprobed": plain(False), "probed": probed, **({"eager": plain(True)} if compiled else {})}
+    arms = {"unprobed": plain, "probed": probed}
     times: dict[str, list[float]] = {a: [] for a in arms}
     host: dict[str, list[float]] = {a: [] for a in arms}
     with label_checks.deferred() as checks:
@@ -134,37 +128,50 @@ def probe_overhead(model_for: Callable, step_for: Callable, batches: dict[str, l
                                device) for b in batches[layout]]
         compiled = timing == "compiled"
         with model_for(method, head) as m, contextlib.ExitStack() as undo:
-            step, graphs0 = step_for(method, head), None
+            probe = StepProbe(1, m, task, compiled, None)  # one per run, as finetune makes it
+            undo.callback(probe.close)
+            step, graphs = step_for(method, head), None
             if compiled:
                 step, restore = compiled_step(m, step, on_device, compile, compile_backend, compile_scope)
                 if restore is not None:
                     undo.callback(restore)
-                m.zero_grad(set_to_none=True)
-                step(m, on_device[0]).backward()  # the compile, untimed
-                graphs0 = dynamo_counts()[0]
-            per = [interleaved(m, lambda b=b: step(m, b), b, task, compiled, repeats, warmup, cuda)
-                   for b in on_device]
-            recompiles = dynamo_counts()[0] - graphs0 if compiled else None
+                graphs = _compiles(probe, lambda: step(m, on_device[0]), on_device[0])
+            per = [interleaved(probe, lambda b=b: step(m, b), b, repeats, warmup, cuda) for b in on_device]
+            if compiled:
+                graphs = (graphs[0], dynamo_counts()[0] - graphs[1])
         if compiled:
             torch._dynamo.reset()
-        rows.append(_row((layout, method, head, timing), per, recompiles))
+        rows.append(_row((layout, method, head, timing), per, graphs))
     return {"rows": rows, "skipped": skipped, "repeats": repeats, "warmup": warmup}
 
 
-def _row(key: tuple, per: list[dict], recompiles: int | None) -> dict:
+def _compiles(probe: StepProbe, loss_fn: Callable[[], torch.Tensor], batch: dict) -> tuple[int, int]:
+    """A compiled entry's first two steps, untimed: unprobed (its graphs), then probed (the probed graphs);
+    returns (graphs the probed step compiled, graphs compiled so far)."""
+    probe.model.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    before = dynamo_counts()[0]
+    probe.model.zero_grad(set_to_none=True)
+    with probe.step(1) as around, around(batch):
+        loss_fn().backward()
+    probe.take(1)
+    probe.model.zero_grad(set_to_none=True)
+    after = dynamo_counts()[0]
+    return after - before, after
+
+
+def _row(key: tuple, per: list[dict], graphs: tuple[int, int] | None) -> dict:
     mean = lambda k: statistics.fmean(p[k] for p in per)  # noqa: E731
     unprobed, probed = mean("unprobed_ms"), mean("probed_ms")
-    eager = mean("eager_ms") if "eager_ms" in per[0] else unprobed
     row = dict(zip(("layout", "method", "head", "timing"), key), unprobed_ms=round(unprobed, 3),
                probed_ms=round(probed, 3), unprobed_host_ms=round(mean("unprobed_host_ms"), 3),
                probed_host_ms=round(mean("probed_host_ms"), 3), ratio=round(probed / unprobed, 4),
-               hooks_ratio=round(probed / eager, 4),
-               probed_step_runs="eager",
+               probed_step_runs=key[3],
                spread=None if per[0]["spread"] is None else round(mean("spread"), 4),
                per_batch_ratio=[round(p["probed_ms"] / p["unprobed_ms"], 4) for p in per],
                layers=per[-1]["layers"], rows=per[-1]["rows"])
-    if key[3] == "compiled":
-        row.update(eager_ms=round(eager, 3), eager_host_ms=round(mean("eager_host_ms"), 3), recompiles=recompiles)
+    if graphs is not None:
+        row.update(probe_graphs=graphs[0], recompiles=graphs[1])
     return row
 
 
@@ -175,10 +182,9 @@ def probe_lines(model_result: dict) -> list[str]:
         return []
     name = model_result["case"]["name"]
     lines = [f"{name}, --probe: a probed step (finetune --probe-every) against an unprobed one, interleaved "
-             "(wall ms; a compiled entry's probed step runs eagerly by design: hooks = against that step "
-             "forced eager without hooks)"]
+             "(wall ms; a compiled entry's probed step runs compiled, its probed graphs compiled once, untimed)"]
     for r in probe["rows"]:
-        hooks = f", hooks {r['hooks_ratio']:.3f}x" if r["timing"] == "compiled" else ""
+        hooks = f", {r['recompiles']} recompiles" if r.get("recompiles") is not None else ""
         noise = "noise unknown: under 3 repeats" if r["spread"] is None else f"noise +-{100 * r['spread']:.1f}%"
         host = (f"; host until the last launch {r['unprobed_host_ms']:.2f} -> {r['probed_host_ms']:.2f} ms"
                 if "probed_host_ms" in r else "")  # rows of earlier results have no host split

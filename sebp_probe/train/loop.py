@@ -294,6 +294,7 @@ class Run:
                 if not self._step(t, p, micro, batches, stop, calib):
                     break
         self.sampled = sampled_summary(t.model, guard_summary(self.records, self.cfg.guard_every))  # unpatched
+        self.probe.close()
         self.probe = self.guard = None  # they hold the model: a --compare's second run must not find it alive
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":
@@ -388,9 +389,6 @@ class Run:
 
     def _probe(self, model, task: str | None) -> StepProbe:
         cfg, acc = self.cfg, self.acc
-        if cfg.probe_every and cfg.compile:
-            self.emit("note", {"run": self.method, "text": f"{self.method}: --probe-every: the probed steps run "
-                               "eagerly (hooks do not enter compiled graphs); the steps in between run compiled"})
         return StepProbe(cfg.probe_every, acc.unwrap_model(model), task, bool(cfg.compile),
                          (lambda x: acc.reduce(x, "sum")) if acc.num_processes > 1 else None, acc.device)
 

@@ -6,9 +6,10 @@ buffers, hooks: nothing per model is redone per step). On a probed step its forw
 model before the micro-batches and taken off after them: the statistics come from that step's own forward and
 backward, added up on the device over its micro-batches, then sent to the host in one copy that nothing waits
 for; the steps in between run without a hook.
-Under ``--compile`` a probed step runs eagerly (``torch.compiler.set_stance("force_eager")``, as the held-out
-evaluation does): the compiled graphs do not run hooks added after they were traced, and eager steps add
-neither graphs nor recompiles. CUDA-graph replays run no hooks either, so ``--cuda-graphs`` is refused with it
+Under ``--compile`` a probed step runs compiled: the collector puts its taps into the graphs
+(:mod:`~sebp_probe.analysis.graph_tap`; hooks would not enter them), so the run's first step, which is probed,
+compiles the probed graphs and its second the unprobed ones; after that a step of either kind reuses its own,
+without recompiles. CUDA-graph replays run no Python, so ``--cuda-graphs`` is refused with it
 (:class:`~sebp_probe.config.FinetuneConfig`).
 
 Inside a probed step the host neither waits for the device nor does per-layer bookkeeping: the copy is read in
@@ -28,7 +29,6 @@ from ..analysis.causes import grouper
 from ..analysis.hooks import GradientStatsCollector
 from ..analysis.grad_records import Snapshot
 from ..analysis.through_training import StepCounts, series, step_record, totals_counts
-from .compiling import evaluating_eagerly
 
 Around = Callable[[dict], contextlib.AbstractContextManager]
 
@@ -42,7 +42,7 @@ class StepProbe:
         self.every, self.model, self.compiled, self.reduce, self.device = every, model, compiled, reduce, device
         self.groups = grouper(model, task) if every else None
         # made once per run (targets, buffers, hooks); a probed step only puts its forward hooks on and off
-        self._collector = GradientStatsCollector(model) if every else None
+        self._collector = GradientStatsCollector(model, graph=compiled) if every else None
         self._snapshot: Snapshot | None = None  # the last probed step's counts, on their way to the host
 
     def due(self, step: int) -> bool:
@@ -58,13 +58,18 @@ class StepProbe:
             return
         collector, groups = self._collector, self.groups
         self._snapshot = None
-        with evaluating_eagerly(self.compiled), collector:
+        with collector:
             try:
                 yield lambda batch: collector.accumulate(groups(batch))
             except BaseException:
                 collector.discard()  # a step that failed leaves nothing for the next probed step
                 raise
         self._snapshot = collector.snapshot()
+
+    def close(self) -> None:
+        """Give the model back as it came (a compiled run's taps off)."""
+        if self._collector is not None:
+            self._collector.close()
 
     @property
     def _counts(self) -> StepCounts | None:

@@ -1,6 +1,6 @@
-"""``--probe-every`` under ``--compile``: the probed steps run eagerly and their hooks see every layer; the run
-compiles the graphs the unprobed run compiles, no more, and no graph break (aot_eager standing in for
-Inductor: the same graphs)."""
+"""``--probe-every`` under ``--compile``: the probed steps run compiled, the collector's taps in their graphs
+(aot_eager standing in for Inductor: the same graphs). The run compiles a probed graph beside each unprobed one,
+in its first two steps and no later, without a graph break; its statistics are those of an eager probed run."""
 from __future__ import annotations
 
 import json
@@ -30,16 +30,28 @@ def _compiled(tmp_path, monkeypatch, name, **kw):
         dynamo.reset()
 
 
+def _records(tmp_path, name, kind):
+    return [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == kind]
+
+
 @pytest.mark.slow
-def test_probed_steps_add_no_graph_and_no_break(tmp_path, monkeypatch):
+def test_probed_steps_compile_once_and_see_every_layer(tmp_path, monkeypatch):
     plain = _compiled(tmp_path, monkeypatch, "plain")
     probed = _compiled(tmp_path, monkeypatch, "probed", probe_every=2)
     assert plain["compile"]["graph_breaks"] == probed["compile"]["graph_breaks"] == 0
-    assert probed["compile"]["graphs"] == plain["compile"]["graphs"] >= 1
-    records = [json.loads(x) for x in (tmp_path / "probed" / "metrics.jsonl").read_text().splitlines()]
-    probes = [r for r in records if r["type"] == "grad_stats"]
+    assert probed["compile"]["graphs"] == 2 * plain["compile"]["graphs"] >= 2  # a probed graph beside each
+    # step 1 (probed) and step 2 compile; no step after them does
+    assert [r.get("untimed") for r in _records(tmp_path, "probed", "train")] == ["compile"] * 2 + [None] * 4
+    probes = _records(tmp_path, "probed", "grad_stats")
     assert [r["step"] for r in probes] == [1, 3, 5]
-    assert all(e["rows"] > 0 for r in probes for e in r["layers"].values())  # every layer's hook ran
-    losses = {name: [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
-                     if r["type"] == "train"] for name in ("plain", "probed")}
+    assert all(e["rows"] > 0 for r in probes for e in r["layers"].values())  # every layer's tap ran
+    losses = {name: [r["loss"] for r in _records(tmp_path, name, "train")] for name in ("plain", "probed")}
     assert losses["plain"] == losses["probed"]  # probing changes no step
+    _run(tmp_path, "eager", lambda: tiny_model("bert"), method="dense", max_steps=6, probe_every=2,
+                 data=DataConfig(max_length=24, batch_size=8, padding="max_length"))
+    for got, want in zip(probes, _records(tmp_path, "eager", "grad_stats"), strict=True):
+        assert got["layers"].keys() == want["layers"].keys()
+        for name, e in got["layers"].items():
+            assert e["rows"] == want["layers"][name]["rows"]
+            assert e["causes"] == pytest.approx(want["layers"][name]["causes"], abs=0.02), name
