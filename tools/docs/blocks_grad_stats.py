@@ -76,27 +76,27 @@ PROBE_RUNS = "probe_"  # runs of grad_stats.json from `benchmarks/gpu_suite.py p
 @block("grad_stats_probe")
 def grad_stats_probe(page: Page) -> str:
     """What a probed step costs: per bench run of ``bench --scope model --probe``, each entry's unprobed and
-    probed step, their ratio, and for a compiled entry (whose probed step runs eagerly) the hooks' own ratio
-    against the same step forced eager, with the noise and the recompiles."""
+    probed step and their ratio, with the noise, and for a compiled entry the graphs its probed step compiled
+    once and the recompiles after them."""
     runs = [name for name in page.load("grad_stats.json").data["runs"] if name.startswith(PROBE_RUNS)]
     if not runs:
         return ("The cost of a probed step on a GPU is not measured yet; `python benchmarks/gpu_suite.py probe "
                 "--add` measures it (bert-base and llama-3.2-1b-sft, eager and compiled).")
     sources = [page.load(f"grad_stats.json#{name}") for name in runs]
-    header = ["model", "entry", "timing", "unprobed ms", "probed ms", "probed / unprobed",
-              "hooks alone (vs the step eager)", "noise ±%", "recompiles"]
+    header = ["model", "entry", "timing", "unprobed ms", "probed ms", "probed / unprobed", "noise ±%",
+              "probed graphs", "recompiles"]
     body = []
     for src in sources:
         for model in src.data["models"]:
             for r in model["probe"]["rows"]:
                 compiled = r["timing"] == "compiled"
-                body.append([model["case"]["name"], f"{r['layout']} {r['method']} {r['head']}",
-                             r["timing"] + (" (probed step eager)" if compiled else ""), f2(r["unprobed_ms"]),
-                             f2(r["probed_ms"]), f"{r['ratio']:.3f}x", f"{r['hooks_ratio']:.3f}x",
+                body.append([model["case"]["name"], f"{r['layout']} {r['method']} {r['head']}", r["timing"],
+                             f2(r["unprobed_ms"]), f2(r["probed_ms"]), f"{r['ratio']:.3f}x",
                              "-" if r["spread"] is None else f1(100 * r["spread"]),
-                             str(r["recompiles"]) if compiled else "-"])
+                             str(r["probe_graphs"]) if compiled else "-", str(r["recompiles"]) if compiled else "-"])
     note = ("Wall time of one forward and backward (optimizer left out), device synchronized, probed and "
-            "unprobed steps taking turns on the same batches (`sebp-probe bench --scope model --probe`); a "
-            "compiled run's probed step runs eagerly, so its ratio is against the compiled step and the hooks' "
-            "own against the same step eager. With `--probe-every N` a run pays the excess on one step in N.")
+            "unprobed steps taking turns on the same batches (`sebp-probe bench --scope model --probe`). A "
+            "compiled entry's probed step runs compiled: its probed graphs (one per compiled layer graph) are "
+            "compiled once, before the timed steps, as a run compiles them in its first step. With "
+            "`--probe-every N` a run pays the excess on one step in N.")
     return captioned(page, sources, table(header, body, "lllrrrrrr") + "\n\n" + note)
