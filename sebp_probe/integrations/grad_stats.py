@@ -9,8 +9,10 @@ TensorBoard, W&B or whatever the user set).
 
 Steps 1, every + 1, ... are probed: their micro-batches run through the collector of ``analyze``
 (:class:`~sebp_probe.analysis.hooks.GradientStatsCollector`), the trainer's ``training_step`` wrapped for that
-step only (each call is one micro-batch's forward and backward, whose rows it groups by cause), eagerly under
-``torch_compile`` (the compiled graphs run no hooks added after tracing). As in ``finetune``, one collector serves
+step only (each call is one micro-batch's forward and backward, whose rows it groups by cause). Under
+``torch_compile`` the collector is made when training begins, with its taps in the model's linears, so the
+compiled graphs carry them (:mod:`sebp_probe.analysis.graph_tap`): a probed graph beside the unprobed one, and
+the probed steps run compiled. As in ``finetune``, one collector serves
 the run, the step's micro-batches add up on the device and the counts go to the host in one copy, read after
 the optimizer step. Under DDP every process all-reduces
 its counts (a sum) and logs the same record; the trainer's loggers write from the main process. Per layer type
@@ -30,7 +32,6 @@ from ..analysis.causes import CAUSES, grouper
 from ..analysis.grad_records import Snapshot
 from ..analysis.hooks import GradientStatsCollector
 from ..analysis.through_training import SHARES, StepCounts, share_key, step_record, totals_counts
-from ..train.compiling import evaluating_eagerly
 
 PREFIX = "grad_stats"
 
@@ -78,16 +79,31 @@ class GradStatsCallback(TrainerCallback):
         """Is optimizer step ``step`` (1-based) probed?"""
         return (step - 1) % self.every == 0
 
+    def _collector_of(self, args) -> GradientStatsCollector:
+        """The collector of the trainer's model (made once per model, kept; with its taps under torch_compile)."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        if self._collector is None or self._collector.model is not model:
+            self._close()
+            graph = bool(getattr(args, "torch_compile", False))
+            self._collector, self._groups = GradientStatsCollector(model, graph=graph), grouper(model, self.task)
+        return self._collector
+
+    def _close(self) -> None:
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if getattr(args, "torch_compile", False):  # the taps in place before the model's first trace
+            self._collector_of(args)
+
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.due(state.global_step + 1):
             return
         trainer = self.trainer
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        if self._collector is None or self._collector.model is not model:  # made once per model, kept
-            self._collector, self._groups = GradientStatsCollector(model), grouper(model, self.task)
-        collector, groups = self._collector, self._groups
+        collector = self._collector_of(args)
+        groups = self._groups
         stack = contextlib.ExitStack()
-        stack.enter_context(evaluating_eagerly(bool(getattr(args, "torch_compile", False))))
         stack.enter_context(collector)
         stack.callback(collector.discard)  # a step stopped half-way leaves nothing for the next
         had = "training_step" in vars(trainer)
@@ -124,6 +140,7 @@ class GradStatsCallback(TrainerCallback):
         if self._stack is not None:  # a run stopped inside a probed step
             self._stack.close()
             self._stack = None
+        self._close()  # under torch_compile: the model's linears get their own classes back
 
 
 def add_grad_stats(trainer, every: int = 10, task: str | None = None) -> GradStatsCallback:

@@ -92,3 +92,39 @@ def test_sft_trainer_logs_the_statistics_to_tensorboard(tmp_path, sebp):
 def test_every_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="every must be an integer >= 1"):
         GradStatsCallback(None, every=0)
+
+
+@pytest.mark.slow
+def test_trainer_torch_compile_probes_inside_the_graphs(tmp_path, monkeypatch):
+    """Under ``torch_compile`` (aot_eager standing in for Inductor) the probed steps run compiled: the callback's
+    taps are in the graphs, no graph break, and its records are the uncompiled trainer's (rows exact, the shares
+    within the numerics of compiled code); the linears get their classes back when training ends."""
+    import torch._dynamo as dynamo
+    from transformers import Trainer
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")  # TrainingArguments(torch_compile=True) sets these
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
+    records = {}
+    for compiled in (False, True):
+        kw = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+        model = tiny_model("bert")
+        classes = {n: type(m) for n, m in model.named_modules()}
+        trainer = Trainer(model=model, args=_args(tmp_path / str(compiled), max_steps=STEPS, **kw),
+                          train_dataset=_Rows("bert"))
+        stats = add_grad_stats(trainer, every=EVERY)
+        dynamo.reset()
+        dynamo.utils.counters.clear()
+        try:
+            trainer.train()
+            breaks = sum(dynamo.utils.counters["graph_break"].values())
+            graphs = dynamo.utils.counters["stats"]["unique_graphs"]
+        finally:
+            dynamo.reset()
+        assert {n: type(m) for n, m in model.named_modules()} == classes
+        records[compiled] = stats.records
+    assert breaks == 0 and graphs >= 2  # the probed graph beside the unprobed one
+    assert [r["step"] for r in records[True]] == [r["step"] for r in records[False]] == [1, 3, 5]
+    for got, want in zip(records[True], records[False]):
+        for name, e in want["layers"].items():
+            assert got["layers"][name]["rows"] == e["rows"] > 0
+            assert got["layers"][name]["causes"] == pytest.approx(e["causes"], abs=0.02), name
