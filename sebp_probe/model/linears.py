@@ -17,8 +17,10 @@ def is_conv1d(m: nn.Module) -> bool:
 
 def is_linear(m: nn.Module) -> bool:
     """A layer that targets can name: a plain ``nn.Linear`` or ``Conv1D``, or one already swapped (SEBP,
-    ReSprop), so that patching is repeatable."""
-    return type(m) is nn.Linear or isinstance(m, (SEBPLinear, ReSpropLinear)) or is_conv1d(m)
+    ReSprop), so that patching is repeatable; also while a compiled run's probe taps it (its class then stands
+    in for the layer's own, ``_sebp_probe_base``: :mod:`sebp_probe.analysis.graph_tap`)."""
+    own = getattr(type(m), "_sebp_probe_base", type(m))
+    return own is nn.Linear or isinstance(m, (SEBPLinear, ReSpropLinear)) or is_conv1d(m)
 
 
 def features(m: nn.Module) -> tuple[int, int]:

@@ -293,8 +293,8 @@ class Run:
             while p.step < t.total:
                 if not self._step(t, p, micro, batches, stop, calib):
                     break
+        self.probe.close()  # the linears' own classes back (a compiled run's taps)
         self.sampled = sampled_summary(t.model, guard_summary(self.records, self.cfg.guard_every))  # unpatched
-        self.probe.close()
         self.probe = self.guard = None  # they hold the model: a --compare's second run must not find it alive
         micro.close()  # the graphs and their memory pool go before the model is saved
         if p.status == "completed":

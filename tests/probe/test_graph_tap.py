@@ -103,3 +103,14 @@ def test_close_gives_the_model_back():
     col.close()
     assert {n: type(m) for n, m in model.named_modules()} == classes
     assert not any(a.startswith("_sebp_probe") for m in model.modules() for a in vars(m))
+
+
+def test_tapped_linears_are_still_targets():
+    """While tapped, a model's linears are found as before (a second collector, a patch during the run)."""
+    from sebp_probe.model.patch import find_targets
+
+    model = tiny_model("bert")
+    before = find_targets(model)
+    col = GradientStatsCollector(model, graph=True)
+    assert find_targets(model) == before == list(col._modules)
+    col.close()
