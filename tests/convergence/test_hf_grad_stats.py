@@ -95,10 +95,12 @@ def test_every_must_be_a_positive_integer():
 
 
 @pytest.mark.slow
-def test_trainer_torch_compile_probes_inside_the_graphs(tmp_path, monkeypatch):
-    """Under ``torch_compile`` (aot_eager standing in for Inductor) the probed steps run compiled: the callback's
-    taps are in the graphs, no graph break, and its records are the uncompiled trainer's (rows exact, the shares
-    within the numerics of compiled code); the linears get their classes back when training ends."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_trainer_torch_compile_probes_inside_the_graphs(tmp_path, monkeypatch, device):
+    """Under ``torch_compile`` (on the CPU aot_eager standing in for Inductor; on a GPU Inductor with CUDA graphs,
+    ``reduce-overhead``) the probed steps run compiled: the callback's taps are in the graphs, no graph break,
+    and its records are the uncompiled trainer's (rows exact, the shares within the numerics of compiled code);
+    the linears get their classes back when training ends."""
     import torch._dynamo as dynamo
     from transformers import Trainer
 
@@ -106,7 +108,10 @@ def test_trainer_torch_compile_probes_inside_the_graphs(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
     records = {}
     for compiled in (False, True):
-        kw = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+        kw = {"use_cpu": device == "cpu"}
+        if compiled:
+            kw.update(torch_compile=True, torch_compile_backend="aot_eager" if device == "cpu" else "inductor",
+                      torch_compile_mode=None if device == "cpu" else "reduce-overhead")
         model = tiny_model("bert")
         classes = {n: type(m) for n, m in model.named_modules()}
         trainer = Trainer(model=model, args=_args(tmp_path / str(compiled), max_steps=STEPS, **kw),
