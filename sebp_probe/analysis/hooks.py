@@ -188,7 +188,9 @@ class GradientStatsCollector:
         real = find_targets(model, target_modules, exclude_modules)
         if not real:
             raise ValueError("no linear layer to collect statistics from (check the target/exclude patterns)")
-        self._modules = {_logical_name(n): model.get_submodule(n) for n in real}
+        # a peft layer's wrapper, not its base layer: the wrapper's output (base + adapter) has the same dL/dY,
+        # and has one where the base layer's output, frozen on frozen inputs (a first layer), has none
+        self._modules = {_logical_name(n): model.get_submodule(_logical_name(n)) for n in real}
         self.names = list(self._modules)
         self._layers = {n: LayerStats(n, *features(m)) for n, m in self._modules.items()}
         self._handles: list = []

@@ -100,3 +100,22 @@ def test_retained_outputs_are_let_go_after_the_block():
         h.remove()
     gc.collect()
     assert outputs and all(ref() is None for ref in outputs)
+
+
+def test_a_peft_layer_is_read_at_its_wrapper():
+    """Under LoRA the collector reads a projection's dL/dY at the peft wrapper's output (base + adapter), so the
+    first layer's frozen projections, whose base output gets no gradient, count too: at LoRA's start (its B is
+    zero) every target's statistics are the plain model's."""
+    import copy
+    import dataclasses
+
+    peft = pytest.importorskip("peft")
+    model = tiny_model("bert")
+    plain = copy.deepcopy(model)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["query", "value"]))
+    batches = [padded_batch("bert", LENGTHS, seed=s) for s in range(2)]
+    got, _, _ = _collect(lora, batches, target_modules=["query", "value"])  # (a frozen key of layer 0: no dL/dY)
+    want, _, _ = _collect(plain, batches, target_modules=["query", "value"])
+    got = dataclasses.replace(got, layers={k.removeprefix("base_model.model."): v for k, v in got.layers.items()})
+    assert len(want.layers) == 4 and all(sum(e.rows) > 0 for e in got.layers.values())
+    assert_same_stats(got, want)
