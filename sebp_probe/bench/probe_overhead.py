@@ -184,12 +184,12 @@ def probe_lines(model_result: dict) -> list[str]:
     lines = [f"{name}, --probe: a probed step (finetune --probe-every) against an unprobed one, interleaved "
              "(wall ms; a compiled entry's probed step runs compiled, its probed graphs compiled once, untimed)"]
     for r in probe["rows"]:
-        hooks = f", {r['recompiles']} recompiles" if r.get("recompiles") is not None else ""
+        graphs = f", {r['recompiles']} recompiles" if r.get("recompiles") is not None else ""
         noise = "noise unknown: under 3 repeats" if r["spread"] is None else f"noise +-{100 * r['spread']:.1f}%"
         host = (f"; host until the last launch {r['unprobed_host_ms']:.2f} -> {r['probed_host_ms']:.2f} ms"
                 if "probed_host_ms" in r else "")  # rows of earlier results have no host split
         lines.append(f"  {r['layout']} {r['method']} {r['head']} {r['timing']}: {r['unprobed_ms']:.2f} -> "
-                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{hooks} ({noise}){host}")
+                     f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{graphs} ({noise}){host}")
     lines += [f"  not probed: {s['layout']} {s['method']} {s['head']} {s['timing']} ({s['reason']})"
               for s in probe["skipped"]]
     return lines
