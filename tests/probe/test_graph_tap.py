@@ -48,8 +48,9 @@ def fresh_dynamo():
     dynamo.reset()
 
 
-@pytest.mark.parametrize("arch, side", [("bert", "right"), ("llama", "left")])
-def test_taps_in_compiled_layers_give_the_hooks_statistics(arch, side, fresh_dynamo):
+def test_taps_in_compiled_layers_give_the_hooks_statistics(fresh_dynamo):
+    """(A BERT compiled with taps: tests/probe/test_probe_compile.py, through finetune.)"""
+    arch, side = "llama", "left"
     model = tiny_model(arch).train()
     batches = [padded_batch(arch, LENGTHS[: 5 - s], side=side, seed=s) for s in range(3)]  # three shapes
     ref = copy.deepcopy(model)
