@@ -85,8 +85,9 @@ def _compiled(out: Path, gpu: str) -> list[Job]:
 def _sampled(out: Path, gpu: str) -> list[Job]:
     """Sampled mode (on the GPU its Triton path) beside dense, SEBP, CCE and Liger (decoder), packed and
     `longest`, eager and compiled, keeping half of each layer's non-zero rows for dW: the share the quality
-    runs' ``auto`` budget skipped (the bench's models are built from configs, whose gradients ``auto`` would judge otherwise); the
-    1B decoder also with dX sampled; and one layer at a time at 0.5 and 0.3, as graphs and eagerly."""
+    runs' ``auto`` budget skipped (the bench's models are built from configs, whose gradients ``auto`` would
+    judge otherwise); the 1B decoder also with dX sampled; and one layer at a time at 0.5 and 0.3, as graphs
+    and eagerly."""
     jobs = [bench(out, f"model_{case}_sampled", case, "--scope", "model", "--compile", "default", "--layouts",
                   layouts, "--methods", methods, "--budget", "0.5", "--model-batches", batches,
                   add=("model_compiled.json", f"{case}_sampled"))

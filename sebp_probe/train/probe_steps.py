@@ -35,13 +35,14 @@ Around = Callable[[dict], contextlib.AbstractContextManager]
 
 class StepProbe:
     """The probe of one run: ``every`` None probes nothing. ``model`` is the unwrapped (plain or patched)
-    model; ``reduce`` sums a tensor over the processes (None: one process)."""
+    model; ``compiled``: it runs compiled (the collector's taps go into its graphs); ``reduce`` sums a tensor
+    over the processes (None: one process)."""
 
     def __init__(self, every: int | None, model: torch.nn.Module | None, task: str | None, compiled: bool,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None, device: torch.device | None = None):
-        self.every, self.model, self.compiled, self.reduce, self.device = every, model, compiled, reduce, device
+        self.every, self.model, self.reduce, self.device = every, model, reduce, device
         self.groups = grouper(model, task) if every else None
-        # made once per run (targets, buffers, hooks); a probed step only puts its forward hooks on and off
+        # made once per run (targets, buffers, hooks or taps); a probed step only turns them on and off
         self._collector = GradientStatsCollector(model, graph=compiled) if every else None
         self._snapshot: Snapshot | None = None  # the last probed step's counts, on their way to the host
 
