@@ -89,7 +89,8 @@ class ReuseDropCollector:
         real = find_targets(model, target_modules, exclude_modules)
         if not real:
             raise ValueError("no linear layer to watch (check the target/exclude patterns)")
-        self._modules = {_logical_name(n): model.get_submodule(n) for n in real}
+        # a peft layer's wrapper, whose output has dL/dY where the frozen base layer's may have none
+        self._modules = {_logical_name(n): model.get_submodule(_logical_name(n)) for n in real}
         self._p: dict[str, torch.Tensor] = {}
         self._stats: dict[str, list[torch.Tensor]] = {n: [] for n in self._modules}
         self._handles: list = []

@@ -36,6 +36,24 @@ def test_a_repeated_batch_of_one_sample_leaves_nothing_to_correct():
         assert e["topk_dropped"]["0.9"] > 0.01, name
 
 
+def test_a_peft_layer_is_watched_at_its_wrapper():
+    """Under LoRA the first layer's frozen projections get no dL/dY at their base layer; watched at the peft
+    wrapper (base + adapter), every target compares its steps, as on the plain model (LoRA's B starts at zero)."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    model = tiny_model("bert")
+    plain = copy.deepcopy(model)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["query", "value"]))
+    batches = [_batch([[2, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 2]]), _batch([[9, 8, 7, 6, 5, 4], [2, 3, 2, 3, 2, 3]])]
+    got, want = _reuse(lora, batches), _reuse(plain, batches)
+    got = {k.removeprefix("base_model.model."): e for k, e in got["layers"].items()}
+    assert set(got) == set(want["layers"]) and len(got) == 12  # the default targets, peft's and plain
+    for name in ("bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.value"):
+        assert got[name]["steps"] == want["layers"][name]["steps"] == 1, name
+        assert got[name]["residual"] == pytest.approx(want["layers"][name]["residual"], rel=1e-4), name
+
+
 def test_different_batches_leave_a_residual_and_types_average_their_layers():
     model = tiny_model("bert")
     report = _reuse(model, [_batch([[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]]),
