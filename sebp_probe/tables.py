@@ -155,10 +155,26 @@ def print_finetune_summary(summary: dict) -> None:
             console.print(f"{name}: {s['kept_dense']}: it trained exactly as dense", highlight=False)
         if s.get("sampled"):
             console.print(f"{name}: {sampled_line(s['sampled'])}", highlight=False)
+        if (s.get("grad_stats") or {}).get("cost"):
+            console.print(f"{name}: {probe_cost_line(s['grad_stats'])}", highlight=False)
     cmp = summary.get("comparison")
     if cmp:
         console.print(f"{_other_label(runs)} vs dense: {comparison_line(cmp, runs)}", highlight=False)
     console.print(timing_note(runs), highlight=False)
+
+
+def probe_cost_line(grad_stats: dict) -> str:
+    """One line on what a run's probed steps (--probe-every) cost against its other steps."""
+    c = grad_stats["cost"]
+    head = "within noise of" if c["within_noise"] else f"x{c['ratio']:.2f}"
+
+    def kind(what: str) -> str:
+        low, high = c[f"{what}_iqr"]
+        return f"{what} {c[f'{what}_ms']:.1f} ms (IQR {low:.1f}-{high:.1f}, {c[f'{what}_steps']} steps)"
+
+    return (f"probed steps (--probe-every {grad_stats['every']}) {head} the others' step time: medians "
+            f"{kind('probed')}, {kind('other')}; not the same batches (`sebp-probe bench --probe` times both on "
+            "the same ones)")
 
 
 def sampled_line(smp: dict) -> str:

@@ -28,7 +28,8 @@ import torch
 from ..analysis.causes import grouper
 from ..analysis.hooks import GradientStatsCollector
 from ..analysis.grad_records import Snapshot
-from ..analysis.through_training import StepCounts, series, step_record, totals_counts
+from ..analysis.through_training import RECORD, StepCounts, series, step_record, totals_counts
+from .metrics import MIN_TIMED_STEPS, quartiles, timed_steps
 
 Around = Callable[[dict], contextlib.AbstractContextManager]
 
@@ -91,7 +92,25 @@ class StepProbe:
 
 
 def probe_summary(records: list[dict], every: int | None) -> dict | None:
-    """summary.json's ``grad_stats``: the probes' series per layer type (None without --probe-every)."""
+    """summary.json's ``grad_stats``: the probes' series per layer type, and what the probed steps cost
+    (``cost``, :func:`probe_cost`, where the run timed enough of them); None without --probe-every."""
     if not every:
         return None
-    return {"every": every, **series(records)}
+    cost = probe_cost(records)
+    return {"every": every, **series(records), **({"cost": cost} if cost else {})}
+
+
+def probe_cost(records: list[dict]) -> dict | None:
+    """The step time of a run's timed probed steps against its other timed steps (:func:`timed_steps`): each
+    kind's median and interquartile range, their ratio, and ``within_noise`` where either range holds the other's
+    median. The steps ran different batches, so this is the run's own figure, not a benchmark (``bench --probe``
+    times both kinds of step on the same batches). None under :data:`MIN_TIMED_STEPS` of either kind."""
+    probed = {r["step"] for r in records if r.get("type") == RECORD}
+    timed = timed_steps(records)
+    kinds = [[r["step_ms"] for s, r in timed.items() if (s in probed) == p] for p in (True, False)]
+    if min(map(len, kinds)) < MIN_TIMED_STEPS:
+        return None
+    (p1, p, p3), (o1, o, o3) = map(quartiles, kinds)
+    return {"probed_steps": len(kinds[0]), "other_steps": len(kinds[1]), "probed_ms": p, "probed_iqr": [p1, p3],
+            "other_ms": o, "other_iqr": [o1, o3], "ratio": p / o,
+            "within_noise": p1 <= o <= p3 or o1 <= p <= o3}

@@ -13,7 +13,7 @@ from sebp_probe.analysis.heatmap import capture_output_grads
 from sebp_probe.analysis.knee import fine_histogram
 from sebp_probe.analysis.through_training import StepCounts, concave_knee, concentration, series, step_record
 from sebp_probe.config import FinetuneConfig
-from sebp_probe.train.probe_steps import StepProbe
+from sebp_probe.train.probe_steps import StepProbe, probe_cost
 from tests.tiny_models import padded_batch, tiny_model
 
 
@@ -154,6 +154,46 @@ def test_non_finite_rows_are_recorded_as_such():
     assert rec["layers"][name]["nonfinite_rows"] == rec["layers"][name]["rows"] and "rows_90" not in rec["layers"][name]
     assert rec["nonfinite_rows"] >= rec["layers"][name]["rows"]
     assert series([rec])["nonfinite_steps"] == [1]
+
+
+def _run_records(steps: int, every: int, probed_ms: float, other_ms: float, untimed: dict | None = None):
+    """metrics.jsonl of a run: a train line per step (its step_ms jittered by 1%), a grad_stats line after
+    each probed one; ``untimed``: step -> the loop's mark."""
+    rng = np.random.default_rng(0)
+    out = []
+    for step in range(1, steps + 1):
+        probed = (step - 1) % every == 0
+        rec = {"type": "train", "step": step, "step_ms": (probed_ms if probed else other_ms) * rng.uniform(0.99, 1.01)}
+        if step in (untimed or {}):
+            rec["untimed"] = untimed[step]
+        out.append(rec)
+        if probed:
+            out.append({"type": "grad_stats", "step": step})
+    return out
+
+
+def test_a_runs_probed_steps_are_timed_against_its_other_steps():
+    """summary.json's grad_stats.cost: the timed probed steps' median against the other timed steps' (the first
+    steps and the compiling ones left out, as from the run's own times), their ratio, and whether it is noise."""
+    cost = probe_cost(_run_records(60, 4, 12.0, 10.0, untimed={9: "compile", 13: "new shape"}))
+    # timed: past the first 6 steps; 9 (compiled) and 13 (a new shape) left out: probed 17, 21, ..., 57
+    assert cost["probed_steps"] == 11 and cost["other_steps"] == 41
+    assert cost["ratio"] == pytest.approx(1.2, rel=0.02) and not cost["within_noise"]
+    assert cost["probed_iqr"][0] <= cost["probed_ms"] <= cost["probed_iqr"][1]
+    same = probe_cost(_run_records(60, 4, 10.0, 10.0))
+    assert same["within_noise"] and same["ratio"] == pytest.approx(1.0, abs=0.02)
+    assert probe_cost(_run_records(60, 15, 12.0, 10.0)) is None  # 3 probed steps timed: too few to say
+
+
+def test_the_final_table_says_what_the_probed_steps_cost(capsys):
+    from sebp_probe.tables import print_finetune_summary
+
+    cost = probe_cost(_run_records(60, 4, 12.0, 10.0))
+    run = {"status": "completed", "method": "dense", "steps": 60, "grad_stats": {"every": 4, "cost": cost}}
+    print_finetune_summary({"output_dir": "runs/p", "runs": {"dense": run}})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "dense: probed steps (--probe-every 4) x1.20 the others' step time: medians probed 12.0 ms (IQR" in text
+    assert "13 steps), other 10.0 ms (IQR 10.0-10.0, 41 steps); not the same batches" in text
 
 
 def test_only_every_nth_step_is_probed():
