@@ -98,6 +98,13 @@ def quartiles(vals: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def medians_apart(a: list[float], b: list[float]):
+    """Quartiles of ``a`` and of ``b`` (two sets of steps, not paired), ``a``'s median over ``b``'s (None where
+    ``b``'s is 0), and whether that is noise: either interquartile range holds the other's median."""
+    aq, bq = quartiles(a), quartiles(b)
+    return aq, bq, aq[1] / bq[1] if bq[1] else None, aq[0] <= bq[1] <= aq[2] or bq[0] <= aq[1] <= bq[2]
+
+
 def summarize_records(records: list[dict]) -> dict:
     """Median backward and step time over the timed steps (:func:`timed_steps`) with their interquartile range,
     what the untimed steps took apart (warm-up, and of it compiling), peak memory, final loss."""
@@ -170,8 +177,7 @@ def compare_timing(dense_records: list[dict], other_records: list[dict], paired:
         return out
     for what in ("backward", "step"):
         key = f"{what}_ms"
-        dq = quartiles([d[s][key] for s in d_steps])
-        oq = quartiles([o[s][key] for s in o_steps])
+        dq, oq, ratio, noise = medians_apart([d[s][key] for s in d_steps], [o[s][key] for s in o_steps])
         part = {"dense_ms": dq[1], "dense_iqr": [dq[0], dq[2]], "other_ms": oq[1], "other_iqr": [oq[0], oq[2]]}
         if paired and all(o[s][key] for s in d_steps):
             # the same batch in both runs: each step's own ratio, whose spread is the timing's, not the batches'
@@ -179,8 +185,7 @@ def compare_timing(dense_records: list[dict], other_records: list[dict], paired:
             rq = quartiles([d[s][key] / o[s][key] for s in d_steps])
             part.update(ratio=rq[1], ratio_iqr=[rq[0], rq[2]], within_noise=rq[0] <= 1.0 <= rq[2])
         else:
-            part.update(ratio=dq[1] / oq[1] if oq[1] else None,
-                        within_noise=dq[0] <= oq[1] <= dq[2] or oq[0] <= dq[1] <= oq[2])
+            part.update(ratio=ratio, within_noise=noise)
         out[what] = part
     return out
 

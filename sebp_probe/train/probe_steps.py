@@ -29,7 +29,7 @@ from ..analysis.causes import grouper
 from ..analysis.hooks import GradientStatsCollector
 from ..analysis.grad_records import Snapshot
 from ..analysis.through_training import RECORD, StepCounts, series, step_record, totals_counts
-from .metrics import MIN_TIMED_STEPS, quartiles, timed_steps
+from .metrics import MIN_TIMED_STEPS, medians_apart, timed_steps
 
 Around = Callable[[dict], contextlib.AbstractContextManager]
 
@@ -102,15 +102,14 @@ def probe_summary(records: list[dict], every: int | None) -> dict | None:
 
 def probe_cost(records: list[dict]) -> dict | None:
     """The step time of a run's timed probed steps against its other timed steps (:func:`timed_steps`): each
-    kind's median and interquartile range, their ratio, and ``within_noise`` where either range holds the other's
-    median. The steps ran different batches, so this is the run's own figure, not a benchmark (``bench --probe``
-    times both kinds of step on the same batches). None under :data:`MIN_TIMED_STEPS` of either kind."""
+    kind's median and interquartile range, their ratio, and ``within_noise`` (:func:`medians_apart`). The steps
+    ran different batches, so this is the run's own figure, not a benchmark (``bench --probe`` times both kinds
+    of step on the same batches). None under :data:`MIN_TIMED_STEPS` of either kind."""
     probed = {r["step"] for r in records if r.get("type") == RECORD}
     timed = timed_steps(records)
     kinds = [[r["step_ms"] for s, r in timed.items() if (s in probed) == p] for p in (True, False)]
     if min(map(len, kinds)) < MIN_TIMED_STEPS:
         return None
-    (p1, p, p3), (o1, o, o3) = map(quartiles, kinds)
+    (p1, p, p3), (o1, o, o3), ratio, noise = medians_apart(*kinds)
     return {"probed_steps": len(kinds[0]), "other_steps": len(kinds[1]), "probed_ms": p, "probed_iqr": [p1, p3],
-            "other_ms": o, "other_iqr": [o1, o3], "ratio": p / o,
-            "within_noise": p1 <= o <= p3 or o1 <= p <= o3}
+            "other_ms": o, "other_iqr": [o1, o3], "ratio": ratio, "within_noise": noise}
