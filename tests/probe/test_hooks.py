@@ -199,6 +199,26 @@ def test_hooks_are_removed_on_exit_and_on_error_and_a_failed_batch_is_dropped():
             pass
 
 
+def test_a_collector_entered_step_after_step_keeps_the_users_hooks_and_adds_none():
+    """Each entry puts the collector's forward hooks into the modules' hook dicts under ids made once, each exit
+    takes them out: a hook of the user's on a target linear runs at every step and stays; nothing piles up."""
+    model = tiny_model("bert")
+    batch = padded_batch("bert", LENGTHS)
+    col = GradientStatsCollector(model)
+    target = model.get_submodule(col.names[0])
+    seen = []
+    handle = target.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    before = _hook_count(model)
+    for step in range(3):
+        with col:
+            assert _hook_count(model) == before + len(col.names)
+            with col.batch(batch["attention_mask"]):
+                model(**batch).loss.backward()
+        assert _hook_count(model) == before and len(seen) == step + 1
+    assert col.stats().batches == 3
+    handle.remove()
+    assert _hook_count(model) == before - 1
+
 def test_nan_rows_are_counted_and_layers_without_gradient_record_zero_rows():
     model = tiny_model("bert")
     for p in model.bert.encoder.layer[0].parameters():
