@@ -60,9 +60,16 @@ def _probe_stats_fake(grad: Tensor, buf: Tensor, key: Tensor) -> None:
     return None
 
 
+# Inductor must not record the operator into the CUDA graphs of a compile mode that makes them
+# (``reduce-overhead``, ``max-autotune``): a replay runs no Python, so the collector would count no rows and the
+# kernel would read the row groups of the window it was recorded in. Tagged ``cudagraph_unsafe``, it stays out:
+# Inductor cuts the graph around it, or records no CUDA graph of it. Without the tag (older torch), Inductor
+# records no CUDA graph of a graph with a CPU input, which the layer's key is, unless graph partitioning is on.
+_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 # the low-level definition (:func:`sebp_kernels.library.plain_op`): a call costs a host about a tenth of a
 # ``custom_op``'s (1.6 against 21 us on this project's CI CPU), and the backward calls it once per layer
-probe_stats_ = plain_op(_probe_stats_, _probe_stats_fake, mutates_args=("buf",))
+probe_stats_ = plain_op(_probe_stats_, _probe_stats_fake, mutates_args=("buf",), tags=_NOT_IN_CUDA_GRAPHS)
 
 
 class _Tap(torch.autograd.Function):

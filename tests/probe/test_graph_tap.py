@@ -115,3 +115,20 @@ def test_tapped_linears_are_still_targets():
     col = GradientStatsCollector(model, graph=True)
     assert find_targets(model) == before == list(col._modules)
     col.close()
+
+
+def test_inductor_keeps_the_tap_out_of_its_cuda_graphs():
+    """A CUDA-graph replay runs no Python: recorded, the tap would count no rows and read a freed window's row
+    groups. Inductor's own test of a graph node says the tap's operator must not be recorded (Inductor then
+    cuts the graph around it under ``reduce-overhead``)."""
+    import torch
+    from torch._inductor import utils
+
+    from sebp_probe.analysis.graph_tap import probe_stats_
+
+    unsafe = getattr(utils, "is_cudagraph_unsafe_fx_node", None)
+    if unsafe is None or not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    graph = torch.fx.Graph()
+    node = graph.call_function(probe_stats_, tuple(graph.placeholder(n) for n in ("grad", "buf", "key")))
+    assert unsafe(node)
