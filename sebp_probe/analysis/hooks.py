@@ -209,7 +209,6 @@ class GradientStatsCollector:
         self._modules = {_logical_name(n): model.get_submodule(_logical_name(n)) for n in real}
         self.names = list(self._modules)
         self._layers = {n: LayerStats(n, *features(m)) for n, m in self._modules.items()}
-        self._hooks_on = False  # the forward hooks are in the modules' hook dicts
         self._calls: list[tuple[int, GradCall]] = []  # torch-path calls of the open window
         self._pending: list[tuple[int, GradCall]] | None = None  # ``_calls`` while a block runs, else None
         self._element_acc: torch.Tensor | None = None  # (layers, N_FINE) on the device, torch path
@@ -243,15 +242,13 @@ class GradientStatsCollector:
         else:  # what register_forward_hook does, without a new handle per hook and step
             for (m, hook), hook_id in zip(self._forward_hooks, self._hook_ids):
                 m._forward_hooks[hook_id] = hook
-            self._hooks_on = True
         self._entered = True
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._hooks_on:
+        if self._entered and self._taps is None:  # the forward hooks are in the modules' hook dicts
             for (m, _), hook_id in zip(self._forward_hooks, self._hook_ids):
                 m._forward_hooks.pop(hook_id, None)
-            self._hooks_on = False
         if self._taps is not None:
             self._taps.state.on = False
         self._entered = False
