@@ -13,11 +13,12 @@ import torch
 
 from sebp_kernels.interpret import INTERPRET
 
-from .grad_records import _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _WIDTH, N_GROUPS
+from .grad_records import (_ELEMENTS, _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _ROWS, _WIDTH,
+                           N_GROUPS)
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
 
-__all__ = ["ELEMENT_SAMPLE", "GradCall", "bucket_counts", "kernel_for", "kernel_on", "reduce_calls", "reduce_grad",
-           "rows_view", "sample_step", "summarize_grad"]
+__all__ = ["ELEMENT_SAMPLE", "GradCall", "add_stats_", "bucket_counts", "kernel_for", "kernel_on", "reduce_calls",
+           "reduce_grad", "rows_view", "sample_step", "summarize_grad"]
 
 _ABS_MASK = 0x7FFFFFFF
 
@@ -54,9 +55,9 @@ def _abs_bits(x: torch.Tensor) -> torch.Tensor:
     return bits.masked_fill_(bits > _INF_BITS, _NAN_BITS)
 
 
-def _buckets(bits: torch.Tensor) -> torch.Tensor:
+def _buckets(bits: torch.Tensor, shift: int = FINE_SHIFT) -> torch.Tensor:
     """Fine bucket of each bit pattern: ceil(bits / 2**20), so bucket j holds ((j-1) << 20, j << 20]."""
-    return (bits.to(torch.int64) + ((1 << FINE_SHIFT) - 1)) >> FINE_SHIFT
+    return (bits.to(torch.int64) + ((1 << shift) - 1)) >> shift
 
 
 def rows_view(grad: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,41 @@ def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int)
     ebits = _abs_bits(torch.cat(samples))
     element_hist = bucket_counts(sample_layer * N_FINE + _buckets(ebits), n_layers * N_FINE).view(n_layers, N_FINE)
     scalars = torch.stack([nonzero, nonfinite, max_bits], dim=1)
-    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers)], dim=1), element_hist
+    counts = torch.zeros(n_layers, _WIDTH - _ROWS, dtype=torch.int64, device=device)  # the host counts these
+    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers), counts], dim=1), element_hist
+
+
+def add_stats_(grad: torch.Tensor, flat: torch.Tensor, slot: torch.Tensor, groups: torch.Tensor,
+               n_tokens: torch.Tensor, n_layers: int) -> None:
+    """Add the statistics of one dL/dY to row ``slot`` of ``flat`` in plain torch ops, what a compiled graph's
+    tap runs (:mod:`.graph_tap`): Dynamo traces them into the backward, so nothing runs on the host per layer.
+
+    ``flat``: a collector's buffer, ``n_layers`` rows of ``_WIDTH`` (the layout of :func:`reduce_calls`, the
+    rows and elements counted too), then ``n_layers`` element histograms; ``slot``: the layer's row, a 0-d
+    int64 tensor (every layer of a stack shares the graph); ``groups``: the window's row group per token (int8,
+    at least one), applied where the gradient has ``n_tokens`` rows (a 0-d int64 tensor; -1: no groups).
+    The same numbers as the Triton kernel and :func:`reduce_calls`, the element sample included.
+    """
+    g2 = rows_view(grad.detach())
+    rows, cols = g2.shape
+    if rows == 0 or cols == 0:
+        return
+    bits = _abs_bits(g2)
+    row_max = bits.amax(dim=1)
+    base = slot * _WIDTH
+    every_row = torch.ones_like(row_max, dtype=torch.int64)
+    row_count = every_row.sum()
+    scalars = torch.stack([(bits != 0).sum(dim=1).sum(), (row_max >= _INF_BITS).sum(), row_count, row_count * cols])
+    flat.index_add_(0, base + flat.new_tensor([_NONZERO, _NONFINITE_ROWS, _ROWS, _ELEMENTS]), scalars)
+    top = (base + _MAX_BITS).reshape(1)
+    flat.index_put_((top,), torch.maximum(flat[top], row_max.amax().to(torch.int64).reshape(1)))
+    flat.index_add_(0, base + _N_SCALARS + _buckets(row_max), every_row)
+    picked = groups[torch.arange(rows, device=g2.device).clamp(max=groups.shape[0] - 1)].to(torch.int64)
+    group = torch.where(n_tokens == rows, picked, 0)
+    at = base + _GROUPS_AT + (group - 1).clamp(min=0) * N_OCTAVE + _buckets(row_max, OCTAVE_SHIFT)
+    flat.index_add_(0, at, (group > 0).to(torch.int64))
+    sample = bits[::torch.sym_max(1, -(-(rows * cols) // ELEMENT_SAMPLE))].reshape(-1)
+    flat.index_add_(0, n_layers * _WIDTH + slot * N_FINE + _buckets(sample), torch.ones_like(sample, dtype=torch.int64))
 
 
 def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
