@@ -15,6 +15,8 @@ from sebp_kernels.interpret import INTERPRET
 
 from .grad_records import (_ELEMENTS, _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _ROWS, _WIDTH,
                            N_GROUPS)
+
+assert (_NONFINITE_ROWS, _ELEMENTS) == (_NONZERO + 1, _ROWS + 1)  # add_stats_ adds each pair at once
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
 
 __all__ = ["ELEMENT_SAMPLE", "GradCall", "add_stats_", "bucket_counts", "kernel_for", "kernel_on", "reduce_calls",
@@ -198,8 +200,11 @@ def add_stats_(grad: torch.Tensor, flat: torch.Tensor, slot: torch.Tensor, group
     base = slot * _WIDTH
     every_row = torch.ones_like(row_max, dtype=torch.int64)
     row_count = every_row.sum()
-    scalars = torch.stack([(bits != 0).sum(dim=1).sum(), (row_max >= _INF_BITS).sum(), row_count, row_count * cols])
-    flat.index_add_(0, base + flat.new_tensor([_NONZERO, _NONFINITE_ROWS, _ROWS, _ELEMENTS]), scalars)
+    # no index tensor made from host data: on a GPU its copy to the device would wait for the device, every layer
+    pair = torch.arange(2, device=flat.device)
+    nonzero, nonfinite = (bits != 0).sum(dim=1).sum(), (row_max >= _INF_BITS).sum()
+    flat.index_add_(0, base + _NONZERO + pair, torch.stack([nonzero, nonfinite]))
+    flat.index_add_(0, base + _ROWS + pair, torch.stack([row_count, row_count * cols]))
     top = (base + _MAX_BITS).reshape(1)
     flat.index_put_((top,), torch.maximum(flat[top], row_max.amax().to(torch.int64).reshape(1)))
     flat.index_add_(0, base + _N_SCALARS + _buckets(row_max), every_row)
