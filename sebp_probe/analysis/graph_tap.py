@@ -5,10 +5,11 @@ have to run eagerly, as slow as an eager step. Instead :class:`GraphTaps` gives 
 collector a class of its own, made once per linear class: the class's ``forward`` is the linear's, and while the
 collector is entered (``state.on``) it passes the output through :class:`_Tap`, an identity whose backward adds
 the statistics of dL/dY into the collector's buffer of the device in plain torch ops
-(:func:`~sebp_probe.analysis.grad_reduce.add_stats_`). Dynamo traces them into the layer's backward graph, where
-Inductor fuses the row reductions into a kernel or two and the counts into scatters: the host runs no Python
-per layer, and a CUDA graph (``reduce-overhead``) can record them, since every input lives at one address for
-the collector's life, or is a graph input copied in at each replay.
+(:func:`~sebp_probe.analysis.grad_reduce.add_stats_`). Dynamo traces them into the layer's backward graph and
+Inductor compiles them with it: the host runs no Python per layer, and a CUDA graph (``reduce-overhead``) can
+record them, since every input they read or write keeps its address for the collector's life. Nothing in them
+is made from host data: a constant tensor would be copied to the device at every call, a copy that waits for
+the device.
 
 What Dynamo sees per layer is the same for every layer of a stack: ``state.on`` (a guard: a probed and an
 unprobed graph, each compiled once, the probed one at the first probed step), the layer's row of the buffer as
