@@ -198,22 +198,36 @@ def add_stats_(grad: torch.Tensor, flat: torch.Tensor, slot: torch.Tensor, group
     bits = _abs_bits(g2)
     row_max = bits.amax(dim=1)
     base = slot * _WIDTH
-    every_row = torch.ones_like(row_max, dtype=torch.int64)
-    row_count = every_row.sum()
-    # no index tensor made from host data: on a GPU its copy to the device would wait for the device, every layer
+    # nothing made from host data (a host constant is copied to the device at every call) and no int64 scatter
+    # with repeats (Inductor has no int64 atomic add: it calls aten's sort-based index_put_, several launches)
     pair = torch.arange(2, device=flat.device)
+    n_rows = torch.ones_like(row_max, dtype=torch.int64).sum()
     nonzero, nonfinite = (bits != 0).sum(dim=1).sum(), (row_max >= _INF_BITS).sum()
-    flat.index_add_(0, base + _NONZERO + pair, torch.stack([nonzero, nonfinite]))
-    flat.index_add_(0, base + _ROWS + pair, torch.stack([row_count, row_count * cols]))
+    _add_at(flat, base + _NONZERO + pair, torch.stack([nonzero, nonfinite]))
+    _add_at(flat, base + _ROWS + pair, torch.stack([n_rows, n_rows * cols]))
     top = (base + _MAX_BITS).reshape(1)
     flat.index_put_((top,), torch.maximum(flat[top], row_max.amax().to(torch.int64).reshape(1)))
-    flat.index_add_(0, base + _N_SCALARS + _buckets(row_max), every_row)
+    _add_at(flat, base + _N_SCALARS + torch.arange(N_FINE, device=flat.device), _counts(_buckets(row_max), N_FINE))
     picked = groups[torch.arange(rows, device=g2.device).clamp(max=groups.shape[0] - 1)].to(torch.int64)
     group = torch.where(n_tokens == rows, picked, 0)
-    at = base + _GROUPS_AT + (group - 1).clamp(min=0) * N_OCTAVE + _buckets(row_max, OCTAVE_SHIFT)
-    flat.index_add_(0, at, (group > 0).to(torch.int64))
-    sample = bits[::torch.sym_max(1, -(-(rows * cols) // ELEMENT_SAMPLE))].reshape(-1)
-    flat.index_add_(0, n_layers * _WIDTH + slot * N_FINE + _buckets(sample), torch.ones_like(sample, dtype=torch.int64))
+    ids = (group - 1).clamp(min=0) * N_OCTAVE + _buckets(row_max, OCTAVE_SHIFT)
+    width = N_GROUPS * N_OCTAVE
+    _add_at(flat, base + _GROUPS_AT + torch.arange(width, device=flat.device), _counts(ids, width, group > 0))
+    sample = bits[::-(-(rows * cols) // ELEMENT_SAMPLE)].reshape(-1)  # a step of at least 1: rows * cols >= 1
+    _add_at(flat, n_layers * _WIDTH + slot * N_FINE + torch.arange(N_FINE, device=flat.device),
+            _counts(_buckets(sample), N_FINE))
+
+
+def _add_at(flat: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[at] += values`` for indices ``at`` without repeats: a gather and a store, no atomics."""
+    flat.index_put_((at,), flat[at] + values)
+
+
+def _counts(ids: torch.Tensor, n: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 counts of ``ids`` (in [0, n)) per value, those where ``keep`` only; added up in int32, which
+    Triton's atomics take (one gradient's counts stay far below 2**31)."""
+    ones = torch.ones_like(ids, dtype=torch.int32) if keep is None else keep.to(torch.int32)
+    return torch.zeros(n, dtype=torch.int32, device=ids.device).index_add_(0, ids, ones).to(torch.int64)
 
 
 def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -138,6 +138,23 @@ def test_tap_ops_make_no_tensor_from_host_data(fresh_dynamo):
     assert consts == []
 
 
+@pytest.mark.slow
+def test_inductor_compiles_the_tap_ops_without_an_aten_fallback(fresh_dynamo):
+    """Inductor has no int64 atomic add: an int64 scatter with repeats (a histogram) becomes a call of aten's
+    index_put_, on a GPU a sort and several launches per call. The taps' code calls no aten operator."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    n_layers = 2
+    flat = torch.zeros(n_layers * (_WIDTH + N_FINE), dtype=torch.int64)
+    groups, n_tokens = torch.zeros(64, dtype=torch.int8), torch.full((), 30, dtype=torch.int64)
+    _, codes = run_and_get_code(torch.compile(add_stats_, dynamic=True), torch.randn(30, 16), flat,
+                                torch.tensor(1), groups, n_tokens, n_layers)
+    assert codes and flat.any()
+    assert [line for c in codes for line in c.splitlines() if re.search(r"\baten\.\w+\(", line)] == []
+
+
 def _added(acc, batch):
     """Window statistics summed, the largest bits taken as a max."""
     from sebp_probe.analysis.grad_records import _MAX_BITS
