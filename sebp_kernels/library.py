@@ -30,12 +30,14 @@ import torch
 _LIB = torch.library.Library("sebp", "FRAGMENT")  # noqa: TOR901 - the low-level API, on purpose (see above)
 
 
-def plain_op(fn: Callable, fake: Callable) -> torch._ops.OpOverload:
+def plain_op(fn: Callable, fake: Callable, mutates_args: tuple[str, ...] = (),
+             tags: tuple[torch.Tag, ...] = ()) -> torch._ops.OpOverload:
     """Define ``sebp::<name>`` (``fn``'s name without leading underscores) from ``fn``'s annotated signature
-    (as ``custom_op`` infers it; it writes none of its arguments), with ``fn`` as its kernel for every device and
-    ``fake`` as its shape-only implementation; returns the operator (``torch.ops.sebp.<name>.default``)."""
+    (as ``custom_op`` infers it; it writes the arguments named in ``mutates_args``, none by default), with
+    ``fn`` as its kernel for every device and ``fake`` as its shape-only implementation, and the operator
+    ``tags``; returns the operator (``torch.ops.sebp.<name>.default``)."""
     name = fn.__name__.lstrip("_")
-    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args), tags=tags)
 
     def kernel(*args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):

@@ -9,8 +9,7 @@ without a host sync (:class:`Snapshot`: non-blocking copies into pinned memory, 
 A row of a window's statistics (``_WIDTH`` int64 per layer, the layout of :mod:`sebp_kernels._triton.rowstats`
 and of :func:`~sebp_probe.analysis.hooks.reduce_calls`): non-zero elements, non-finite rows, float32 bits of
 the largest |g| (0 without a call), the fine-bucket histogram of the rows' max |g| (its bucket 0 counts the zero
-rows), one octave histogram of the rows' max |g| per row group, then the rows and elements the device counted
-(a compiled graph's; the host counts the others').
+rows), then one octave histogram of the rows' max |g| per row group.
 """
 from __future__ import annotations
 
@@ -27,11 +26,7 @@ _N_SCALARS = 3
 ROW_GROUPS = ("padding", "label_less")
 N_GROUPS = len(ROW_GROUPS)
 _GROUPS_AT = _N_SCALARS + N_FINE
-# rows and elements of the layer: counted here by a compiled graph's taps (:mod:`.graph_tap`), where no host code
-# runs per layer; every other path counts them on the host and leaves these at 0
-_COUNTS_AT = _GROUPS_AT + N_GROUPS * N_OCTAVE
-_ROWS, _ELEMENTS = _COUNTS_AT, _COUNTS_AT + 1
-_WIDTH = _COUNTS_AT + 2
+_WIDTH = _GROUPS_AT + N_GROUPS * N_OCTAVE
 
 
 @dataclass
@@ -104,8 +99,8 @@ def merge(parts: list[np.ndarray], n_layers: int) -> np.ndarray:
 
 @dataclass
 class Totals:
-    """A window's statistics on the host: per layer its rows and elements (counted on the host as the hooks ran,
-    plus those a compiled graph counted on the device) and ``stats`` (layers, ``_WIDTH``); ``lengths``/``padded``: the batch's token lengths, when it gave a mask."""
+    """A window's statistics on the host: per layer its rows and elements (counted on the host as the hooks ran)
+    and ``stats`` (layers, ``_WIDTH``); ``lengths``/``padded``: the batch's token lengths, when it gave a mask."""
 
     rows: list[int]
     elements: list[int]
@@ -150,9 +145,7 @@ class Snapshot:
             e.synchronize()
         stats = merge([h.numpy() for h in self._host], self._n)
         lengths = None if self._lengths is None else self._lengths.numpy()
-        rows = (np.asarray(self._rows, dtype=np.int64) + stats[:, _ROWS]).tolist()
-        elements = (np.asarray(self._elements, dtype=np.int64) + stats[:, _ELEMENTS]).tolist()
-        return Totals(rows, elements, stats, lengths, self._padded)
+        return Totals(self._rows, self._elements, stats, lengths, self._padded)
 
 
 def append_batch(layers: list[LayerStats], t: Totals, row_hist: np.ndarray) -> np.ndarray:
@@ -160,7 +153,7 @@ def append_batch(layers: list[LayerStats], t: Totals, row_hist: np.ndarray) -> n
     (``row_hist + fine``: a new array per batch, so the ``row_hist`` a caller took earlier stays as it was)."""
     host, n = t.stats, len(layers)
     fine = host[:, _N_SCALARS:_GROUPS_AT]
-    groups = host[:, _GROUPS_AT:_COUNTS_AT].reshape(n, N_GROUPS, N_OCTAVE).astype(np.int32)
+    groups = host[:, _GROUPS_AT:].reshape(n, N_GROUPS, N_OCTAVE).astype(np.int32)
     zero_rows = fine[:, 0].tolist()
     nonfinite = host[:, _NONFINITE_ROWS].tolist()
     zero_elements = (np.asarray(t.elements, dtype=np.int64) - host[:, _NONZERO]).tolist()

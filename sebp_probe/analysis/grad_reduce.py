@@ -13,14 +13,11 @@ import torch
 
 from sebp_kernels.interpret import INTERPRET
 
-from .grad_records import (_ELEMENTS, _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _ROWS, _WIDTH,
-                           N_GROUPS)
-
-assert (_NONFINITE_ROWS, _ELEMENTS) == (_NONZERO + 1, _ROWS + 1)  # add_stats_ adds each pair at once
+from .grad_records import _GROUPS_AT, _MAX_BITS, _N_SCALARS, _NONFINITE_ROWS, _NONZERO, _WIDTH, N_GROUPS
 from .knee import _INF_BITS, _NAN_BITS, FINE_SHIFT, N_FINE, N_OCTAVE, OCTAVE_SHIFT
 
-__all__ = ["ELEMENT_SAMPLE", "GradCall", "add_stats_", "bucket_counts", "kernel_for", "kernel_on", "reduce_calls",
-           "reduce_grad", "rows_view", "sample_step", "summarize_grad"]
+__all__ = ["ELEMENT_SAMPLE", "GradCall", "bucket_counts", "kernel_for", "kernel_on", "reduce_calls", "reduce_grad",
+           "rows_view", "sample_step", "summarize_grad"]
 
 _ABS_MASK = 0x7FFFFFFF
 
@@ -57,9 +54,9 @@ def _abs_bits(x: torch.Tensor) -> torch.Tensor:
     return bits.masked_fill_(bits > _INF_BITS, _NAN_BITS)
 
 
-def _buckets(bits: torch.Tensor, shift: int = FINE_SHIFT) -> torch.Tensor:
+def _buckets(bits: torch.Tensor) -> torch.Tensor:
     """Fine bucket of each bit pattern: ceil(bits / 2**20), so bucket j holds ((j-1) << 20, j << 20]."""
-    return (bits.to(torch.int64) + ((1 << shift) - 1)) >> shift
+    return (bits.to(torch.int64) + ((1 << FINE_SHIFT) - 1)) >> FINE_SHIFT
 
 
 def rows_view(grad: torch.Tensor) -> torch.Tensor:
@@ -176,58 +173,7 @@ def reduce_calls(calls: list[GradCall], layer_of_call: list[int], n_layers: int)
     ebits = _abs_bits(torch.cat(samples))
     element_hist = bucket_counts(sample_layer * N_FINE + _buckets(ebits), n_layers * N_FINE).view(n_layers, N_FINE)
     scalars = torch.stack([nonzero, nonfinite, max_bits], dim=1)
-    counts = torch.zeros(n_layers, _WIDTH - _ROWS, dtype=torch.int64, device=device)  # the host counts these
-    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers), counts], dim=1), element_hist
-
-
-def add_stats_(grad: torch.Tensor, flat: torch.Tensor, slot: torch.Tensor, groups: torch.Tensor,
-               n_tokens: torch.Tensor, n_layers: int) -> None:
-    """Add the statistics of one dL/dY to row ``slot`` of ``flat`` in plain torch ops, what a compiled graph's
-    tap runs (:mod:`.graph_tap`): Dynamo traces them into the backward, so nothing runs on the host per layer.
-
-    ``flat``: a collector's buffer, ``n_layers`` rows of ``_WIDTH`` (the layout of :func:`reduce_calls`, the
-    rows and elements counted too), then ``n_layers`` element histograms; ``slot``: the layer's row, a 0-d
-    int64 tensor (every layer of a stack shares the graph); ``groups``: the window's row group per token (int8,
-    at least one), applied where the gradient has ``n_tokens`` rows (a 0-d int64 tensor; -1: no groups).
-    The same numbers as the Triton kernel and :func:`reduce_calls`, the element sample included.
-    """
-    g2 = rows_view(grad.detach())
-    rows, cols = g2.shape
-    if rows == 0 or cols == 0:
-        return
-    bits = _abs_bits(g2)
-    row_max = bits.amax(dim=1)
-    base = slot * _WIDTH
-    # nothing made from host data (a host constant is copied to the device at every call) and no int64 scatter
-    # with repeats (Inductor has no int64 atomic add: it calls aten's sort-based index_put_, several launches)
-    pair = torch.arange(2, device=flat.device)
-    n_rows = torch.ones_like(row_max, dtype=torch.int64).sum()
-    nonzero, nonfinite = (bits != 0).sum(dim=1).sum(), (row_max >= _INF_BITS).sum()
-    _add_at(flat, base + _NONZERO + pair, torch.stack([nonzero, nonfinite]))
-    _add_at(flat, base + _ROWS + pair, torch.stack([n_rows, n_rows * cols]))
-    top = (base + _MAX_BITS).reshape(1)
-    flat.index_put_((top,), torch.maximum(flat[top], row_max.amax().to(torch.int64).reshape(1)))
-    _add_at(flat, base + _N_SCALARS + torch.arange(N_FINE, device=flat.device), _counts(_buckets(row_max), N_FINE))
-    picked = groups[torch.arange(rows, device=g2.device).clamp(max=groups.shape[0] - 1)].to(torch.int64)
-    group = torch.where(n_tokens == rows, picked, 0)
-    ids = (group - 1).clamp(min=0) * N_OCTAVE + _buckets(row_max, OCTAVE_SHIFT)
-    width = N_GROUPS * N_OCTAVE
-    _add_at(flat, base + _GROUPS_AT + torch.arange(width, device=flat.device), _counts(ids, width, group > 0))
-    sample = bits[::-(-(rows * cols) // ELEMENT_SAMPLE)].reshape(-1)  # a step of at least 1: rows * cols >= 1
-    _add_at(flat, n_layers * _WIDTH + slot * N_FINE + torch.arange(N_FINE, device=flat.device),
-            _counts(_buckets(sample), N_FINE))
-
-
-def _add_at(flat: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[at] += values`` for indices ``at`` without repeats: a gather and a store, no atomics."""
-    flat.index_put_((at,), flat[at] + values)
-
-
-def _counts(ids: torch.Tensor, n: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 counts of ``ids`` (in [0, n)) per value, those where ``keep`` only; added up in int32, which
-    Triton's atomics take (one gradient's counts stay far below 2**31)."""
-    ones = torch.ones_like(ids, dtype=torch.int32) if keep is None else keep.to(torch.int32)
-    return torch.zeros(n, dtype=torch.int32, device=ids.device).index_add_(0, ids, ones).to(torch.int64)
+    return torch.cat([scalars, row_hist, _group_hist(calls, row_layer, rbits, n_layers)], dim=1), element_hist
 
 
 def reduce_grad(grad: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:

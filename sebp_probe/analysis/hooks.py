@@ -11,11 +11,11 @@ A forward hook on every target linear asks its output for its gradient, one of t
   one forward (two losses) counts a retained layer's summed gradient once, where a hook counts each.
 * hooked (outputs past the budget): a tensor hook on the output hands dL/dY over in the backward, uncopied.
 
-A collector made with ``graph=True`` (a compiled run's) puts neither on: taps in the linears themselves add the
-statistics of dL/dY into the buffer below from inside compiled graphs, in torch ops the graphs fuse
-(:mod:`.graph_tap`, the same numbers); a tapped layer that runs eagerly calls the forward hook itself.
+A collector made with ``graph=True`` (a compiled run's) puts neither on: taps in the linears themselves hand
+dL/dY over from inside compiled graphs (:mod:`.graph_tap`), each read at once into the buffer below; a tapped
+layer that runs eagerly calls the forward hook itself.
 
-Either way a hooked or retained gradient (flattened to rows x features) then takes one of two paths, which give the same
+Either way the gradient (flattened to rows x features) then takes one of two paths, which give the same
 numbers:
 
 * Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): the collector holds the layer's dL/dY, and one
@@ -75,8 +75,8 @@ import torch
 from torch import nn
 
 from . import grad_reduce
-from .grad_records import (_COUNTS_AT, _GROUPS_AT, _WIDTH, N_GROUPS, ROW_GROUPS, GradientStats, LayerStats,
-                           Snapshot, Totals, append_batch)
+from .grad_records import (_GROUPS_AT, _WIDTH, N_GROUPS, ROW_GROUPS, GradientStats, LayerStats, Snapshot, Totals,
+                           append_batch)
 from .grad_reduce import GradCall, bucket_counts, reduce_calls, reduce_grad, summarize_grad
 from .graph_tap import GraphTaps
 from .knee import FINE_SHIFT, N_FINE, OCTAVE_SHIFT
@@ -113,18 +113,27 @@ class _DeviceBuffers:
     def __init__(self, n_layers: int, device: torch.device, kernel) -> None:
         self._flat = torch.zeros(n_layers * (_WIDTH + N_FINE), dtype=torch.int64, device=device)
         self.stats = self._flat[: n_layers * _WIDTH].view(n_layers, _WIDTH)
-        self.groups = self.stats[:, _GROUPS_AT:_COUNTS_AT]  # the kernel's group histograms: in ``stats``
+        self.groups = self.stats[:, _GROUPS_AT:]  # the kernel's group histograms: in ``stats``, one transfer
         self.sample = self._flat[n_layers * _WIDTH:].view(n_layers, N_FINE)
         self.element_acc = torch.zeros(n_layers, N_FINE, dtype=torch.int64, device=device)
         self._kernel = kernel
         self._held: list[tuple[torch.Tensor, int, int, bool]] = []  # (grad2d, slot, row_step, grouped)
         self._held_bytes = 0
         self._row_groups: torch.Tensor | None = None  # the held gradients' row groups (one window's)
-        if kernel is not None:  # (None: the buffer only a compiled graph's taps write)
+        if kernel is not None:  # (None: a compiled graph's buffer where the torch path adds, see views)
             buffers = dict(stats=self.stats, sample_hist=self.sample, shift=FINE_SHIFT, group_hist=self.groups,
                            group_shift=OCTAVE_SHIFT)
             self._one = partial(kernel.row_stats_, n_groups=N_GROUPS, **buffers)  # (grad2d, slot, row_step, groups)
             self._many = partial(kernel.row_stats_many_, n_groups=N_GROUPS, **buffers)  # (held, groups)
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stats, sample, group histograms) of ``flat``, this buffer as a compiled graph hands it over (itself,
+        or where the graph did not write in place, its copy)."""
+        if flat is self._flat:
+            return self.stats, self.sample, self.groups
+        n = self.stats.shape[0]
+        stats = flat[: n * _WIDTH].view(n, _WIDTH)
+        return stats, flat[n * _WIDTH:].view(n, N_FINE), stats[:, _GROUPS_AT:]
 
     def add(self, grad2d: torch.Tensor, slot: int, row_step: int, groups: torch.Tensor | None) -> None:
         """Add one gradient's statistics to row ``slot`` (queued; no host sync)."""
@@ -224,8 +233,8 @@ class GradientStatsCollector:
         self._hook_ids = _hook_ids(self._forward_hooks)
         self._entered = False
         self._taps = None if not graph else GraphTaps(
-            list(self._modules.values()), lambda d: self._device_buffers(d, grad_reduce.kernel_on(d))._flat,
-            lambda i: self._forward_hooks[i][1], grad_reduce.add_stats_)
+            self, list(self._modules.values()), lambda d: self._device_buffers(d, grad_reduce.kernel_on(d))._flat,
+            lambda i: self._forward_hooks[i][1])
 
     def __enter__(self) -> "GradientStatsCollector":
         if self._taps is not None:
@@ -276,7 +285,6 @@ class GradientStatsCollector:
     def _read_retained(self) -> None:
         """Hand the gradients the block's outputs retained to :meth:`_on_grad`, and let the outputs go."""
         retained, self._retained, self._retain_left = self._retained, [], None
-        on_grad = self._on_grad
         for index, output, version in retained:
             grad = output.grad
             if grad is None:  # no backward reached it
@@ -288,32 +296,54 @@ class GradientStatsCollector:
                               "gradient it kept is not the layer's dL/dY: this window leaves the layer out, later "
                               "ones read it through a hook", RuntimeWarning, stacklevel=2)
                 continue
-            on_grad(index, grad)
+            self._on_grad(index, grad)
 
-    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Count dL/dY of layer ``index`` in the open window and queue its statistics (nothing outside a block or
-        for an empty gradient). Runs once per layer and probed step: kept to a few reads of the tensor."""
-        pending = self._pending
-        if pending is None:
-            return
+    def _counted(self, index: int, grad: torch.Tensor):
+        """(``grad`` as rows x features, its row groups or None), counted in the open window; (None, None)
+        outside a block or for an empty gradient."""
+        if self._pending is None:
+            return None, None
         g = grad_reduce.rows_view(grad)
         rows, cols = g.shape
         if not rows or not cols:
-            return
+            return None, None
         self._rows[index] += rows
         self._elements[index] += rows * cols
         groups = self._groups
         if groups is not None:
+            if groups.get_device() != g.get_device():
+                groups = self._groups_for(g)
             if groups.shape[0] != rows:  # a pooler's or classifier's rows are sequences: no groups
                 groups = None
-            elif groups.get_device() != g.get_device():
-                groups = self._groups_for(g)
+        return g, groups
+
+    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
+        g, groups = self._counted(index, grad)
+        if g is None:
+            return
         key = (g.get_device(), g.dtype)
         buffers = self._route[key] if key in self._route else self._add_route(key, g)
         if buffers is None:
-            pending.append((index, summarize_grad(g, groups)))
+            self._pending.append((index, summarize_grad(g, groups)))
         else:
             buffers.add(g, index, grad_reduce.sample_step(g), groups)
+
+    def graph_grad(self, index: int, grad: torch.Tensor, flat: torch.Tensor) -> None:
+        """dL/dY of layer ``index`` from a compiled graph (:mod:`.graph_tap`), added at once into ``flat``, the
+        buffer of its device as the graph hands it over: the graph may reuse the gradient's memory as soon as
+        this returns, so nothing is held."""
+        g, groups = self._counted(index, grad)
+        if g is None:
+            return
+        stats, sample, group_hist = self._buffers[g.device].views(flat)
+        kernel = grad_reduce.kernel_for(g)
+        if kernel is None:
+            batch, element_hist = reduce_calls([summarize_grad(g, groups)], [index], len(self.names))
+            stats += batch
+            sample += element_hist
+        else:
+            kernel.row_stats_(g, stats, sample, index, grad_reduce.sample_step(g), FINE_SHIFT, groups, group_hist,
+                              N_GROUPS, OCTAVE_SHIFT)
 
     def _groups_for(self, grad2d: torch.Tensor) -> torch.Tensor:
         """The window's row groups on the gradient's device (copied there once)."""
@@ -347,8 +377,6 @@ class GradientStatsCollector:
             raise RuntimeError("batches cannot nest")
         self._pending = self._calls
         self._groups = None if row_groups is None else row_groups.reshape(-1).to(torch.int8)
-        if self._taps is not None:
-            self._taps.set_groups(self._groups)
         try:
             yield self
             self._read_retained()

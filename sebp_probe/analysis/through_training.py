@@ -26,7 +26,7 @@ import numpy as np
 
 from .analyze import by_layer_type
 from .causes import CAUSES, LABEL_LESS, PADDING
-from .grad_records import _COUNTS_AT, _GROUPS_AT, _N_SCALARS, _NONFINITE_ROWS, N_GROUPS, GradientStats, Totals
+from .grad_records import _GROUPS_AT, _N_SCALARS, _NONFINITE_ROWS, N_GROUPS, GradientStats, Totals
 from .knee import N_FINE, N_OCTAVE, OCTAVE_SHIFT, FINE_SHIFT, bucket_edges, detect_eps, lower_edges, octave_histogram
 
 RECORD = "grad_stats"  # the ``type`` of a probed step's line in metrics.jsonl
@@ -85,7 +85,7 @@ def totals_counts(names: list[str], t: Totals) -> StepCounts:
     s = t.stats
     return StepCounts(list(names), np.asarray(t.rows, dtype=np.int64), s[:, _NONFINITE_ROWS].astype(np.int64),
                       s[:, _N_SCALARS:_GROUPS_AT].astype(np.int64),
-                      s[:, _GROUPS_AT:_COUNTS_AT].reshape(len(names), N_GROUPS, N_OCTAVE).astype(np.int64))
+                      s[:, _GROUPS_AT:].reshape(len(names), N_GROUPS, N_OCTAVE).astype(np.int64))
 
 
 def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray]:
