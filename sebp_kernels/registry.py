@@ -13,8 +13,10 @@ constant (a module's ``_sebp_key``), which Inductor's CUDA graphs (``mode="reduc
 are; but then every layer's graph is its own, and a stack compiled layer by layer (PyTorch's regional
 compilation) recompiles for each layer until Dynamo's limit sends the rest eager. :func:`keys_as_inputs`
 switches a model's modules (and the row hints they hold) to their key as a 0-d CPU tensor (``_sebp_key_t``),
-an input of the graph: layers of one class then share one compiled graph (and Inductor skips its CUDA graphs,
-which take no CPU input).
+an input of the graph: layers of one class then share one compiled graph. (Inductor once recorded no CUDA graph
+of a graph with a CPU input. With its graph partitioning, on by default in torch 2.13, that check ignores CPU
+inputs and Inductor cuts a graph around its CPU operations instead, so under ``reduce-overhead`` the parts of
+such a graph that run on the GPU may be recorded.)
 
 Inductor counts a CPU input as not 16-byte aligned, and counts every output of an operator with such an input
 as not aligned either: the fused kernels that read an SEBP operator's dX (a GELU backward, a norm backward) then
