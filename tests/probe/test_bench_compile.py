@@ -293,8 +293,11 @@ def test_compiled_sebp_patches_the_linears_only():
 
 
 def _fails_inside(x):
-    assert x.shape[0] == 99, ""
-    return x + 1
+    # a data-dependent branch fails a fullgraph compile under every torch (an ``assert`` here would be pytest's
+    # rewritten one, whose helpers torch 2.11's Dynamo traces into and reports as the innermost frame)
+    if x.sum() > 0:
+        return x + 1
+    return x
 
 
 def test_a_compile_failure_names_where_it_failed():
