@@ -246,11 +246,11 @@ class GradientStatsCollector:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._entered and self._taps is None:  # the forward hooks are in the modules' hook dicts
-            for (m, _), hook_id in zip(self._forward_hooks, self._hook_ids):
-                m._forward_hooks.pop(hook_id, None)
         if self._taps is not None:
             self._taps.state.on = False
+        elif self._entered:  # the forward hooks are in the modules' hook dicts
+            for (m, _), hook_id in zip(self._forward_hooks, self._hook_ids):
+                m._forward_hooks.pop(hook_id, None)
         self._entered = False
         self._pending = None
 

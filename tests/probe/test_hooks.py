@@ -219,6 +219,7 @@ def test_a_collector_entered_step_after_step_keeps_the_users_hooks_and_adds_none
     handle.remove()
     assert _hook_count(model) == before - 1
 
+
 def test_nan_rows_are_counted_and_layers_without_gradient_record_zero_rows():
     model = tiny_model("bert")
     for p in model.bert.encoder.layer[0].parameters():
