@@ -152,22 +152,76 @@ def knee_of_cdf(x: np.ndarray, cdf: np.ndarray, sensitivity: float = 1.0) -> flo
     return None if knee is None else float(knee)
 
 
-def _widest_gap(x, density, floor_frac, min_width):
-    """(start, stop) grid indices of the widest low-density run with mass on both sides, or None."""
-    low = density < floor_frac * density.max()
-    high = np.nonzero(~low)[0]
-    first, last = high[0], high[-1]
-    best, run_start = None, None
-    for i in range(first, last + 1):
-        if low[i] and run_start is None:
-            run_start = i
-        elif not low[i] and run_start is not None:
-            if best is None or (i - run_start) > (best[1] - best[0]):
-                best = (run_start, i)  # density at index `i` is high again
-            run_start = None
-    if best is None or (x[best[1]] - x[best[0]]) < min_width:
-        return None
-    return best
+class _LogGrid:
+    """The uniform log10 grid every histogram over ``edges`` is put on (:func:`detect_eps_rows`): it spans all
+    finite non-zero buckets, so a histogram's points do not depend on the histograms it is computed with.
+    ``pad`` points beyond them on each side hold the Gaussian's tails."""
+
+    def __init__(self, edges: np.ndarray, pad: int, step: float = GRID_STEP):
+        lo_edges = lower_edges(edges)
+        self.finite = np.isfinite(edges) & (np.arange(len(edges)) > 0)
+        self.valid = np.nonzero(self.finite & (lo_edges > 0))[0]  # the buckets a CDF spreads mass over
+        if not len(self.valid):
+            raise ValueError("no finite non-zero bucket edges")
+        lo, hi = np.log10(lo_edges[self.valid]), np.log10(edges[self.valid])
+        self.x = np.arange(math.floor(lo.min() / step) - 1 - pad, math.ceil(hi.max() / step) + 2 + pad) * step
+        # grid point -> the valid bucket it falls in (len(valid): above them all) and the share of that
+        # bucket's log width below it: a bucket's mass is spread uniformly in log magnitude
+        self.bucket = np.searchsorted(hi, self.x, side="right")
+        inside = np.minimum(self.bucket, len(hi) - 1)
+        self.frac = np.where(self.bucket < len(hi),
+                             np.clip((self.x - lo[inside]) / (hi - lo)[inside], 0.0, 1.0), 0.0)
+
+    def density(self, counts: np.ndarray, pad: int) -> tuple[slice, np.ndarray]:
+        """(points, density): the stretch of the grid holding every row's mass and ``pad`` points more on each
+        side, and each histogram row's mass between one of its points and the one below it (zero outside the
+        stretch: a row's numbers do not depend on the stretch, see :func:`detect_eps_rows`)."""
+        c = counts[:, self.valid]
+        held = np.flatnonzero((c > 0).any(axis=0))
+        h0, h1 = held[0], held[-1]
+        held_points = np.flatnonzero((self.bucket >= h0) & (self.bucket <= h1 + 1))
+        points = slice(max(0, held_points[0] - pad - 1), min(len(self.x), held_points[-1] + pad + 2))
+        # the held buckets between a zero column below (the buckets under them) and one above (over them)
+        zero = np.zeros((len(c), 1))
+        held_c = np.concatenate([zero, c[:, h0:h1 + 1], zero], axis=1)
+        below = np.concatenate([zero, np.cumsum(held_c, axis=1)], axis=1)  # exact: integer counts
+        at = np.clip(self.bucket[points] - h0 + 1, 0, h1 - h0 + 2)
+        cum = below[:, at] + held_c[:, at] * self.frac[points]
+        return points, np.diff(cum, axis=1, prepend=0.0)
+
+
+_GRIDS: dict = {}
+
+
+def _grid(edges: np.ndarray, pad: int) -> _LogGrid:
+    """The log grid of ``edges`` (kept for the default buckets' edges)."""
+    key = (edges.tobytes(), pad)
+    grid = _GRIDS.get(key)
+    if grid is None:
+        grid = _LogGrid(edges, pad)
+        if len(_GRIDS) < 8:
+            _GRIDS[key] = grid
+    return grid
+
+
+def _widest_gaps(x: np.ndarray, density: np.ndarray, floor_frac: float, min_width: float) -> list:
+    """Per row of ``density``: (start, stop) grid indices of its widest low-density run with mass on both sides
+    (the first of the widest; ``stop`` is the first point dense again), or None."""
+    low = density < floor_frac * density.max(axis=1, keepdims=True)
+    idx = np.arange(low.shape[1])
+    high = ~low
+    first = np.argmax(high, axis=1)
+    last = low.shape[1] - 1 - np.argmax(high[:, ::-1], axis=1)
+    inner = low & (idx > first[:, None]) & (idx < last[:, None])  # every such run ends at a dense point
+    before = np.zeros_like(inner)
+    before[:, 1:] = inner[:, :-1]
+    rows, starts = np.nonzero(inner & ~before)
+    _, stops = np.nonzero(~inner & before)  # runs of a row in order: the k-th start and stop pair up
+    out: list = [None] * len(density)
+    for r, a, b in zip(rows.tolist(), starts.tolist(), stops.tolist()):
+        if out[r] is None or b - a > out[r][1] - out[r][0]:
+            out[r] = (a, b)
+    return [None if g is None or (x[g[1]] - x[g[0]]) < min_width else g for g in out]
 
 
 def detect_eps(
@@ -196,35 +250,69 @@ def detect_eps(
     Raises:
         ValueError: counts that are negative or NaN, or settings out of range.
     """
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 1:
+        raise ValueError(f"counts must be one histogram, got shape {counts.shape}")
+    return detect_eps_rows(counts[None], edges, min_gap_decades=min_gap_decades, gap_floor=gap_floor,
+                           smooth_decades=smooth_decades)[0]
+
+
+def detect_eps_rows(
+    counts: np.ndarray,
+    edges: np.ndarray | None = None,
+    *,
+    min_gap_decades: float = 1.0,
+    gap_floor: float = 1e-3,
+    smooth_decades: float = 0.1,
+) -> list[EpsResult]:
+    """:func:`detect_eps` of each row of ``counts`` (histograms x buckets), in a few array operations for all of
+    them: a row's result does not depend on the others (it is :func:`detect_eps` of that row)."""
     if min_gap_decades <= 0 or gap_floor <= 0 or smooth_decades < 0:
         raise ValueError("min_gap_decades and gap_floor must be > 0 and smooth_decades >= 0")
     counts = np.asarray(counts, dtype=np.float64)
     edges = bucket_edges() if edges is None else np.asarray(edges, dtype=np.float64)
+    if counts.ndim != 2 or counts.shape[1:] != edges.shape:
+        raise ValueError(f"counts {counts.shape} and edges {edges.shape} differ in shape")
     if np.isnan(counts).any() or (counts < 0).any():
         raise ValueError("histogram counts must be non-negative numbers")
-    curve = log_cdf(counts, edges)
-    if curve is None:
-        return _fallback("no non-zero finite values (every row is exactly zero): eps=0, exact mode")
-    x, _, density = curve
-    from scipy.ndimage import gaussian_filter1d
-
     pad = int(math.ceil(4 * smooth_decades / GRID_STEP)) + 1
-    x = np.concatenate([x[0] - GRID_STEP * np.arange(pad, 0, -1), x, x[-1] + GRID_STEP * np.arange(1, pad + 1)])
-    density = np.pad(density, pad)
+    grid = _grid(edges, pad)
+    out: list = [None] * len(counts)
+    has_mass = (counts[:, grid.valid] > 0).any(axis=1)
+    for r in np.nonzero(~has_mass)[0]:
+        out[r] = _fallback("no non-zero finite values (every row is exactly zero): eps=0, exact mode")
+    mass = (counts > 0) & grid.finite
+    first, last = np.argmax(mass, axis=1), counts.shape[1] - 1 - np.argmax(mass[:, ::-1], axis=1)
+    with np.errstate(divide="ignore"):
+        spread = np.log10(edges[last]) - np.log10(lower_edges(edges)[first])
+    narrow = has_mass & (spread < min_gap_decades)
+    for r in np.nonzero(narrow)[0]:
+        out[r] = _fallback(f"all magnitudes lie within {spread[r]:.2g} decades (no noise floor): eps=0, exact mode")
+    todo = np.nonzero(has_mass & ~narrow)[0]
+    if not len(todo):
+        return out
+    # Only a stretch of the grid, the one the rows' mass and its smoothing reach: the grid points past it hold
+    # zeros (the Gaussian reaches int(4 sigma + 0.5) <= pad points), and every operation below is elementwise or
+    # sums in order (a cumulative sum, not np.sum's pairwise one), so the zeros left out change no bit.
+    points, density = grid.density(counts[todo], pad)
     if smooth_decades > 0:
-        density = gaussian_filter1d(density, smooth_decades / GRID_STEP, mode="constant")
-    cdf = np.cumsum(density) / density.sum()
+        from scipy.ndimage import gaussian_filter1d
 
-    lo_edges = lower_edges(edges)
-    finite = np.isfinite(edges) & (np.arange(len(counts)) > 0)
-    mass = np.nonzero((counts > 0) & finite)[0]
-    spread = math.log10(edges[mass[-1]]) - math.log10(lo_edges[mass[0]])
-    if spread < min_gap_decades:
-        return _fallback(f"all magnitudes lie within {spread:.2g} decades (no noise floor): eps=0, exact mode")
-    gap = _widest_gap(x, density, gap_floor, min_gap_decades)
-    if gap is None:
-        return _fallback(f"no gap of >= {min_gap_decades:g} decades between noise and signal (unimodal or "
-                         f"log-linear CDF, no knee): eps=0, exact mode")
+        density = gaussian_filter1d(density, smooth_decades / GRID_STEP, axis=1, mode="constant")
+    cum = np.cumsum(density, axis=1)
+    cdf = cum / cum[:, -1:]
+    x = grid.x[points]
+    for r, gap, c in zip(todo, _widest_gaps(x, density, gap_floor, min_gap_decades), cdf):
+        out[r] = (_fallback(f"no gap of >= {min_gap_decades:g} decades between noise and signal (unimodal or "
+                            f"log-linear CDF, no knee): eps=0, exact mode") if gap is None else
+                  _eps_above_gap(counts[r], edges, grid, x, c, gap))
+    return out
+
+
+def _eps_above_gap(counts: np.ndarray, edges: np.ndarray, grid: _LogGrid, x: np.ndarray, cdf: np.ndarray,
+                   gap: tuple[int, int]) -> EpsResult:
+    """eps of a histogram with a noise gap: the knee of its CDF (over grid points ``x``) above the gap, kept
+    inside the gap."""
     g0, g1 = gap
     # The convex stretch: from the gap's start up to the signal's median.
     top = g1 + int(np.searchsorted(cdf[g1:], 0.5 * (cdf[g1] + 1.0)))
@@ -234,6 +322,7 @@ def detect_eps(
 
     # eps stays between the highest value below the gap's middle and the lowest value above it, so the
     # noise rows are inactive and the signal rows (all > eps) active.
+    lo_edges, finite = lower_edges(edges), grid.finite
     split = 10.0 ** (0.5 * (x[g0] + x[g1]))
     below = np.nonzero((counts > 0) & finite & (edges <= split))[0]
     above = np.nonzero((counts > 0) & (np.arange(len(counts)) > 0) & (lo_edges >= split))[0]

@@ -16,6 +16,10 @@ all zero, the real rows come from the octave histograms (coarser: one bucket per
 
 Counts of several processes add up before any of this (:meth:`StepCounts.pack`): a reduced record is the
 record of all processes' rows together.
+
+A record is made on the host after its step, once per probed step, so all layers' numbers are found together
+in array operations (:func:`~sebp_probe.analysis.knee.detect_eps_rows`, :func:`concentrations`,
+:func:`concave_knees`): each layer's are those it gets alone, kneed's knee included.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import numpy as np
 from .analyze import by_layer_type
 from .causes import CAUSES, LABEL_LESS, PADDING
 from .grad_records import _GROUPS_AT, _N_SCALARS, _NONFINITE_ROWS, N_GROUPS, GradientStats, Totals
-from .knee import N_FINE, N_OCTAVE, OCTAVE_SHIFT, FINE_SHIFT, bucket_edges, detect_eps, lower_edges, octave_histogram
+from .knee import (N_FINE, N_OCTAVE, OCTAVE_SHIFT, FINE_SHIFT, bucket_edges, detect_eps_rows, lower_edges,
+                   octave_histogram)
 
 RECORD = "grad_stats"  # the ``type`` of a probed step's line in metrics.jsonl
 SHARES = (0.5, 0.9, 0.99)  # energy shares whose row shares a record holds
@@ -88,9 +93,9 @@ def totals_counts(names: list[str], t: Totals) -> StepCounts:
                       s[:, _GROUPS_AT:].reshape(len(names), N_GROUPS, N_OCTAVE).astype(np.int64))
 
 
-def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray]:
-    """(finite, mean square) per bucket: whether the bucket holds finite non-zero values, and the mean of m**2
-    for m log-uniform between its edges."""
+def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(finite, mean square, upper edge) per bucket: whether the bucket holds finite non-zero values, the mean of
+    m**2 for m log-uniform between its edges, and its upper edge (:func:`~sebp_probe.analysis.knee.bucket_edges`)."""
     hi = bucket_edges(shift)
     lo = lower_edges(hi)
     finite = np.isfinite(hi) & (lo > 0) & np.isfinite(lo)
@@ -98,7 +103,7 @@ def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray]:
     energy = np.zeros_like(hi)
     h, lw = hi[finite], lo[finite]
     energy[finite] = (h * h - lw * lw) / (2.0 * np.log(h / lw))
-    return finite, energy
+    return finite, energy, hi
 
 
 _ENERGY = {s: _bucket_energy(s) for s in (FINE_SHIFT, OCTAVE_SHIFT)}
@@ -107,23 +112,13 @@ _ENERGY = {s: _bucket_energy(s) for s in (FINE_SHIFT, OCTAVE_SHIFT)}
 def energy_curve(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0):
     """(rows, energy): the cumulative rows and squared-norm energy over a magnitude histogram's buckets above
     ``eps``, the largest magnitudes first, both starting at 0; None without such rows."""
-    finite, energy = _ENERGY[shift]
-    keep = finite & (bucket_edges(shift) > eps) & (np.asarray(counts) > 0)
-    idx = np.nonzero(keep)[0][::-1]
+    finite, energy, edges = _ENERGY[shift]
+    idx = np.flatnonzero(finite & (edges > eps) & (np.asarray(counts) > 0))[::-1]
     if not len(idx):
         return None
     c = np.asarray(counts, dtype=np.float64)[idx]
-    return np.r_[0.0, np.cumsum(c)], np.r_[0.0, np.cumsum(c * energy[idx])]
-
-
-def _rows_for(rows: np.ndarray, energy: np.ndarray, q: float) -> float:
-    """Rows (interpolated inside a bucket, whose rows count as equal) holding share ``q`` of the energy."""
-    target = q * energy[-1]
-    k = int(np.searchsorted(energy, target, side="left"))
-    k = min(max(k, 1), len(energy) - 1)
-    step = energy[k] - energy[k - 1]
-    frac = (target - energy[k - 1]) / step if step > 0 else 1.0
-    return float(rows[k - 1] + frac * (rows[k] - rows[k - 1]))
+    zero = np.zeros(1)
+    return np.concatenate((zero, np.cumsum(c))), np.concatenate((zero, np.cumsum(c * energy[idx])))
 
 
 def concave_knee(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -136,50 +131,112 @@ def concave_knee(x: np.ndarray, y: np.ndarray) -> float | None:
     return None if knee is None else float(knee)
 
 
+def concave_knees(x: np.ndarray, ys: np.ndarray, sensitivity: float = 1.0) -> list[float | None]:
+    """:func:`concave_knee` of each row of ``ys`` (curves x points, all over the same increasing ``x``), in a few
+    array operations for all of them: kneed's offline Kneedle, step for step.
+
+    The difference curve of the normalized curve, its local maxima and minima (neighbours compared with >= and
+    <=, an end against its one neighbour), and the first point after a maximum, with no minimum since, whose
+    next point falls below that maximum's threshold (its height less ``sensitivity`` times the mean x step):
+    the knee is that maximum's x.
+    """
+    x = np.asarray(x, dtype=float)
+    ys = np.asarray(ys, dtype=float)
+    if len(x) < 3 or np.ptp(x) <= 0:
+        return [None] * len(ys)
+    xn = (x - x.min()) / (x.max() - x.min())
+    lo, hi = ys.min(axis=1, keepdims=True), ys.max(axis=1, keepdims=True)
+    flat = (hi <= lo)[:, 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff = (ys - lo) / (hi - lo) - xn
+    prev = np.concatenate([diff[:, :1], diff[:, :-1]], axis=1)
+    nxt = np.concatenate([diff[:, 1:], diff[:, -1:]], axis=1)
+    is_max = (diff >= prev) & (diff >= nxt)
+    is_min = (diff <= prev) & (diff <= nxt)
+    idx = np.arange(len(x))
+    last_max = np.maximum.accumulate(np.where(is_max, idx, -1), axis=1)
+    last_min = np.maximum.accumulate(np.where(is_min, idx, -1), axis=1)
+    active = (last_max >= 0) & (last_max > last_min)  # a point both a maximum and a minimum counts as a minimum
+    threshold = np.take_along_axis(diff, np.maximum(last_max, 0), axis=1) - sensitivity * np.abs(np.diff(xn).mean())
+    hit = active[:, :-1] & (diff[:, 1:] < threshold[:, :-1])  # the last point ends the walk
+    found = hit.any(axis=1) & ~flat
+    at = np.take_along_axis(last_max[:, :-1], np.argmax(hit, axis=1)[:, None], axis=1)[:, 0]
+    return [float(x[a]) if f else None for a, f in zip(at.tolist(), found.tolist())]
+
+
 def concentration(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0) -> dict | None:
     """Of the rows above ``eps`` of a magnitude histogram: the share holding each of :data:`SHARES` of the
     squared norm, and the knee of the cumulative-energy curve (``knee``: share of rows; ``knee_rows``)."""
-    curve = energy_curve(counts, shift, eps)
-    if curve is None:
-        return None
-    rows, energy = curve
-    total = rows[-1]
-    out: dict = {share_key(q): float(_rows_for(rows, energy, q) / total) for q in SHARES}
+    return concentrations(np.asarray(counts)[None], shift, [eps])[0]
+
+
+def concentrations(counts: np.ndarray, shift: int, eps) -> list[dict | None]:
+    """:func:`concentration` of each row of ``counts`` (histograms x buckets), row ``i`` above ``eps[i]``, in a
+    few array operations for all rows: each row's curve of :func:`energy_curve` runs over the buckets any row
+    keeps, a bucket another row keeps adding nothing to it (so a row's numbers are those it has alone)."""
+    finite, energy, edges = _ENERGY[shift]
+    counts = np.asarray(counts)
+    keep = finite & (edges > np.asarray(eps, dtype=np.float64)[:, None]) & (counts > 0)
+    cols = np.flatnonzero(keep.any(axis=0))[::-1]  # the largest magnitudes first
+    out: list = [None] * len(counts)
+    live = np.flatnonzero(keep[:, cols].any(axis=1))
+    if not len(live):
+        return out
+    c = np.where(keep[live][:, cols], counts[live][:, cols], 0).astype(np.float64)
+    zero = np.zeros((len(live), 1))
+    rows = np.concatenate((zero, np.cumsum(c, axis=1)), axis=1)
+    cum = np.concatenate((zero, np.cumsum(c * energy[cols], axis=1)), axis=1)
+    total, full = rows[:, -1], cum[:, -1]
+    # rows (interpolated inside a bucket, whose rows count as equal) holding each share of the energy
+    target = np.asarray(SHARES)[None, :] * full[:, None]
+    k = np.clip((cum[:, None, :] < target[:, :, None]).sum(axis=2), 1, cum.shape[1] - 1)
+    e0, e1 = np.take_along_axis(cum, k - 1, axis=1), np.take_along_axis(cum, k, axis=1)
+    r0, r1 = np.take_along_axis(rows, k - 1, axis=1), np.take_along_axis(rows, k, axis=1)
+    step = e1 - e0
+    frac = np.divide(target - e0, step, out=np.ones_like(step), where=step > 0)
+    shares = (r0 + frac * (r1 - r0)) / total[:, None]
     x = np.linspace(0.0, 1.0, KNEE_POINTS)
-    y = np.interp(x * total, rows, energy) / energy[-1]
-    knee = concave_knee(x, y)
-    out["knee"] = knee
-    out["knee_rows"] = None if knee is None else int(math.ceil(knee * total))
+    ys = np.stack([np.interp(x * t, r, e) / f for t, r, e, f in zip(total, rows, cum, full)])
+    for i, t, share, knee in zip(live.tolist(), total.tolist(), shares.tolist(), concave_knees(x, ys)):
+        out[i] = {**dict(zip(map(share_key, SHARES), share)), "knee": knee,
+                  "knee_rows": None if knee is None else int(math.ceil(knee * t))}
     return out
 
 
-def layer_record(c: StepCounts, i: int, min_gap_decades: float = 1.0) -> dict:
-    """One layer's entry of a probed step: rows, rows by cause (shares), eps and the concentration."""
-    rows = int(c.rows[i])
-    if rows == 0:
-        return {"rows": 0}
-    fine = c.fine[i]
-    octaves = octave_histogram(fine)
-    pad, label_less = c.groups[i, PADDING - 1], c.groups[i, LABEL_LESS - 1]
-    entry: dict = {"rows": rows}
-    if c.nonfinite[i]:  # no energy to speak of: the counts say how many rows, the run decides what to do
-        entry["nonfinite_rows"] = int(c.nonfinite[i])
-        return entry
-    eps = detect_eps(fine, min_gap_decades=min_gap_decades).eps
-    real = octaves - pad
-    active = int(real[1:][bucket_edges(OCTAVE_SHIFT)[1:] > eps].sum())
-    by = {"padding": int(pad.sum()), "label_less": int(label_less[0]),
-          "other_zero": int(octaves[0] - pad[0] - label_less[0]),
-          "near_zero": int(real[1:].sum()) - active, "active": active}
-    entry["eps"] = eps
-    entry["causes"] = {k: v / rows for k, v in by.items()}
-    if pad[1:].sum() == 0:  # every padding row is zero: the fine histogram's non-zero rows are all real
-        conc, entry["resolution"] = concentration(fine, FINE_SHIFT, eps), "fine"
-    else:
-        conc, entry["resolution"] = concentration(real, OCTAVE_SHIFT, eps), "octave"
-    if conc is not None:
-        entry.update(conc)
-    return entry
+def step_record(c: StepCounts, step: int, min_gap_decades: float = 1.0) -> dict:
+    """The metrics.jsonl line of a probed step (``type`` :data:`RECORD`): per layer (rows, rows by cause as
+    shares, eps and the concentration) and per layer type. Every layer's eps and concentration are found
+    together (:func:`~sebp_probe.analysis.knee.detect_eps_rows`, :func:`concentrations`)."""
+    layers: list[dict] = [{"rows": int(r)} for r in c.rows]
+    for i in np.flatnonzero((c.rows > 0) & (c.nonfinite > 0)):  # no energy to speak of: the counts say how many
+        layers[i]["nonfinite_rows"] = int(c.nonfinite[i])  # rows, the run decides what to do
+    live = np.flatnonzero((c.rows > 0) & (c.nonfinite == 0))
+    if len(live):
+        eps = np.array([r.eps for r in detect_eps_rows(c.fine[live], min_gap_decades=min_gap_decades)])
+        octaves = octave_histogram(c.fine[live])
+        pad, label_less = c.groups[live, PADDING - 1], c.groups[live, LABEL_LESS - 1]
+        real = octaves - pad
+        active = np.where(_ENERGY[OCTAVE_SHIFT][2][1:] > eps[:, None], real[:, 1:], 0).sum(axis=1)
+        by = {"padding": pad.sum(axis=1), "label_less": label_less[:, 0],
+              "other_zero": octaves[:, 0] - pad[:, 0] - label_less[:, 0],
+              "near_zero": real[:, 1:].sum(axis=1) - active, "active": active}
+        shares = {k: (v / c.rows[live]).tolist() for k, v in by.items()}
+        # every padding row zero: the fine histogram's non-zero rows are all real; else the octave histograms'
+        fine = pad[:, 1:].sum(axis=1) == 0
+        for j, (i, e, f) in enumerate(zip(live.tolist(), eps.tolist(), fine.tolist())):
+            layers[i].update(eps=e, causes={k: v[j] for k, v in shares.items()}, resolution="fine" if f else "octave")
+        for shift, pick, hists in ((FINE_SHIFT, fine, c.fine[live]), (OCTAVE_SHIFT, ~fine, real)):
+            if pick.any():
+                for i, conc in zip(live[pick].tolist(), concentrations(hists[pick], shift, eps[pick])):
+                    if conc is not None:
+                        layers[i].update(conc)
+    named = dict(zip(c.names, layers))
+    rec = {"type": RECORD, "step": step, "layers": named,
+           "types": {t: _type_entry(es) for t, es in by_layer_type(named).items()}}
+    bad = int(c.nonfinite.sum())
+    if bad:
+        rec["nonfinite_rows"] = bad
+    return rec
 
 
 def _type_entry(entries: list[dict]) -> dict:
@@ -197,17 +254,6 @@ def _type_entry(entries: list[dict]) -> dict:
         if vals:
             out[key] = float(np.mean(vals))
     return out
-
-
-def step_record(c: StepCounts, step: int, min_gap_decades: float = 1.0) -> dict:
-    """The metrics.jsonl line of a probed step (``type`` :data:`RECORD`): per layer and per layer type."""
-    layers = {name: layer_record(c, i, min_gap_decades) for i, name in enumerate(c.names)}
-    rec = {"type": RECORD, "step": step, "layers": layers,
-           "types": {t: _type_entry(es) for t, es in by_layer_type(layers).items()}}
-    bad = int(c.nonfinite.sum())
-    if bad:
-        rec["nonfinite_rows"] = bad
-    return rec
 
 
 def series(records: list[dict]) -> dict:

@@ -7,12 +7,15 @@ import numpy as np
 import pytest
 
 from sebp_probe.analysis.knee import (
+    GRID_STEP,
     N_FINE,
     N_OCTAVE,
     bucket_edges,
     detect_eps,
+    detect_eps_rows,
     fine_histogram,
     knee_of_cdf,
+    log_cdf,
     octave_histogram,
     padding_waste,
     recommend_top_n,
@@ -82,6 +85,73 @@ def test_empty_histogram_and_bad_counts():
         detect_eps(-np.ones(N_FINE))
     with pytest.raises(ValueError, match="shape"):
         detect_eps(np.ones(10), bucket_edges())
+
+
+def _random_histograms(n: int, seed: int) -> np.ndarray:
+    """Mixtures of 1-3 log-normal bumps anywhere in float32's range (gaps and none), some with zeros, inf and
+    NaN, some nearly empty."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(n):
+        v = np.concatenate([10.0 ** rng.normal(rng.uniform(-30, 3), rng.uniform(0.05, 2.0), rng.integers(1, 3000))
+                            for _ in range(rng.integers(1, 4))]).astype(np.float32)
+        if t % 5 == 4:
+            v = v[:rng.integers(0, 3)]
+        extra = [np.zeros(10)] if t % 3 == 0 else []
+        extra += [[np.inf, np.nan]] if t % 7 == 0 else []
+        out.append(fine_histogram(np.concatenate([v, *extra]).astype(np.float32)))
+    return np.stack(out)
+
+
+def _reference_gap(counts: np.ndarray, min_gap: float = 1.0, floor: float = 1e-3, smooth: float = 0.1):
+    """The widest noise gap by the plain path: the histogram's CDF on its own log grid (:func:`log_cdf`, a
+    matrix of bucket shares), padded, smoothed, and walked point by point; (low, high) log10, or None."""
+    from scipy.ndimage import gaussian_filter1d
+
+    x, _, density = log_cdf(counts, bucket_edges())
+    pad = math.ceil(4 * smooth / GRID_STEP) + 1
+    x = np.concatenate([x[0] - GRID_STEP * np.arange(pad, 0, -1), x, x[-1] + GRID_STEP * np.arange(1, pad + 1)])
+    density = gaussian_filter1d(np.pad(density, pad), smooth / GRID_STEP, mode="constant")
+    low = density < floor * density.max()
+    high = np.flatnonzero(~low)
+    best, start = None, None
+    for i in range(high[0], high[-1] + 1):
+        if low[i] and start is None:
+            start = i
+        elif not low[i] and start is not None:
+            if best is None or i - start > best[1] - best[0]:
+                best = (start, i)
+            start = None
+    if best is None or x[best[1]] - x[best[0]] < min_gap:
+        return None
+    return round(float(x[best[0]]), 4), round(float(x[best[1]]), 4)
+
+
+def test_eps_of_many_histograms_at_once_is_each_ones_alone_and_finds_the_plain_paths_gaps():
+    hists = _random_histograms(240, seed=3)
+    together = detect_eps_rows(hists)
+    assert together == [detect_eps(h) for h in hists]  # a row's result does not depend on the others
+    assert together == detect_eps_rows(hists[::-1])[::-1]
+    gaps = 0
+    for h, res in zip(hists, together):
+        if "no gap" in res.reason:
+            assert _reference_gap(h) is None
+        elif res.gap is not None or "kneed found no knee" in res.reason or "no power of two" in res.reason:
+            want = _reference_gap(h)
+            assert want is not None
+            assert res.gap is None or res.gap == want
+            gaps += 1
+    assert gaps > 40 and sum(r.knee_found for r in together) > 40  # both kinds are there
+    with pytest.raises(ValueError, match="shape"):
+        detect_eps_rows(hists[0])
+
+
+def test_of_two_widest_gaps_the_lower_one_counts():
+    hist = np.zeros(N_FINE, np.int64)
+    hist[[600, 666, 732]] = 100  # three equal bumps: two gaps of 35 grid points each
+    lower, upper = detect_eps(hist).gap, detect_eps(hist[::-1][::-1]).gap
+    assert lower == upper == _reference_gap(hist)
+    assert lower[1] < math.log10(bucket_edges()[700])  # the gap below the middle bump
 
 
 def test_fine_buckets_are_half_open_at_exact_float32_edges():

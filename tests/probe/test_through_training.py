@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from sebp_probe.analysis.heatmap import capture_output_grads
-from sebp_probe.analysis.knee import fine_histogram
-from sebp_probe.analysis.through_training import StepCounts, concave_knee, concentration, series, step_record
+from sebp_probe.analysis.knee import FINE_SHIFT, OCTAVE_SHIFT, fine_histogram, octave_histogram
+from sebp_probe.analysis.through_training import (StepCounts, concave_knee, concave_knees, concentration,
+                                                 concentrations, energy_curve, series, step_record)
 from sebp_probe.config import FinetuneConfig
 from sebp_probe.train.probe_steps import StepProbe, probe_cost
 from tests.tiny_models import padded_batch, tiny_model
@@ -45,6 +46,59 @@ def test_concentration_leaves_out_rows_at_or_below_eps_and_zero_rows():
     assert concentration(hist, eps=2.0 ** -10)["rows_99"] == pytest.approx(0.99, abs=0.011)  # 10 equal rows
     assert concentration(hist)["rows_90"] == pytest.approx(9 / 1000, abs=1e-3)  # the 990 add ~1e-9 of the energy
     assert concentration(fine_histogram(np.zeros(5, np.float32))) is None
+
+
+def _curves(n: int, seed: int) -> np.ndarray:
+    """Increasing curves of every shape kneed meets here: smooth, cornered, stepped, noisy, flat."""
+    rng = np.random.default_rng(seed)
+    x = np.linspace(0, 1, 201)
+    shapes = [lambda: 1 - np.exp(-x * rng.uniform(0.1, 60)), lambda: np.minimum(1, x / rng.uniform(0.01, 1.5)),
+              lambda: np.round((1 - np.exp(-x * rng.uniform(1, 30))) * rng.integers(1, 12)),
+              lambda: np.cumsum(rng.exponential(1, 201) * np.exp(-x * rng.uniform(0, 20))),
+              lambda: np.sqrt(x) ** rng.uniform(0.05, 3), lambda: np.full(201, 0.5),
+              lambda: (x > rng.uniform()).astype(float),
+              lambda: np.clip(x + rng.uniform(0.05, 0.5) * (x > rng.uniform()), 0, 1)]  # a run of y == x
+    return x, np.stack([shapes[i % len(shapes)]() for i in range(n)])
+
+
+def test_knees_of_many_curves_at_once_are_kneeds():
+    x, ys = _curves(700, seed=2)
+    got = concave_knees(x, ys)
+    assert got == [concave_knee(x, y) for y in ys]
+    assert sum(k is None for k in got) > 50 and sum(k is not None for k in got) > 400
+
+
+def _concentration_by_rows(counts, shift, eps):
+    """The reference: the row's own energy curve (its buckets only), np.interp and kneed on it."""
+    curve = energy_curve(counts, shift, eps)
+    if curve is None:
+        return None
+    rows, energy = curve
+    total = rows[-1]
+    out = {}
+    for q in (0.5, 0.9, 0.99):
+        k = min(max(int(np.searchsorted(energy, q * energy[-1], side="left")), 1), len(energy) - 1)
+        frac = (q * energy[-1] - energy[k - 1]) / (energy[k] - energy[k - 1])
+        out[f"rows_{round(q * 100)}"] = float((rows[k - 1] + frac * (rows[k] - rows[k - 1])) / total)
+    x = np.linspace(0, 1, 201)
+    out["knee"] = concave_knee(x, np.interp(x * total, rows, energy) / energy[-1])
+    out["knee_rows"] = None if out["knee"] is None else math.ceil(out["knee"] * total)
+    return out
+
+
+@pytest.mark.parametrize("shift", [FINE_SHIFT, OCTAVE_SHIFT])
+def test_concentrations_of_many_histograms_at_once_are_each_ones_alone(shift):
+    rng = np.random.default_rng(4)
+    hists = np.stack([fine_histogram(np.r_[np.exp(rng.normal(rng.uniform(-20, 0), rng.uniform(0.1, 3),
+                                                             rng.integers(0, 3000))), np.zeros(7)].astype(np.float32))
+                      for _ in range(60)])
+    if shift == OCTAVE_SHIFT:
+        hists = octave_histogram(hists)
+    eps = [0.0 if i % 3 else 2.0 ** -rng.integers(0, 20) for i in range(len(hists))]
+    got = concentrations(hists, shift, eps)
+    assert got == [_concentration_by_rows(h, shift, e) for h, e in zip(hists, eps)]
+    assert got == [concentration(h, shift, e) for h, e in zip(hists, eps)]
+    assert sum(g is None for g in got) >= 1 and sum(g is not None for g in got) > 40
 
 
 def _probe_step(model, batches, probe):
