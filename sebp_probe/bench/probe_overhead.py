@@ -5,9 +5,9 @@ on the same model, batches and settings, a probed step takes turns with an unpro
 layout: ``warmup`` rounds untimed, then ``repeats`` rounds, each arm first in every other round. A probed step is
 what ``finetune --probe-every`` runs on a probed step (:class:`~sebp_probe.train.probe_steps.StepProbe`): the
 collector's hooks on the model for that step (one collector per run, as finetune makes it), the step's own forward
-and backward, the counts reduced on the device and sent to the host in one copy nothing waits for; the record made
-from them (:meth:`~sebp_probe.train.probe_steps.StepProbe.take`, host work after the step) is left out, as it is
-out of finetune's step time. Every step is timed by the wall clock from a synchronized device to a
+and backward, the counts reduced on the device and sent to the host in one copy nothing waits for. The record made
+from them after the step (:meth:`~sebp_probe.train.probe_steps.StepProbe.take`, host work out of finetune's step
+time, paid once per probed step all the same) is timed apart: ``record_ms``. Every step is timed by the wall clock from a synchronized device to a
 synchronized device (a finetune step waits for its loss anyway), the optimizer left out as in the rest of the
 bench (it costs both arms the same, so the ratios here are the largest a training step can see).
 
@@ -87,6 +87,7 @@ def interleaved(probe: StepProbe, loss_fn: Callable[[], torch.Tensor], batch: di
     arms = {"unprobed": plain, "probed": probed}
     times: dict[str, list[float]] = {a: [] for a in arms}
     host: dict[str, list[float]] = {a: [] for a in arms}
+    record_ms: list[float] = []
     with label_checks.deferred() as checks:
         for i in range(warmup + repeats):
             names = list(arms)
@@ -94,8 +95,11 @@ def interleaved(probe: StepProbe, loss_fn: Callable[[], torch.Tensor], batch: di
                 model.zero_grad(set_to_none=True)
                 ms, host_ms = _wall_ms(arms[name], cuda)
                 checks.check()
-                if name == "probed":
-                    record = probe.take(1)  # the record, after the step as in finetune: untimed
+                if name == "probed":  # the record, after the step as in finetune: timed apart
+                    t0 = time.perf_counter()
+                    record = probe.take(1)
+                    if i >= warmup:
+                        record_ms.append((time.perf_counter() - t0) * 1e3)
                 if i >= warmup:
                     times[name].append(ms)
                     host[name].append(host_ms)
@@ -105,6 +109,7 @@ def interleaved(probe: StepProbe, loss_fn: Callable[[], torch.Tensor], batch: di
               if repeats >= 3 else None)  # fewer repeats say nothing of the noise
     return {**{f"{a}_ms": m for a, m in med.items()},
             **{f"{a}_host_ms": statistics.median(t) for a, t in host.items()}, "spread": spread,
+            "record_ms": statistics.median(record_ms),
             "layers": len(record["layers"]),
             "rows": sum(e["rows"] for e in record["layers"].values())}
 
@@ -166,6 +171,7 @@ def _row(key: tuple, per: list[dict], graphs: tuple[int, int] | None) -> dict:
     row = dict(zip(("layout", "method", "head", "timing"), key), unprobed_ms=round(unprobed, 3),
                probed_ms=round(probed, 3), unprobed_host_ms=round(mean("unprobed_host_ms"), 3),
                probed_host_ms=round(mean("probed_host_ms"), 3), ratio=round(probed / unprobed, 4),
+               record_ms=round(mean("record_ms"), 3),
                probed_step_runs=key[3],
                spread=None if per[0]["spread"] is None else round(mean("spread"), 4),
                per_batch_ratio=[round(p["probed_ms"] / p["unprobed_ms"], 4) for p in per],
@@ -188,6 +194,7 @@ def probe_lines(model_result: dict) -> list[str]:
         noise = "noise unknown: under 3 repeats" if r["spread"] is None else f"noise +-{100 * r['spread']:.1f}%"
         host = (f"; host until the last launch {r['unprobed_host_ms']:.2f} -> {r['probed_host_ms']:.2f} ms"
                 if "probed_host_ms" in r else "")  # rows of earlier results have no host split
+        host += f"; the record after it {r['record_ms']:.2f} ms" if "record_ms" in r else ""
         lines.append(f"  {r['layout']} {r['method']} {r['head']} {r['timing']}: {r['unprobed_ms']:.2f} -> "
                      f"{r['probed_ms']:.2f} ms, {r['ratio']:.3f}x{graphs} ({noise}){host}")
     lines += [f"  not probed: {s['layout']} {s['method']} {s['head']} {s['timing']} ({s['reason']})"

@@ -17,7 +17,8 @@ LLAMA = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
 
 
 class _Clock:
-    """A fake wall clock: a step advances it 10 ms, each gradient hook call of the collector 1 ms more."""
+    """A fake wall clock: a step advances it 10 ms, each gradient hook call of the collector 1 ms more (and a
+    record after a probed step 5 ms, where the test says so)."""
 
     def __init__(self):
         self.now, self.arms = 0.0, []
@@ -46,6 +47,13 @@ def test_ratio_of_a_probed_step_by_a_fake_clock(monkeypatch):
         return real_grad(self, index, grad)
 
     monkeypatch.setattr(hooks.GradientStatsCollector, "_on_grad", on_grad)
+    real_take = probe_overhead.StepProbe.take
+
+    def take(self, step):  # the record after a probed step: 5 ms on the fake clock
+        clock.now += 5e-3
+        return real_take(self, step)
+
+    monkeypatch.setattr(probe_overhead.StepProbe, "take", take)
     model, batches = _batches(LLAMA)
 
     def step_for(method, head):
@@ -70,12 +78,13 @@ def test_ratio_of_a_probed_step_by_a_fake_clock(monkeypatch):
         assert row["layers"] == 14 and row["rows"] > 0
         # no device here: the step returns when its work is done, so its host time is its wall time
         assert (row["unprobed_host_ms"], row["probed_host_ms"]) == pytest.approx((10.0, 24.0))
+        assert row["record_ms"] == pytest.approx(5.0)  # timed apart, in neither arm
     full, labelled = out["rows"]
     assert labelled["rows"] < full["rows"]  # the labelled head's last layer runs on the labelled rows only
     assert not any(mod._forward_hooks for mod in model.modules())  # no hook left behind
     lines = probe_overhead.probe_lines({"case": {"name": "tiny"}, "probe": out})
     assert "longest dense full eager: 10.00 -> 24.00 ms, 2.400x (noise +-0.0%)" in lines[1]
-    assert lines[1].endswith("; host until the last launch 10.00 -> 24.00 ms")
+    assert lines[1].endswith("; host until the last launch 10.00 -> 24.00 ms; the record after it 5.00 ms")
     assert "not probed: longest cce labelled eager" in lines[-2]
 
 

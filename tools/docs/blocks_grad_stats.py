@@ -76,15 +76,15 @@ PROBE_RUNS = "probe_"  # runs of grad_stats.json from `benchmarks/gpu_suite.py p
 @block("grad_stats_probe")
 def grad_stats_probe(page: Page) -> str:
     """What a probed step costs: per bench run of ``bench --scope model --probe``, each entry's unprobed and
-    probed step and their ratio, with the noise, and for a compiled entry the graphs its probed step compiled
-    once and the recompiles after them."""
+    probed step and their ratio, with the noise, the record made after a probed step (rows of runs that timed
+    it), and for a compiled entry the graphs its probed step compiled once and the recompiles after them."""
     runs = [name for name in page.load("grad_stats.json").data["runs"] if name.startswith(PROBE_RUNS)]
     if not runs:
         return ("The cost of a probed step on a GPU is not measured yet; `python benchmarks/gpu_suite.py probe "
                 "--add` measures it (bert-base and llama-3.2-1b-sft, eager and compiled).")
     sources = [page.load(f"grad_stats.json#{name}") for name in runs]
     header = ["model", "entry", "timing", "unprobed ms", "probed ms", "probed / unprobed", "noise ±%",
-              "probed graphs", "recompiles"]
+              "record ms", "probed graphs", "recompiles"]
     body = []
     for src in sources:
         for model in src.data["models"]:
@@ -93,10 +93,13 @@ def grad_stats_probe(page: Page) -> str:
                 body.append([model["case"]["name"], f"{r['layout']} {r['method']} {r['head']}", r["timing"],
                              f2(r["unprobed_ms"]), f2(r["probed_ms"]), f"{r['ratio']:.3f}x",
                              "-" if r["spread"] is None else f1(100 * r["spread"]),
+                             f2(r["record_ms"]) if "record_ms" in r else "-",
                              str(r["probe_graphs"]) if compiled else "-", str(r["recompiles"]) if compiled else "-"])
     note = ("Wall time of one forward and backward (optimizer left out), device synchronized, probed and "
             "unprobed steps taking turns on the same batches (`sebp-probe bench --scope model --probe`). A "
             "compiled entry's probed step runs compiled: its probed graphs (one per compiled layer graph) are "
-            "compiled once, before the timed steps, as a run compiles them in its first step. With "
-            "`--probe-every N` a run pays the excess on one step in N.")
-    return captioned(page, sources, table(header, body, "lllrrrrrr") + "\n\n" + note)
+            "compiled once, before the timed steps, as a run compiles them in its first step. Record ms: the "
+            "host time after a probed step to read its counts and make its record (eps, causes and concentration "
+            "of every layer), out of the step's time. With `--probe-every N` a run pays the excess and the record "
+            "on one step in N.")
+    return captioned(page, sources, table(header, body, "lllrrrrrrr") + "\n\n" + note)
