@@ -172,9 +172,11 @@ def probe_cost_line(grad_stats: dict) -> str:
         low, high = c[f"{what}_iqr"]
         return f"{what} {c[f'{what}_ms']:.1f} ms (IQR {low:.1f}-{high:.1f}, {c[f'{what}_steps']} steps)"
 
+    record = (f"; the record after each probed step {grad_stats['record_ms']:.1f} ms more (host, in neither)"
+              if "record_ms" in grad_stats else "")
     return (f"probed steps (--probe-every {grad_stats['every']}) {head} the others' step time: medians "
-            f"{kind('probed')}, {kind('other')}; not the same batches (`sebp-probe bench --probe` times both on "
-            "the same ones)")
+            f"{kind('probed')}, {kind('other')}{record}; not the same batches (`sebp-probe bench --probe` times "
+            "both on the same ones)")
 
 
 def sampled_line(smp: dict) -> str:

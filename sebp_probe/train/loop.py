@@ -393,7 +393,7 @@ class Run:
                          (lambda x: acc.reduce(x, "sum")) if acc.num_processes > 1 else None, acc.device)
 
     def _probe_record(self, step: int) -> None:
-        for rec in filter(None, (self.probe.take(step), self.guard.take(step))):  # --probe-every's, the guard's
+        for rec in filter(None, (self.probe.take_timed(step), self.guard.take(step))):  # --probe-every's, the guard's
             self._log(rec)
 
     def _reduce_loss(self, loss: torch.Tensor, untimed: str | None) -> tuple[float, str | None]:

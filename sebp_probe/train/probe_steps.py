@@ -20,6 +20,8 @@ summary is not in the step's time.
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -90,14 +92,24 @@ class StepProbe:
             counts = StepCounts.unpack(counts.names, total.cpu().numpy().astype(np.int64))
         return step_record(counts, step)
 
+    def take_timed(self, step: int) -> dict | None:
+        """:meth:`take`, its record with ``record_ms``: the host time it took after the step, in no step's time
+        (finetune's metrics.jsonl line)."""
+        t0 = time.perf_counter()
+        rec = self.take(step)
+        return rec if rec is None else {**rec, "record_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+
 
 def probe_summary(records: list[dict], every: int | None) -> dict | None:
-    """summary.json's ``grad_stats``: the probes' series per layer type, and what the probed steps cost
-    (``cost``, :func:`probe_cost`, where the run timed enough of them); None without --probe-every."""
+    """summary.json's ``grad_stats``: the probes' series per layer type, what the probed steps cost (``cost``,
+    :func:`probe_cost`, where the run timed enough of them) and the median host time of making a record after a
+    probed step (``record_ms``, out of every step's time); None without --probe-every."""
     if not every:
         return None
     cost = probe_cost(records)
-    return {"every": every, **series(records), **({"cost": cost} if cost else {})}
+    made = [r["record_ms"] for r in records if r.get("type") == RECORD and "record_ms" in r]
+    return {"every": every, **series(records), **({"cost": cost} if cost else {}),
+            **({"record_ms": statistics.median(made)} if made else {})}
 
 
 def probe_cost(records: list[dict]) -> dict | None:

@@ -33,6 +33,8 @@ def test_probed_run_its_figure_and_its_checkpoints(tmp_path, method):
     assert all(len(x["layers"]) == 12 for x in probes)  # 2 layers x 6 linears
     summary = json.loads((out / "summary.json").read_text())
     assert summary["grad_stats"]["every"] == 2 and summary["grad_stats"]["steps"] == [1, 3]
+    assert all(x["record_ms"] > 0 for x in probes)  # each record's own host time
+    assert summary["grad_stats"]["record_ms"] == pytest.approx(sum(x["record_ms"] for x in probes) / 2)  # median
     q = summary["grad_stats"]["types"]["attention.self.query"]
     assert q["rows_90"] == [p["types"]["attention.self.query"]["rows_90"] for p in probes]
 

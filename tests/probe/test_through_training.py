@@ -14,7 +14,7 @@ from sebp_probe.analysis.knee import FINE_SHIFT, OCTAVE_SHIFT, fine_histogram, o
 from sebp_probe.analysis.through_training import (StepCounts, concave_knee, concave_knees, concentration,
                                                  concentrations, energy_curve, series, step_record)
 from sebp_probe.config import FinetuneConfig
-from sebp_probe.train.probe_steps import StepProbe, probe_cost
+from sebp_probe.train.probe_steps import StepProbe, probe_cost, probe_summary
 from tests.tiny_models import padded_batch, tiny_model
 
 
@@ -248,6 +248,17 @@ def test_the_final_table_says_what_the_probed_steps_cost(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "dense: probed steps (--probe-every 4) x1.20 the others' step time: medians probed 12.0 ms (IQR" in text
     assert "13 steps), other 10.0 ms (IQR 10.0-10.0, 41 steps); not the same batches" in text
+    run["grad_stats"]["record_ms"] = 3.46
+    print_finetune_summary({"output_dir": "runs/p", "runs": {"dense": run}})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "41 steps); the record after each probed step 3.5 ms more (host, in neither); not the same" in text
+
+
+def test_the_summary_holds_the_records_median_host_time():
+    records = [{"type": "grad_stats", "step": s, "types": {}, **({"record_ms": ms} if ms else {})}
+               for s, ms in ((1, 2.0), (3, 9.0), (5, 3.0), (7, None))]
+    assert probe_summary(records, 2)["record_ms"] == 3.0  # the median of those that timed it
+    assert "record_ms" not in probe_summary([{"type": "grad_stats", "step": 1, "types": {}}], 2)
 
 
 def test_only_every_nth_step_is_probed():
