@@ -109,31 +109,10 @@ def _bucket_energy(shift: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _ENERGY = {s: _bucket_energy(s) for s in (FINE_SHIFT, OCTAVE_SHIFT)}
 
 
-def energy_curve(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0):
-    """(rows, energy): the cumulative rows and squared-norm energy over a magnitude histogram's buckets above
-    ``eps``, the largest magnitudes first, both starting at 0; None without such rows."""
-    finite, energy, edges = _ENERGY[shift]
-    idx = np.flatnonzero(finite & (edges > eps) & (np.asarray(counts) > 0))[::-1]
-    if not len(idx):
-        return None
-    c = np.asarray(counts, dtype=np.float64)[idx]
-    zero = np.zeros(1)
-    return np.concatenate((zero, np.cumsum(c))), np.concatenate((zero, np.cumsum(c * energy[idx])))
-
-
-def concave_knee(x: np.ndarray, y: np.ndarray) -> float | None:
-    """x of the knee of an increasing concave curve (kneed, point of maximum curvature); None without one."""
-    from kneed import KneeLocator
-
-    if len(x) < 3 or np.ptp(y) <= 0 or np.ptp(x) <= 0:
-        return None
-    knee = KneeLocator(x, y, S=1.0, curve="concave", direction="increasing").knee
-    return None if knee is None else float(knee)
-
-
 def concave_knees(x: np.ndarray, ys: np.ndarray, sensitivity: float = 1.0) -> list[float | None]:
-    """:func:`concave_knee` of each row of ``ys`` (curves x points, all over the same increasing ``x``), in a few
-    array operations for all of them: kneed's offline Kneedle, step for step.
+    """x of the knee of each row of ``ys`` (increasing concave curves over the same increasing ``x``; None without
+    one): what kneed's ``KneeLocator(x, y, S=sensitivity, curve="concave", direction="increasing").knee`` gives,
+    in a few array operations for all rows: its offline Kneedle, step for step.
 
     The difference curve of the normalized curve, its local maxima and minima (neighbours compared with >= and
     <=, an end against its one neighbour), and the first point after a maximum, with no minimum since, whose
@@ -172,8 +151,9 @@ def concentration(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0)
 
 def concentrations(counts: np.ndarray, shift: int, eps) -> list[dict | None]:
     """:func:`concentration` of each row of ``counts`` (histograms x buckets), row ``i`` above ``eps[i]``, in a
-    few array operations for all rows: each row's curve of :func:`energy_curve` runs over the buckets any row
-    keeps, a bucket another row keeps adding nothing to it (so a row's numbers are those it has alone)."""
+    few array operations for all rows. A row's curve: its cumulative rows and energy over its finite non-zero
+    buckets above its eps, the largest magnitudes first, from 0; it runs over the buckets any row keeps, a bucket
+    another row keeps adding nothing to it (so a row's numbers are those it has alone)."""
     finite, energy, edges = _ENERGY[shift]
     counts = np.asarray(counts)
     keep = finite & (edges > np.asarray(eps, dtype=np.float64)[:, None]) & (counts > 0)

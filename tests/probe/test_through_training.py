@@ -11,11 +11,32 @@ import torch
 
 from sebp_probe.analysis.heatmap import capture_output_grads
 from sebp_probe.analysis.knee import FINE_SHIFT, OCTAVE_SHIFT, fine_histogram, octave_histogram
-from sebp_probe.analysis.through_training import (StepCounts, concave_knee, concave_knees, concentration,
-                                                 concentrations, energy_curve, series, step_record)
+from sebp_probe.analysis.through_training import (_ENERGY, StepCounts, concave_knees, concentration, concentrations,
+                                                 series, step_record)
 from sebp_probe.config import FinetuneConfig
 from sebp_probe.train.probe_steps import StepProbe, probe_cost, probe_summary
 from tests.tiny_models import padded_batch, tiny_model
+
+
+def concave_knee(x: np.ndarray, y: np.ndarray) -> float | None:
+    """The reference knee: kneed itself (concave, increasing); None without one."""
+    from kneed import KneeLocator
+
+    if len(x) < 3 or np.ptp(y) <= 0 or np.ptp(x) <= 0:
+        return None
+    knee = KneeLocator(x, y, S=1.0, curve="concave", direction="increasing").knee
+    return None if knee is None else float(knee)
+
+
+def energy_curve(counts: np.ndarray, shift: int, eps: float):
+    """The reference curve: (rows, energy) cumulated over the histogram's own finite non-zero buckets above
+    ``eps``, the largest magnitudes first, both from 0; None without such rows."""
+    finite, energy, edges = _ENERGY[shift]
+    idx = np.flatnonzero(finite & (edges > eps) & (np.asarray(counts) > 0))[::-1]
+    if not len(idx):
+        return None
+    c = np.asarray(counts, dtype=np.float64)[idx]
+    return np.r_[0.0, np.cumsum(c)], np.r_[0.0, np.cumsum(c * energy[idx])]
 
 
 def _exact(mags: np.ndarray) -> dict:
