@@ -25,6 +25,7 @@ has ``eps = 0.0`` (``exact`` mode: only exactly-zero rows are skipped), ``knee_f
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -158,6 +159,7 @@ class _LogGrid:
     ``pad`` points beyond them on each side hold the Gaussian's tails."""
 
     def __init__(self, edges: np.ndarray, pad: int, step: float = GRID_STEP):
+        self.pad = pad
         lo_edges = lower_edges(edges)
         self.finite = np.isfinite(edges) & (np.arange(len(edges)) > 0)
         self.valid = np.nonzero(self.finite & (lo_edges > 0))[0]  # the buckets a CDF spreads mass over
@@ -172,7 +174,7 @@ class _LogGrid:
         self.frac = np.where(self.bucket < len(hi),
                              np.clip((self.x - lo[inside]) / (hi - lo)[inside], 0.0, 1.0), 0.0)
 
-    def density(self, counts: np.ndarray, pad: int) -> tuple[slice, np.ndarray]:
+    def density(self, counts: np.ndarray) -> tuple[slice, np.ndarray]:
         """(points, density): the stretch of the grid holding every row's mass and ``pad`` points more on each
         side, and each histogram row's mass between one of its points and the one below it (zero outside the
         stretch: a row's numbers do not depend on the stretch, see :func:`detect_eps_rows`)."""
@@ -180,7 +182,7 @@ class _LogGrid:
         held = np.flatnonzero((c > 0).any(axis=0))
         h0, h1 = held[0], held[-1]
         held_points = np.flatnonzero((self.bucket >= h0) & (self.bucket <= h1 + 1))
-        points = slice(max(0, held_points[0] - pad - 1), min(len(self.x), held_points[-1] + pad + 2))
+        points = slice(max(0, held_points[0] - self.pad - 1), min(len(self.x), held_points[-1] + self.pad + 2))
         # the held buckets between a zero column below (the buckets under them) and one above (over them)
         zero = np.zeros((len(c), 1))
         held_c = np.concatenate([zero, c[:, h0:h1 + 1], zero], axis=1)
@@ -190,18 +192,10 @@ class _LogGrid:
         return points, np.diff(cum, axis=1, prepend=0.0)
 
 
-_GRIDS: dict = {}
-
-
-def _grid(edges: np.ndarray, pad: int) -> _LogGrid:
-    """The log grid of ``edges`` (kept for the default buckets' edges)."""
-    key = (edges.tobytes(), pad)
-    grid = _GRIDS.get(key)
-    if grid is None:
-        grid = _LogGrid(edges, pad)
-        if len(_GRIDS) < 8:
-            _GRIDS[key] = grid
-    return grid
+@functools.lru_cache(maxsize=8)
+def _grid(edge_bytes: bytes, pad: int) -> _LogGrid:
+    """The log grid of the float64 edges ``edge_bytes`` (kept: the same edges come again and again)."""
+    return _LogGrid(np.frombuffer(edge_bytes), pad)
 
 
 def _widest_gaps(x: np.ndarray, density: np.ndarray, floor_frac: float, min_width: float) -> list:
@@ -276,7 +270,7 @@ def detect_eps_rows(
     if np.isnan(counts).any() or (counts < 0).any():
         raise ValueError("histogram counts must be non-negative numbers")
     pad = int(math.ceil(4 * smooth_decades / GRID_STEP)) + 1
-    grid = _grid(edges, pad)
+    grid = _grid(edges.tobytes(), pad)
     out: list = [None] * len(counts)
     has_mass = (counts[:, grid.valid] > 0).any(axis=1)
     for r in np.nonzero(~has_mass)[0]:
@@ -294,7 +288,7 @@ def detect_eps_rows(
     # Only a stretch of the grid, the one the rows' mass and its smoothing reach: the grid points past it hold
     # zeros (the Gaussian reaches int(4 sigma + 0.5) <= pad points), and every operation below is elementwise or
     # sums in order (a cumulative sum, not np.sum's pairwise one), so the zeros left out change no bit.
-    points, density = grid.density(counts[todo], pad)
+    points, density = grid.density(counts[todo])
     if smooth_decades > 0:
         from scipy.ndimage import gaussian_filter1d
 
