@@ -6,10 +6,11 @@ layout: ``warmup`` rounds untimed, then ``repeats`` rounds, each arm first in ev
 what ``finetune --probe-every`` runs on a probed step (:class:`~sebp_probe.train.probe_steps.StepProbe`): the
 collector's hooks on the model for that step (one collector per run, as finetune makes it), the step's own forward
 and backward, the counts reduced on the device and sent to the host in one copy nothing waits for. The record made
-from them after the step (:meth:`~sebp_probe.train.probe_steps.StepProbe.take`, host work out of finetune's step
-time, paid once per probed step all the same) is timed apart: ``record_ms``. Every step is timed by the wall clock from a synchronized device to a
-synchronized device (a finetune step waits for its loss anyway), the optimizer left out as in the rest of the
-bench (it costs both arms the same, so the ratios here are the largest a training step can see).
+from them after the step (:meth:`~sebp_probe.train.probe_steps.StepProbe.take_timed`, host work out of finetune's
+step time, paid once per probed step all the same) is timed apart: ``record_ms``. Every step is timed by the wall
+clock from a synchronized device to a synchronized device (a finetune step waits for its loss anyway), the
+optimizer left out as in the rest of the bench (it costs both arms the same, so the ratios here are the largest
+a training step can see).
 
 A compiled entry's probed step runs compiled, the statistics inside its graphs
 (:mod:`~sebp_probe.analysis.graph_tap`): the entry's first step compiles the unprobed graphs, a probed step
@@ -96,10 +97,9 @@ def interleaved(probe: StepProbe, loss_fn: Callable[[], torch.Tensor], batch: di
                 ms, host_ms = _wall_ms(arms[name], cuda)
                 checks.check()
                 if name == "probed":  # the record, after the step as in finetune: timed apart
-                    t0 = time.perf_counter()
-                    record = probe.take(1)
+                    record = probe.take_timed(1)
                     if i >= warmup:
-                        record_ms.append((time.perf_counter() - t0) * 1e3)
+                        record_ms.append(record["record_ms"])
                 if i >= warmup:
                     times[name].append(ms)
                     host[name].append(host_ms)

@@ -12,6 +12,7 @@ import torch._dynamo as dynamo
 from sebp_probe.analysis import hooks
 from sebp_probe.bench import bench_cases, bench_model, probe_overhead
 from sebp_probe.bench.bench_cases import MODEL_CASES
+from sebp_probe.train import probe_steps
 
 LLAMA = bench_cases.tiny(MODEL_CASES["llama-3.2-1b-sft"])
 
@@ -39,6 +40,7 @@ def test_ratio_of_a_probed_step_by_a_fake_clock(monkeypatch):
     other round; the medians, the ratio and the record's size are what the clock and the model say."""
     clock = _Clock()
     monkeypatch.setattr(probe_overhead, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(probe_steps, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     real_grad = hooks.GradientStatsCollector._on_grad
 
     def on_grad(self, index, grad):
