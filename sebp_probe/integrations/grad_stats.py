@@ -17,12 +17,14 @@ the run, the step's micro-batches add up on the device and the counts go to the 
 the optimizer step. Under DDP every process all-reduces
 its counts (a sum) and logs the same record; the trainer's loggers write from the main process. Per layer type
 the log holds the rows by cause (shares of its rows) and the share of active rows holding 50/90/99% of the
-squared norm of dL/dY and the knee (:mod:`sebp_probe.analysis.through_training`); ``records`` keeps the whole
-records, per layer too.
+squared norm of dL/dY and the knee (:mod:`sebp_probe.analysis.through_training`), and ``grad_stats/record_ms``:
+the host time the record took after the optimizer step (reading the counts, the all-reduce, the record), in no
+step's time, as ``finetune`` reports it; ``records`` keeps the whole records, per layer too.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -48,6 +50,8 @@ def log_values(record: dict) -> dict[str, float]:
                 out[f"{PREFIX}/{t}/{key}"] = float(e[key])
     if record.get("nonfinite_rows"):
         out[f"{PREFIX}/nonfinite_rows"] = float(record["nonfinite_rows"])
+    if "record_ms" in record:
+        out[f"{PREFIX}/record_ms"] = float(record["record_ms"])
     return out
 
 
@@ -131,8 +135,10 @@ class GradStatsCallback(TrainerCallback):
         if self._pending is None:
             return
         (snapshot, step), self._pending = self._pending, None
+        t0 = time.perf_counter()
         counts = totals_counts(self._collector.names, snapshot.wait())
         record = step_record(_all_reduce(counts, args.device), step)
+        record["record_ms"] = round((time.perf_counter() - t0) * 1e3, 3)  # host time after the step, as finetune's
         self.records.append(record)
         self.trainer.log(log_values(record))
 

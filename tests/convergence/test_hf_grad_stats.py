@@ -41,6 +41,8 @@ def _check(trainer, stats: GradStatsCallback, logdir, first_type: str):
         assert scalars[f"train/grad_stats/{first_type}/active"][rec["step"]] == pytest.approx(
             want["causes"]["active"], rel=1e-6)
         assert 0 < want["rows_90"] < want["rows_99"] <= 1
+        assert scalars["train/grad_stats/record_ms"][rec["step"]] == pytest.approx(rec["record_ms"], rel=1e-6)
+        assert rec["record_ms"] > 0
     assert vars(trainer).get("training_step") is stats.before  # the probed steps' wrapper is gone
     assert not any(m._forward_hooks for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
 
