@@ -143,17 +143,13 @@ def concave_knees(x: np.ndarray, ys: np.ndarray, sensitivity: float = 1.0) -> li
     return [float(x[a]) if f else None for a, f in zip(at.tolist(), found.tolist())]
 
 
-def concentration(counts: np.ndarray, shift: int = FINE_SHIFT, eps: float = 0.0) -> dict | None:
-    """Of the rows above ``eps`` of a magnitude histogram: the share holding each of :data:`SHARES` of the
-    squared norm, and the knee of the cumulative-energy curve (``knee``: share of rows; ``knee_rows``)."""
-    return concentrations(np.asarray(counts)[None], shift, [eps])[0]
-
-
 def concentrations(counts: np.ndarray, shift: int, eps) -> list[dict | None]:
-    """:func:`concentration` of each row of ``counts`` (histograms x buckets), row ``i`` above ``eps[i]``, in a
-    few array operations for all rows. A row's curve: its cumulative rows and energy over its finite non-zero
-    buckets above its eps, the largest magnitudes first, from 0; it runs over the buckets any row keeps, a bucket
-    another row keeps adding nothing to it (so a row's numbers are those it has alone)."""
+    """Per row of ``counts`` (magnitude histograms x buckets), of its rows above ``eps[i]``: the share holding
+    each of :data:`SHARES` of the squared norm, and the knee of the cumulative-energy curve (``knee``: share of
+    rows; ``knee_rows``); None without such rows. In a few array operations for all rows. A row's curve: its
+    cumulative rows and energy over its finite non-zero buckets above its eps, the largest magnitudes first,
+    from 0; it runs over the buckets any row keeps, a bucket another row keeps adding nothing to it (so a row's
+    numbers are those it has alone)."""
     finite, energy, edges = _ENERGY[shift]
     counts = np.asarray(counts)
     keep = finite & (edges > np.asarray(eps, dtype=np.float64)[:, None]) & (counts > 0)

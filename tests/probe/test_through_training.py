@@ -11,11 +11,16 @@ import torch
 
 from sebp_probe.analysis.heatmap import capture_output_grads
 from sebp_probe.analysis.knee import FINE_SHIFT, OCTAVE_SHIFT, fine_histogram, octave_histogram
-from sebp_probe.analysis.through_training import (_ENERGY, StepCounts, concave_knees, concentration, concentrations,
+from sebp_probe.analysis.through_training import (_ENERGY, StepCounts, concave_knees, concentrations,
                                                  series, step_record)
 from sebp_probe.config import FinetuneConfig
 from sebp_probe.train.probe_steps import StepProbe, probe_cost, probe_summary
 from tests.tiny_models import padded_batch, tiny_model
+
+
+def concentration(counts, shift: int = FINE_SHIFT, eps: float = 0.0) -> dict | None:
+    """One histogram's concentration: its row of :func:`concentrations`."""
+    return concentrations(np.asarray(counts)[None], shift, [eps])[0]
 
 
 def concave_knee(x: np.ndarray, y: np.ndarray) -> float | None:
